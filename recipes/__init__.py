@@ -1,0 +1,1 @@
+"""Hydra recipes and the pipeline entry point (``eagle3-run``)."""
