@@ -156,7 +156,8 @@ def test_load_errors_name_the_folder(tmp_path: Path, tiny_model_dir: Path) -> No
     tiny_llama().save_pretrained(pickled)
     (pickled / "model.safetensors").unlink()
     torch.save({}, pickled / "pytorch_model.bin")
-    with pytest.raises(TargetLoadError, match=r"pickled: only pickled weights \(pytorch_model.bin\); targets load from safetensors only"):
+    only_pickles = r"pickled: only pickled weights \(pytorch_model.bin\); targets load from safetensors only"
+    with pytest.raises(TargetLoadError, match=only_pickles):
         load_target(str(pickled), device="cpu")
 
     from transformers import GPT2Config, GPT2LMHeadModel
