@@ -30,11 +30,59 @@ class TargetConfig:
             raise ValueError(f"target.dtype={self.dtype!r}: expected one of {', '.join(_DTYPES)}")
 
 
+TRAIN_SOURCES = ["sharegpt", "codeio", "stdlib", "reasoning_gym", "mmath", "chatterbot", "dataset_build"]
+
+
+@dataclass
+class UserFileConfig:
+    """Prompts a user brings: jsonl (ShareGPT or OpenAI messages) or an HF datasets folder."""
+
+    path: str = "???"
+    domain: str = "general"
+    """coding, science, multilingual or general."""
+    language: str | None = None
+    """ISO 639-1 code; detected per prompt when unset."""
+
+
+@dataclass
+class PoolsConfig:
+    """Prompt pools and held-out eval sets (data_gen.pools)."""
+
+    out_dir: str = "runs/pools"
+    seed: int = 0
+    """Drives every sample, split and held-out selection."""
+    sources: list[str] = field(default_factory=lambda: list(TRAIN_SOURCES))
+    """Registered training sources (data_gen.sources.SOURCES) to include."""
+    user_files: list[UserFileConfig] = field(default_factory=list)
+    strict_user_files: bool = False
+    """Stop at the first bad row of a user file (naming file:line) instead of skipping and counting."""
+    val_fraction: float = 0.02
+    min_chars: int = 2
+    max_chars: int = 6000
+    """Per user turn; longer prompts are skipped and counted."""
+    max_user_turns: int = 2
+    per_generator: int = 60
+    """Items per reasoning-gym math generator."""
+    paragraphs_per_language: int = 60
+    eval_math: int = 100
+    eval_multilingual: int = 20
+    """MMATH problems held out; each appears in the 9 non-English languages."""
+    eval_gsm8k: int = 150
+    eval_alpaca: int = 100
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"pools.val_fraction={self.val_fraction}: must be in [0, 1)")
+        if "sharegpt" not in self.sources:
+            raise ValueError("pools.sources must include sharegpt (the Alpaca stand-in eval set is drawn from it)")
+
+
 @dataclass
 class PipelineConfig:
     """One run of the pipeline: every stage reads its part of this tree."""
 
     target: TargetConfig = field(default_factory=TargetConfig)
+    pools: PoolsConfig = field(default_factory=PoolsConfig)
     out_dir: str = "runs/quickstart"
     """Where every stage writes its outputs."""
     stages: list[str] = field(default_factory=lambda: ["target"])
@@ -46,3 +94,49 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ValueError(f"threads={self.threads}: must be >= 1")
+
+
+@dataclass
+class RegenerateConfig:
+    """The regeneration stage: every assistant turn of a prompt pool rewritten by the target.
+
+    All fields but ``threads`` (and the paths) go into the output folder's manifest: a
+    rerun into the same folder must use the same values, so that resumed batches match.
+    """
+
+    pool: str = ""
+    """The prompt pool, jsonl of conversation records."""
+    out_dir: str = ""
+    """Output folder: manifest.json, parts/, dataset/regenerated.jsonl, summary.json."""
+    limit: int | None = None
+    """Only the first ``limit`` records of the pool."""
+    batch_size: int = 8
+    """Records per batch; batch b is always records [b*batch_size, (b+1)*batch_size)."""
+    max_new_tokens: int = 256
+    """Per assistant turn."""
+    temperature: float = 0.0
+    """0 is greedy decoding."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    seed: int = 0
+    """Sampling seed; each batch and turn depth derives its own from it."""
+    max_prompt_tokens: int | None = 2048
+    """A turn whose prompt is longer is dropped with the turns after it (None: no limit)."""
+    threads: int = 1
+    """torch intra-op threads on CPU; 1 was fastest on a loaded 2-core machine."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "max_new_tokens", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"regenerate.{name}={getattr(self, name)}: must be >= 1")
+        if self.limit is not None and self.limit < 0:
+            raise ValueError(f"regenerate.limit={self.limit}: must be >= 0")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"regenerate.max_prompt_tokens={self.max_prompt_tokens}: must be >= 1 or None")
+        if self.temperature < 0:
+            raise ValueError(f"regenerate.temperature={self.temperature}: must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"regenerate.top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"regenerate.top_k={self.top_k}: must be >= 0")
