@@ -145,17 +145,17 @@ def codeio_prompts(wheel: Path | None, path: str) -> Iterator[Prompt]:
 
 STDLIB_MODULES = (
     "base64", "bisect", "calendar", "colorsys", "csv", "difflib", "email.utils", "fnmatch", "fractions",
-    "ftplib", "functools", "genericpath", "glob", "gzip", "heapq", "html", "http.cookies", "imghdr",
+    "ftplib", "functools", "genericpath", "glob", "gzip", "heapq", "html", "http.cookies",
     "inspect", "ipaddress", "json", "keyword", "linecache", "locale", "mimetypes", "ntpath", "numbers",
     "operator", "os", "pathlib", "pkgutil", "platform", "posixpath", "pprint", "quopri", "random", "re",
     "reprlib", "shlex", "shutil", "smtplib", "statistics", "string", "tarfile", "tempfile", "textwrap",
-    "tokenize", "types", "typing", "urllib.parse", "urllib.request", "uu", "uuid", "warnings", "wave",
+    "tokenize", "types", "typing", "urllib.parse", "urllib.request", "uuid", "warnings", "wave",
     "weakref", "webbrowser", "zipfile", "zipimport", "dataclasses", "enum", "graphlib", "logging",
     "argparse", "configparser", "copy", "datetime", "decimal", "hashlib", "hmac", "secrets", "sched",
     "selectors", "socket", "ssl", "struct", "subprocess", "threading", "timeit", "trace", "traceback",
     "unittest.util", "xml.dom.minidom", "xml.sax.saxutils", "zoneinfo", "asyncio.tasks", "concurrent.futures",
     "collections", "contextlib", "codecs", "cmd", "filecmp", "fileinput", "getopt", "gettext", "optparse",
-    "pickletools", "plistlib", "poplib", "pstats", "py_compile", "pydoc", "sndhdr", "stat", "symtable",
+    "pickletools", "plistlib", "poplib", "pstats", "py_compile", "pydoc", "stat", "symtable",
     "sysconfig", "tabnanny", "textwrap", "token", "tomllib", "turtle", "zipapp",
 )
 

@@ -1,0 +1,128 @@
+"""Pool building on small synthetic sources (unit) and on the real packaged sources (integration)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from data_gen import pools
+from data_gen.pools import build_pools, check_no_overlap, read_jsonl
+from data_gen.sources import Prompt
+from eagle3.config import PoolsConfig
+
+
+def _u(*turns: str) -> list[dict[str, str]]:
+    messages: list[dict[str, str]] = []
+    for t in turns:
+        if messages:
+            messages.append({"role": "assistant", "content": "earlier answer"})
+        messages.append({"role": "user", "content": t})
+    return messages
+
+
+def fake_sources(name: str, **options) -> list[Prompt]:
+    english = [f"Please describe the history of the city number {i} in a few paragraphs." for i in range(6)]
+    data = {
+        "mtbench": [Prompt("mtbench", "general", _u("Write a poem about rain.", "Now shorter."), "en")],
+        "humaneval": [Prompt("humaneval", "coding", _u("Complete def add(a, b):"), "en")],
+        "gsm_symbolic": [Prompt("gsm_symbolic", "science", _u(f"Tom has {i} apples. How many?"), "en")
+                         for i in range(3)],
+        "mmath": [Prompt("mmath", "science" if lang == "en" else "multilingual", _u(f"[{lang}] problem {gid}"),
+                         lang, group=f"mmath:{gid}", meta={"gid": gid})
+                  for lang in ("en", "fr") for gid in range(8)],
+        "sharegpt": [Prompt("sharegpt", "general", _u(t)) for t in english]
+        + [Prompt("sharegpt", "coding", _u("complete   DEF add(a, b):")),  # an eval prompt, re-spelled
+           Prompt("sharegpt", "general", _u(english[0])),  # duplicate
+           Prompt("sharegpt", "general", _u("Wie funktioniert ein Kühlschrank eigentlich genau im Alltag?"))],
+        "codeio": [Prompt("codeio", "coding", _u("x" * 7000), "en"), Prompt("codeio", "coding", _u("?"), "en"),
+                   Prompt("codeio", "coding", _u("Write a function that reverses a list."), "en")],
+    }
+    return list(data[name])
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pools, "read_source", fake_sources)
+    monkeypatch.setattr(pools, "_source_versions", lambda: {})
+
+
+def _cfg(out: Path) -> PoolsConfig:
+    return PoolsConfig(out_dir=str(out), sources=["sharegpt", "codeio", "mmath"], eval_math=2,
+                       eval_multilingual=1, eval_gsm8k=2, eval_alpaca=1, val_fraction=0.3, max_chars=6000)
+
+
+def test_pools_hold_out_eval_sets_and_count_skips(tmp_path: Path, fake: None) -> None:
+    manifest = build_pools(_cfg(tmp_path / "p"))
+    out = tmp_path / "p"
+    evals = {name: read_jsonl(out / "eval" / f"{name}.jsonl") for name in pools.EVAL_SETS}
+    assert {k: len(v) for k, v in evals.items()} == {
+        "mtbench": 1, "humaneval": 1, "gsm8k": 2, "math": 2, "multilingual": 1, "alpaca": 1}
+    assert {r["language"] for r in evals["multilingual"]} == {"fr"}
+    held = {r["meta"]["gid"] for r in evals["math"] + evals["multilingual"]}
+    assert len(held) == 3
+    train = read_jsonl(out / "train.jsonl") + read_jsonl(out / "val.jsonl")
+    assert not {r["meta"]["gid"] for r in train if r["source"] == "mmath"} & held
+    assert manifest["skipped"] == {"held-out MMATH problem (gid)": 6, "in an eval set": 2, "duplicate": 1,
+                                   "too long": 1, "too short": 1}
+    # The German ShareGPT prompt is detected and counted as multilingual.
+    german = [r for r in train if r["messages"][0]["content"].startswith("Wie")]
+    assert german and german[0]["language"] == "de" and german[0]["domain"] == "multilingual"
+    assert check_no_overlap(out) == dict.fromkeys(pools.EVAL_SETS, 0)
+    # Translations of one MMATH problem land on the same side of the train/val split.
+    sides: dict[int, set[str]] = {}
+    for side in ("train", "val"):
+        for r in read_jsonl(out / f"{side}.jsonl"):
+            if r["source"] == "mmath":
+                sides.setdefault(r["meta"]["gid"], set()).add(side)
+    assert all(len(s) == 1 for s in sides.values())
+
+
+def test_pools_are_deterministic_and_atomic(tmp_path: Path, fake: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    build_pools(_cfg(tmp_path / "a"))
+    build_pools(_cfg(tmp_path / "b"))
+    for name in ("train.jsonl", "val.jsonl", "eval/alpaca.jsonl", "eval/math.jsonl"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+    def broken_writer(path: Path, records: list) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pools, "_write_jsonl", broken_writer)
+    with pytest.raises(OSError, match="disk full"):
+        build_pools(_cfg(tmp_path / "c"))
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(OSError):
+        build_pools(_cfg(tmp_path / "a"))  # a failed rebuild leaves the previous pools intact
+    assert read_jsonl(tmp_path / "a" / "train.jsonl")
+
+
+def test_user_files_join_the_pool(tmp_path: Path, fake: None) -> None:
+    from eagle3.config import UserFileConfig
+
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"messages": [{"role": "user", "content": "Explain Rust lifetimes with an example."}]}\n'
+                    '{"broken\n', encoding="utf-8")
+    cfg = _cfg(tmp_path / "p")
+    cfg.user_files = [UserFileConfig(path=str(mine), domain="coding", language="en")]
+    manifest = build_pools(cfg)
+    train = read_jsonl(tmp_path / "p" / "train.jsonl") + read_jsonl(tmp_path / "p" / "val.jsonl")
+    assert [r["domain"] for r in train if r["source"] == "user:mine.jsonl"] == ["coding"]
+    assert manifest["skipped"][f"user file {mine}: malformed JSON"] == 1
+
+
+@pytest.mark.integration
+def test_real_pools_meet_the_counts(tmp_path: Path) -> None:
+    manifest = build_pools(PoolsConfig(out_dir=str(tmp_path / "pools")))
+    counts = manifest["counts"]
+    assert counts["train"] >= 5000
+    for domain in ("coding", "science", "multilingual"):
+        assert counts["train_by_domain"][domain] >= 1000, domain
+    assert counts["eval"] == {"mtbench": 80, "humaneval": 164, "gsm8k": 150, "math": 100,
+                              "multilingual": 180, "alpaca": 100}
+    assert check_no_overlap(tmp_path / "pools") == dict.fromkeys(pools.EVAL_SETS, 0)
+    multilingual = read_jsonl(tmp_path / "pools" / "eval" / "multilingual.jsonl")
+    assert Counter(r["language"] for r in multilingual) == dict.fromkeys(
+        ("ar", "es", "fr", "ja", "ko", "pt", "th", "vi", "zh"), 20)
+    mtbench = read_jsonl(tmp_path / "pools" / "eval" / "mtbench.jsonl")
+    assert all(sum(m["role"] == "user" for m in r["messages"]) == 2 for r in mtbench)
