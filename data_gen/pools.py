@@ -16,6 +16,7 @@ of the same problems), never by row.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import time
@@ -155,7 +156,7 @@ def build_pools(cfg: PoolsConfig) -> dict[str, Any]:
         (val if u < cfg.val_fraction else train).append(record)
 
     manifest = {
-        "config": cfg.__dict__ | {"user_files": [s.__dict__ for s in cfg.user_files]},
+        "config": pools_config_of(cfg),
         "counts": {
             "train": len(train), "val": len(val),
             "train_by_domain": dict(sorted(Counter(r["domain"] for r in train).items())),
@@ -175,6 +176,15 @@ def build_pools(cfg: PoolsConfig) -> dict[str, Any]:
             _write_jsonl(tmp / "eval" / f"{name}.jsonl", records)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     return manifest
+
+
+def pools_config_of(where: PoolsConfig | str | Path) -> dict[str, Any] | None:
+    """The config a pool is built from, as plain data: of a config, or of a built pool folder
+    (None when the folder holds no complete pool)."""
+    if isinstance(where, PoolsConfig):
+        return json.loads(json.dumps(dataclasses.asdict(where)))
+    manifest = Path(where) / "manifest.json"
+    return json.loads(manifest.read_text())["config"] if manifest.is_file() else None
 
 
 def _source_versions() -> dict[str, dict[str, str]]:

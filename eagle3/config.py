@@ -85,7 +85,7 @@ class PipelineConfig:
     pools: PoolsConfig = field(default_factory=PoolsConfig)
     out_dir: str = "runs/quickstart"
     """Where every stage writes its outputs."""
-    stages: list[str] = field(default_factory=lambda: ["target"])
+    stages: list[str] = field(default_factory=lambda: ["target", "pools"])
     """Stages to run, in order."""
     threads: int = 1
     """torch intra-op threads on CPU; 1 was fastest on a loaded 2-core machine."""

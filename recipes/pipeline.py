@@ -59,7 +59,21 @@ def stage_target(cfg: PipelineConfig) -> dict[str, Any]:
     }
 
 
-STAGES: dict[str, Callable[[PipelineConfig], dict[str, Any]]] = {"target": stage_target}
+def stage_pools(cfg: PipelineConfig) -> dict[str, Any]:
+    """Prompt pools and held-out eval sets; reused when already built with the same config."""
+    from data_gen.pools import build_pools, format_counts, pools_config_of
+
+    existing = pools_config_of(cfg.pools.out_dir)
+    if existing is not None and existing == pools_config_of(cfg.pools):
+        manifest = json.loads((Path(cfg.pools.out_dir) / "manifest.json").read_text())
+        print(f"pools: up to date in {cfg.pools.out_dir}")
+    else:
+        manifest = build_pools(cfg.pools)
+    print(format_counts(manifest))
+    return {"out_dir": cfg.pools.out_dir, **manifest["counts"]}
+
+
+STAGES: dict[str, Callable[[PipelineConfig], dict[str, Any]]] = {"target": stage_target, "pools": stage_pools}
 
 
 def run_pipeline(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:

@@ -30,7 +30,8 @@ def test_default_recipe_is_the_embedded_target() -> None:
     with initialize_config_module(config_module="recipes", version_base="1.3"):
         config = OmegaConf.to_object(compose(config_name="pipeline"))
     assert config.target.name_or_path == "smollm2-135m"
-    assert config.stages == ["target"]
+    assert config.stages == ["target", "pools"]
+    assert config.pools.out_dir == "runs/quickstart/pools"
 
 
 def test_typo_fails_at_composition_naming_the_key() -> None:
@@ -52,5 +53,5 @@ def test_invalid_values_fail_with_the_field_named() -> None:
 def test_unknown_stage_is_named() -> None:
     from recipes.pipeline import run_pipeline
 
-    with pytest.raises(ValueError, match=r"unknown \['harvst'\]; known stages are \['target'\]"):
+    with pytest.raises(ValueError, match=r"unknown \['harvst'\]; known stages are \['target', 'pools'\]"):
         run_pipeline(PipelineConfig(stages=["target", "harvst"]))
