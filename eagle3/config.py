@@ -43,6 +43,12 @@ class UserFileConfig:
     language: str | None = None
     """ISO 639-1 code; detected per prompt when unset."""
 
+    def __post_init__(self) -> None:
+        from eagle3.conversations import DOMAINS
+
+        if self.domain not in DOMAINS:
+            raise ValueError(f"pools.user_files.domain={self.domain!r}: expected one of {', '.join(DOMAINS)}")
+
 
 @dataclass
 class PoolsConfig:
