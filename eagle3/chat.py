@@ -1,0 +1,134 @@
+"""Chat formatting for generation: render a conversation with the target's chat template.
+
+A :class:`ChatFormat` is built once per tokenizer and decides, once, which template it
+uses: the tokenizer's own ``chat_template``, or, for base models without one,
+:data:`FALLBACK_CHAT_TEMPLATE` (recorded as ``template_source == "fallback"``). Every
+render passes that template explicitly, so nothing is guessed per call.
+
+Prompts are rendered to text with ``add_generation_prompt=True`` and tokenized with
+``add_special_tokens=False``, exactly as ``apply_chat_template(tokenize=True)`` does:
+templates that want a BOS write ``{{ bos_token }}`` themselves, and letting the tokenizer
+add one too would double it (:func:`check_single_bos` guards against that).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+FALLBACK_CHAT_TEMPLATE = (
+    "{{ bos_token if bos_token else '' }}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n\n"
+    "{% else %}Assistant: {{ m['content'] }}{{ eos_token if eos_token else '' }}\n\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+"""The template for tokenizers without one (base models): BOS, then ``User: ...`` /
+``Assistant: ...`` paragraphs, each assistant turn closed by the EOS token; the generation
+prompt is ``Assistant:`` (the model continues with a space). A base model has never seen
+this format, so the EOS is its only stop token."""
+
+_SENTINEL = "EAGLE3SENTINEL"
+
+Message = Mapping[str, str]
+
+
+class ChatFormatError(ValueError):
+    """A conversation could not be rendered into a well-formed prompt."""
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """How one tokenizer renders conversations and where its generations stop."""
+
+    tokenizer: Any
+    template: str
+    """The jinja chat template every render uses (passed explicitly)."""
+    template_source: str
+    """``"tokenizer"`` (the tokenizer's own template) or ``"fallback"`` (:data:`FALLBACK_CHAT_TEMPLATE`)."""
+    stop_ids: frozenset[int]
+    """Token ids that end a generated turn: EOS, generation-config EOS ids, end-of-turn token."""
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, generation_config: Any = None,
+                      fallback_template: str = FALLBACK_CHAT_TEMPLATE) -> ChatFormat:
+        """Pick the template once: the tokenizer's own, else ``fallback_template``."""
+        own = getattr(tokenizer, "chat_template", None)
+        if isinstance(own, dict):  # several named templates: the "default" one is the chat template
+            own = own.get("default")
+        template, source = (own, "tokenizer") if own else (fallback_template, "fallback")
+        partial = cls(tokenizer, template, source, frozenset())
+        stops = set(eos_ids(tokenizer, generation_config))
+        end = partial.end_of_turn_id()
+        if end is not None:
+            stops.add(end)
+        if not stops:
+            raise ChatFormatError("the tokenizer has no EOS token and the template no end-of-turn token: "
+                                  "generation would never stop; set tokenizer.eos_token")
+        return cls(tokenizer, template, source, frozenset(stops))
+
+    @property
+    def template_sha256(self) -> str:
+        return hashlib.sha256(self.template.encode("utf-8")).hexdigest()
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            [{"role": m["role"], "content": m["content"]} for m in messages],
+            chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt,
+        )
+
+    def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
+        """Token ids of ``messages`` followed by the generation prompt (the assistant header)."""
+        if not messages or messages[-1]["role"] != "user":
+            raise ChatFormatError("a generation prompt must end with a user message")
+        ids = self.tokenizer(self.render(messages), add_special_tokens=False)["input_ids"]
+        check_single_bos(ids, self.tokenizer.bos_token_id)
+        return ids
+
+    def end_of_turn_id(self) -> int | None:
+        """The special token the template writes right after an assistant message, if any.
+
+        Found by rendering a one-exchange conversation with a sentinel reply and
+        tokenizing what follows the sentinel: SmolLM2/Qwen ``<|im_end|>``, Llama-3
+        ``<|eot_id|>``, the fallback's EOS. ``None`` when no special token follows.
+        """
+        text = self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}],
+                           add_generation_prompt=False)
+        if _SENTINEL not in text:
+            return None
+        after = text[text.rindex(_SENTINEL) + len(_SENTINEL):].lstrip(" ")
+        ids = self.tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+        if ids and ids[0] in set(self.tokenizer.all_special_ids) | set(_added_ids(self.tokenizer)):
+            return int(ids[0])
+        return None
+
+
+def eos_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
+    """The tokenizer's EOS id and the generation config's ``eos_token_id`` (int or list), deduplicated."""
+    found: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        found.append(int(tokenizer.eos_token_id))
+    gen_eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    if gen_eos is not None:
+        found.extend(int(i) for i in (gen_eos if isinstance(gen_eos, Iterable) else [gen_eos]))
+    return list(dict.fromkeys(found))
+
+
+def check_single_bos(ids: Sequence[int], bos_id: int | None) -> None:
+    """Raise if a rendered prompt starts with two BOS tokens (template and tokenizer both added one)."""
+    if bos_id is not None and len(ids) >= 2 and ids[0] == bos_id and ids[1] == bos_id:
+        raise ChatFormatError(f"the prompt starts with a doubled BOS (id {bos_id}); "
+                              "the template writes one, so tokenize with add_special_tokens=False")
+
+
+def _added_ids(tokenizer: Any) -> list[int]:
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return [int(i) for i, tok in decoder.items() if getattr(tok, "special", False)]
+
+
+__all__ = ["FALLBACK_CHAT_TEMPLATE", "ChatFormat", "ChatFormatError", "check_single_bos", "eos_ids"]

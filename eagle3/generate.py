@@ -1,0 +1,221 @@
+"""Batched generation on a :class:`~eagle3.target.Target`, left-padded, with HF ``generate``.
+
+What comes back per row (:class:`Generation`): the new token ids **without** the stop
+token that ended the turn (the chat template writes its own end-of-turn when the reply is
+rendered again), and ``finish_reason``: ``"stop"`` when a stop id was generated,
+``"length"`` when ``max_new_tokens`` ran out first. ``stop_id`` keeps which stop token it
+was. Tokens after the first stop id (HF's padding of finished rows) are dropped.
+
+Only the settings passed here steer generation: the model's own ``generation_config``
+(e.g. an instruct model's shipped ``temperature=0.6``) is set aside for the call, so
+``temperature=0`` is plain greedy decoding on every target. Sampling draws from the global
+torch RNG forked and seeded with ``seed`` for the call, so a batch is reproducible on
+its own, whatever ran before it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from eagle3.chat import ChatFormat
+from eagle3.target import Target
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Decoding settings; ``temperature == 0`` is greedy (top_p/top_k then unused)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]; 1 disables it."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 disables it."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 disables it)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: list[int]
+    """New tokens, without the stop token."""
+    finish_reason: str
+    """``"stop"`` (a stop id was generated) or ``"length"`` (``max_new_tokens`` reached)."""
+    stop_id: int | None = None
+
+    @property
+    def num_generated(self) -> int:
+        """Decoding steps this row took: its tokens plus the stop token."""
+        return len(self.token_ids) + (self.stop_id is not None)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int,
+             device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """Right-align prompts: ``(input_ids, attention_mask)``, both ``[batch, longest]``."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [batch, width]
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [batch, width], 1 on real tokens
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+        mask[row, width - len(prompt):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def trim_generated(new_ids: Tensor, stop_ids: Iterable[int]) -> list[Generation]:
+    """Cut each row of ``new_ids`` ``[batch, steps]`` at its first stop id (exclusive)."""
+    stops = set(int(i) for i in stop_ids)
+    out = []
+    for row in new_ids.tolist():
+        cut = next((i for i, tok in enumerate(row) if tok in stops), None)
+        if cut is None:
+            out.append(Generation(row, "length"))
+        else:
+            out.append(Generation(row[:cut], "stop", row[cut]))
+    return out
+
+
+@torch.no_grad()
+def generate(
+    target: Target,
+    prompts: Sequence[Sequence[int]],
+    stop_ids: Iterable[int],
+    sampling: SamplingConfig = SamplingConfig(),
+    *,
+    seed: int = 0,
+) -> list[Generation]:
+    """Generate a reply for every prompt (token ids) in one left-padded batch."""
+    from transformers import GenerationConfig
+
+    stops = sorted(set(int(i) for i in stop_ids))
+    if not stops:
+        raise ValueError("stop_ids is empty: generation would only end at max_new_tokens; pass the EOS id")
+    pad_id = target.tokenizer.pad_token_id
+    pad_id = stops[0] if pad_id is None else pad_id
+    input_ids, attention_mask = left_pad(prompts, pad_id, target.device)  # [batch, width] each
+    settings = dict(max_new_tokens=sampling.max_new_tokens, eos_token_id=stops, pad_token_id=pad_id,
+                    do_sample=not sampling.greedy, num_beams=1, use_cache=True)
+    if not sampling.greedy:
+        settings.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+    config = GenerationConfig(**settings)
+    with _neutral_generation_defaults(target), _seeded(seed, target.device):
+        out = target.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    return trim_generated(out[:, input_ids.shape[1]:], stops)  # [batch, steps] -> per row
+
+
+@contextlib.contextmanager
+def _neutral_generation_defaults(target: Target) -> Iterator[None]:
+    """Hide the model's shipped generation defaults so that only our settings apply."""
+    from transformers import GenerationConfig
+
+    model = target.model
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        torch.manual_seed(seed)
+        yield
+
+
+@dataclass
+class RegeneratedConversation:
+    """One conversation with every assistant turn written by the target."""
+
+    messages: list[dict[str, str]]
+    """System/user messages of the original, each user turn followed by the target's reply."""
+    turns: list[Generation] = field(default_factory=list)
+    """The generation behind each assistant message, in order."""
+    dropped_turns: int = 0
+    """User turns cut off (with everything after them) because their prompt was too long."""
+
+    @property
+    def skipped(self) -> bool:
+        """Even the first prompt was too long: nothing was generated."""
+        return not self.turns
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (run seed, batch, turn): independent streams, no arithmetic clashes."""
+    digest = hashlib.sha256(":".join(str(int(p)) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def regenerate_conversations(
+    target: Target,
+    chat: ChatFormat,
+    conversations: Sequence[Sequence[Mapping[str, str]]],
+    sampling: SamplingConfig = SamplingConfig(),
+    *,
+    seed: int = 0,
+    max_prompt_tokens: int | None = None,
+) -> list[RegeneratedConversation]:
+    """Regenerate every assistant turn of ``conversations`` with the target, as one batch.
+
+    The original assistant contents are dropped. Turns are generated depth by depth: all
+    first replies in one ``generate`` call (from ``[system, user1]``), then all second
+    replies from ``[system, user1, reply1, user2]`` where ``reply1`` is the target's own,
+    and so on; the batch at depth ``d`` holds the conversations with at least ``d`` user
+    turns, in input order, sampled with ``derive_seed(seed, d)``. A conversation whose
+    prompt at depth ``d`` exceeds ``max_prompt_tokens`` keeps its first ``d - 1`` exchanges
+    and drops the rest (``dropped_turns``); at depth 1 that skips it entirely.
+    """
+    users = [[m for m in conv if m["role"] == "user"] for conv in conversations]
+    out = []
+    for conv in conversations:
+        system = [{"role": "system", "content": m["content"]} for m in conv[:1] if m["role"] == "system"]
+        out.append(RegeneratedConversation(messages=system))
+    for depth in range(1, max((len(turns) for turns in users), default=0) + 1):
+        rows, prompts = [], []
+        for row, (result, turns) in enumerate(zip(out, users, strict=True)):
+            if len(turns) < depth or result.dropped_turns:
+                continue
+            messages = result.messages + [{"role": "user", "content": turns[depth - 1]["content"]}]
+            ids = chat.prompt_ids(messages)
+            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                result.dropped_turns = len(turns) - (depth - 1)
+                continue
+            rows.append(row)
+            prompts.append(ids)
+        if not rows:
+            continue
+        replies = generate(target, prompts, chat.stop_ids, sampling, seed=derive_seed(seed, depth))
+        for row, reply in zip(rows, replies, strict=True):
+            text = chat.tokenizer.decode(reply.token_ids, skip_special_tokens=False,
+                                         clean_up_tokenization_spaces=False)
+            out[row].messages += [{"role": "user", "content": users[row][depth - 1]["content"]},
+                                  {"role": "assistant", "content": text}]
+            out[row].turns.append(reply)
+    return out
+
+
+__all__ = [
+    "Generation", "RegeneratedConversation", "SamplingConfig", "derive_seed", "generate", "left_pad",
+    "regenerate_conversations", "trim_generated",
+]
