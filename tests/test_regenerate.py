@@ -1,0 +1,225 @@
+"""Regeneration: multi-turn ordering, prompt limits, resumable stage, kill -9, config pinning."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import eagle3.generate as generation
+from data_gen.regenerate import ManifestMismatchError, main, part_path, run
+from eagle3.chat import ChatFormat
+from eagle3.config import RegenerateConfig, TargetConfig
+from eagle3.generate import SamplingConfig, generate, regenerate_conversations
+from eagle3.target import Target
+from tests.tiny_targets import lively_target, save_lively
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def _assistant(text: str) -> dict[str, str]:
+    return {"role": "assistant", "content": text}
+
+
+def _record(i: int, messages: list[dict[str, str]]) -> dict:
+    return {"id": f"r{i}", "domain": "general", "source": "test", "language": "en", "messages": messages}
+
+
+def _write_pool(path: Path, conversations: list[list[dict[str, str]]]) -> Path:
+    path.write_text("".join(json.dumps(_record(i, m)) + "\n" for i, m in enumerate(conversations)))
+    return path
+
+
+def _varied_pool(n: int) -> list[list[dict[str, str]]]:
+    """1-3 user turns, a system message on every 4th, a trailing original assistant turn on odd ones."""
+    words = "alpha beta gamma sky sea code math ça über".split()
+    pool = []
+    for i in range(n):
+        messages = [{"role": "system", "content": "Be brief."}] if i % 4 == 0 else []
+        for t in range(1 + i % 3):
+            messages += [_user(" ".join(words[(i + t + k) % len(words)] for k in range(2 + (i * 7 + t) % 9))),
+                         _assistant(f"ORIGINAL {i}.{t}")]
+        pool.append(messages if i % 2 else messages[:-1])
+    return pool
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    return lively_target()
+
+
+@pytest.fixture(scope="module")
+def chat(target: Target) -> ChatFormat:
+    return ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
+
+
+def test_turn_two_is_prompted_with_the_regenerated_turn_one(target: Target, chat: ChatFormat, monkeypatch) -> None:
+    calls: list[list[list[int]]] = []
+
+    def spy(target, prompts, stop_ids, sampling, *, seed):
+        calls.append([list(p) for p in prompts])
+        return generate(target, prompts, stop_ids, sampling, seed=seed)
+
+    monkeypatch.setattr(generation, "generate", spy)
+    system = {"role": "system", "content": "Be brief."}
+    two_turns = [system, _user("Hi there"), _assistant("ORIGINAL ONE"), _user("And then?"), _assistant("ORIGINAL TWO")]
+    one_turn = [_user("Only once")]
+    sampling = SamplingConfig(max_new_tokens=8)
+    [a, b] = regenerate_conversations(target, chat, [two_turns, one_turn], sampling)
+
+    assert len(calls) == 2  # depth 1: both conversations in one batch; depth 2: only the first
+    assert calls[0] == [chat.prompt_ids(two_turns[:2]), chat.prompt_ids(one_turn)]
+    reply1 = a.messages[2]["content"]
+    assert calls[1] == [chat.prompt_ids([system, _user("Hi there"), _assistant(reply1), _user("And then?")])]
+    assert "ORIGINAL" not in target.tokenizer.decode(calls[1][0])
+    assert [m["role"] for m in a.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert all("ORIGINAL" not in m["content"] for m in a.messages)
+    assert [m["role"] for m in b.messages] == ["user", "assistant"] and len(b.turns) == 1
+    # Turn 1 is what the target says to [system, user1] alone.
+    alone = generate(target, [chat.prompt_ids(two_turns[:2])], chat.stop_ids, sampling)[0]
+    assert a.turns[0] == alone
+    assert reply1 == target.tokenizer.decode(alone.token_ids)
+
+
+def test_over_long_prompts_are_skipped_or_truncated_and_counted(target: Target, tmp_path: Path) -> None:
+    # Tiny byte tokenizer: a one-turn prompt is "<|user|>" + bytes + "</s><|assistant|>" = len(text) + 3 tokens.
+    pool = _write_pool(tmp_path / "pool.jsonl", [
+        [_user("x" * 30)],                                  # 33 tokens > 20: skipped
+        [_user("hi"), _assistant("a"), _user("y" * 40)],    # turn 1 fits (5), turn 2 does not: truncated
+        [_user("ok")],                                      # fits
+        [_user("z" * 17)],                                  # exactly 20 tokens: fits
+    ])
+    cfg = RegenerateConfig(pool=str(pool), out_dir=str(tmp_path / "out"), batch_size=3, max_new_tokens=4,
+                           max_prompt_tokens=20)
+    summary = run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)
+    assert {k: summary[k] for k in ("records", "skipped_records", "truncated_records", "dropped_turns", "turns")} == {
+        "records": 3, "skipped_records": 1, "truncated_records": 1, "dropped_turns": 2, "turns": 3}
+    rows = [json.loads(line) for line in (tmp_path / "out/dataset/regenerated.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["r1", "r2", "r3"]
+    assert [m["role"] for m in rows[0]["messages"]] == ["user", "assistant"]  # ends before the long turn
+    assert rows[0]["generation"]["dropped_turns"] == 1 and rows[1]["generation"]["dropped_turns"] == 0
+    skipped = json.loads(part_path(tmp_path / "out", 0).read_text().splitlines()[0])
+    assert skipped["id"] == "r0" and skipped["generation"]["turns"] == []  # kept in its part, left out of the store
+
+
+def test_output_records_keep_input_fields_and_describe_each_turn(target: Target, tmp_path: Path) -> None:
+    pool = _write_pool(tmp_path / "pool.jsonl", _varied_pool(5))
+    cfg = RegenerateConfig(pool=str(pool), out_dir=str(tmp_path / "out"), batch_size=2, max_new_tokens=6)
+    summary = run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)
+    rows = [json.loads(line) for line in (tmp_path / "out/dataset/regenerated.jsonl").read_text().splitlines()]
+    assert summary["batches"] == 3 and summary["records"] == 5
+    first = rows[0]
+    assert {k: first[k] for k in ("id", "domain", "source", "language")} == {
+        "id": "r0", "domain": "general", "source": "test", "language": "en"}
+    gen = first["generation"]
+    assert {k: gen[k] for k in ("target", "max_new_tokens", "temperature", "seed")} == {
+        "target": "lively", "max_new_tokens": 6, "temperature": 0.0, "seed": 0}
+    for row in rows:
+        turns = row["generation"]["turns"]
+        assert len(turns) == sum(m["role"] == "assistant" for m in row["messages"])
+        for turn in turns:
+            assert turn["finish_reason"] in ("stop", "length")
+            assert turn["new_tokens"] == 6 if turn["finish_reason"] == "length" else turn["new_tokens"] < 6
+    assert summary["new_tokens"] == sum(t["new_tokens"] for r in rows for t in r["generation"]["turns"])
+
+
+def test_rerun_only_regenerates_missing_batches(target: Target, tmp_path: Path) -> None:
+    pool = _write_pool(tmp_path / "pool.jsonl", _varied_pool(6))
+    out = tmp_path / "out"
+    cfg = RegenerateConfig(pool=str(pool), out_dir=str(out), batch_size=2, max_new_tokens=6)
+    assert run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)["batches_run"] == 3
+    store = (out / "dataset/regenerated.jsonl").read_bytes()
+    part_path(out, 1).unlink()
+    again = run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)
+    assert again["batches_run"] == 1
+    assert (out / "dataset/regenerated.jsonl").read_bytes() == store
+
+
+def test_rerun_with_other_settings_fails_naming_the_key(target: Target, tmp_path: Path, capsys) -> None:
+    pool = _write_pool(tmp_path / "pool.jsonl", _varied_pool(3))
+    out = tmp_path / "out"
+    cfg = RegenerateConfig(pool=str(pool), out_dir=str(out), batch_size=2, max_new_tokens=6)
+    run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)
+    manifest = (out / "manifest.json").read_bytes()
+    for key, value in [("max_new_tokens", 7), ("temperature", 0.5), ("seed", 1), ("batch_size", 3)]:
+        changed = RegenerateConfig(**{**cfg.__dict__, key: value})
+        with pytest.raises(ManifestMismatchError, match=f"{key}="):
+            run(changed, TargetConfig(name_or_path="lively"), progress=False, target=target)
+    with pytest.raises(ManifestMismatchError, match="target='lively'"):
+        run(cfg, TargetConfig(name_or_path="other"), progress=False, target=target)
+    pool.write_text(pool.read_text().replace("alpha", "omega"))
+    with pytest.raises(ManifestMismatchError, match="pool_sha256="):
+        run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)
+    # The CLI reports it before loading anything (there is no model named "lively" to load).
+    code = main(["--target", "lively", "--pool", str(pool), "--out", str(out), "--no-progress"])
+    assert code == 2 and "pool_sha256=" in capsys.readouterr().err
+    assert (out / "manifest.json").read_bytes() == manifest
+
+
+def test_kill_9_then_rerun_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    model = save_lively(tmp_path / "model")
+    pool = _write_pool(tmp_path / "pool.jsonl", _varied_pool(36))
+    batches = 18
+    common = ["--target", str(model), "--pool", str(pool), "--batch-size", "2", "--max-new-tokens", "40",
+              "--threads", "1", "--no-progress"]
+    cli = [sys.executable, "-m", "data_gen.regenerate", *common]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([*cli, "--out", str(killed)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(list((killed / "parts").glob("part-*.jsonl"))) >= 3:
+            break
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = len(list((killed / "parts").glob("part-*.jsonl")))
+    assert 3 <= done < batches and not (killed / "dataset").exists(), f"not killed mid-way (exit {proc.returncode})"
+
+    rerun = subprocess.run([*cli, "--out", str(killed)], cwd=REPO, env=env, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr
+    assert json.loads(rerun.stdout)["batches_run"] == batches - done
+
+    straight = tmp_path / "straight"  # uninterrupted, in this process
+    cfg = RegenerateConfig(pool=str(pool), out_dir=str(straight), batch_size=2, max_new_tokens=40, threads=1)
+    threads = torch.get_num_threads()
+    try:
+        summary = run(cfg, TargetConfig(name_or_path=str(model)), progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert summary["batches_run"] == batches and summary["records"] == 36
+    store = "dataset/regenerated.jsonl"
+    assert (killed / store).read_bytes() == (straight / store).read_bytes()
+    assert not list(killed.rglob("*.tmp"))
+
+
+@pytest.mark.integration
+def test_default_target_regeneration_equals_hf_greedy() -> None:
+    from eagle3.target import load_target
+    from eagle3.target_source import DEFAULT_TARGET
+
+    target = load_target(DEFAULT_TARGET, dtype="float32", device="cpu")
+    chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
+    conversations = [[_user("What is the capital of France?")],
+                     [_user("Write a Python function that reverses a string.")]]
+    results = regenerate_conversations(target, chat, conversations, SamplingConfig(max_new_tokens=16))
+    for conv, result in zip(conversations, results, strict=True):
+        ids = torch.tensor([chat.prompt_ids(conv)])
+        hf = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                                   eos_token_id=sorted(chat.stop_ids), pad_token_id=target.tokenizer.pad_token_id)
+        want = hf[0, ids.shape[1]:].tolist()
+        want = want[:next((i for i, t in enumerate(want) if t in chat.stop_ids), len(want))]
+        assert result.turns[0].token_ids == want
+        assert result.messages[-1]["content"].strip()
