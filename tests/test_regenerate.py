@@ -134,11 +134,14 @@ def test_output_records_keep_input_fields_and_describe_each_turn(target: Target,
     assert summary["new_tokens"] == sum(t["new_tokens"] for r in rows for t in r["generation"]["turns"])
 
 
-def test_rerun_only_regenerates_missing_batches(target: Target, tmp_path: Path) -> None:
-    pool = _write_pool(tmp_path / "pool.jsonl", _varied_pool(6))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rerun_only_regenerates_missing_batches(target: Target, tmp_path: Path, temperature: float) -> None:
+    pool = _write_pool(tmp_path / "pool.jsonl", _varied_pool(7))
     out = tmp_path / "out"
-    cfg = RegenerateConfig(pool=str(pool), out_dir=str(out), batch_size=2, max_new_tokens=6)
-    assert run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)["batches_run"] == 3
+    cfg = RegenerateConfig(pool=str(pool), out_dir=str(out), limit=6, batch_size=2, max_new_tokens=6,
+                           temperature=temperature)
+    first = run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)
+    assert (first["pool_records"], first["batches"], first["batches_run"]) == (6, 3, 3)
     store = (out / "dataset/regenerated.jsonl").read_bytes()
     part_path(out, 1).unlink()
     again = run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)
