@@ -45,7 +45,14 @@ import torch
 from eagle3.atomic import atomic_dir, atomic_write_text, sha256_file
 from eagle3.chat import ChatFormat
 from eagle3.config import RegenerateConfig, TargetConfig
-from eagle3.generate import RegeneratedConversation, SamplingConfig, derive_seed, regenerate_conversations
+from eagle3.generate import (
+    Generator,
+    HFGenerator,
+    RegeneratedConversation,
+    SamplingConfig,
+    derive_seed,
+    regenerate_conversations,
+)
 from eagle3.target import Target, TargetLoadError, TargetSourceError, load_target
 
 MANIFEST = "manifest.json"
@@ -89,16 +96,40 @@ def read_pool(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
 def manifest_settings(cfg: RegenerateConfig, target_cfg: TargetConfig, pool_sha256: str) -> dict[str, Any]:
     """The settings known before the target is loaded."""
     return {
-        "target": target_cfg.name_or_path, "pool_sha256": pool_sha256, "limit": cfg.limit,
+        "target": target_cfg.name_or_path, "backend": cfg.backend, "pool_sha256": pool_sha256, "limit": cfg.limit,
         "batch_size": cfg.batch_size, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
         "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed, "max_prompt_tokens": cfg.max_prompt_tokens,
     }
 
 
-def target_settings(target: Target, chat: ChatFormat) -> dict[str, Any]:
-    """The settings known once the target is loaded."""
-    return {"dtype": str(target.dtype).removeprefix("torch."), "chat_template_sha256": chat.template_sha256,
-            "chat_template_source": chat.template_source}
+def make_backend(cfg: RegenerateConfig, target_cfg: TargetConfig,
+                 target: Target | None = None) -> tuple[Generator, ChatFormat, str]:
+    """The generator for ``cfg.backend``, the chat format of the target's tokenizer, and the dtype."""
+    if cfg.backend == "hf":
+        if target is None:
+            target = load_target(target_cfg.name_or_path, dtype=target_cfg.dtype, device=target_cfg.device,
+                                 attn_implementation=target_cfg.attn_implementation,
+                                 trust_remote_code=target_cfg.trust_remote_code)
+        chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
+        return HFGenerator(target), chat, str(target.dtype).removeprefix("torch.")
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from eagle3.target import resolve_device, resolve_dtype
+    from eagle3.target_source import resolve_target
+    from eagle3.vllm_generate import VllmGenerator
+
+    if target is not None:
+        raise ValueError("regenerate.backend=vllm loads the target itself; do not pass a loaded HF target")
+    where = resolve_target(target_cfg.name_or_path).location
+    dtype = str(resolve_dtype(target_cfg.dtype, resolve_device(target_cfg.device))).removeprefix("torch.")
+    tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=target_cfg.trust_remote_code)
+    try:
+        generation_config = GenerationConfig.from_pretrained(where)
+    except OSError:
+        generation_config = None
+    chat = ChatFormat.for_tokenizer(tokenizer, generation_config)
+    generator = VllmGenerator(where, dtype=dtype, seed=cfg.seed, trust_remote_code=target_cfg.trust_remote_code)
+    return generator, chat, dtype
 
 
 def check_manifest(out_dir: Path, settings: dict[str, Any]) -> None:
@@ -208,12 +239,9 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
         check_manifest(out_dir, settings)  # fail fast, before loading the target
         _remove_stale_temps(out_dir)
         todo = [b for b in range(batches) if not part_path(out_dir, b).exists()]
-        if target is None:
-            target = load_target(target_cfg.name_or_path, dtype=target_cfg.dtype, device=target_cfg.device,
-                                 attn_implementation=target_cfg.attn_implementation,
-                                 trust_remote_code=target_cfg.trust_remote_code)
-        chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
-        settings |= target_settings(target, chat)
+        generator, chat, dtype = make_backend(cfg, target_cfg, target)
+        settings |= {"dtype": dtype, "chat_template_sha256": chat.template_sha256,
+                     "chat_template_source": chat.template_source}
         check_manifest(out_dir, settings)
         write_manifest(out_dir, settings, len(records), batches)
         sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
@@ -226,7 +254,7 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
                 chunk = records[b * cfg.batch_size:(b + 1) * cfg.batch_size]
                 t0 = time.perf_counter()
                 results = regenerate_conversations(
-                    target, chat, [r["messages"] for r in chunk], sampling,
+                    generator, chat, [r["messages"] for r in chunk], sampling,
                     seed=derive_seed(cfg.seed, b), max_prompt_tokens=cfg.max_prompt_tokens,
                 )
                 gen_seconds += time.perf_counter() - t0
@@ -268,6 +296,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[RegenerateConfig, Tar
     parser.add_argument("--seed", type=int, default=RegenerateConfig.seed)
     parser.add_argument("--max-prompt-tokens", type=int, default=RegenerateConfig.max_prompt_tokens,
                         help="longer turns are dropped with the turns after them; 0: no limit (default %(default)s)")
+    parser.add_argument("--backend", choices=["hf", "vllm"], default=RegenerateConfig.backend,
+                        help="vllm: run from the venv of scripts/setup_vllm_env.sh (default %(default)s)")
     parser.add_argument("--threads", type=int, default=RegenerateConfig.threads, help="torch CPU threads")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -276,6 +306,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[RegenerateConfig, Tar
             pool=args.pool, out_dir=args.out, limit=args.limit, batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, max_prompt_tokens=args.max_prompt_tokens or None, threads=args.threads,
+            backend=args.backend,
         )
         target_cfg = TargetConfig(name_or_path=args.target, dtype=args.dtype, device=args.device)
     except ValueError as err:

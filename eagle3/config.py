@@ -131,8 +131,12 @@ class RegenerateConfig:
     """A turn whose prompt is longer is dropped with the turns after it (None: no limit)."""
     threads: int = 1
     """torch intra-op threads on CPU; 1 was fastest on a loaded 2-core machine."""
+    backend: str = "hf"
+    """hf (transformers) or vllm (run from the venv of scripts/setup_vllm_env.sh)."""
 
     def __post_init__(self) -> None:
+        if self.backend not in ("hf", "vllm"):
+            raise ValueError(f"regenerate.backend={self.backend!r}: expected hf or vllm")
         for name in ("batch_size", "max_new_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"regenerate.{name}={getattr(self, name)}: must be >= 1")

@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -81,11 +82,11 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int,
     return ids.to(device), mask.to(device)
 
 
-def trim_generated(new_ids: Tensor, stop_ids: Iterable[int]) -> list[Generation]:
-    """Cut each row of ``new_ids`` ``[batch, steps]`` at its first stop id (exclusive)."""
+def trim_generated(new_ids: Tensor | Sequence[Sequence[int]], stop_ids: Iterable[int]) -> list[Generation]:
+    """Cut each row of ``new_ids`` (``[batch, steps]``, or ragged lists) at its first stop id (exclusive)."""
     stops = set(int(i) for i in stop_ids)
     out = []
-    for row in new_ids.tolist():
+    for row in (new_ids.tolist() if isinstance(new_ids, Tensor) else [list(r) for r in new_ids]):
         cut = next((i for i, tok in enumerate(row) if tok in stops), None)
         if cut is None:
             out.append(Generation(row, "length"))
@@ -120,6 +121,27 @@ def generate(
     with _neutral_generation_defaults(target), _seeded(seed, target.device):
         out = target.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
     return trim_generated(out[:, input_ids.shape[1]:], stops)  # [batch, steps] -> per row
+
+
+class Generator(Protocol):
+    """Generates replies for a batch of prompts (token ids): HF below, vLLM in ``eagle3.vllm_generate``."""
+
+    name: str
+
+    def generate(self, prompts: Sequence[Sequence[int]], stop_ids: Iterable[int], sampling: SamplingConfig,
+                 *, seed: int = 0) -> list[Generation]: ...
+
+
+@dataclass
+class HFGenerator:
+    """:func:`generate` on a loaded :class:`~eagle3.target.Target`."""
+
+    target: Target
+    name: str = "hf"
+
+    def generate(self, prompts: Sequence[Sequence[int]], stop_ids: Iterable[int], sampling: SamplingConfig,
+                 *, seed: int = 0) -> list[Generation]:
+        return generate(self.target, prompts, stop_ids, sampling, seed=seed)
 
 
 @contextlib.contextmanager
@@ -168,7 +190,7 @@ def derive_seed(*parts: int) -> int:
 
 
 def regenerate_conversations(
-    target: Target,
+    generator: Generator | Target,
     chat: ChatFormat,
     conversations: Sequence[Sequence[Mapping[str, str]]],
     sampling: SamplingConfig = SamplingConfig(),
@@ -178,6 +200,8 @@ def regenerate_conversations(
 ) -> list[RegeneratedConversation]:
     """Regenerate every assistant turn of ``conversations`` with the target, as one batch.
 
+    ``generator`` is a :class:`Generator` (HF or vLLM), or a Target (run with HF).
+
     The original assistant contents are dropped. Turns are generated depth by depth: all
     first replies in one ``generate`` call (from ``[system, user1]``), then all second
     replies from ``[system, user1, reply1, user2]`` where ``reply1`` is the target's own,
@@ -186,6 +210,8 @@ def regenerate_conversations(
     prompt at depth ``d`` exceeds ``max_prompt_tokens`` keeps its first ``d - 1`` exchanges
     and drops the rest (``dropped_turns``); at depth 1 that skips it entirely.
     """
+    if isinstance(generator, Target):
+        generator = HFGenerator(generator)
     users = [[m for m in conv if m["role"] == "user"] for conv in conversations]
     out = []
     for conv in conversations:
@@ -205,7 +231,7 @@ def regenerate_conversations(
             prompts.append(ids)
         if not rows:
             continue
-        replies = generate(target, prompts, chat.stop_ids, sampling, seed=derive_seed(seed, depth))
+        replies = generator.generate(prompts, chat.stop_ids, sampling, seed=derive_seed(seed, depth))
         for row, reply in zip(rows, replies, strict=True):
             text = chat.tokenizer.decode(reply.token_ids, skip_special_tokens=False,
                                          clean_up_tokenization_spaces=False)
@@ -216,6 +242,6 @@ def regenerate_conversations(
 
 
 __all__ = [
-    "Generation", "RegeneratedConversation", "SamplingConfig", "derive_seed", "generate", "left_pad",
-    "regenerate_conversations", "trim_generated",
+    "Generation", "Generator", "HFGenerator", "RegeneratedConversation", "SamplingConfig", "derive_seed",
+    "generate", "left_pad", "regenerate_conversations", "trim_generated",
 ]
