@@ -1,9 +1,12 @@
 """Regeneration throughput: eagle3.generate at batch 1 vs batch 8, same prompts, same run.
 
 Also plain ``target.model.generate`` at batch 1 (the wrapper's overhead), and how many
-rows batch 8 generated exactly as batch 1 did. One JSON line per figure.
+rows batch 8 generated exactly as batch 1 did. One JSON line per figure. With ``--vllm``
+(run from the venv of scripts/setup_vllm_env.sh) the vLLM backend is timed too, on the
+same prompts, and its rows are compared with HF's.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/regen_throughput.py [--target smollm2-135m] [--max-new-tokens 64]
+    source scripts/vllm_env.sh; OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/regen_throughput.py --vllm
 
 Tokens counted are generated tokens (stop token included, padding of finished rows not).
 """
@@ -17,7 +20,7 @@ import time
 import torch
 
 from eagle3.chat import ChatFormat
-from eagle3.generate import SamplingConfig, generate
+from eagle3.generate import Generator, HFGenerator, SamplingConfig, generate
 from eagle3.target import load_target
 
 PROMPTS = [
@@ -53,6 +56,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} built-in")
+    parser.add_argument("--vllm", action="store_true", help="also time the vLLM backend (needs vLLM installed)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -63,13 +67,14 @@ def main() -> None:
     stops = sorted(chat.stop_ids)
     generate(target, prompts[:1], stops, SamplingConfig(max_new_tokens=4))  # warm-up
 
-    def timed(batch: int):
+    def timed(generator: Generator, batch: int):
         t0 = time.perf_counter()
-        out = [g for chunk in _batches(prompts, batch) for g in generate(target, chunk, stops, sampling)]
+        out = [g for chunk in _batches(prompts, batch) for g in generator.generate(chunk, stops, sampling)]
         return out, time.perf_counter() - t0
 
-    alone, alone_s = timed(1)
-    batched, batched_s = timed(args.batch)
+    hf = HFGenerator(target)
+    alone, alone_s = timed(hf, 1)
+    batched, batched_s = timed(hf, args.batch)
 
     t0 = time.perf_counter()
     plain_tokens = 0
@@ -98,6 +103,26 @@ def main() -> None:
         {"figure": f"rows_equal_batch{args.batch}_vs_batch1",
          "value": sum(a == b for a, b in zip(alone, batched, strict=True)), "of": len(prompts)},
     ]
+    if args.vllm:
+        from eagle3.vllm_generate import VllmGenerator
+
+        vllm = VllmGenerator(target.model.name_or_path, dtype=args.dtype)
+        vllm.generate(prompts[:1], stops, SamplingConfig(max_new_tokens=4))  # warm-up
+        v_alone, v_alone_s = timed(vllm, 1)
+        v_batched, v_batched_s = timed(vllm, args.batch)
+        v_alone_tokens = sum(g.num_generated for g in v_alone)
+        v_batched_tokens = sum(g.num_generated for g in v_batched)
+        figures += [
+            {"figure": "vllm_regen_tokens_per_s", "batch": 1, "value": round(v_alone_tokens / v_alone_s, 2),
+             "tokens": v_alone_tokens, "seconds": round(v_alone_s, 2)},
+            {"figure": "vllm_regen_tokens_per_s", "batch": args.batch,
+             "value": round(v_batched_tokens / v_batched_s, 2), "tokens": v_batched_tokens,
+             "seconds": round(v_batched_s, 2)},
+            {"figure": f"vllm_over_hf_ratio_batch{args.batch}",
+             "value": round((v_batched_tokens / v_batched_s) / (batched_tokens / batched_s), 3)},
+            {"figure": "rows_equal_vllm_vs_hf", "value": sum(a == b for a, b in zip(alone, v_batched, strict=True)),
+             "of": len(prompts)},
+        ]
     for figure in figures:
         print(json.dumps({**figure, **common}, ensure_ascii=False))
 

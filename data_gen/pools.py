@@ -225,6 +225,22 @@ def format_counts(manifest: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def select_balanced(records: list[dict[str, Any]], n: int, domains: list[str], seed: int) -> list[dict[str, Any]]:
+    """``n`` records taken in turn from each domain (seeded order within a domain); a domain
+    that runs out leaves its turns to the others."""
+    queues = {d: iter(sorted((r for r in records if r["domain"] == d),
+                             key=lambda r: _rank(seed, "select:" + r["id"]))) for d in domains}
+    out: list[dict[str, Any]] = []
+    while len(out) < n and queues:
+        for domain in list(queues):
+            record = next(queues[domain], None)
+            if record is None:
+                del queues[domain]
+            elif len(out) < n:
+                out.append(record)
+    return out
+
+
 def check_no_overlap(pool_dir: str | Path) -> dict[str, int]:
     """Overlaps between the training pool (train + val) and each eval set: normalised text and MMATH gid."""
     pool_dir = Path(pool_dir)

@@ -84,22 +84,26 @@ class PoolsConfig:
 
 
 @dataclass
-class PipelineConfig:
-    """One run of the pipeline: every stage reads its part of this tree."""
+class SelectConfig:
+    """Which pool prompts the pipeline regenerates: a seeded, domain-balanced subset."""
 
-    target: TargetConfig = field(default_factory=TargetConfig)
-    pools: PoolsConfig = field(default_factory=PoolsConfig)
-    out_dir: str = "runs/quickstart"
-    """Where every stage writes its outputs."""
-    stages: list[str] = field(default_factory=lambda: ["target", "pools"])
-    """Stages to run, in order."""
-    threads: int = 1
-    """torch intra-op threads on CPU; 1 was fastest on a loaded 2-core machine."""
+    num_prompts: int = 64
+    domains: list[str] = field(default_factory=lambda: ["coding", "science", "multilingual", "general"])
+    """Taken in turn, one prompt per domain per round, until ``num_prompts``."""
+    split: str = "train"
+    """Pool file to draw from: train or val."""
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.threads < 1:
-            raise ValueError(f"threads={self.threads}: must be >= 1")
+        from eagle3.conversations import DOMAINS
+
+        unknown = [d for d in self.domains if d not in DOMAINS]
+        if unknown or not self.domains:
+            raise ValueError(f"select.domains={self.domains}: expected a non-empty subset of {', '.join(DOMAINS)}")
+        if self.split not in ("train", "val"):
+            raise ValueError(f"select.split={self.split!r}: expected train or val")
+        if self.num_prompts < 1:
+            raise ValueError(f"select.num_prompts={self.num_prompts}: must be >= 1")
 
 
 @dataclass
@@ -150,3 +154,24 @@ class RegenerateConfig:
             raise ValueError(f"regenerate.top_p={self.top_p}: must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError(f"regenerate.top_k={self.top_k}: must be >= 0")
+
+
+@dataclass
+class PipelineConfig:
+    """One run of the pipeline: every stage reads its part of this tree."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    pools: PoolsConfig = field(default_factory=PoolsConfig)
+    select: SelectConfig = field(default_factory=SelectConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    out_dir: str = "runs/quickstart"
+    """Where every stage writes its outputs."""
+    stages: list[str] = field(default_factory=lambda: ["target", "pools", "regenerate"])
+    """Stages to run, in order."""
+    threads: int = 1
+    """torch intra-op threads on CPU; 1 was fastest on a loaded 2-core machine."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ValueError(f"threads={self.threads}: must be >= 1")

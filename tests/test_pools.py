@@ -126,3 +126,13 @@ def test_real_pools_meet_the_counts(tmp_path: Path) -> None:
         ("ar", "es", "fr", "ja", "ko", "pt", "th", "vi", "zh"), 20)
     mtbench = read_jsonl(tmp_path / "pools" / "eval" / "mtbench.jsonl")
     assert all(sum(m["role"] == "user" for m in r["messages"]) == 2 for r in mtbench)
+
+
+def test_select_balanced_takes_domains_in_turn() -> None:
+    records = [{"id": f"{d}{i}", "domain": d} for d in ("coding", "science", "general") for i in range(5)]
+    records += [{"id": "m0", "domain": "multilingual"}]
+    got = pools.select_balanced(records, 9, ["coding", "science", "multilingual", "general"], seed=0)
+    assert [r["domain"] for r in got[:4]] == ["coding", "science", "multilingual", "general"]
+    assert Counter(r["domain"] for r in got) == {"coding": 3, "science": 3, "general": 2, "multilingual": 1}
+    assert got == pools.select_balanced(list(reversed(records)), 9, ["coding", "science", "multilingual", "general"], 0)
+    assert got != pools.select_balanced(records, 9, ["coding", "science", "multilingual", "general"], seed=1)
