@@ -45,6 +45,7 @@ import torch
 from eagle3.atomic import atomic_dir, atomic_write_text, sha256_file
 from eagle3.chat import ChatFormat
 from eagle3.config import RegenerateConfig, TargetConfig
+from eagle3.conversations import ConversationError, check_messages, iter_jsonl, messages_of, record_id
 from eagle3.generate import (
     Generator,
     HFGenerator,
@@ -75,21 +76,27 @@ def part_path(out_dir: Path, batch: int) -> Path:
 
 
 def read_pool(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
-    """Records of a pool jsonl file (blank lines ignored), the first ``limit`` if given."""
+    """Records of a pool jsonl file, the first ``limit`` if given; messages validated.
+
+    Pool records from ``data_gen.pools`` pass as they are; a user's own jsonl (ShareGPT
+    ``conversations`` or OpenAI ``messages``) works too, ids derived from the content. A bad
+    row (malformed JSON, not UTF-8, unknown role, empty turn, ...) raises ValueError naming
+    ``file:line``: nothing is generated from a pool that cannot be read whole.
+    """
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if limit is not None and len(records) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no}: not JSON ({err})") from err
-            if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
-                raise ValueError(f"{path}:{line_no}: a pool record needs a 'messages' list")
-            records.append(record)
+    for where, row in iter_jsonl(path):
+        if limit is not None and len(records) >= limit:
+            break
+        try:
+            if isinstance(row, ConversationError):
+                raise row
+            messages = check_messages(messages_of(row))
+        except ConversationError as err:
+            raise ValueError(f"{where}: {err}") from None
+        record = {k: v for k, v in row.items() if k != "conversations"}
+        record["messages"] = messages
+        record.setdefault("id", record_id(messages))
+        records.append(record)
     return records
 
 
@@ -191,10 +198,29 @@ def _iter_parts(out_dir: Path, batches: int) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
 
 
-def assemble(out_dir: Path, batches: int) -> dict[str, int]:
-    """Write ``DIR/dataset/regenerated.jsonl`` from the parts, atomically; returns the counts."""
-    counts = {"records": 0, "skipped_records": 0, "truncated_records": 0, "dropped_turns": 0, "turns": 0,
-              "finish_stop": 0, "finish_length": 0, "new_tokens": 0}
+def per_turn_samples(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """One sample per assistant turn: the conversation up to and including that turn.
+
+    For chat templates that rewrite earlier assistant turns when a later one follows
+    (e.g. dropping their reasoning blocks), the tokens the target saw while writing turn k
+    are those of the conversation cut after turn k, so each turn is trained on alone.
+    """
+    messages, turns = record["messages"], record["generation"]["turns"]
+    ends = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if len(ends) <= 1:
+        return [record]
+    return [{**record, "id": f"{record['id']}-t{k}", "messages": messages[: end + 1],
+             "generation": {**record["generation"], "turns": [turns[k]], "turn_index": k}}
+            for k, end in enumerate(ends)]
+
+
+def assemble(out_dir: Path, batches: int, per_turn: bool = False) -> dict[str, int]:
+    """Write ``DIR/dataset/regenerated.jsonl`` from the parts, atomically; returns the counts.
+
+    With ``per_turn``, multi-turn records become one sample per assistant turn (:func:`per_turn_samples`).
+    """
+    counts = {"records": 0, "samples": 0, "skipped_records": 0, "truncated_records": 0, "dropped_turns": 0,
+              "turns": 0, "finish_stop": 0, "finish_length": 0, "new_tokens": 0}
     with atomic_dir(out_dir / DATASET) as tmp, open(tmp / STORE, "w", encoding="utf-8") as store:
         for record in _iter_parts(out_dir, batches):
             gen = record["generation"]
@@ -208,7 +234,9 @@ def assemble(out_dir: Path, batches: int) -> dict[str, int]:
             for turn in gen["turns"]:
                 counts[f"finish_{turn['finish_reason']}"] += 1
                 counts["new_tokens"] += turn["new_tokens"]
-            store.write(_dumps(record) + "\n")
+            for sample in per_turn_samples(record) if per_turn else [record]:
+                counts["samples"] += 1
+                store.write(_dumps(sample) + "\n")
     return counts
 
 
@@ -241,7 +269,8 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
         todo = [b for b in range(batches) if not part_path(out_dir, b).exists()]
         generator, chat, dtype = make_backend(cfg, target_cfg, target)
         settings |= {"dtype": dtype, "chat_template_sha256": chat.template_sha256,
-                     "chat_template_source": chat.template_source}
+                     "chat_template_source": chat.template_source,
+                     "per_turn_samples": chat.rewrites_earlier_turns()}
         check_manifest(out_dir, settings)
         write_manifest(out_dir, settings, len(records), batches)
         sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
@@ -264,7 +293,7 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
                 atomic_write_text(part_path(out_dir, b), "".join(line + "\n" for line in lines))
                 bar.set_postfix_str(f"{generated / gen_seconds:.1f} tok/s")
                 bar.update(1)
-        counts = assemble(out_dir, batches)
+        counts = assemble(out_dir, batches, per_turn=settings["per_turn_samples"])
         summary = {
             "stage": "regenerate", "out": str(out_dir / DATASET / STORE), "target": target_cfg.name_or_path,
             "pool_records": len(records), "batches": batches, "batches_run": len(todo), **counts,

@@ -90,6 +90,19 @@ class ChatFormat:
         check_single_bos(ids, self.tokenizer.bos_token_id)
         return ids
 
+    def rewrites_earlier_turns(self) -> bool:
+        """True when the template changes an assistant turn once a later turn follows it.
+
+        Reasoning templates (e.g. Qwen3) drop the ``<think>`` block of earlier replies, so
+        the context the target saw while writing a turn is not a prefix of the full
+        conversation's rendering; such conversations are trained on one turn at a time.
+        """
+        reply = "<think>\nEAGLE3REASONING\n</think>\n\nEAGLE3ANSWER"
+        text = self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": reply},
+                            {"role": "user", "content": "again"}, {"role": "assistant", "content": "last"}],
+                           add_generation_prompt=False)
+        return reply not in text
+
     def end_of_turn_id(self) -> int | None:
         """The special token the template writes right after an assistant message, if any.
 

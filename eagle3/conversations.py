@@ -113,7 +113,7 @@ class LoadReport:
             self.first_errors.append(f"{where}: {reason}")
 
 
-def _messages_of(row: Any) -> Any:
+def messages_of(row: Any) -> Any:
     if not isinstance(row, dict):
         raise ConversationError(f"expected a JSON object, got {type(row).__name__}")
     if "messages" in row:
@@ -136,14 +136,14 @@ def iter_user_conversations(path: str | Path, *, strict: bool = False,
     if path.is_dir():
         rows: Iterator[tuple[str, Any]] = _dataset_rows(path)
     elif path.is_file():
-        rows = _jsonl_rows(path)
+        rows = iter_jsonl(path)
     else:
         raise ConversationError(f"{path}: no such file or folder")
     for where, row in rows:
         try:
             if isinstance(row, ConversationError):
                 raise row
-            messages = check_messages(_messages_of(row))
+            messages = check_messages(messages_of(row))
         except ConversationError as err:
             if strict:
                 raise ConversationError(f"{where}: {err}") from None
@@ -153,7 +153,11 @@ def iter_user_conversations(path: str | Path, *, strict: bool = False,
         yield where, messages
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
+def iter_jsonl(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """``(file:line, parsed row)`` per non-blank line; a bad line yields a ConversationError instead.
+
+    UTF-8 with or without a BOM, LF or CRLF line ends.
+    """
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"

@@ -226,3 +226,49 @@ def test_default_target_regeneration_equals_hf_greedy() -> None:
         want = want[:next((i for i, t in enumerate(want) if t in chat.stop_ids), len(want))]
         assert result.turns[0].token_ids == want
         assert result.messages[-1]["content"].strip()
+
+
+THINK_DROPPING_TEMPLATE = (  # like reasoning templates: earlier replies lose their <think> block
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
+    "{% else %}{{ m['content'] }}{% endif %}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_templates_that_rewrite_earlier_turns_give_one_sample_per_turn(tmp_path: Path) -> None:
+    plain = lively_target()
+    assert not ChatFormat.for_tokenizer(plain.tokenizer).rewrites_earlier_turns()
+    thinking = lively_target(chat_template=THINK_DROPPING_TEMPLATE)
+    assert ChatFormat.for_tokenizer(thinking.tokenizer).rewrites_earlier_turns()
+
+    pool = _write_pool(tmp_path / "pool.jsonl", [[_user("a"), _assistant("x"), _user("b")], [_user("solo")]])
+    cfg = RegenerateConfig(pool=str(pool), out_dir=str(tmp_path / "out"), batch_size=2, max_new_tokens=5)
+    summary = run(cfg, TargetConfig(name_or_path="thinking"), progress=False, target=thinking)
+    rows = [json.loads(line) for line in (tmp_path / "out/dataset/regenerated.jsonl").read_text().splitlines()]
+    assert (summary["records"], summary["samples"]) == (2, 3)
+    assert [r["id"] for r in rows] == ["r0-t0", "r0-t1", "r1"]
+    assert [m["role"] for m in rows[0]["messages"]] == ["user", "assistant"]
+    assert rows[1]["messages"][:2] == rows[0]["messages"]  # turn 2's sample starts with turn 1 as generated
+    assert [r["generation"].get("turn_index") for r in rows] == [0, 1, None]
+    assert json.loads((tmp_path / "out/manifest.json").read_text())["settings"]["per_turn_samples"] is True
+
+
+def test_pool_rows_are_validated_with_file_and_line(target: Target, tmp_path: Path) -> None:
+    from data_gen.regenerate import read_pool
+
+    pool = tmp_path / "mine.jsonl"
+    pool.write_bytes(b'\xef\xbb\xbf{"conversations": [{"from": "human", "value": "hi"}]}\r\n'
+                     b'{"messages": [{"role": "user", "content": "fine"}], "id": "keep"}\n')
+    rows = read_pool(pool)
+    assert rows[0]["messages"] == [{"role": "user", "content": "hi"}] and "conversations" not in rows[0]
+    assert len(rows[0]["id"]) == 16 and rows[1]["id"] == "keep"
+    for bad, reason in [(b'{"messages": [{"role": "robot", "content": "x"}]}', "unknown role 'robot'"),
+                        (b'{"messages": [{"role": "assistant", "content": "x"}]}', "starts with assistant"),
+                        (b'{"messages": [', "malformed JSON"), (b'\xff\xfe', "not UTF-8")]:
+        pool.write_bytes(b'{"messages": [{"role": "user", "content": "ok"}]}\n' + bad + b"\n")
+        with pytest.raises(ValueError, match=f"mine.jsonl:2: .*{reason}"):
+            read_pool(pool)
+    out = tmp_path / "out"
+    code = main(["--pool", str(pool), "--out", str(out), "--target", str(tmp_path / "no-such-model")])
+    assert code == 2 and not (out / "dataset").exists()
