@@ -82,6 +82,9 @@ def stage_regenerate(cfg: PipelineConfig) -> dict[str, Any]:
     if not pool.is_file():
         raise FileNotFoundError(f"{pool}: no prompt pool; run the pools stage first")
     chosen = select_balanced(read_jsonl(pool), cfg.select.num_prompts, cfg.select.domains, cfg.select.seed)
+    # Similar lengths side by side: less padding in each (fixed) batch.
+    chosen.sort(key=lambda r: (sum(m["role"] == "user" for m in r["messages"]),
+                               sum(len(m["content"]) for m in r["messages"] if m["role"] != "assistant"), r["id"]))
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chosen)
     prompts = Path(cfg.regenerate.pool)
     if not prompts.is_file() or prompts.read_text(encoding="utf-8") != text:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -126,6 +129,12 @@ def test_real_pools_meet_the_counts(tmp_path: Path) -> None:
         ("ar", "es", "fr", "ja", "ko", "pt", "th", "vi", "zh"), 20)
     mtbench = read_jsonl(tmp_path / "pools" / "eval" / "mtbench.jsonl")
     assert all(sum(m["role"] == "user" for m in r["messages"]) == 2 for r in mtbench)
+    # Same bytes from another process with another hash seed: nothing depends on set order or addresses.
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    subprocess.run([sys.executable, "-m", "data_gen.pools", "--out", str(tmp_path / "again")], check=True,
+                   env=env, capture_output=True)
+    for name in ("train.jsonl", "val.jsonl", "eval/gsm8k.jsonl", "eval/alpaca.jsonl", "eval/multilingual.jsonl"):
+        assert (tmp_path / "pools" / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
 
 
 def test_select_balanced_takes_domains_in_turn() -> None:
