@@ -17,6 +17,7 @@ import inspect
 import json
 import re
 import sys
+import sysconfig
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -168,28 +169,35 @@ _STDLIB_ASKS = (
 )
 
 
+def _stdlib_file(module_name: str) -> Path | None:
+    """The source file of a pure-Python standard-library module (package: its __init__)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    base = root.joinpath(*module_name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
 def stdlib_function_prompts(wheel: Path | None, path: str) -> Iterator[Prompt]:
-    """"Implement this function" prompts from the public, documented functions of the stdlib."""
-    seen: set[str] = set()
+    """"Implement this function" prompts from the public, documented functions of the stdlib.
+
+    Read from the modules' source with ``ast``, never imported: importing would run code
+    and let the process's state (patched functions, live defaults) change the prompts.
+    """
     for module_name in dict.fromkeys(STDLIB_MODULES):
-        try:
-            module = importlib.import_module(module_name)
-        except Exception:  # modules that are absent or fail on this platform are skipped
+        source = _stdlib_file(module_name)
+        if source is None:
             continue
-        for name, fn in inspect.getmembers(module, inspect.isfunction):
-            doc = inspect.getdoc(fn) or ""
-            if name.startswith("_") or fn.__module__ != module.__name__ or len(doc) < 60:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
                 continue
-            try:
-                sig = str(inspect.signature(fn))
-            except (TypeError, ValueError):
+            doc = inspect.cleandoc(ast.get_docstring(node) or "")
+            if len(doc) < 60:
                 continue
-            # Defaults that print as `<function f at 0x7f...>` would change the text every run.
-            sig = re.sub(r" at 0x[0-9a-f]+", "", sig)
-            key = f"{fn.__module__}.{name}"
-            if key in seen:
-                continue
-            seen.add(key)
+            name, sig = node.name, f"({ast.unparse(node.args)})"
+            key = f"{module_name}.{name}"
             pick = int(hashlib.sha256(key.encode()).hexdigest(), 16) % len(_STDLIB_ASKS)
             text = _STDLIB_ASKS[pick].format(name=name, sig=sig, module=module_name, doc=doc[:2500])
             yield Prompt("stdlib", "coding", [_user(text)], language="en", meta={"function": key})
@@ -242,8 +250,10 @@ def generated_math(wheel: Path | None, path: str, per_generator: int = 60, seed:
     for name in names:
         dataset = factory.create_dataset(name, size=per_generator, seed=_generator_seed(name, seed))
         for item in dataset:
+            # The generator's answer is not kept: training uses the target's own reply, and
+            # sympy prints some answers (integrals) differently from run to run.
             yield Prompt("reasoning_gym", "science", [_user(item["question"])], language="en",
-                         meta={"generator": name, "answer": str(item.get("answer"))})
+                         meta={"generator": name})
 
 
 def gsm_symbolic_eval(wheel: Path | None, path: str, size: int = 150, seed: int = 1234) -> Iterator[Prompt]:
