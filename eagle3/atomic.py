@@ -24,6 +24,12 @@ def sha256_file(path: str | os.PathLike[str], chunk_bytes: int = 1 << 20) -> str
     return digest.hexdigest()
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -38,6 +44,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the final file gets the usual mode
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -64,9 +71,7 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the final folder gets the usual mode
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the final folder gets the usual mode
     try:
         yield tmp
         for child in tmp.rglob("*"):

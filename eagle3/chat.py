@@ -90,6 +90,46 @@ class ChatFormat:
         check_single_bos(ids, self.tokenizer.bos_token_id)
         return ids
 
+    def tokenize_conversation(self, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
+        """Token ids of a whole conversation and its loss mask: 1 exactly on assistant tokens.
+
+        Assistant tokens are each assistant message's content plus the template's
+        end-of-turn token right after it (the draft must learn to propose the stop too);
+        the role headers, system and user turns are 0. Content is located in the rendered
+        text by character offsets, so any template works whose assistant content appears
+        verbatim (or stripped) after the preceding turns.
+        """
+        text = self.render(messages, add_generation_prompt=False)
+        spans: list[tuple[int, int]] = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant" or not m["content"]:
+                continue
+            before = self.render(messages[:i], add_generation_prompt=False)
+            cursor = len(before) if text.startswith(before) else (spans[-1][1] if spans else 0)
+            for content in (m["content"], m["content"].strip()):
+                start = text.find(content, cursor)
+                if start >= 0:
+                    spans.append((start, start + len(content)))
+                    break
+            else:
+                raise ChatFormatError(f"assistant message {i} does not appear in the rendered conversation; "
+                                      "the template rewrites it, so its tokens cannot be masked")
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids: list[int] = enc["input_ids"]
+        check_single_bos(ids, self.tokenizer.bos_token_id)
+        mask = [0] * len(ids)
+        end_of_turn = self.end_of_turn_id()
+        for start, end in spans:
+            last = None
+            for t, (a, b) in enumerate(enc["offset_mapping"]):
+                if b > a and start <= a < end:  # a token that begins inside the content
+                    mask[t] = 1
+                    last = t
+            if last is not None and last + 1 < len(ids) and ids[last + 1] in self.stop_ids | (
+                    {end_of_turn} if end_of_turn is not None else set()):
+                mask[last + 1] = 1
+        return ids, mask
+
     def rewrites_earlier_turns(self) -> bool:
         """True when the template changes an assistant turn once a later turn follows it.
 

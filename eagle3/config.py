@@ -157,6 +157,52 @@ class RegenerateConfig:
 
 
 @dataclass
+class HarvestConfig:
+    """The hidden-state harvest (data_gen.harvest): regenerated conversations -> shard store."""
+
+    data: str = ""
+    """Regenerated conversations (jsonl), e.g. <regenerate.out_dir>/dataset/regenerated.jsonl."""
+    out_dir: str = ""
+    dtype: str = "bfloat16"
+    """Stored state dtype: bfloat16, float8_e4m3fn (per-row scales; half the disk) or float32."""
+    store: str = "last"
+    """last: the pre-norm last-layer state (the trainer applies the target's norm and lm_head);
+    topk: the target's top-k next-token log-probs instead (smaller for large hidden sizes)."""
+    topk: int = 0
+    max_seq_len: int = 2048
+    """Longer conversations are truncated (counted)."""
+    batch_size: int = 4
+    max_shard_mb: int = 256
+    shard: str = "0/1"
+    """i/n: this worker harvests shards j with j % n == i (Slurm arrays, several processes)."""
+    backend: str = "hf"
+    """hf, or vllm (run from the venv of scripts/setup_vllm_env.sh)."""
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("hf", "vllm"):
+            raise ValueError(f"harvest.backend={self.backend!r}: expected hf or vllm")
+        if self.dtype not in ("bfloat16", "float8_e4m3fn", "float32"):
+            raise ValueError(f"harvest.dtype={self.dtype!r}: expected bfloat16, float8_e4m3fn or float32")
+        if self.store not in ("last", "topk") or (self.store == "topk") != (self.topk > 0):
+            raise ValueError(f"harvest.store={self.store!r}, topk={self.topk}: use last, or topk with topk > 0")
+        for name in ("max_seq_len", "batch_size", "max_shard_mb", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"harvest.{name}={getattr(self, name)}: must be >= 1")
+        self.worker  # noqa: B018  (validates shard)
+
+    @property
+    def worker(self) -> tuple[int, int]:
+        try:
+            i, n = (int(x) for x in self.shard.split("/"))
+        except ValueError:
+            raise ValueError(f"harvest.shard={self.shard!r}: expected i/n, e.g. 0/4") from None
+        if not 0 <= i < n:
+            raise ValueError(f"harvest.shard={self.shard!r}: need 0 <= i < n")
+        return i, n
+
+
+@dataclass
 class PipelineConfig:
     """One run of the pipeline: every stage reads its part of this tree."""
 

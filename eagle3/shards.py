@@ -1,0 +1,394 @@
+"""The harvest store: the one contract between the harvester (writes) and the trainer (reads).
+
+A store is a folder::
+
+    manifest.json                 written last: shards, counts, sha256 per shard, harvest spec
+    shard-00000.safetensors       samples [start, end) of the harvest plan, concatenated on tokens
+    ...
+
+Per shard (``T`` tokens of ``n`` samples; ``A`` aux layers; ``H`` the target's hidden size)::
+
+    input_ids    int32   [T]
+    loss_mask    uint8   [T]            1 on assistant tokens (what the draft is trained on)
+    offsets      int64   [n + 1]        sample k is tokens offsets[k]:offsets[k+1]
+    aux          dtype   [T, A, H]      inputs of the aux layers, ascending ids
+    last         dtype   [T, H]         pre-norm output of the last decoder layer
+    aux_scale    float32 [T, A]         fp8 only: per-row scales (value = q * scale)
+    last_scale   float32 [T]            fp8 only
+    topk_ids     int32   [T, K]         store="topk" instead of ``last``: the target's top-K
+    topk_logprobs float32 [T, K]        next-token log-probs at each position
+
+The safetensors metadata holds the sample ids (``samples``, JSON). ``dtype`` is bfloat16
+(default) or float8_e4m3fn with one fp32 scale per row, which halves the disk.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from eagle3.atomic import atomic_write_bytes, atomic_write_text, sha256_file
+
+MANIFEST = "manifest.json"
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+STORE_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32}
+
+
+class StoreError(RuntimeError):
+    """A store is incomplete, corrupt or does not match the target; the message names the file."""
+
+
+@dataclass(frozen=True)
+class HarvestSpec:
+    """What a store was harvested from and how; pinned in the manifest and checked by readers."""
+
+    target: str
+    weights_fingerprint: str
+    tokenizer_sha256: str
+    chat_template_sha256: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+    dtype: str = "bfloat16"
+    store: str = "last"  # "last" (pre-norm last state) or "topk" (target log-probs)
+    topk: int = 0
+    max_seq_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.dtype not in STORE_DTYPES:
+            raise ValueError(f"harvest dtype {self.dtype!r}: expected one of {', '.join(STORE_DTYPES)}")
+        if self.store not in ("last", "topk") or (self.store == "topk") != (self.topk > 0):
+            raise ValueError(f"harvest store={self.store!r} topk={self.topk}: "
+                             "use store=last, or store=topk with topk > 0")
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> HarvestSpec:
+        return cls(**{**data, "aux_layer_ids": tuple(data["aux_layer_ids"])})
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "aux_layer_ids": list(self.aux_layer_ids)}
+
+
+@dataclass
+class Sample:
+    """One harvested sequence, in float32 (or the stored dtype's dequantised values)."""
+
+    id: str
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] bool
+    aux: torch.Tensor  # [T, A, H]
+    last: torch.Tensor | None = None  # [T, H]
+    topk_ids: torch.Tensor | None = None  # [T, K]
+    topk_logprobs: torch.Tensor | None = None  # [T, K]
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+# ---------------------------------------------------------------- fp8 with per-row scales
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_e4m3fn values and fp32 scales, one per row (last dim): x ~= q * scale."""
+    amax = x.float().abs().amax(dim=-1)  # [...]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (x.float() / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return q.float() if scale is None else q.float() * scale.unsqueeze(-1)
+
+
+def _encode(x: torch.Tensor, dtype: str, name: str) -> dict[str, torch.Tensor]:
+    if dtype == "float8_e4m3fn":
+        q, scale = quantize_fp8(x)
+        return {name: q, f"{name}_scale": scale}
+    return {name: x.to(STORE_DTYPES[dtype]).contiguous()}
+
+
+def encode_shard(samples: Sequence[Sample], spec: HarvestSpec) -> tuple[bytes, int]:
+    """Serialise samples as one safetensors shard; returns (bytes, tokens)."""
+    if not samples:
+        raise ValueError("a shard needs at least one sample")
+    lengths = [len(s) for s in samples]
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    tensors: dict[str, torch.Tensor] = {
+        "input_ids": torch.cat([s.input_ids for s in samples]).to(torch.int32),
+        "loss_mask": torch.cat([s.loss_mask for s in samples]).to(torch.uint8),
+        "offsets": offsets,
+    }
+    tensors |= _encode(torch.cat([s.aux for s in samples]), spec.dtype, "aux")
+    if spec.store == "last":
+        tensors |= _encode(torch.cat([s.last for s in samples]), spec.dtype, "last")
+    else:
+        tensors["topk_ids"] = torch.cat([s.topk_ids for s in samples]).to(torch.int32)
+        tensors["topk_logprobs"] = torch.cat([s.topk_logprobs for s in samples]).float()
+    metadata = {"samples": json.dumps([s.id for s in samples]), "format": "eagle3-harvest-1"}
+    return save(tensors, metadata=metadata), int(offsets[-1])
+
+
+def write_shard(path: Path, samples: Sequence[Sample], spec: HarvestSpec) -> int:
+    data, tokens = encode_shard(samples, spec)
+    atomic_write_bytes(path, data)
+    return tokens
+
+
+def bytes_per_token(spec: HarvestSpec) -> float:
+    """Disk per stored token (input id, mask and states), before safetensors' header."""
+    a, h = len(spec.aux_layer_ids), spec.hidden_size
+    width = {"bfloat16": 2, "float8_e4m3fn": 1, "float32": 4}[spec.dtype]
+    scales = 4 * (a + (spec.store == "last")) if spec.dtype == "float8_e4m3fn" else 0
+    states = a * h * width + (h * width if spec.store == "last" else spec.topk * 8)
+    return 4 + 1 + states + scales
+
+
+# ---------------------------------------------------------------- the manifest
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def write_manifest(root: Path, spec: HarvestSpec, shards: list[dict[str, Any]], counts: dict[str, int],
+                   config: dict[str, Any]) -> dict[str, Any]:
+    """Written last, atomically: a store without a manifest is incomplete."""
+    manifest = {
+        "format": "eagle3-harvest-1",
+        "spec": spec.to_json(),
+        "shards": shards,
+        "samples": sum(s["samples"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+        "loss_tokens": sum(s["loss_tokens"] for s in shards),
+        "bytes": sum(s["bytes"] for s in shards),
+        "counts": counts,
+        "config": config,
+    }
+    atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def read_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(root) / MANIFEST
+    if not path.is_file():
+        raise StoreError(f"{path}: missing; the harvest has not finished (rerun it to complete the store)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise StoreError(f"{path}: not valid JSON ({err})") from err
+
+
+def verify_store(root: str | os.PathLike[str]) -> dict[str, Any]:
+    """Re-check every shard's sha256, tensor names, shapes and dtypes against the manifest."""
+    root = Path(root)
+    manifest = read_manifest(root)
+    spec = HarvestSpec.from_json(manifest["spec"])
+    for entry in manifest["shards"]:
+        path = root / entry["file"]
+        if not path.is_file():
+            raise StoreError(f"{path}: missing shard")
+        if sha256_file(path) != entry["sha256"]:
+            raise StoreError(f"{path}: sha256 differs from the manifest (corrupt or truncated shard)")
+        _check_shard(path, spec, entry)
+    return manifest
+
+
+def _check_shard(path: Path, spec: HarvestSpec, entry: dict[str, Any]) -> None:
+    t, n, a, h = entry["tokens"], entry["samples"], len(spec.aux_layer_ids), spec.hidden_size
+    want = {"input_ids": [t], "loss_mask": [t], "offsets": [n + 1], "aux": [t, a, h]}
+    want |= {"last": [t, h]} if spec.store == "last" else {"topk_ids": [t, spec.topk], "topk_logprobs": [t, spec.topk]}
+    if spec.dtype == "float8_e4m3fn":
+        want["aux_scale"] = [t, a]
+        if spec.store == "last":
+            want["last_scale"] = [t]
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = set(f.keys())
+            if names != set(want):
+                raise StoreError(f"{path}: tensors {sorted(names)}, expected {sorted(want)}")
+            for name, shape in want.items():
+                got = f.get_slice(name).get_shape()
+                if list(got) != shape:
+                    raise StoreError(f"{path}: {name} has shape {list(got)}, expected {shape}")
+    except StoreError:
+        raise
+    except Exception as err:  # safetensors raises its own error types for damaged files
+        raise StoreError(f"{path}: unreadable shard ({err})") from err
+
+
+def check_compatible(spec: HarvestSpec, *, tokenizer_sha256: str | None = None, num_layers: int | None = None,
+                     hidden_size: int | None = None, vocab_size: int | None = None, where: str = "store") -> None:
+    """Raise naming the key if a store does not belong to this target."""
+    for key, value in (("tokenizer_sha256", tokenizer_sha256), ("num_layers", num_layers),
+                       ("hidden_size", hidden_size), ("vocab_size", vocab_size)):
+        if value is not None and getattr(spec, key) != value:
+            raise StoreError(f"{where}: harvested with {key}={getattr(spec, key)!r}, but the target has {value!r}")
+
+
+# ---------------------------------------------------------------- reading
+
+@dataclass
+class _ShardIndex:
+    path: Path
+    offsets: list[int]
+    ids: list[str]
+
+
+@dataclass
+class HarvestStore:
+    """Random access over a finished store: memory-mapped shards, one sample at a time.
+
+    ``store[i]`` reads only sample i's rows (safetensors slices); ``lengths`` lets a
+    sampler bucket by length without touching the states.
+    """
+
+    root: Path
+    manifest: dict[str, Any] = field(init=False)
+    spec: HarvestSpec = field(init=False)
+    lengths: list[int] = field(init=False)
+    _index: list[tuple[int, int]] = field(init=False)  # sample -> (shard, position in shard)
+    _shards: list[_ShardIndex] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+        self.manifest = read_manifest(self.root)
+        self.spec = HarvestSpec.from_json(self.manifest["spec"])
+        self._shards, self._index, self.lengths = [], [], []
+        for k, entry in enumerate(self.manifest["shards"]):
+            path = self.root / entry["file"]
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    offsets = f.get_tensor("offsets").tolist()
+                    ids = json.loads(f.metadata()["samples"])
+            except Exception as err:
+                raise StoreError(f"{path}: unreadable shard ({err}); run verify") from err
+            self._shards.append(_ShardIndex(path, offsets, ids))
+            for j in range(len(ids)):
+                self._index.append((k, j))
+                self.lengths.append(offsets[j + 1] - offsets[j])
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i: int) -> Sample:
+        k, j = self._index[i]
+        shard = self._shards[k]
+        a, b = shard.offsets[j], shard.offsets[j + 1]
+        with safe_open(str(shard.path), framework="pt") as f:
+            def rows(name: str) -> torch.Tensor:
+                return f.get_slice(name)[a:b]
+
+            def states(name: str) -> torch.Tensor:
+                scale = rows(f"{name}_scale") if self.spec.dtype == "float8_e4m3fn" else None
+                return dequantize(rows(name), scale)
+
+            sample = Sample(id=shard.ids[j], input_ids=rows("input_ids").long(),
+                            loss_mask=rows("loss_mask").bool(), aux=states("aux"))
+            if self.spec.store == "last":
+                sample.last = states("last")
+            else:
+                sample.topk_ids = rows("topk_ids").long()
+                sample.topk_logprobs = rows("topk_logprobs")
+        return sample
+
+    def __iter__(self) -> Iterator[Sample]:
+        """Stream every sample, shard by shard."""
+        for i in range(len(self)):
+            yield self[i]
+
+
+# ---------------------------------------------------------------- batching for the trainer
+
+def length_buckets(lengths: Sequence[int], max_tokens: int, seed: int = 0, shuffle: bool = True) -> list[list[int]]:
+    """Batches of sample indices with similar lengths, each padded size <= max_tokens.
+
+    Samples are sorted by length inside random windows of 100 batches' worth, so batches
+    are tight on padding but the order still varies with ``seed``.
+    """
+    order = list(range(len(lengths)))
+    rng = random.Random(seed)
+    if shuffle:
+        rng.shuffle(order)
+    window = max(1, 100 * max(1, max_tokens // max(1, int(sum(lengths) / max(1, len(lengths))))))
+    batches: list[list[int]] = []
+    for w in range(0, len(order), window):
+        chunk = sorted(order[w:w + window], key=lambda i: lengths[i])
+        batch: list[int] = []
+        for i in chunk:
+            if batch and max(lengths[j] for j in batch + [i]) * (len(batch) + 1) > max_tokens:
+                batches.append(batch)
+                batch = []
+            batch.append(i)
+        if batch:
+            batches.append(batch)
+    if shuffle:
+        rng.shuffle(batches)
+    return batches
+
+
+def pack_indices(lengths: Sequence[int], max_len: int) -> list[list[int]]:
+    """Greedy first-fit packing of samples into rows of at most ``max_len`` tokens (in order
+    of decreasing length); samples longer than ``max_len`` get a row of their own."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        slot = next((r for r, free in enumerate(room) if free >= n), None)
+        if slot is None:
+            rows.append([i])
+            room.append(max_len - n)
+        else:
+            rows[slot].append(i)
+            room[slot] -= n
+    return rows
+
+
+def pack(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+    """Concatenate samples into one row, keeping per-document boundaries for the trainer's masks.
+
+    ``position_ids`` restart at 0 for each document and ``document_ids`` number them, so
+    attention never crosses a document and RoPE positions are each document's own.
+    """
+    cat = {
+        "input_ids": torch.cat([s.input_ids for s in samples]),  # [T]
+        "loss_mask": torch.cat([s.loss_mask for s in samples]),  # [T]
+        "aux": torch.cat([s.aux for s in samples]),  # [T, A, H]
+        "position_ids": torch.cat([torch.arange(len(s)) for s in samples]),  # [T]
+        "document_ids": torch.cat([torch.full((len(s),), k) for k, s in enumerate(samples)]),  # [T]
+    }
+    if samples[0].last is not None:
+        cat["last"] = torch.cat([s.last for s in samples])  # [T, H]
+    else:
+        cat["topk_ids"] = torch.cat([s.topk_ids for s in samples])
+        cat["topk_logprobs"] = torch.cat([s.topk_logprobs for s in samples])
+    return cat
+
+
+def shard_plan(lengths: Sequence[int], bytes_per_tok: float, max_shard_bytes: int) -> list[tuple[int, int]]:
+    """Cut samples ``[0, n)`` into consecutive shards of at most ``max_shard_bytes`` (a longer
+    sample gets a shard of its own). Depends only on the lengths: every worker and every
+    rerun computes the same plan."""
+    plan: list[tuple[int, int]] = []
+    start, size = 0, 0.0
+    for i, n in enumerate(lengths):
+        cost = n * bytes_per_tok
+        if i > start and size + cost > max_shard_bytes:
+            plan.append((start, i))
+            start, size = i, 0.0
+        size += cost
+    if start < len(lengths):
+        plan.append((start, len(lengths)))
+    return plan
+
+
+def projected_bytes(lengths: Sequence[int], spec: HarvestSpec) -> int:
+    return int(math.ceil(sum(lengths) * bytes_per_token(spec)))
