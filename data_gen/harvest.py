@@ -186,7 +186,7 @@ def run(cfg: HarvestConfig, target_cfg: TargetConfig, *, target: Target | None =
     counts: Counter[str] = Counter(records=len(records))
     samples = tokenize_records(records, chat, cfg.max_seq_len, counts)
     lengths = [len(ids) for _, ids, _ in samples]
-    plan = shard_plan(lengths, bytes_per_token(spec), cfg.max_shard_mb << 20)
+    plan = shard_plan(lengths, bytes_per_token(spec), int(cfg.max_shard_mb * 2**20))
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("data", "out_dir", "shard", "threads")}
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_plan(out_dir, {"spec": spec.to_json(), "settings": settings, "data_sha256": sha256_file(data),
@@ -275,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--topk", type=int, default=defaults.topk)
     parser.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--max-shard-mb", type=int, default=defaults.max_shard_mb)
+    parser.add_argument("--max-shard-mb", type=float, default=defaults.max_shard_mb)
     parser.add_argument("--shard", default=defaults.shard, help="i/n: this worker's share of the shards")
     parser.add_argument("--backend", default=defaults.backend, choices=["hf", "vllm"])
     parser.add_argument("--threads", type=int, default=defaults.threads)

@@ -172,7 +172,7 @@ class HarvestConfig:
     max_seq_len: int = 2048
     """Longer conversations are truncated (counted)."""
     batch_size: int = 4
-    max_shard_mb: int = 256
+    max_shard_mb: float = 256
     shard: str = "0/1"
     """i/n: this worker harvests shards j with j % n == i (Slurm arrays, several processes)."""
     backend: str = "hf"
@@ -186,9 +186,11 @@ class HarvestConfig:
             raise ValueError(f"harvest.dtype={self.dtype!r}: expected bfloat16, float8_e4m3fn or float32")
         if self.store not in ("last", "topk") or (self.store == "topk") != (self.topk > 0):
             raise ValueError(f"harvest.store={self.store!r}, topk={self.topk}: use last, or topk with topk > 0")
-        for name in ("max_seq_len", "batch_size", "max_shard_mb", "threads"):
+        for name in ("max_seq_len", "batch_size", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"harvest.{name}={getattr(self, name)}: must be >= 1")
+        if self.max_shard_mb <= 0:
+            raise ValueError(f"harvest.max_shard_mb={self.max_shard_mb}: must be > 0")
         self.worker  # noqa: B018  (validates shard)
 
     @property

@@ -17,7 +17,10 @@ from typing import Any
 _DATA_BYTES = 1 << 20
 
 
-def weights_fingerprint(folder: str | Path) -> str:
+def weights_fingerprint(folder: str | Path | None) -> str:
+    """Of the safetensors files in ``folder``; ``"in-memory"`` for a model not loaded from a folder."""
+    if not folder or not Path(folder).is_dir():
+        return "in-memory"
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:

@@ -18,7 +18,7 @@ Per shard (``T`` tokens of ``n`` samples; ``A`` aux layers; ``H`` the target's h
     topk_ids     int32   [T, K]         store="topk" instead of ``last``: the target's top-K
     topk_logprobs float32 [T, K]        next-token log-probs at each position
 
-The safetensors metadata holds the sample ids (``samples``, JSON). ``dtype`` is bfloat16
+The safetensors metadata holds the sample ids (key ``eagle3``: JSON with ``samples``). ``dtype`` is bfloat16
 (default) or float8_e4m3fn with one fp32 scale per row, which halves the disk.
 """
 
@@ -134,7 +134,9 @@ def encode_shard(samples: Sequence[Sample], spec: HarvestSpec) -> tuple[bytes, i
     else:
         tensors["topk_ids"] = torch.cat([s.topk_ids for s in samples]).to(torch.int32)
         tensors["topk_logprobs"] = torch.cat([s.topk_logprobs for s in samples]).float()
-    metadata = {"samples": json.dumps([s.id for s in samples]), "format": "eagle3-harvest-1"}
+    # One metadata key: safetensors writes its metadata map in an order that can change from
+    # call to call when it has several keys, and shards must be byte-identical on rerun.
+    metadata = {"eagle3": json.dumps({"format": "eagle3-harvest-1", "samples": [s.id for s in samples]})}
     return save(tensors, metadata=metadata), int(offsets[-1])
 
 
@@ -268,7 +270,7 @@ class HarvestStore:
             try:
                 with safe_open(str(path), framework="pt") as f:
                     offsets = f.get_tensor("offsets").tolist()
-                    ids = json.loads(f.metadata()["samples"])
+                    ids = json.loads(f.metadata()["eagle3"])["samples"]
             except Exception as err:
                 raise StoreError(f"{path}: unreadable shard ({err}); run verify") from err
             self._shards.append(_ShardIndex(path, offsets, ids))

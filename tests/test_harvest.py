@@ -1,0 +1,175 @@
+"""The harvester on tiny random models: the harvester -> trainer contract, resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_gen import harvest
+from data_gen.harvest import HarvestError, run
+from eagle3.chat import ChatFormat
+from eagle3.config import HarvestConfig, TargetConfig
+from eagle3.shards import HarvestStore, verify_store
+from eagle3.target import Target
+from tests.tiny_targets import lively_target, save_lively
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _conv(i: int, turns: int = 1) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": "Be brief."}] if i % 3 == 0 else []
+    for t in range(turns):
+        messages += [{"role": "user", "content": f"question {i}.{t} " + "x" * (i % 7)},
+                     {"role": "assistant", "content": f"answer {i}.{t} " + "y" * (i * 3 % 11)}]
+    return messages
+
+
+def _data(path: Path, n: int, turns: int = 1) -> Path:
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"r{i}", "messages": _conv(i, 1 + (i % turns))}) + "\n")
+    return path
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max relative error: max |a - b| / max |b| (fp32)."""
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    return lively_target()
+
+
+def test_loss_mask_is_exactly_the_assistant_tokens(target: Target) -> None:
+    chat = ChatFormat.for_tokenizer(target.tokenizer)
+    tok = target.tokenizer
+    ids, mask = chat.tokenize_conversation([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+    # <|user|> h i </s> <|assistant|> y o </s>: the reply and its end-of-turn token
+    assert tok.convert_ids_to_tokens(ids) == ["<|user|>", "h", "i", "</s>", "<|assistant|>", "y", "o", "</s>"]
+    assert mask == [0, 0, 0, 0, 0, 1, 1, 1]
+    multi = [{"role": "system", "content": "S"}, {"role": "user", "content": "a"},
+             {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"},
+             {"role": "assistant", "content": "dd"}]
+    ids, mask = chat.tokenize_conversation(multi)
+    pieces = tok.convert_ids_to_tokens(ids)
+    assert [p for p, m in zip(pieces, mask, strict=True) if m] == ["b", "</s>", "d", "d", "</s>"]
+    assert pieces.count("</s>") == 5  # the system and user turns' ends stay unmasked
+
+
+def test_store_holds_the_targets_own_states(target: Target, tmp_path: Path) -> None:
+    data = _data(tmp_path / "data.jsonl", 6, turns=2)
+    cfg = HarvestConfig(data=str(data), out_dir=str(tmp_path / "h"), dtype="float32", batch_size=4)
+    summary = run(cfg, TargetConfig(name_or_path="lively"), target=target, progress=False)
+    assert summary["complete"] and summary["samples"] == 6
+    store = HarvestStore(tmp_path / "h")
+    assert store.spec.aux_layer_ids == (2, 4, 5) and store.spec.hidden_size == 64
+    seen: list[torch.Tensor] = []
+    hook = target.norm.register_forward_hook(lambda m, a, o: seen.append(a[0]))
+    for sample in store:
+        ids = sample.input_ids[None]
+        seen.clear()
+        with torch.no_grad():
+            ref = target.model(ids, output_hidden_states=True)
+        for k, i in enumerate((2, 4, 5)):
+            assert _rel(sample.aux[:, k], ref.hidden_states[i][0]) < 1e-5
+        assert _rel(sample.last, seen[0][0]) < 1e-5  # the pre-norm last state
+    hook.remove()
+
+
+def test_batch_of_eight_equals_batch_of_one(target: Target, tmp_path: Path) -> None:
+    data = _data(tmp_path / "data.jsonl", 8, turns=3)
+    stores = []
+    for batch in (1, 8):
+        cfg = HarvestConfig(data=str(data), out_dir=str(tmp_path / f"b{batch}"), dtype="float32", batch_size=batch)
+        run(cfg, TargetConfig(name_or_path="lively"), target=target, progress=False)
+        stores.append(HarvestStore(tmp_path / f"b{batch}"))
+    assert len(set(stores[1].lengths)) > 3  # real padding in the batch of 8
+    for one, eight in zip(*stores, strict=True):
+        assert torch.equal(one.input_ids, eight.input_ids) and torch.equal(one.loss_mask, eight.loss_mask)
+        assert _rel(eight.aux, one.aux) < 1e-5 and _rel(eight.last, one.last) < 1e-5
+
+
+def test_workers_split_shards_and_the_last_one_writes_the_manifest(target: Target, tmp_path: Path) -> None:
+    data = _data(tmp_path / "data.jsonl", 12)
+    common = dict(data=str(data), max_shard_mb=0.05, batch_size=2)
+    whole = HarvestConfig(out_dir=str(tmp_path / "whole"), **common)
+    run(whole, TargetConfig(name_or_path="lively"), target=target, progress=False)
+    for worker in ("1/2", "0/2"):
+        cfg = HarvestConfig(out_dir=str(tmp_path / "split"), shard=worker, **common)
+        summary = run(cfg, TargetConfig(name_or_path="lively"), target=target, progress=False)
+        assert summary["complete"] == (worker == "0/2")
+    for name in sorted(p.name for p in (tmp_path / "whole").iterdir() if p.suffix in (".safetensors", ".json")):
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "split" / name).read_bytes(), name
+
+
+def test_bad_input_is_counted_or_named(target: Target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = tmp_path / "data.jsonl"
+    rows = [{"id": "long", "messages": [{"role": "user", "content": "q" * 50}, {"role": "assistant", "content": "a"}]},
+            {"id": "no-reply", "messages": [{"role": "user", "content": "only a question"}]},
+            {"id": "fine", "messages": _conv(1)}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = HarvestConfig(data=str(data), out_dir=str(tmp_path / "h"), max_seq_len=40)
+    summary = run(cfg, TargetConfig(name_or_path="lively"), target=target, progress=False)
+    # "long" loses its reply to truncation and is then skipped too: its loss mask is empty.
+    assert (summary["truncated"], summary["skipped_empty_loss_mask"], summary["samples"]) == (1, 2, 1)
+
+    changed = HarvestConfig(data=str(data), out_dir=str(tmp_path / "h"), max_seq_len=40, dtype="float8_e4m3fn")
+    with pytest.raises(HarvestError, match=r"harvested with spec.dtype='bfloat16', this run has 'float8_e4m3fn'"):
+        run(changed, TargetConfig(name_or_path="lively"), target=target, progress=False)
+
+    real_capture = harvest.HFCapture.capture
+
+    def poisoned(self, sequences):
+        rows = real_capture(self, sequences)
+        rows[0]["aux"][0, 0, 0] = float("nan")
+        return rows
+
+    monkeypatch.setattr(harvest.HFCapture, "capture", poisoned)
+    fresh = HarvestConfig(data=str(data), out_dir=str(tmp_path / "nan"), max_seq_len=40)
+    with pytest.raises(HarvestError, match="sample fine: the target produced NaN/Inf in aux"):
+        run(fresh, TargetConfig(name_or_path="lively"), target=target, progress=False)
+    assert not list((tmp_path / "nan").glob("shard-*")) and not (tmp_path / "nan" / "manifest.json").exists()
+
+
+def test_kill_9_at_three_points_then_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    model = save_lively(tmp_path / "model", num_layers=8)
+    data = _data(tmp_path / "data.jsonl", 48, turns=3)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cli = [sys.executable, "-m", "data_gen.harvest", "--data", str(data), "--target", str(model),
+           "--max-shard-mb", "0.03", "--batch-size", "1", "--no-progress"]
+    straight = tmp_path / "straight"
+    subprocess.run([*cli, "--out", str(straight)], cwd=REPO, env=env, check=True, capture_output=True)
+    shards = len(list(straight.glob("shard-*.safetensors")))
+    assert shards >= 6
+
+    killed = tmp_path / "killed"
+    rng = random.Random(0)
+    for _ in range(3):
+        proc = subprocess.Popen([*cli, "--out", str(killed)], cwd=REPO, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        have = len(list(killed.glob("shard-*.safetensors")))
+        goal = min(shards - 1, have + rng.randint(1, 2))
+        deadline = time.monotonic() + 60
+        while len(list(killed.glob("shard-*.safetensors"))) < goal and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(rng.random() * 0.05)  # land anywhere, mid-shard included
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert not (killed / "manifest.json").exists() or len(list(killed.glob("shard-*"))) == shards
+    subprocess.run([*cli, "--out", str(killed)], cwd=REPO, env=env, check=True, capture_output=True)
+    names = sorted(p.name for p in straight.iterdir() if p.suffix in (".safetensors", ".json"))
+    assert names == sorted(p.name for p in killed.iterdir() if p.suffix in (".safetensors", ".json"))
+    for name in names:
+        assert (straight / name).read_bytes() == (killed / name).read_bytes(), name
+    assert not [p for p in killed.iterdir() if p.name.endswith(".tmp")]
+    assert verify_store(killed)["samples"] == 48
