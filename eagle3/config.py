@@ -212,9 +212,10 @@ class PipelineConfig:
     pools: PoolsConfig = field(default_factory=PoolsConfig)
     select: SelectConfig = field(default_factory=SelectConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    harvest: HarvestConfig = field(default_factory=HarvestConfig)
     out_dir: str = "runs/quickstart"
     """Where every stage writes its outputs."""
-    stages: list[str] = field(default_factory=lambda: ["target", "pools", "regenerate"])
+    stages: list[str] = field(default_factory=lambda: ["target", "pools", "regenerate", "harvest"])
     """Stages to run, in order."""
     threads: int = 1
     """torch intra-op threads on CPU; 1 was fastest on a loaded 2-core machine."""

@@ -92,8 +92,19 @@ def stage_regenerate(cfg: PipelineConfig) -> dict[str, Any]:
     return run(cfg.regenerate, cfg.target)
 
 
+def stage_harvest(cfg: PipelineConfig) -> dict[str, Any]:
+    """Hidden states of the regenerated conversations into a shard store (resumable, verified)."""
+    from data_gen.harvest import run
+    from eagle3.shards import verify_store
+
+    summary = run(cfg.harvest, cfg.target)
+    if summary["complete"]:
+        verify_store(cfg.harvest.out_dir)
+    return summary
+
+
 STAGES: dict[str, Callable[[PipelineConfig], dict[str, Any]]] = {
-    "target": stage_target, "pools": stage_pools, "regenerate": stage_regenerate,
+    "target": stage_target, "pools": stage_pools, "regenerate": stage_regenerate, "harvest": stage_harvest,
 }
 
 

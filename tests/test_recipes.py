@@ -30,7 +30,8 @@ def test_default_recipe_is_the_embedded_target() -> None:
     with initialize_config_module(config_module="recipes", version_base="1.3"):
         config = OmegaConf.to_object(compose(config_name="pipeline"))
     assert config.target.name_or_path == "smollm2-135m"
-    assert config.stages == ["target", "pools", "regenerate"]
+    assert config.stages == ["target", "pools", "regenerate", "harvest"]
+    assert config.harvest.data == "runs/quickstart/regenerate/dataset/regenerated.jsonl"
     assert config.regenerate.pool == "runs/quickstart/prompts.jsonl"
     assert config.pools.out_dir == "runs/quickstart/pools"
 
@@ -54,6 +55,6 @@ def test_invalid_values_fail_with_the_field_named() -> None:
 def test_unknown_stage_is_named() -> None:
     from recipes.pipeline import run_pipeline
 
-    known = r"known stages are \['target', 'pools', 'regenerate'\]"
+    known = r"known stages are \['target', 'pools', 'regenerate', 'harvest'\]"
     with pytest.raises(ValueError, match=r"unknown \['harvst'\]; " + known):
         run_pipeline(PipelineConfig(stages=["target", "harvst"]))
