@@ -281,6 +281,14 @@ class HarvestStore:
     def __len__(self) -> int:
         return len(self._index)
 
+    def check_target(self, target: Any) -> None:
+        """Raise naming the key if this store was not harvested from ``target`` (an eagle3 Target)."""
+        from eagle3.fingerprint import tokenizer_fingerprint
+
+        check_compatible(self.spec, tokenizer_sha256=tokenizer_fingerprint(target.tokenizer),
+                         num_layers=target.num_layers, hidden_size=target.hidden_size,
+                         vocab_size=target.vocab_size, where=str(self.root / MANIFEST))
+
     def __getitem__(self, i: int) -> Sample:
         k, j = self._index[i]
         shard = self._shards[k]

@@ -18,7 +18,7 @@ from data_gen import harvest
 from data_gen.harvest import HarvestError, run
 from eagle3.chat import ChatFormat
 from eagle3.config import HarvestConfig, TargetConfig
-from eagle3.shards import HarvestStore, verify_store
+from eagle3.shards import HarvestStore, StoreError, verify_store
 from eagle3.target import Target
 from tests.tiny_targets import lively_target, save_lively
 
@@ -73,6 +73,9 @@ def test_store_holds_the_targets_own_states(target: Target, tmp_path: Path) -> N
     assert summary["complete"] and summary["samples"] == 6
     store = HarvestStore(tmp_path / "h")
     assert store.spec.aux_layer_ids == (2, 4, 5) and store.spec.hidden_size == 64
+    store.check_target(target)
+    with pytest.raises(StoreError, match=r"manifest.json: harvested with num_layers=8, but the target has 6"):
+        store.check_target(lively_target(num_layers=6))
     seen: list[torch.Tensor] = []
     hook = target.norm.register_forward_hook(lambda m, a, o: seen.append(a[0]))
     for sample in store:
