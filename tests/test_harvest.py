@@ -74,8 +74,8 @@ def test_store_holds_the_targets_own_states(target: Target, tmp_path: Path) -> N
     store = HarvestStore(tmp_path / "h")
     assert store.spec.aux_layer_ids == (2, 4, 5) and store.spec.hidden_size == 64
     store.check_target(target)
-    with pytest.raises(StoreError, match=r"manifest.json: harvested with num_layers=8, but the target has 6"):
-        store.check_target(lively_target(num_layers=6))
+    with pytest.raises(StoreError, match=r"manifest.json: harvested with num_layers=8, but the target has 9"):
+        store.check_target(lively_target(num_layers=9))
     seen: list[torch.Tensor] = []
     hook = target.norm.register_forward_hook(lambda m, a, o: seen.append(a[0]))
     for sample in store:
