@@ -50,7 +50,6 @@ from eagle3.generate import (
     Generator,
     HFGenerator,
     RegeneratedConversation,
-    SamplingConfig,
     derive_seed,
     regenerate_conversations,
 )
@@ -273,8 +272,7 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
                      "per_turn_samples": chat.rewrites_earlier_turns()}
         check_manifest(out_dir, settings)
         write_manifest(out_dir, settings, len(records), batches)
-        sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                  top_p=cfg.top_p, top_k=cfg.top_k)
+        sampling = cfg.sampling
         generated, gen_seconds = 0, 0.0
         bar = tqdm(total=batches, initial=batches - len(todo), unit="batch", desc="regenerate",
                    disable=not progress, file=sys.stderr, dynamic_ncols=True)

@@ -106,6 +106,32 @@ class SelectConfig:
             raise ValueError(f"select.num_prompts={self.num_prompts}: must be >= 1")
 
 
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Decoding settings; ``temperature == 0`` is greedy (top_p/top_k then unused)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]; 1 disables it."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 disables it."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 disables it)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
 @dataclass
 class RegenerateConfig:
     """The regeneration stage: every assistant turn of a prompt pool rewritten by the target.
@@ -141,19 +167,22 @@ class RegenerateConfig:
     def __post_init__(self) -> None:
         if self.backend not in ("hf", "vllm"):
             raise ValueError(f"regenerate.backend={self.backend!r}: expected hf or vllm")
-        for name in ("batch_size", "max_new_tokens", "threads"):
+        for name in ("batch_size", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"regenerate.{name}={getattr(self, name)}: must be >= 1")
         if self.limit is not None and self.limit < 0:
             raise ValueError(f"regenerate.limit={self.limit}: must be >= 0")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"regenerate.max_prompt_tokens={self.max_prompt_tokens}: must be >= 1 or None")
-        if self.temperature < 0:
-            raise ValueError(f"regenerate.temperature={self.temperature}: must be >= 0 (0 is greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"regenerate.top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"regenerate.top_k={self.top_k}: must be >= 0")
+        try:
+            self.sampling  # noqa: B018  (validates the sampling settings)
+        except ValueError as err:
+            raise ValueError(f"regenerate.{err}") from None
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k)
 
 
 @dataclass

@@ -25,33 +25,8 @@ import torch
 from torch import Tensor
 
 from eagle3.chat import ChatFormat
+from eagle3.config import SamplingConfig
 from eagle3.target import Target
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Decoding settings; ``temperature == 0`` is greedy (top_p/top_k then unused)."""
-
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    """Nucleus sampling mass, in (0, 1]; 1 disables it."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 disables it."""
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 is greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 disables it)")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 @dataclass(frozen=True)
