@@ -3,6 +3,7 @@
     python -m data_gen.harvest --data runs/regen/dataset/regenerated.jsonl --out runs/harvest \\
         [--target smollm2-135m] [--dtype bfloat16|float8_e4m3fn|float32] [--shard i/n] [--backend hf|vllm]
     python -m data_gen.harvest verify runs/harvest
+    python -m data_gen.harvest compare runs/harvest-hf runs/harvest-vllm     # max relative error per state
 
 Every conversation is tokenised with the target's chat template and loss-masked on exactly
 the assistant tokens (:meth:`eagle3.chat.ChatFormat.tokenize_conversation`); over-long ones
@@ -40,6 +41,7 @@ from eagle3.shards import (
     Sample,
     StoreError,
     bytes_per_token,
+    compare_stores,
     projected_bytes,
     read_manifest,
     shard_name,
@@ -104,6 +106,16 @@ class HFCapture:
         return rows
 
 
+class VllmRows:
+    """:class:`eagle3.vllm_capture.VllmCapture` with rows shaped like :class:`HFCapture`'s."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def capture(self, sequences: Sequence[Sequence[int]]) -> list[dict[str, torch.Tensor]]:
+        return [{"aux": aux, "last": last} for aux, last in self.inner.capture(sequences)]
+
+
 def _spec_and_backend(cfg: HarvestConfig, target_cfg: TargetConfig,
                       target: Target | None) -> tuple[HarvestSpec, ChatFormat, Any]:
     if cfg.backend == "vllm" and (cfg.store == "topk" or target is not None):
@@ -135,7 +147,7 @@ def _spec_and_backend(cfg: HarvestConfig, target_cfg: TargetConfig,
             generation_config = GenerationConfig.from_pretrained(folder)
         except OSError:
             generation_config = None
-        backend = VllmCapture(folder, layers, dtype="float32")
+        backend = VllmRows(VllmCapture(folder, layers, dtype="float32"))
     chat = ChatFormat.for_tokenizer(tokenizer, generation_config)
     spec = HarvestSpec(
         target=target_cfg.name_or_path, weights_fingerprint=weights_fingerprint(folder),
@@ -251,6 +263,17 @@ def finalize(out_dir: Path, spec: HarvestSpec, plan: list[tuple[int, int]], leng
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["compare"]:
+        if len(argv) != 3:
+            print("usage: python -m data_gen.harvest compare REFERENCE_STORE OTHER_STORE", file=sys.stderr)
+            return 2
+        try:
+            errors = compare_stores(argv[1], argv[2])
+        except StoreError as err:
+            print(f"compare: error: {err}", file=sys.stderr)
+            return 1
+        print(json.dumps({"max_relative_error": errors}))
+        return 0
     if argv[:1] == ["verify"]:
         if len(argv) != 2:
             print("usage: python -m data_gen.harvest verify STORE_DIR", file=sys.stderr)

@@ -316,6 +316,27 @@ class HarvestStore:
             yield self[i]
 
 
+def compare_stores(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> dict[str, float]:
+    """Max relative error (max |b - a| / max |a|, per sample, worst over samples) of every
+    stored state of ``b`` against ``a``: e.g. a vLLM harvest against an HF one."""
+    left, right = HarvestStore(Path(a)), HarvestStore(Path(b))
+    if left.lengths != right.lengths or left.spec.aux_layer_ids != right.spec.aux_layer_ids:
+        raise StoreError(f"{a} and {b} hold different samples or layers")
+    worst: dict[str, float] = {}
+
+    def note(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        worst[name] = max(worst.get(name, 0.0), ((y - x).abs().max() / x.abs().max().clamp(min=1e-12)).item())
+
+    for x, y in zip(left, right, strict=True):
+        if not (torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)):
+            raise StoreError(f"sample {x.id}: token ids or loss mask differ between {a} and {b}")
+        for k, layer in enumerate(left.spec.aux_layer_ids):
+            note(f"layer_{layer}_input", x.aux[:, k], y.aux[:, k])
+        if x.last is not None and y.last is not None:
+            note("last_pre_norm", x.last, y.last)
+    return worst
+
+
 # ---------------------------------------------------------------- batching for the trainer
 
 def length_buckets(lengths: Sequence[int], max_tokens: int, seed: int = 0, shuffle: bool = True) -> list[list[int]]:

@@ -182,3 +182,20 @@ def test_packing_keeps_documents_apart() -> None:
     rows = pack_indices([5, 9, 3, 4, 12], max_len=12)
     assert sorted(i for r in rows for i in r) == [0, 1, 2, 3, 4]
     assert all(sum([5, 9, 3, 4, 12][i] for i in r) <= 12 for r in rows)
+
+
+def test_compare_stores_reports_the_worst_relative_error(tmp_path: Path) -> None:
+    from eagle3.shards import compare_stores
+
+    spec = _spec(dtype="float32")
+    ref = _samples(3)
+    other = _samples(3)
+    other[1].aux[2, 1, 5] += 0.5  # one perturbed value in layer 4's input
+    _store(tmp_path / "a", spec, [ref])
+    _store(tmp_path / "b", spec, [other])
+    errors = compare_stores(tmp_path / "a", tmp_path / "b")
+    assert errors["layer_2_input"] == 0 and errors["last_pre_norm"] == 0
+    assert errors["layer_4_input"] == pytest.approx(0.5 / ref[1].aux[:, 1].abs().max().item(), rel=1e-5)
+    _store(tmp_path / "c", spec, _samples(2))
+    with pytest.raises(StoreError, match="hold different samples"):
+        compare_stores(tmp_path / "a", tmp_path / "c")
