@@ -196,6 +196,6 @@ def test_compare_stores_reports_the_worst_relative_error(tmp_path: Path) -> None
     errors = compare_stores(tmp_path / "a", tmp_path / "b")
     assert errors["layer_2_input"] == 0 and errors["last_pre_norm"] == 0
     assert errors["layer_4_input"] == pytest.approx(0.5 / ref[1].aux[:, 1].abs().max().item(), rel=1e-5)
-    _store(tmp_path / "c", spec, _samples(2))
+    _store(tmp_path / "c", spec, [_samples(2)])
     with pytest.raises(StoreError, match="hold different samples"):
         compare_stores(tmp_path / "a", tmp_path / "c")
