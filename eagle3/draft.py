@@ -1,0 +1,423 @@
+"""The EAGLE-3 draft head: one Llama-style decoder layer over the target's aux states.
+
+No distributed, device or logging code: the trainer wraps this module from outside.
+
+Data flow for one draft token (``H`` draft hidden, ``H_t`` target hidden, ``A`` aux layers)::
+
+    aux [.., A, H_t] --flatten--> fc --> hidden [.., H]          (step 0; later steps feed the
+                                                                    previous step's pre-norm output)
+    token --> embed_tokens (frozen, the target's) --> embeds [.., H]
+
+    midlayer:  x        = cat(input_layernorm(embeds), hidden_norm(hidden))   [.., 2H]
+               residual = hidden                  (hidden_norm(hidden) with norm_before_residual)
+               h        = residual + o_proj(attn(q/k/v_proj(x)))
+               h        = h + mlp(post_attention_layernorm(h))               pre-norm output
+    logits = lm_head(norm(h))   over the draft vocabulary; draft id i is target id i + d2t[i]
+
+The embedding comes first in the concatenation and the hidden state second, as vLLM's
+``LlamaForCausalLMEagle3`` reads it. Parameter names are the ones vLLM loads
+(``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``; extra layers of a deeper
+draft are ``layers.<i>.*`` for i >= 1), so :meth:`Eagle3Draft.vllm_state_dict` needs no renames.
+
+Two ways to run it, sharing every projection, norm and MLP:
+
+* :meth:`Eagle3Draft.forward` with a :class:`KVCache`, as at serving time (prefill, then one
+  token per step);
+* :func:`eagle3.ttt.ttt_forward`, the batched training-time-test unroll, which supplies its
+  own attention through :meth:`Eagle3Draft.decode`'s ``attends`` callbacks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# attend(q [B,S,nh,d], k [B,S,nkv,d], v [B,S,nkv,d]) -> [B,S,nh,d]; q and k already rotated.
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class DraftConfig:
+    """Hyper-parameters of the draft; ``from_target_config`` fills them from the target's HF config."""
+
+    hidden_size: int
+    """Draft hidden size H (EAGLE-3 uses the target's)."""
+    intermediate_size: int
+    """SwiGLU width of the draft MLP."""
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    """The target's vocabulary (the frozen embedding's rows, the size of ``t2d``)."""
+    draft_vocab_size: int
+    """Rows of ``lm_head``; draft ids map to target ids through ``d2t``."""
+    target_hidden_size: int | None = None
+    """Hidden size of the target's aux states; None means ``hidden_size``."""
+    num_aux_layers: int = 3
+    """Aux states concatenated (ascending layer ids) before ``fc``."""
+    head_dim: int | None = None
+    """None means ``hidden_size // num_attention_heads``."""
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    """None (plain RoPE), or ``{"rope_type": "linear", "factor": f}`` or Llama-3's
+    ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}``."""
+    max_position_embeddings: int = 2048
+    num_layers: int = 1
+    """Decoder layers; the first takes the 2H concatenation, later ones are plain Llama layers."""
+    norm_before_residual: bool = False
+    """vLLM's ``norm_before_residual``: the residual is hidden_norm(hidden) instead of hidden."""
+    initializer_range: float = 0.02
+    """Std of the normal init of fresh linear weights."""
+
+    def __post_init__(self) -> None:
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                     "vocab_size", "draft_vocab_size", "target_hidden_size", "num_aux_layers", "head_dim",
+                     "num_layers", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"draft.{name}={getattr(self, name)}: must be >= 1")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"draft.num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"draft.head_dim={self.head_dim}: RoPE needs an even head_dim")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft.draft_vocab_size={self.draft_vocab_size} exceeds vocab_size={self.vocab_size}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if kind not in ROPE_TYPES:
+                raise ValueError(f"draft.rope_scaling type {kind!r} is not supported (one of {', '.join(ROPE_TYPES)})")
+
+    @classmethod
+    def from_target_config(cls, hf_config: Any, draft_vocab_size: int, **overrides: Any) -> DraftConfig:
+        """A draft shaped like one decoder layer of the target (an HF ``PretrainedConfig``)."""
+        rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+        theta = rope.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        hidden = hf_config.hidden_size
+        values = dict(
+            hidden_size=hidden,
+            intermediate_size=hf_config.intermediate_size,
+            num_attention_heads=hf_config.num_attention_heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads,
+            rms_norm_eps=getattr(hf_config, "rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=None if kind == "default" else rope,
+            max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
+            target_hidden_size=hidden,
+            vocab_size=hf_config.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+        )
+        return cls(**{**values, **overrides})
+
+
+def trainable_parameter_count(config: DraftConfig) -> int:
+    """Closed form of the trainable parameters (everything but the frozen embedding and d2t/t2d)."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+
+    def layer(width: int, norms: int) -> int:  # q/k/v from `width`, o_proj, SwiGLU, RMSNorm weights
+        return width * (q + 2 * kv) + q * h + 3 * h * i + norms * h
+
+    fc = config.num_aux_layers * config.target_hidden_size * h
+    first = layer(2 * h, 3)  # input_layernorm, hidden_norm, post_attention_layernorm
+    rest = (config.num_layers - 1) * layer(h, 2)
+    return fc + first + rest + h + config.draft_vocab_size * h  # + final norm + lm_head
+
+
+# ---------------------------------------------------------------- building blocks
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: DraftConfig, device: torch.device | None = None) -> Tensor:
+    """Inverse frequencies [head_dim/2] of RoPE, with linear or Llama-3 scaling."""
+    d = config.head_dim
+    inv = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen - low) / (high - low)).clamp(0.0, 1.0)  # 0: long waves, 1: short waves
+        return (1 - smooth) * inv / factor + smooth * inv
+    return inv
+
+
+def rope_cos_sin(config: DraftConfig, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin [B, S, head_dim] for integer positions [B, S] (half-split layout, as HF/vLLM Llama)."""
+    inv = rope_inv_freq(config, positions.device)  # [d/2]
+    angles = positions.float().unsqueeze(-1) * inv  # [B, S, d/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [B, S, d]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [B, S, heads, d] by cos/sin [B, S, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections with RoPE; the attention pattern itself is the caller's ``attend``."""
+
+    def __init__(self, config: DraftConfig, in_features: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+        b, s, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(b, s, self.num_heads, self.head_dim), cos, sin)  # [B, S, nh, d]
+        k = apply_rope(self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim), cos, sin)  # [B, S, nkv, d]
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)  # [B, S, nkv, d]
+        out = attend(q, k, v)  # [B, S, nh, d]
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))  # [B, S, H]
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """A Llama decoder layer; the first one (``first=True``) attends over cat(embeds, hidden)."""
+
+    def __init__(self, config: DraftConfig, first: bool) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.first = first
+        self.norm_before_residual = config.norm_before_residual
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        if first:
+            self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.self_attn = Attention(config, 2 * h if first else h)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.mlp = MLP(h, config.intermediate_size)
+
+    def forward(self, hidden: Tensor, embeds: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+        """hidden [B, S, H] (fc output or previous pre-norm state), embeds [B, S, H] -> pre-norm [B, S, H]."""
+        if self.first:
+            normed = self.hidden_norm(hidden)
+            residual = normed if self.norm_before_residual else hidden
+            x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, S, 2H] embedding first
+        else:
+            residual, x = hidden, self.input_layernorm(hidden)
+        h = residual + self.self_attn(x, cos, sin, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# ---------------------------------------------------------------- serving-time KV cache
+
+@dataclass
+class KVCache:
+    """Per-layer keys/values [B, T, nkv, d] (keys rotated) of every token the draft has seen."""
+
+    keys: list[Tensor | None] = field(default_factory=list)
+    values: list[Tensor | None] = field(default_factory=list)
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        while len(self.keys) <= layer:
+            self.keys.append(None)
+            self.values.append(None)
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=1)
+            v = torch.cat([self.values[layer], v], dim=1)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def __len__(self) -> int:
+        return 0 if not self.keys or self.keys[0] is None else int(self.keys[0].shape[1])
+
+    def fork(self) -> KVCache:
+        """A copy that later updates do not share (tensors are never written in place)."""
+        return KVCache(list(self.keys), list(self.values))
+
+
+def _cached_attend(cache: KVCache, layer: int) -> Attend:
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        new = q.shape[1]
+        keys, values = cache.update(layer, k, v)  # [B, T, nkv, d], T = past + new
+        group = q.shape[2] // keys.shape[2]
+        keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)  # [B, nh, T, d]
+        values = values.repeat_interleave(group, dim=2).transpose(1, 2)
+        past = keys.shape[2] - new
+        # a new token sees every cached token and the new ones up to itself
+        allowed = torch.arange(past + new, device=q.device) <= past + torch.arange(new, device=q.device)[:, None]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=allowed)  # [B, nh, S, d]
+        return out.transpose(1, 2)
+
+    return attend
+
+
+# ---------------------------------------------------------------- the draft
+
+class Eagle3Draft(nn.Module):
+    """The EAGLE-3 draft head. ``embed_tokens`` is a frozen copy of the target's embedding."""
+
+    def __init__(self, config: DraftConfig, embed_tokens_weight: Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.embed_tokens.requires_grad_(False)
+        self.fc = nn.Linear(config.num_aux_layers * config.target_hidden_size, h, bias=False)
+        self.midlayer = DecoderLayer(config, first=True)
+        if config.num_layers > 1:  # vLLM names them layers.<i> (it maps midlayer. to layers.0.)
+            self.layers = nn.ModuleDict({str(i): DecoderLayer(config, first=False)
+                                         for i in range(1, config.num_layers)})
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        # Identity vocab until set_draft_vocab: draft id i is target id i.
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        self.reset_parameters()
+        if embed_tokens_weight is not None:
+            self.load_embedding(embed_tokens_weight)
+
+    def reset_parameters(self) -> None:
+        """Fresh init: normal(0, initializer_range) linears and embedding, unit RMSNorm weights."""
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, nn.Linear | nn.Embedding):
+                    module.weight.normal_(0.0, self.config.initializer_range)
+                elif isinstance(module, RMSNorm):
+                    module.weight.fill_(1.0)
+
+    # -- weights from the target
+
+    def load_embedding(self, weight: Tensor) -> None:
+        """Copy the target's input embedding [vocab, H] (stays frozen)."""
+        want = tuple(self.embed_tokens.weight.shape)
+        if tuple(weight.shape) != want:
+            raise ValueError(f"embedding of shape {tuple(weight.shape)}, expected {want}")
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight)
+
+    def set_draft_vocab(self, d2t: Tensor, t2d: Tensor) -> None:
+        """d2t [draft_vocab] int64 offsets (target = draft + d2t[draft]); t2d [vocab] bool."""
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(f"d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)}, expected "
+                             f"{tuple(self.d2t.shape)} / {tuple(self.t2d.shape)}")
+        target_ids = torch.arange(len(d2t), device=d2t.device) + d2t
+        if int(t2d.sum()) != len(d2t) or not bool(t2d[target_ids].all()):
+            raise ValueError("t2d does not mark exactly the target ids of d2t")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def init_lm_head_from_target(self, target_lm_head_weight: Tensor, d2t: Tensor,
+                                 target_norm_weight: Tensor | None = None) -> None:
+        """lm_head rows = the target lm_head's rows of the draft vocab ([vocab, H] -> [draft_vocab, H]).
+
+        With ``target_norm_weight`` the draft's final norm copies the target's too, so that a
+        draft whose pre-norm state equals the target's reproduces the target's logits exactly.
+        """
+        target_ids = torch.arange(len(d2t), device=d2t.device) + d2t
+        rows = target_lm_head_weight[target_ids.to(target_lm_head_weight.device)]
+        if rows.shape != self.lm_head.weight.shape:
+            raise ValueError(f"target lm_head rows {tuple(rows.shape)}, expected {tuple(self.lm_head.weight.shape)}")
+        with torch.no_grad():
+            self.lm_head.weight.copy_(rows)
+            if target_norm_weight is not None:
+                self.norm.weight.copy_(target_norm_weight)
+
+    # -- pieces of the forward, shared by serving and the TTT unroll
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [self.midlayer, *(self.layers.values() if self.config.num_layers > 1 else ())]
+
+    def combine_aux(self, aux: Tensor) -> Tensor:
+        """aux [B, S, A, H_t] (ascending layer ids) -> fc output [B, S, H]."""
+        return self.fc(aux.flatten(-2))
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.embed_tokens(input_ids)  # [B, S, H]
+
+    def rope(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        return rope_cos_sin(self.config, position_ids, dtype)
+
+    def decode(self, hidden: Tensor, embeds: Tensor, position_ids: Tensor, attends: Sequence[Attend]) -> Tensor:
+        """hidden [B, S, H], embeds [B, S, H], position_ids [B, S] -> pre-norm output [B, S, H].
+
+        ``attends[i]`` is layer i's attention pattern over its rotated q/k/v.
+        """
+        cos, sin = self.rope(position_ids, hidden.dtype)
+        h = hidden
+        for layer, attend in zip(self.decoder_layers, attends, strict=True):
+            h = layer(h, embeds, cos, sin, attend)
+        return h
+
+    def compute_logits(self, prenorm: Tensor) -> Tensor:
+        """pre-norm state [.., H] -> draft-vocab logits [.., draft_vocab]."""
+        return self.lm_head(self.norm(prenorm))
+
+    def draft_to_target_ids(self, draft_ids: Tensor) -> Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # -- serving
+
+    def forward(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor,
+                cache: KVCache | None = None) -> tuple[Tensor, Tensor]:
+        """Serving-time forward over new tokens, continuing ``cache`` (updated in place).
+
+        input_ids [B, S]: the token after each position; hidden [B, S, H]: ``combine_aux`` of the
+        target's aux states (tokens the target verified) or the draft's previous pre-norm output
+        (draft steps); position_ids [B, S]. Returns (pre-norm state [B, S, H], logits [B, S, Vd]).
+        """
+        cache = KVCache() if cache is None else cache
+        attends = [_cached_attend(cache, i) for i in range(self.config.num_layers)]
+        prenorm = self.decode(hidden, self.embed(input_ids), position_ids, attends)
+        return prenorm, self.compute_logits(prenorm)
+
+    def vllm_state_dict(self, include_embedding: bool = False) -> dict[str, Tensor]:
+        """The checkpoint vLLM's ``LlamaForCausalLMEagle3`` loads, names unchanged. Without the
+        embedding vLLM uses the target's (ours is a frozen copy of it)."""
+        state = self.state_dict()
+        if not include_embedding:
+            state.pop("embed_tokens.weight")
+        return state
+
+
+__all__ = [
+    "DraftConfig", "Eagle3Draft", "KVCache", "apply_rope", "rope_cos_sin", "rope_inv_freq",
+    "trainable_parameter_count",
+]

@@ -1,0 +1,143 @@
+"""The draft vocabulary: the N target tokens the draft's ``lm_head`` can propose.
+
+Selection: the N most frequent **loss-masked** tokens of the harvest, i.e. the tokens ``x[i]``
+with ``loss_mask[i]`` set. These are exactly the tokens being *predicted* at the positions the
+loss trains on (the loss at position t is gated by the mask of x[t+2], the token the target's
+distribution at t+1 describes); the input tokens and the prompt are not counted. Ties go to the
+lower target id; ``always_include`` ids (e.g. end-of-turn) are kept whatever their count; if
+fewer than N distinct tokens were seen, the lowest unseen ids fill the rest. Draft ids are
+assigned in ascending target-id order, so ``d2t`` is non-decreasing and selecting
+``x[..., t2d]`` over the target vocab yields the draft order directly.
+
+Mappings (as vLLM reads them)::
+
+    d2t  int64 [Vd]   target_id = draft_id + d2t[draft_id]
+    t2d  bool  [V]    t2d[target_id] is True iff the token is in the draft vocab
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class DraftVocab:
+    d2t: Tensor  # [Vd] int64 offsets
+    t2d: Tensor  # [V] bool
+
+    @classmethod
+    def from_target_ids(cls, target_ids: Tensor, vocab_size: int) -> DraftVocab:
+        """From the draft vocab's target ids (any order; stored ascending)."""
+        ids = torch.unique(target_ids.long())  # sorted ascending
+        if len(ids) != len(target_ids):
+            raise ValueError("draft vocab target ids contain duplicates")
+        if len(ids) and not 0 <= int(ids[0]) <= int(ids[-1]) < vocab_size:
+            raise ValueError(f"draft vocab target ids out of range [0, {vocab_size})")
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        return cls(d2t=ids - torch.arange(len(ids)), t2d=t2d)
+
+    @classmethod
+    def from_d2t(cls, d2t: Tensor, vocab_size: int) -> DraftVocab:
+        return cls.from_target_ids(torch.arange(len(d2t)) + d2t.cpu(), vocab_size)
+
+    @property
+    def size(self) -> int:
+        return int(self.d2t.shape[0])
+
+    @property
+    def target_ids(self) -> Tensor:
+        """[Vd] target id of each draft id (ascending)."""
+        return torch.arange(self.size, device=self.d2t.device) + self.d2t
+
+    def draft_to_target_ids(self, draft_ids: Tensor) -> Tensor:
+        return draft_ids + self.d2t.to(draft_ids.device)[draft_ids]
+
+    def target_to_draft_ids(self, target_ids: Tensor) -> Tensor:
+        """Draft id of each target id, -1 where the token is outside the draft vocab."""
+        t2d = self.t2d.to(target_ids.device)
+        lookup = torch.cumsum(t2d.long(), 0) - 1  # [V] rank among the draft tokens
+        return torch.where(t2d[target_ids], lookup[target_ids], -1)
+
+
+def count_loss_tokens(samples: Iterable[tuple[Tensor, Tensor]], vocab_size: int) -> Tensor:
+    """Counts [V] int64 of ``input_ids[loss_mask]`` over (input_ids [T], loss_mask [T]) pairs."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for input_ids, loss_mask in samples:
+        counts += torch.bincount(input_ids.long()[loss_mask.bool()], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def store_token_columns(root: str | Path) -> Iterable[tuple[Tensor, Tensor]]:
+    """(input_ids, loss_mask) of each shard of a harvest store, without reading any state."""
+    from safetensors import safe_open
+
+    from eagle3.shards import read_manifest
+
+    root = Path(root)
+    for entry in read_manifest(root)["shards"]:
+        with safe_open(str(root / entry["file"]), framework="pt") as f:
+            yield f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+
+
+def select_draft_vocab(counts: Tensor, draft_vocab_size: int, always_include: Sequence[int] = ()) -> DraftVocab:
+    """The ``draft_vocab_size`` most frequent tokens of ``counts`` [V] (ties: lower id first)."""
+    vocab_size = int(counts.shape[0])
+    if not 0 < draft_vocab_size <= vocab_size:
+        raise ValueError(f"draft_vocab_size={draft_vocab_size}: must be in [1, {vocab_size}]")
+    forced = sorted({int(i) for i in always_include})
+    if len(forced) > draft_vocab_size or any(not 0 <= i < vocab_size for i in forced):
+        raise ValueError(f"always_include={forced} does not fit a draft vocab of {draft_vocab_size} "
+                         f"over {vocab_size} tokens")
+    order = torch.sort(counts.long(), descending=True, stable=True).indices  # stable: ties keep ascending ids
+    chosen = set(forced)
+    for i in order.tolist():
+        if len(chosen) == draft_vocab_size:
+            break
+        chosen.add(i)
+    return DraftVocab.from_target_ids(torch.tensor(sorted(chosen)), vocab_size)
+
+
+def draft_vocab_from_store(root: str | Path, draft_vocab_size: int, vocab_size: int,
+                           always_include: Sequence[int] = ()) -> DraftVocab:
+    counts = count_loss_tokens(store_token_columns(root), vocab_size)
+    return select_draft_vocab(counts, draft_vocab_size, always_include)
+
+
+# ---------------------------------------------------------------- mapping distributions
+
+def to_draft_logits(logits: Tensor, t2d: Tensor) -> Tensor:
+    """Target-vocab logits or log-probs [..., V] -> the draft vocab's [..., Vd] (softmax of the
+    result is the target distribution restricted to the draft vocab and renormalised)."""
+    return logits[..., t2d.to(logits.device)]
+
+
+def to_draft_probs(probs: Tensor, t2d: Tensor) -> Tensor:
+    """Target-vocab probabilities [..., V] -> [..., Vd], renormalised to sum to 1 (0 where no mass)."""
+    kept = probs[..., t2d.to(probs.device)]
+    return kept / kept.sum(-1, keepdim=True).clamp_min(torch.finfo(kept.dtype).tiny)
+
+
+def draft_logits_to_target(logits: Tensor, d2t: Tensor, vocab_size: int) -> Tensor:
+    """Draft logits [..., Vd] -> [..., V] with -inf outside the draft vocab (what vLLM does)."""
+    out = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    out[..., torch.arange(len(d2t), device=logits.device) + d2t.to(logits.device)] = logits
+    return out
+
+
+def draft_probs_to_target(probs: Tensor, d2t: Tensor, vocab_size: int) -> Tensor:
+    """Draft probabilities [..., Vd] -> [..., V], zero outside the draft vocab."""
+    out = probs.new_zeros((*probs.shape[:-1], vocab_size))
+    out[..., torch.arange(len(d2t), device=probs.device) + d2t.to(probs.device)] = probs
+    return out
+
+
+__all__ = [
+    "DraftVocab", "count_loss_tokens", "draft_logits_to_target", "draft_probs_to_target", "draft_vocab_from_store",
+    "select_draft_vocab", "store_token_columns", "to_draft_logits", "to_draft_probs",
+]

@@ -1,0 +1,310 @@
+"""Training-time test (TTT): the draft unrolled K steps over a packed batch, as pure functions.
+
+Notation: one packed row holds documents back to back; ``x`` its tokens, ``a[t]`` the target's
+aux states at t (they have seen x[<=t]), ``p[t]`` the target's next-token distribution at t
+(over x[t+1], from its pre-norm last state via its final norm and lm_head), ``m`` the loss
+mask, ``pos`` the per-document positions, ``doc`` the document ids. Rows below are indexed by
+the **start position** t: the position whose tokens the target has verified when drafting
+begins. Step k (k = 0..K-1) at row t is the k-th draft token after t::
+
+    row t                    0       1       2       3     ...
+    step 0  input token      x[1]    x[2]    x[3]    x[4]        token after t
+            hidden           fc(a0)  fc(a1)  fc(a2)  fc(a3)      the target's states at t
+            RoPE position    0       1       2       3           pos[t]
+            learns           p[1]    p[2]    p[3]    p[4]        distribution of x[t+2]
+            gated by         m[2]    m[3]    m[4]    m[5]        mask of the predicted token
+    step 1  input token      x[2]    x[3]    x[4]    x[5]        x[t+k+1]
+            hidden           h0[0]   h0[1]   h0[2]   h0[3]       step k-1's pre-norm output, same row
+            RoPE position    1       2       3       4           pos[t] + k
+            learns           p[2]    p[3]    p[4]    p[5]        p[t+k+1]
+            gated by         m[3]    m[4]    m[5]    m[6]        m[t+k+2]
+    step k  ...              shifted by k more
+
+A step counts at row t only if x[t+k+2] lies in t's document (a shift that leaves the document
+masks the position) and m[t+k+2] is set; the loss also drops positions whose target argmax is
+outside the draft vocab.
+
+Attention. Step k at row t attends to
+
+* the **step-0 keys of rows s <= t** of the same document (all of them, at every step), and
+* the keys of **steps 1..k at row t itself** (the diagonal; step k's own key included).
+
+This is what the draft's KV cache holds at serving time: after the target verified x[..t+1]
+the draft has run step 0 over every position <= t (prefill), then appends one key per draft
+step. Example, one document, t = 3, k = 2 (``#`` attended)::
+
+    keys        step 0, rows 0..5    step 1, rows 0..5    step 2, rows 0..5
+    query
+    (k=2, t=3)  # # # # . .          . . . # . .          . . . # . .
+    (k=1, t=3)  # # # # . .          . . . # . .          . . . . . .
+    (k=0, t=3)  # # # # . .          . . . . . .          . . . . . .
+
+The step-0 window is NOT shifted with k (the variant that hides step-0 keys near the
+diagonal at later steps, EAGLE #247/#299, differs from serving), and RoPE positions DO advance
+with k (SpecForge #244). ``tests/test_ttt.py`` checks both against the draft run token by
+token with its own KV cache: logits agree at every step and position, and the negative
+controls (shifted window, unshifted RoPE) do not.
+
+Implementation: the step-0 part is a normal causal+document attention (an [S, S] mask); the
+diagonal terms are elementwise q.k products, one column per earlier step, softmaxed jointly
+with the step-0 scores. No [S, (K+1)S] mask is built.
+
+Loss: soft cross-entropy of the draft's logits against p restricted to the draft vocab and
+renormalised, averaged over the step's loss positions, weighted ``decay**k`` (0.8) and summed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from eagle3.draft import Attend, Eagle3Draft
+
+# ---------------------------------------------------------------- shifts and masks
+
+
+def shift_left(x: Tensor, n: int, fill: float | int | bool) -> Tensor:
+    """y[:, t] = x[:, t + n] along dim 1, ``fill`` where t + n runs past the row. [B, S, ...]"""
+    if n == 0:
+        return x
+    s = x.shape[1]
+    pad = x.new_full((x.shape[0], min(n, s), *x.shape[2:]), fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def step_input_ids(input_ids: Tensor, step: int) -> Tensor:
+    """[B, S] token fed at row t in step k: x[t + k + 1] (0 past the row end; never counted)."""
+    return shift_left(input_ids, step + 1, 0)
+
+
+def step_positions(position_ids: Tensor, step: int) -> Tensor:
+    """[B, S] RoPE position of step k at row t: pos[t] + k."""
+    return position_ids + step
+
+
+def step_counted(loss_mask: Tensor, document_ids: Tensor, step: int) -> Tensor:
+    """[B, S] bool: step k at row t predicts x[t+k+2], which is loss-masked and in t's document."""
+    predicted = step + 2
+    same_doc = shift_left(document_ids, predicted, -1) == document_ids  # [B, S]
+    return shift_left(loss_mask.bool(), predicted, False) & same_doc
+
+
+def step0_attention_mask(document_ids: Tensor) -> Tensor:
+    """[B, S, S] bool: query row t may see step-0 key row s iff s <= t in the same document."""
+    s = document_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()  # [S, S]
+    return causal & (document_ids.unsqueeze(2) == document_ids.unsqueeze(1))
+
+
+def step_weights(num_steps: int, decay: float = 0.8) -> Tensor:
+    """[K] loss weight of each step: decay**k (0.8 in EAGLE-3; 1.0 weighs the steps equally)."""
+    return decay ** torch.arange(num_steps, dtype=torch.float64)
+
+
+# ---------------------------------------------------------------- targets
+
+
+@dataclass
+class TTTTargets:
+    probs: Tensor  # [B, S, Vd] float32: p[t] restricted to the draft vocab, renormalised
+    argmax: Tensor  # [B, S] int64: the target's argmax at t (a target id)
+
+
+def prepare_targets(target_logits: Tensor, t2d: Tensor) -> TTTTargets:
+    """From the target's logits (or log-probs) [B, S, V] at every position.
+
+    Callers with a large vocabulary can run this on slices of S and concatenate.
+    """
+    sub = target_logits[..., t2d.to(target_logits.device)].float()  # [B, S, Vd]
+    probs = torch.nan_to_num(torch.softmax(sub, dim=-1), nan=0.0)  # a row with no draft-vocab mass -> 0
+    return TTTTargets(probs=probs, argmax=target_logits.argmax(-1))
+
+
+# ---------------------------------------------------------------- attention of one step
+
+
+def _grouped(q: Tensor, num_kv: int) -> Tensor:
+    """q [B, S, nh, d] -> [B, nkv, g, S, d]; query head h uses kv head h // g (as HF/vLLM)."""
+    b, s, nh, d = q.shape
+    return q.view(b, s, num_kv, nh // num_kv, d).permute(0, 2, 3, 1, 4)
+
+
+def ttt_attention(q: Tensor, step0: tuple[Tensor, Tensor], diagonal: Sequence[tuple[Tensor, Tensor]],
+                  mask0: Tensor) -> Tensor:
+    """One step's attention (module docstring): step-0 keys under ``mask0`` plus the diagonal.
+
+    q [B, S, nh, d] (rotated); step0 = (k0, v0) [B, S, nkv, d]; diagonal: (k_j, v_j) of steps
+    1..k at the same rows, [B, S, nkv, d] each; mask0 [B, S, S]. Returns [B, S, nh, d].
+    """
+    k0, v0 = step0
+    b, s, nh, d = q.shape
+    nkv = k0.shape[2]
+    qg = _grouped(q, nkv) * d**-0.5  # [B, nkv, g, S, d]
+    keys0 = k0.permute(0, 2, 1, 3).unsqueeze(2)  # [B, nkv, 1, S, d]
+    values0 = v0.permute(0, 2, 1, 3).unsqueeze(2)  # [B, nkv, 1, S, d]
+    scores = (qg @ keys0.transpose(-1, -2)).masked_fill(~mask0.unsqueeze(1).unsqueeze(1), float("-inf"))
+    diag_k = [kj.permute(0, 2, 1, 3).unsqueeze(2) for kj, _ in diagonal]  # [B, nkv, 1, S, d] each
+    diag_v = [vj.permute(0, 2, 1, 3).unsqueeze(2) for _, vj in diagonal]
+    diag_scores = [(qg * kj).sum(-1, keepdim=True) for kj in diag_k]  # [B, nkv, g, S, 1] each
+    weights = torch.softmax(torch.cat([scores, *diag_scores], dim=-1).float(), dim=-1).to(q.dtype)  # [.., S, S+k]
+    out = weights[..., :s] @ values0  # [B, nkv, g, S, d]
+    for j, vj in enumerate(diag_v):
+        out = out + weights[..., s + j : s + j + 1] * vj
+    return out.permute(0, 3, 1, 2, 4).reshape(b, s, nh, d)
+
+
+# ---------------------------------------------------------------- the unroll
+
+
+@dataclass
+class TTTOutput:
+    loss: Tensor  # scalar: sum_k w_k * loss_sum[k] / max(count[k], 1)
+    loss_sum: Tensor  # [K] soft cross-entropy summed over each step's loss positions
+    count: Tensor  # [K] loss positions per step
+    match: Tensor  # [K, B, S] bool: draft argmax (as a target id) == target argmax
+    counted: Tensor  # [K, B, S] bool: positions the metrics count (step_counted)
+    valid: Tensor  # [K, B, S] bool: loss positions (counted and target argmax in the draft vocab)
+    logits: list[Tensor] | None = None  # K x [B, S, Vd] with return_logits
+
+
+def soft_cross_entropy(logits: Tensor, target_probs: Tensor) -> Tensor:
+    """[..., Vd] draft logits and target probabilities -> [...] -sum p log q."""
+    return -(target_probs * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+
+
+def ttt_forward(
+    draft: Eagle3Draft,
+    input_ids: Tensor,  # [B, S]
+    aux: Tensor,  # [B, S, A, H_t]
+    position_ids: Tensor,  # [B, S]
+    document_ids: Tensor,  # [B, S]
+    loss_mask: Tensor,  # [B, S]
+    targets: TTTTargets,
+    *,
+    num_steps: int = 7,
+    weights: Sequence[float] | Tensor | None = None,
+    gradient_checkpointing: bool = False,
+    return_logits: bool = False,
+) -> TTTOutput:
+    """Unroll the draft ``num_steps`` steps over a packed batch; loss and per-step matches.
+
+    ``weights`` defaults to ``step_weights(num_steps)`` (0.8**k). With ``gradient_checkpointing``
+    each step's forward (logits and loss included) is recomputed in backward; steps are pure
+    functions of their inputs, so replay appends nothing twice.
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps={num_steps}: must be >= 1")
+    w = step_weights(num_steps) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
+    if w.shape != (num_steps,):
+        raise ValueError(f"{len(w)} step weights for {num_steps} steps")
+    t2d = draft.t2d
+    mask0 = step0_attention_mask(document_ids)  # [B, S, S]
+    hidden = draft.combine_aux(aux)  # [B, S, H]
+    num_layers = len(draft.decoder_layers)
+    step0_kv: list[tuple[Tensor, Tensor]] = []  # per layer (k0, v0) [B, S, nkv, d]
+    diagonal: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(num_layers)]  # per layer, steps 1..k-1
+
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    loss_sums, counts, matches, counted_all, valid_all, logits_all = [], [], [], [], [], []
+    for k in range(num_steps):
+        ids_k = step_input_ids(input_ids, k)  # [B, S]
+        pos_k = step_positions(position_ids, k)  # [B, S]
+        counted = step_counted(loss_mask, document_ids, k)  # [B, S]
+        target_argmax = shift_left(targets.argmax, k + 1, -1)  # [B, S] target's argmax at t+k+1
+        in_vocab = t2d[target_argmax.clamp_min(0)] & (target_argmax >= 0)
+        valid = counted & in_vocab  # [B, S]
+
+        # A snapshot of the keys so far: a checkpointed step replays against exactly these.
+        earlier = ([list(d) for d in diagonal], list(step0_kv))
+
+        def run_step(hidden_prev: Tensor, k: int = k, ids_k: Tensor = ids_k, pos_k: Tensor = pos_k,
+                     valid: Tensor = valid, earlier: tuple = earlier) -> tuple[Tensor, ...]:
+            diag_before, window = earlier
+            new_kv: list[tuple[Tensor, Tensor]] = []
+
+            def attend_for(layer: int) -> Attend:
+                def attend(q: Tensor, key: Tensor, value: Tensor) -> Tensor:
+                    new_kv.append((key, value))
+                    if k == 0:  # step 0's keys are the step-0 window itself
+                        return ttt_attention(q, (key, value), [], mask0)
+                    return ttt_attention(q, window[layer], [*diag_before[layer], (key, value)], mask0)
+                return attend
+
+            prenorm = draft.decode(hidden_prev, draft.embed(ids_k), pos_k,
+                                   [attend_for(i) for i in range(num_layers)])  # [B, S, H]
+            logits = draft.compute_logits(prenorm)  # [B, S, Vd]
+            target_probs = shift_left(targets.probs, k + 1, 0.0)  # [B, S, Vd] p[t+k+1]
+            ce = soft_cross_entropy(logits, target_probs)  # [B, S]
+            loss_sum = torch.where(valid, ce, 0.0).sum()
+            draft_argmax = draft.draft_to_target_ids(logits.detach().argmax(-1))  # [B, S] target ids
+            flat_kv = [t for kv in new_kv for t in kv]
+            return (prenorm, loss_sum, draft_argmax, *flat_kv, *((logits,) if return_logits else ()))
+
+        if gradient_checkpointing and torch.is_grad_enabled():
+            out = checkpoint(run_step, hidden, use_reentrant=False)
+        else:
+            out = run_step(hidden)
+        hidden, loss_sum, draft_argmax = out[0], out[1], out[2]
+        new_kv = [(out[3 + 2 * i], out[4 + 2 * i]) for i in range(num_layers)]
+        if k == 0:
+            step0_kv = new_kv
+        else:
+            for i in range(num_layers):
+                diagonal[i].append(new_kv[i])
+        if return_logits:
+            logits_all.append(out[-1])
+
+        count = valid.sum()
+        loss = loss + float(w[k]) * loss_sum / count.clamp_min(1)
+        loss_sums.append(loss_sum)
+        counts.append(count)
+        matches.append(draft_argmax == target_argmax)
+        counted_all.append(counted)
+        valid_all.append(valid)
+
+    return TTTOutput(loss=loss, loss_sum=torch.stack(loss_sums), count=torch.stack(counts),
+                     match=torch.stack(matches), counted=torch.stack(counted_all), valid=torch.stack(valid_all),
+                     logits=logits_all if return_logits else None)
+
+
+# ---------------------------------------------------------------- metrics (pure, [K, ...] inputs)
+
+
+def step_accuracy(match: Tensor, counted: Tensor) -> Tensor:
+    """[K] share of counted positions where the draft's argmax equals the target's, per step."""
+    hit = (match & counted).flatten(1)
+    return hit.sum(1) / counted.flatten(1).sum(1).clamp_min(1)
+
+
+def conditional_acceptance(match: Tensor, counted: Tensor) -> Tensor:
+    """[K] accuracy at step k among counted positions whose steps < k all matched."""
+    hit = (match & counted).flatten(1).long()  # [K, N]
+    upto = torch.cumprod(hit, dim=0)  # [K, N] steps 0..k all matched
+    before = torch.cat([torch.ones_like(upto[:1]), upto[:-1]])  # [K, N] steps 0..k-1 all matched
+    return upto.sum(1) / (before.bool() & counted.flatten(1)).sum(1).clamp_min(1)
+
+
+def simulated_tau(match: Tensor, counted: Tensor) -> Tensor:
+    """1 + mean over positions counted at step 0 of sum_k prod_{j<=k} 1[match_j].
+
+    The product runs per position (a miss or an uncounted step ends its run); averaging
+    per-step accuracies first and multiplying them would be biased.
+    """
+    hit = (match & counted).flatten(1).long()  # [K, N]
+    accepted = torch.cumprod(hit, dim=0).sum(0)  # [N] draft tokens accepted from each start
+    start = counted[0].flatten()
+    if not bool(start.any()):
+        return torch.tensor(1.0)
+    return 1.0 + accepted[start].float().mean()
+
+
+__all__ = [
+    "TTTOutput", "TTTTargets", "conditional_acceptance", "prepare_targets", "shift_left", "simulated_tau",
+    "soft_cross_entropy", "step0_attention_mask", "step_accuracy", "step_counted", "step_input_ids",
+    "step_positions", "step_weights", "ttt_attention", "ttt_forward",
+]

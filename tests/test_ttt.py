@@ -1,0 +1,295 @@
+"""Training-time test: shifts, masks and metrics by hand; the batched unroll against the draft
+run exactly as at serving time (its own KV cache, one token at a time)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import eagle3.ttt as ttt
+from eagle3.draft import DraftConfig, Eagle3Draft, KVCache
+from eagle3.draft_vocab import DraftVocab
+from eagle3.ttt import (
+    conditional_acceptance,
+    prepare_targets,
+    shift_left,
+    simulated_tau,
+    soft_cross_entropy,
+    step0_attention_mask,
+    step_accuracy,
+    step_counted,
+    step_input_ids,
+    step_positions,
+    step_weights,
+    ttt_attention,
+    ttt_forward,
+)
+
+VOCAB, DRAFT_VOCAB, TARGET_HIDDEN = 128, 32, 48
+
+
+def tiny_draft(num_layers: int = 1, seed: int = 0) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    config = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=TARGET_HIDDEN,
+                         num_layers=num_layers, initializer_range=0.15)
+    draft = Eagle3Draft(config, embed_tokens_weight=torch.randn(VOCAB, 64))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # norms away from 1, so that a swapped norm would show
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    vocab = DraftVocab.from_target_ids(torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB], VOCAB)
+    draft.set_draft_vocab(vocab.d2t, vocab.t2d)
+    return draft.eval()
+
+
+def packed_batch(doc_lengths: list[list[int]], seed: int = 0, t2d: torch.Tensor | None = None) -> dict:
+    """Rows of packed documents (as eagle3.shards.pack builds them), with random states and targets
+    (with ``t2d``, the target's argmax mostly falls inside the draft vocab)."""
+    g = torch.Generator().manual_seed(seed)
+    s = sum(doc_lengths[0])
+    assert all(sum(row) == s for row in doc_lengths)
+    b = len(doc_lengths)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in doc_lengths])
+    doc = torch.stack([torch.cat([torch.full((n,), k) for k, n in enumerate(row)]) for row in doc_lengths])
+    return {
+        "input_ids": torch.randint(0, VOCAB, (b, s), generator=g),
+        "aux": torch.randn(b, s, 3, TARGET_HIDDEN, generator=g),
+        "position_ids": pos,
+        "document_ids": doc,
+        "loss_mask": torch.rand(b, s, generator=g) > 0.3,
+        "target_logits": 3 * torch.randn(b, s, VOCAB, generator=g) + (0 if t2d is None else 4.0 * t2d),
+    }
+
+
+# ---------------------------------------------------------------- the arbiter
+
+
+@torch.no_grad()
+def serving_logits(draft: Eagle3Draft, batch: dict[str, torch.Tensor], num_steps: int) -> dict:
+    """{(row, k, t): logits [Vd]} from the draft run as at serving time.
+
+    For every document and start position t: the cache holds step 0 of positions <= t (fed one
+    token at a time: token x[p+1], the target's states at p, RoPE position p), then K-1 draft
+    steps feed the draft's own pre-norm output with the ground-truth next token, one at a time.
+    """
+    out = {}
+    for row in range(batch["input_ids"].shape[0]):
+        ids, doc = batch["input_ids"][row], batch["document_ids"][row]
+        fc = draft.combine_aux(batch["aux"][row : row + 1])  # [1, S, H]
+        for d in doc.unique().tolist():
+            where = (doc == d).nonzero().flatten()
+            start, end = int(where[0]), int(where[-1]) + 1
+            cache = KVCache()
+            for t in range(start, end - 1):  # the last position has no next token to feed
+                h, logits = draft(ids[t + 1].view(1, 1), fc[:, t : t + 1], torch.tensor([[t - start]]), cache)
+                out[row, 0, t] = logits[0, 0]
+                branch = cache.fork()
+                for k in range(1, num_steps):
+                    if t + k + 1 >= end:
+                        break
+                    h, logits = draft(ids[t + k + 1].view(1, 1), h, torch.tensor([[t - start + k]]), branch)
+                    out[row, k, t] = logits[0, 0]
+    return out
+
+
+def reference_loss(ref: dict, batch: dict[str, torch.Tensor], draft: Eagle3Draft, num_steps: int) -> torch.Tensor:
+    """The TTT loss recomputed from the serving logits, position by position."""
+    targets = prepare_targets(batch["target_logits"], draft.t2d)
+    doc, mask = batch["document_ids"], batch["loss_mask"]
+    b, s = doc.shape
+    total = torch.tensor(0.0)
+    for k in range(num_steps):
+        ces = []
+        for row in range(b):
+            for t in range(s):
+                p = t + k + 2  # the predicted token
+                if p >= s or doc[row, p] != doc[row, t] or not mask[row, p]:
+                    continue
+                if not draft.t2d[targets.argmax[row, t + k + 1]]:
+                    continue
+                ces.append(soft_cross_entropy(ref[row, k, t], targets.probs[row, t + k + 1]))
+        if ces:
+            total = total + 0.8**k * torch.stack(ces).mean()
+    return total
+
+
+def _batched(draft: Eagle3Draft, batch: dict[str, torch.Tensor], num_steps: int, **kw) -> ttt.TTTOutput:
+    return ttt_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
+                       batch["loss_mask"], prepare_targets(batch["target_logits"], draft.t2d),
+                       num_steps=num_steps, return_logits=True, **kw)
+
+
+def _max_gap(out: ttt.TTTOutput, ref: dict) -> dict[int, float]:
+    gaps: dict[int, float] = {}
+    for (row, k, t), logits in ref.items():
+        gaps[k] = max(gaps.get(k, 0.0), (out.logits[k][row, t] - logits).abs().max().item())
+    return gaps
+
+
+@pytest.mark.parametrize("num_layers,num_steps", [(1, 4), (1, 3), (2, 3)])
+def test_batched_ttt_equals_serving_time_draft(num_layers: int, num_steps: int) -> None:
+    draft = tiny_draft(num_layers)
+    batch = packed_batch([[9, 7], [5, 11]], t2d=draft.t2d)
+    ref = serving_logits(draft, batch, num_steps)
+    with torch.no_grad():
+        out = _batched(draft, batch, num_steps)
+    gaps = _max_gap(out, ref)
+    assert sorted(gaps) == list(range(num_steps))
+    assert max(gaps.values()) < 1e-4, gaps
+    # every (step, start) the reference could run was compared: 2 rows x 2 docs
+    assert len(ref) == sum(max(0, n - 1 - k) for row in ([9, 7], [5, 11]) for n in row for k in range(num_steps))
+    assert out.count.sum() > 0
+    torch.testing.assert_close(out.loss, reference_loss(ref, batch, draft, num_steps), rtol=1e-5, atol=1e-5)
+
+
+def test_negative_controls_disagree_with_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The arbiter is sensitive: EAGLE's shifted step-0 window and unshifted RoPE both fail it."""
+    draft = tiny_draft()
+    batch = packed_batch([[9, 7]])
+    ref = serving_logits(draft, batch, 3)
+
+    real_attention = ttt.ttt_attention
+
+    def shifted_window(q, step0, diagonal, mask0):  # step k hides the k most recent step-0 keys
+        k = len(diagonal)
+        s = mask0.shape[-1]
+        rows = torch.arange(s)
+        return real_attention(q, step0, diagonal, mask0 & (rows[None, :] <= rows[:, None] - k))
+
+    with monkeypatch.context() as m, torch.no_grad():
+        m.setattr(ttt, "ttt_attention", shifted_window)
+        gaps = _max_gap(_batched(draft, batch, 3), ref)
+    assert gaps[0] < 1e-4 and gaps[1] > 1e-2 and gaps[2] > 1e-2, gaps
+
+    with monkeypatch.context() as m, torch.no_grad():
+        m.setattr(ttt, "step_positions", lambda position_ids, step: position_ids)
+        gaps = _max_gap(_batched(draft, batch, 3), ref)
+    assert gaps[0] < 1e-4 and gaps[1] > 1e-2 and gaps[2] > 1e-2, gaps
+
+
+def test_gradient_checkpointing_gives_identical_gradients() -> None:
+    draft = tiny_draft(num_layers=2).train()
+    batch = packed_batch([[9, 7], [5, 11]], seed=3, t2d=draft.t2d)
+
+    def grads(checkpointing: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        draft.zero_grad(set_to_none=True)
+        out = ttt_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
+                          batch["loss_mask"], prepare_targets(batch["target_logits"], draft.t2d),
+                          num_steps=4, gradient_checkpointing=checkpointing)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
+
+    loss_plain, plain = grads(False)
+    loss_ckpt, ckpt = grads(True)
+    assert torch.equal(loss_plain, loss_ckpt)
+    assert plain.keys() == ckpt.keys() and "embed_tokens.weight" not in plain
+    for name in plain:
+        torch.testing.assert_close(ckpt[name], plain[name], rtol=0, atol=0, msg=name)
+    assert all(g.abs().sum() > 0 for g in plain.values())
+
+
+def test_attention_equals_dense_masked_attention() -> None:
+    """ttt_attention == softmax over explicitly listed keys (step 0 rows <= t same doc, then the diagonal)."""
+    g = torch.Generator().manual_seed(0)
+    b, s, nh, nkv, d, k = 2, 6, 4, 2, 8, 2
+    q = torch.randn(b, s, nh, d, generator=g)
+    kv = [(torch.randn(b, s, nkv, d, generator=g), torch.randn(b, s, nkv, d, generator=g)) for _ in range(k + 1)]
+    doc = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
+    got = ttt_attention(q, kv[0], kv[1:], step0_attention_mask(doc))
+    for bi in range(b):
+        for t in range(s):
+            for h in range(nh):
+                kh = h // (nh // nkv)
+                keys = [kv[0][0][bi, j, kh] for j in range(t + 1) if doc[bi, j] == doc[bi, t]]
+                vals = [kv[0][1][bi, j, kh] for j in range(t + 1) if doc[bi, j] == doc[bi, t]]
+                keys += [kv[j][0][bi, t, kh] for j in range(1, k + 1)]
+                vals += [kv[j][1][bi, t, kh] for j in range(1, k + 1)]
+                w = torch.softmax(torch.stack(keys) @ q[bi, t, h] / d**0.5, 0)
+                torch.testing.assert_close(got[bi, t, h], w @ torch.stack(vals))
+
+
+# ---------------------------------------------------------------- shifts and masks by hand
+
+
+def test_shifts_by_hand() -> None:
+    x = torch.tensor([[10, 11, 12, 13, 14]])
+    assert shift_left(x, 2, -1).tolist() == [[12, 13, 14, -1, -1]]
+    assert shift_left(x, 7, 0).tolist() == [[0, 0, 0, 0, 0]]
+    assert step_input_ids(x, 0).tolist() == [[11, 12, 13, 14, 0]]  # x[t+1]
+    assert step_input_ids(x, 2).tolist() == [[13, 14, 0, 0, 0]]  # x[t+3]
+    pos = torch.tensor([[0, 1, 2, 0, 1]])
+    assert step_positions(pos, 2).tolist() == [[2, 3, 4, 2, 3]]
+
+
+def test_step_counted_by_hand() -> None:
+    doc = torch.tensor([[0, 0, 0, 0, 1, 1, 1]])
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1, 1]]).bool()
+    # step 0 at t is gated by mask[t+2] in t's document: t=0 -> m2, t=1 -> m3, t=2,3 -> next doc, t=4 -> m6
+    assert step_counted(mask, doc, 0).int().tolist() == [[1, 1, 0, 0, 1, 0, 0]]
+    # step 1: t=0 -> m3; t=1 -> index 4 is the next document; t=4 -> index 7 is past the row
+    assert step_counted(mask, doc, 1).int().tolist() == [[1, 0, 0, 0, 0, 0, 0]]
+    assert not step_counted(mask, doc, 2).any()
+
+
+def test_step0_mask_by_hand() -> None:
+    got = step0_attention_mask(torch.tensor([[0, 0, 1, 1]]))[0].int().tolist()
+    assert got == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+
+
+def test_targets_restricted_renormalised_and_argmax_outside_masked() -> None:
+    t2d = torch.tensor([True, False, True, True])
+    logits = torch.tensor([[[0.0, 5.0, 1.0, 2.0], [3.0, 0.0, 1.0, 2.0]]])
+    targets = prepare_targets(logits, t2d)
+    sub = torch.tensor([0.0, 1.0, 2.0])
+    torch.testing.assert_close(targets.probs[0, 0], torch.softmax(sub, 0))
+    torch.testing.assert_close(targets.probs[0, 0].sum(), torch.tensor(1.0))
+    assert targets.argmax.tolist() == [[1, 0]]  # position 0's argmax (id 1) is outside the draft vocab
+
+
+def test_loss_skips_positions_whose_target_argmax_is_outside_the_draft_vocab() -> None:
+    draft = tiny_draft()
+    batch = packed_batch([[16]])
+    batch["loss_mask"][:] = True
+    batch["target_logits"][..., draft.t2d] += 100.0  # every argmax inside the draft vocab ...
+    outside = int((~draft.t2d).nonzero()[0])
+    batch["target_logits"][0, 5, outside] = 300.0  # ... but position 5's, learnt by step 0 at t=4, step 1 at t=3
+    with torch.no_grad():
+        out = _batched(draft, batch, 2)
+    assert not out.valid[0, 0, 4] and not out.valid[1, 0, 3]
+    assert out.counted[0, 0, 4] and not out.match[0, 0, 4]  # counted by the metrics as a miss
+    assert out.valid[0, 0, 3] and out.count.tolist() == [13, 12]
+
+
+def test_step_weights() -> None:
+    torch.testing.assert_close(step_weights(3), torch.tensor([1.0, 0.8, 0.64], dtype=torch.float64))
+    torch.testing.assert_close(step_weights(2, decay=1.0), torch.ones(2, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- metrics by hand
+
+MATCH = torch.tensor([[1, 1, 0, 1], [1, 0, 1, 1], [0, 1, 1, 1]]).bool()  # [K=3, N=4]
+COUNTED = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]]).bool()
+
+
+def test_step_accuracy_by_hand() -> None:
+    torch.testing.assert_close(step_accuracy(MATCH, COUNTED), torch.tensor([3 / 4, 3 / 4, 2 / 3]))
+
+
+def test_conditional_acceptance_by_hand() -> None:
+    # step 0: 3 of 4; step 1: of the 3 that matched step 0 (0, 1, 3), 0 and 3 match -> 2/3;
+    # step 2: of positions 0 and 3, 3 is not counted and 0 misses -> 0 of 1
+    torch.testing.assert_close(conditional_acceptance(MATCH, COUNTED), torch.tensor([3 / 4, 2 / 3, 0.0]))
+
+
+def test_simulated_tau_multiplies_per_position() -> None:
+    # accepted runs per position: 2, 1, 0, 2 (position 3's step 2 is not counted) -> 1 + 5/4
+    assert simulated_tau(MATCH, COUNTED).item() == pytest.approx(2.25)
+    acc = step_accuracy(MATCH, COUNTED)
+    product_of_means = 1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2]
+    assert product_of_means.item() == pytest.approx(2.6875)  # the biased estimate is not what we report
+    # only positions counted at step 0 are averaged; batch dims are flattened
+    counted = COUNTED.clone()
+    counted[0, 2] = False
+    assert simulated_tau(MATCH.view(3, 2, 2), counted.view(3, 2, 2)).item() == pytest.approx(1 + 5 / 3)
