@@ -1,0 +1,206 @@
+"""The draft head: vLLM's parameter names and shapes, the layer by hand, RoPE against HF, the
+serving-time cache, weights from the target, and the parameter count of an 8B-sized draft."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle3.draft import DraftConfig, Eagle3Draft, KVCache, rope_cos_sin, trainable_parameter_count
+from eagle3.draft_vocab import DraftVocab, to_draft_logits
+from eagle3.target import Target
+from tests.conftest import tiny_llama, tiny_tokenizer
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
+def small_config(**kw) -> DraftConfig:
+    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=128, draft_vocab_size=32, target_hidden_size=48)
+    return DraftConfig(**{**base, **kw})
+
+
+def randomised(draft: Eagle3Draft, seed: int = 0) -> Eagle3Draft:
+    """Weights large enough to matter and norms away from 1, so swapped pieces would show."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g) if name.endswith("norm.weight")
+                    else 0.2 * torch.randn(p.shape, generator=g))
+    return draft.eval()
+
+
+# ---------------------------------------------------------------- names and shapes vLLM loads
+
+# From vLLM 0.11+ model_executor/models/llama_eagle3.py: `midlayer.` is mapped to `layers.0.`,
+# q/k/v and gate/up are stacked on load, the first layer's q/k/v read 2*hidden, `d2t` becomes
+# draft_id_to_target_id, `t2d` is skipped, and `embed_tokens` is optional (the target's is used).
+VLLM_SHAPES = {
+    "fc.weight": (64, 3 * 48),
+    "midlayer.input_layernorm.weight": (64,),
+    "midlayer.hidden_norm.weight": (64,),
+    "midlayer.self_attn.q_proj.weight": (4 * 16, 2 * 64),
+    "midlayer.self_attn.k_proj.weight": (2 * 16, 2 * 64),
+    "midlayer.self_attn.v_proj.weight": (2 * 16, 2 * 64),
+    "midlayer.self_attn.o_proj.weight": (64, 4 * 16),
+    "midlayer.post_attention_layernorm.weight": (64,),
+    "midlayer.mlp.gate_proj.weight": (128, 64),
+    "midlayer.mlp.up_proj.weight": (128, 64),
+    "midlayer.mlp.down_proj.weight": (64, 128),
+    "norm.weight": (64,),
+    "lm_head.weight": (32, 64),
+    "d2t": (32,),
+    "t2d": (128,),
+}
+
+
+def test_state_dict_is_what_vllm_loads() -> None:
+    draft = Eagle3Draft(small_config())
+    state = draft.vllm_state_dict()
+    assert {k: tuple(v.shape) for k, v in state.items()} == VLLM_SHAPES
+    assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool
+    with_embedding = draft.vllm_state_dict(include_embedding=True)
+    assert tuple(with_embedding["embed_tokens.weight"].shape) == (128, 64)
+
+
+def test_deeper_draft_names_its_extra_layers_like_vllm() -> None:
+    state = Eagle3Draft(small_config(num_layers=3)).vllm_state_dict()
+    extra = {k for k in state if k.startswith("layers.")}
+    assert {k.split(".")[1] for k in extra} == {"1", "2"}  # vLLM's layers.1, layers.2 (midlayer is layers.0)
+    assert tuple(state["layers.1.self_attn.q_proj.weight"].shape) == (64, 64)  # later layers read H, not 2H
+    assert "layers.1.hidden_norm.weight" not in state
+    assert set(VLLM_SHAPES) <= set(state)
+
+
+def test_trainable_parameter_count_of_a_llama_3_1_8b_sized_draft() -> None:
+    config = DraftConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                         vocab_size=128256, draft_vocab_size=32000, rms_norm_eps=1e-5, rope_theta=500000.0,
+                         rope_scaling=LLAMA3_ROPE, max_position_embeddings=131072)
+    with torch.device("meta"):
+        draft = Eagle3Draft(config)
+    trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in draft.parameters() if not p.requires_grad)
+    print(f"\nLlama-3.1-8B-sized EAGLE-3 draft: {trainable:,} trainable parameters, "
+          f"{frozen:,} frozen (embedding)")
+    # fc 3*4096*4096 + q 8192*4096 + k,v 2*8192*1024 + o 4096*4096 + MLP 3*4096*14336
+    # + 3 layer norms + final norm 4*4096 + lm_head 32000*4096
+    closed_form = (3 * 4096 * 4096 + 8192 * 4096 + 2 * 8192 * 1024 + 4096 * 4096 + 3 * 4096 * 14336
+                   + 4 * 4096 + 32000 * 4096)
+    assert trainable == trainable_parameter_count(config) == closed_form == 424_689_664
+    assert frozen == 128256 * 4096
+    two_layers = DraftConfig(**{**config.__dict__, "num_layers": 2})
+    with torch.device("meta"):
+        deeper = Eagle3Draft(two_layers)
+    assert sum(p.numel() for p in deeper.parameters() if p.requires_grad) == trainable_parameter_count(two_layers)
+
+
+# ---------------------------------------------------------------- the computation by hand
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_one_token_forward_by_hand(norm_before_residual: bool) -> None:
+    """Embedding first, hidden second in the 2H input; residual = fc output; output pre-norm.
+
+    One token on an empty cache attends only to itself, so attention is o_proj(v) and RoPE drops out.
+    """
+    draft = randomised(Eagle3Draft(small_config(norm_before_residual=norm_before_residual)))
+    layer = draft.midlayer
+    g = torch.Generator().manual_seed(1)
+    aux = torch.randn(1, 1, 3, 48, generator=g)
+    token = torch.tensor([[7]])
+    with torch.no_grad():
+        hidden = aux.flatten(-2) @ draft.fc.weight.T  # [1, 1, 64]
+        emb = draft.embed_tokens.weight[7].view(1, 1, 64)
+
+        def rms(x, w):
+            return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+        x = torch.cat([rms(emb, layer.input_layernorm.weight), rms(hidden, layer.hidden_norm.weight)], -1)
+        v = (x @ layer.self_attn.v_proj.weight.T).view(1, 1, 2, 16).repeat_interleave(2, dim=2).reshape(1, 1, 64)
+        residual = rms(hidden, layer.hidden_norm.weight) if norm_before_residual else hidden
+        h = residual + v @ layer.self_attn.o_proj.weight.T
+        n = rms(h, layer.post_attention_layernorm.weight)
+        mlp = layer.mlp
+        mlp = (F.silu(n @ mlp.gate_proj.weight.T) * (n @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+        want_prenorm = h + mlp
+        want_logits = rms(want_prenorm, draft.norm.weight) @ draft.lm_head.weight.T
+
+        prenorm, logits = draft(token, draft.combine_aux(aux), torch.tensor([[5]]))
+    torch.testing.assert_close(prenorm, want_prenorm)
+    torch.testing.assert_close(logits, want_logits)
+
+
+@pytest.mark.parametrize("rope_scaling", [None, LLAMA3_ROPE, {"rope_type": "linear", "factor": 4.0}])
+def test_rope_matches_hf_llama(rope_scaling: dict | None) -> None:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    params = {"rope_type": "default", "rope_theta": 500000.0, **(rope_scaling or {})}
+    hf = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                     num_hidden_layers=2, vocab_size=128, max_position_embeddings=16384, rope_parameters=params)
+    config = DraftConfig.from_target_config(hf, draft_vocab_size=32)
+    assert config.rope_theta == 500000.0 and (config.rope_scaling is None) == (rope_scaling is None)
+    positions = torch.tensor([[0, 1, 7, 100, 5000, 16000]])
+    want_cos, want_sin = LlamaRotaryEmbedding(hf)(torch.zeros(1, 6, 16), positions)
+    cos, sin = rope_cos_sin(config, positions, torch.float32)
+    torch.testing.assert_close(cos, want_cos)
+    torch.testing.assert_close(sin, want_sin)
+
+
+def test_prefill_at_once_equals_one_token_at_a_time() -> None:
+    draft = randomised(Eagle3Draft(small_config(num_layers=2)))
+    g = torch.Generator().manual_seed(2)
+    ids, hidden = torch.randint(0, 128, (2, 6), generator=g), torch.randn(2, 6, 64, generator=g)
+    pos = torch.arange(6).expand(2, 6)
+    with torch.no_grad():
+        cache = KVCache()
+        h_all, logits_all = draft(ids[:, :4], hidden[:, :4], pos[:, :4], cache)
+        h_more, logits_more = draft(ids[:, 4:], hidden[:, 4:], pos[:, 4:], cache)  # continue the cache
+        assert len(cache) == 6
+        one = KVCache()
+        steps = [draft(ids[:, i : i + 1], hidden[:, i : i + 1], pos[:, i : i + 1], one) for i in range(6)]
+    tol = dict(rtol=1e-4, atol=1e-4)  # different matmul shapes round differently
+    torch.testing.assert_close(torch.cat([h_all, h_more], 1), torch.cat([s[0] for s in steps], 1), **tol)
+    torch.testing.assert_close(torch.cat([logits_all, logits_more], 1), torch.cat([s[1] for s in steps], 1), **tol)
+
+
+# ---------------------------------------------------------------- weights from the target
+
+
+def test_from_target_config_and_weights_from_the_target() -> None:
+    target = Target(tiny_llama(), tiny_tokenizer())
+    config = DraftConfig.from_target_config(target.config, draft_vocab_size=16)
+    assert (config.hidden_size, config.target_hidden_size, config.vocab_size) == (64, 64, 128)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
+    assert config.intermediate_size == 128 and config.rms_norm_eps == target.config.rms_norm_eps
+    vocab = DraftVocab.from_target_ids(torch.arange(0, 128, 8), 128)
+
+    draft = Eagle3Draft(config, embed_tokens_weight=target.embed_tokens.weight)
+    draft.set_draft_vocab(vocab.d2t, vocab.t2d)
+    draft.init_lm_head_from_target(target.lm_head.weight, vocab.d2t, target_norm_weight=target.norm.weight)
+
+    assert not draft.embed_tokens.weight.requires_grad
+    assert torch.equal(draft.embed_tokens.weight, target.embed_tokens.weight)
+    assert "embed_tokens.weight" not in {n for n, p in draft.named_parameters() if p.requires_grad}
+    assert torch.equal(draft.lm_head.weight, target.lm_head.weight[::8])
+    last = torch.randn(2, 5, 64)
+    with torch.no_grad():  # a draft state equal to the target's gives the target's logits on the draft vocab
+        torch.testing.assert_close(draft.compute_logits(last), to_draft_logits(target.head(last), vocab.t2d))
+    assert draft.draft_to_target_ids(torch.tensor([0, 1, 15])).tolist() == [0, 8, 120]
+
+
+def test_bad_configs_and_vocab_fail_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        small_config(num_key_value_heads=3)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        small_config(draft_vocab_size=129)
+    with pytest.raises(ValueError, match="yarn"):
+        small_config(rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    draft = Eagle3Draft(small_config())
+    vocab = DraftVocab.from_target_ids(torch.arange(32) * 2, 128)
+    with pytest.raises(ValueError, match="t2d"):
+        draft.set_draft_vocab(vocab.d2t, ~vocab.t2d)
+    with pytest.raises(ValueError, match="embedding"):
+        draft.load_embedding(torch.zeros(128, 32))
