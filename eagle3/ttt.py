@@ -39,11 +39,13 @@ step. Example, one document, t = 3, k = 2 (``#`` attended)::
     (k=1, t=3)  # # # # . .          . . . # . .          . . . . . .
     (k=0, t=3)  # # # # . .          . . . . . .          . . . . . .
 
-The step-0 window is NOT shifted with k (the variant that hides step-0 keys near the
-diagonal at later steps, EAGLE #247/#299, differs from serving), and RoPE positions DO advance
-with k (SpecForge #244). ``tests/test_ttt.py`` checks both against the draft run token by
-token with its own KV cache: logits agree at every step and position, and the negative
-controls (shifted window, unshifted RoPE) do not.
+The step-0 window is NOT shifted with k: EAGLE's original training code hides, at step k,
+the step-0 keys of rows t-k..t-1 (its "mask shift", questioned in EAGLE #247/#299 and removed
+by SpecForge #244/#245); serving never hides them. RoPE positions DO advance with k (also
+added by SpecForge #244). ``tests/test_ttt.py`` decides both against the draft run token by
+token with its own KV cache, as at serving time: logits agree at every step and position
+(max |diff| ~3e-6 in fp32), while both negative controls (EAGLE's shifted window, RoPE
+not advanced) disagree from step 1 on.
 
 Implementation: the step-0 part is a normal causal+document attention (an [S, S] mask); the
 diagonal terms are elementwise q.k products, one column per earlier step, softmaxed jointly
@@ -115,14 +117,33 @@ class TTTTargets:
     argmax: Tensor  # [B, S] int64: the target's argmax at t (a target id)
 
 
-def prepare_targets(target_logits: Tensor, t2d: Tensor) -> TTTTargets:
-    """From the target's logits (or log-probs) [B, S, V] at every position.
+def prepare_targets(target: Tensor, t2d: Tensor, *, are_probs: bool = False) -> TTTTargets:
+    """From the target's logits or log-probs (or, with ``are_probs``, probabilities) [B, S, V].
 
     Callers with a large vocabulary can run this on slices of S and concatenate.
     """
-    sub = target_logits[..., t2d.to(target_logits.device)].float()  # [B, S, Vd]
+    scores = target.float().log() if are_probs else target.float()  # [B, S, V]
+    sub = scores[..., t2d.to(target.device)]  # [B, S, Vd]
     probs = torch.nan_to_num(torch.softmax(sub, dim=-1), nan=0.0)  # a row with no draft-vocab mass -> 0
-    return TTTTargets(probs=probs, argmax=target_logits.argmax(-1))
+    return TTTTargets(probs=probs, argmax=target.argmax(-1))
+
+
+def prepare_targets_from_topk(topk_ids: Tensor, topk_logprobs: Tensor, t2d: Tensor) -> TTTTargets:
+    """From a ``store=topk`` harvest: the target's top-K ids and log-probs [B, S, K].
+
+    The distribution is the top-K restricted to the draft vocab and renormalised; the argmax is
+    the top-1 id (outside the draft vocab -> masked, as with full logits).
+    """
+    t2d = t2d.to(topk_ids.device)
+    draft_id = torch.cumsum(t2d.long(), 0) - 1  # [V] draft id of each target id (where t2d)
+    inside = t2d[topk_ids]  # [B, S, K]
+    sub = topk_logprobs.float().new_full((*topk_ids.shape[:-1], int(t2d.sum())), float("-inf"))  # [B, S, Vd]
+    # ids outside the draft vocab go to column 0 as -inf; amax keeps a real value there
+    sub.scatter_reduce_(-1, torch.where(inside, draft_id[topk_ids], 0),
+                        torch.where(inside, topk_logprobs.float(), float("-inf")), reduce="amax")
+    probs = torch.nan_to_num(torch.softmax(sub, dim=-1), nan=0.0)
+    best = topk_logprobs.argmax(-1, keepdim=True)  # [B, S, 1]
+    return TTTTargets(probs=probs, argmax=topk_ids.gather(-1, best).squeeze(-1))
 
 
 # ---------------------------------------------------------------- attention of one step
@@ -304,7 +325,7 @@ def simulated_tau(match: Tensor, counted: Tensor) -> Tensor:
 
 
 __all__ = [
-    "TTTOutput", "TTTTargets", "conditional_acceptance", "prepare_targets", "shift_left", "simulated_tau",
-    "soft_cross_entropy", "step0_attention_mask", "step_accuracy", "step_counted", "step_input_ids",
-    "step_positions", "step_weights", "ttt_attention", "ttt_forward",
+    "TTTOutput", "TTTTargets", "conditional_acceptance", "prepare_targets", "prepare_targets_from_topk",
+    "shift_left", "simulated_tau", "soft_cross_entropy", "step0_attention_mask", "step_accuracy", "step_counted",
+    "step_input_ids", "step_positions", "step_weights", "ttt_attention", "ttt_forward",
 ]

@@ -12,6 +12,7 @@ from eagle3.draft_vocab import DraftVocab
 from eagle3.ttt import (
     conditional_acceptance,
     prepare_targets,
+    prepare_targets_from_topk,
     shift_left,
     simulated_tau,
     soft_cross_entropy,
@@ -152,11 +153,11 @@ def test_negative_controls_disagree_with_serving(monkeypatch: pytest.MonkeyPatch
 
     real_attention = ttt.ttt_attention
 
-    def shifted_window(q, step0, diagonal, mask0):  # step k hides the k most recent step-0 keys
+    def shifted_window(q, step0, diagonal, mask0):  # EAGLE's shift: step k hides step-0 keys t-k..t-1
         k = len(diagonal)
-        s = mask0.shape[-1]
-        rows = torch.arange(s)
-        return real_attention(q, step0, diagonal, mask0 & (rows[None, :] <= rows[:, None] - k))
+        rows = torch.arange(mask0.shape[-1])
+        gap = rows[:, None] - rows[None, :]  # t - s
+        return real_attention(q, step0, diagonal, mask0 & ~((gap >= 1) & (gap <= k)))
 
     with monkeypatch.context() as m, torch.no_grad():
         m.setattr(ttt, "ttt_attention", shifted_window)
@@ -246,6 +247,28 @@ def test_targets_restricted_renormalised_and_argmax_outside_masked() -> None:
     torch.testing.assert_close(targets.probs[0, 0], torch.softmax(sub, 0))
     torch.testing.assert_close(targets.probs[0, 0].sum(), torch.tensor(1.0))
     assert targets.argmax.tolist() == [[1, 0]]  # position 0's argmax (id 1) is outside the draft vocab
+
+
+def test_targets_from_probs_and_from_topk_agree_with_logits() -> None:
+    g = torch.Generator().manual_seed(0)
+    t2d = torch.zeros(12, dtype=torch.bool)
+    t2d[[0, 2, 3, 7, 11]] = True
+    logits = torch.randn(2, 5, 12, generator=g)
+    full = prepare_targets(logits, t2d)
+    from_probs = prepare_targets(torch.softmax(logits, -1), t2d, are_probs=True)
+    torch.testing.assert_close(from_probs.probs, full.probs)
+    assert torch.equal(from_probs.argmax, full.argmax)
+    # top-k: the same as full logits with everything outside the top-k at -inf
+    logprobs = torch.log_softmax(logits, -1)
+    top = logprobs.topk(6, dim=-1)
+    truncated = torch.full_like(logprobs, float("-inf")).scatter(-1, top.indices, top.values)
+    got = prepare_targets_from_topk(top.indices, top.values, t2d)
+    want = prepare_targets(truncated, t2d)
+    torch.testing.assert_close(got.probs, want.probs)
+    assert torch.equal(got.argmax, full.argmax)
+    # no top-k id in the draft vocab: zero distribution, argmax outside (masked)
+    none = prepare_targets_from_topk(torch.tensor([[[1, 4]]]), torch.tensor([[[-0.1, -2.0]]]), t2d)
+    assert none.probs.abs().sum() == 0 and none.argmax.item() == 1
 
 
 def test_loss_skips_positions_whose_target_argmax_is_outside_the_draft_vocab() -> None:
