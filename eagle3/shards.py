@@ -281,6 +281,19 @@ class HarvestStore:
     def __len__(self) -> int:
         return len(self._index)
 
+    @property
+    def sample_ids(self) -> list[str]:
+        """The id of every sample, in store order (no tensor is read)."""
+        return [self._shards[k].ids[j] for k, j in self._index]
+
+    def token_columns(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample i's (input_ids [T] int64, loss_mask [T] bool), without reading any state."""
+        k, j = self._index[i]
+        shard = self._shards[k]
+        a, b = shard.offsets[j], shard.offsets[j + 1]
+        with safe_open(str(shard.path), framework="pt") as f:
+            return f.get_slice("input_ids")[a:b].long(), f.get_slice("loss_mask")[a:b].bool()
+
     def check_target(self, target: Any) -> None:
         """Raise naming the key if this store was not harvested from ``target`` (an eagle3 Target)."""
         from eagle3.fingerprint import tokenizer_fingerprint
