@@ -233,6 +233,131 @@ class HarvestConfig:
         return i, n
 
 
+_PRECISIONS = ("fp32", "bf16")
+_WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class TrainConfig:
+    """The trainer (eagle3.train): an EAGLE-3 draft head on a harvest store, with DeepSpeed."""
+
+    store: str = ""
+    """Training harvest store (a folder with manifest.json), checked against the target."""
+    out_dir: str = ""
+    """checkpoints/, best/ and final/ exported drafts, draft_vocab.safetensors, metrics.jsonl, wandb/."""
+    eval_store: str | None = None
+    """Held-out harvest store for evaluation (None: hold out ``eval_fraction`` of ``store``)."""
+    eval_fraction: float = 0.0
+    """Without ``eval_store``: the share of the store's samples held out for eval, chosen by a
+    hash of each sample id (the same split in every run); 0 means no eval."""
+    steps: int = 1000
+    """Optimizer steps; the data repeats in epochs, reshuffled per epoch."""
+    micro_batch_tokens: int = 2048
+    """Tokens per micro-batch per rank: one packed row, or one padded bucket."""
+    batching: str = "pack"
+    """pack: documents concatenated into rows of ``micro_batch_tokens`` (attention never crosses
+    a document); buckets: similar lengths padded together."""
+    gradient_accumulation: int = 1
+    """Micro-batches per rank per optimizer step; the global batch is world_size times this."""
+    lr: float = 1e-4
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.0
+    """The cosine decays to lr * min_lr_ratio at the last step."""
+    warmup_steps: int = 50
+    """Linear warmup from lr / warmup_steps to lr."""
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 0.5
+    """Gradient clipping by global norm; 0 disables it."""
+    precision: str = "fp32"
+    """fp32, or bf16 (DeepSpeed keeps fp32 master weights)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3."""
+    ttt_steps: int = 7
+    """Training-time-test steps K unrolled per position."""
+    step_decay: float = 0.8
+    """Loss weight of TTT step k is step_decay**k (1.0 weighs the steps equally)."""
+    draft_vocab_size: int = 32000
+    """Target tokens the draft can propose: the most frequent loss-masked tokens of the training
+    store (capped at the target's vocabulary)."""
+    draft_vocab: str | None = None
+    """Reuse a draft vocab instead (a draft_vocab.safetensors of another run, or an exported
+    draft folder): across runs and mining rounds."""
+    num_layers: int = 1
+    """Decoder layers of the draft."""
+    lm_head_init: str = "target"
+    """target: lm_head rows (and the final norm) copied from the target's; random: fresh init."""
+    gradient_checkpointing: bool = False
+    """Recompute each TTT step in backward: less memory, ~1/3 more compute."""
+    eval_every: int = 100
+    """Evaluate every N optimizer steps (0: only at the end); the best eval tau_sim is exported."""
+    eval_at_start: bool = True
+    """Also evaluate the untrained draft, before step 1."""
+    save_every: int = 100
+    """Checkpoint every N optimizer steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """Older checkpoints are deleted; the latest complete one is always kept."""
+    resume: bool = True
+    """Continue from ``out_dir/checkpoints/latest`` when it exists."""
+    log_every: int = 1
+    """Write metrics every N optimizer steps."""
+    seed: int = 0
+    """Draft init and data order."""
+    device: str = "auto"
+    """auto (cuda:LOCAL_RANK if CUDA is available, else cpu), cpu or cuda."""
+    threads: int = 1
+    """torch intra-op threads per process on CPU."""
+    wandb_mode: str = "offline"
+    """offline (synced later with ``wandb sync``), online, or disabled."""
+    wandb_project: str = "eagle3"
+    wandb_run_name: str | None = None
+    """None: the name of ``out_dir``."""
+    progress: bool = True
+    """A tqdm progress bar on rank 0."""
+
+    def __post_init__(self) -> None:
+        positive = ("steps", "micro_batch_tokens", "gradient_accumulation", "ttt_steps", "draft_vocab_size",
+                    "num_layers", "keep_checkpoints", "log_every", "threads")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 1")
+        for name in ("warmup_steps", "eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 0")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"train.eval_fraction={self.eval_fraction}: must be in [0, 1)")
+        if self.eval_store is not None and self.eval_fraction > 0:
+            raise ValueError(f"train.eval_fraction={self.eval_fraction}: set it or eval_store, not both")
+        if self.lr <= 0:
+            raise ValueError(f"train.lr={self.lr}: must be > 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        for name in ("weight_decay", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"train.{name}={getattr(self, name)}: must be in [0, 1)")
+        if self.adam_eps <= 0:
+            raise ValueError(f"train.adam_eps={self.adam_eps}: must be > 0")
+        if not 0.0 < self.step_decay <= 1.0:
+            raise ValueError(f"train.step_decay={self.step_decay}: must be in (0, 1]")
+        if self.batching not in ("pack", "buckets"):
+            raise ValueError(f"train.batching={self.batching!r}: expected pack or buckets")
+        if self.precision not in _PRECISIONS:
+            raise ValueError(f"train.precision={self.precision!r}: expected one of {', '.join(_PRECISIONS)}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"train.zero_stage={self.zero_stage}: expected 0, 1, 2 or 3")
+        if self.lm_head_init not in ("target", "random"):
+            raise ValueError(f"train.lm_head_init={self.lm_head_init!r}: expected target or random")
+        if self.wandb_mode not in _WANDB_MODES:
+            raise ValueError(f"train.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(_WANDB_MODES)}")
+        if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"train.device={self.device!r}: expected auto, cpu or cuda")
+
+
 @dataclass
 class PipelineConfig:
     """One run of the pipeline: every stage reads its part of this tree."""
@@ -242,6 +367,7 @@ class PipelineConfig:
     select: SelectConfig = field(default_factory=SelectConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     harvest: HarvestConfig = field(default_factory=HarvestConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     out_dir: str = "runs/quickstart"
     """Where every stage writes its outputs."""
     stages: list[str] = field(default_factory=lambda: ["target", "pools", "regenerate", "harvest"])

@@ -1,0 +1,215 @@
+"""Training checkpoints that a kill never leaves half-written, and the exported draft.
+
+A checkpoint is DeepSpeed's own (model, optimizer and scheduler states per rank, plus our
+``client_state``: step, data position, best eval) with one ``rng-rank<r>.pt`` per rank::
+
+    checkpoints/
+        latest                  the tag of the newest *complete* checkpoint, written atomically
+        step-00000200/          DeepSpeed's files + rng-rank00000.pt, rng-rank00001.pt, ...
+        .step-00000300.tmp/     a save in progress (removed on the next start)
+
+Every rank saves into the hidden ``.tmp`` folder; after a barrier rank 0 renames it to its
+tag and only then points ``latest`` at it (DeepSpeed's own ``latest`` is truncated and
+rewritten in place, so we keep our own and load by tag). A kill at any moment leaves
+``latest`` at the previous complete checkpoint.
+
+Export (``best/``, ``final/``): ``model.safetensors`` from :meth:`Eagle3Draft.vllm_state_dict`
+(``d2t``/``t2d`` included) and ``draft.json`` with the :class:`DraftConfig`, the draft vocab
+as ``d2t`` offsets, the aux layer ids and the step/metrics it was taken at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.atomic import atomic_dir, atomic_write_text
+from eagle3.draft import DraftConfig, Eagle3Draft
+from eagle3.draft_vocab import DraftVocab
+
+LATEST = "latest"
+EXPORT_FORMAT = "eagle3-draft-1"
+
+
+def tag_of(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+# ---------------------------------------------------------------- RNG states
+
+
+def rng_state() -> dict[str, Any]:
+    """python, numpy and torch (CPU, and CUDA when present) generator states; loadable with
+    ``torch.load(weights_only=True)`` (plain tuples, ints and tensors only)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------- save / load
+
+
+def latest_tag(root: str | os.PathLike[str]) -> str | None:
+    """The newest complete checkpoint's tag under ``root``, or None."""
+    path = Path(root) / LATEST
+    if not path.is_file():
+        return None
+    tag = path.read_text().strip()
+    if not tag or not (Path(root) / tag).is_dir():
+        raise RuntimeError(f"{path} names {tag!r}, which is not a checkpoint folder; the checkpoint directory "
+                           "was changed by hand (delete it to start over)")
+    return tag
+
+
+def remove_partial(root: str | os.PathLike[str]) -> list[str]:
+    """Delete saves that a kill interrupted (hidden ``.tmp`` folders); rank 0 only."""
+    removed = []
+    for path in sorted(Path(root).glob(".step-*.tmp")):
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path.name)
+    return removed
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _fsync_tree(path: Path) -> None:
+    for child in path.rglob("*"):
+        if child.is_file():
+            with open(child, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def save_checkpoint(engine: Any, root: str | os.PathLike[str], step: int, client_state: dict[str, Any],
+                    *, rank: int, keep: int) -> str:
+    """Save on every rank (a collective), then publish atomically; returns the tag."""
+    root = Path(root)
+    tag = tag_of(step)
+    if (root / LATEST).is_file() and latest_tag(root) == tag:
+        return tag  # resumed from this very step and not stepped since: nothing new to save
+    tmp = f".{tag}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(root / tmp, ignore_errors=True)
+    _barrier()
+    engine.save_checkpoint(str(root), tag=tmp, client_state=client_state, save_latest=False)
+    torch.save(rng_state(), root / tmp / f"rng-rank{rank:05d}.pt")
+    _barrier()
+    if rank == 0:
+        _fsync_tree(root / tmp)
+        if (root / tag).exists():  # renamed by a save killed before it updated `latest`: unreferenced
+            shutil.rmtree(root / tag)
+        os.replace(root / tmp, root / tag)
+        atomic_write_text(root / LATEST, tag + "\n")
+        tags = sorted(p.name for p in root.glob("step-*") if p.is_dir())
+        for old in tags[:-keep]:
+            if old != tag:
+                shutil.rmtree(root / old, ignore_errors=True)
+    _barrier()
+    return tag
+
+
+def load_checkpoint(engine: Any, root: str | os.PathLike[str], tag: str, *, rank: int) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler and this rank's RNG; returns the client state."""
+    path, client_state = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+    if path is None:
+        raise RuntimeError(f"{Path(root) / tag}: DeepSpeed could not load this checkpoint")
+    rng_file = Path(root) / tag / f"rng-rank{rank:05d}.pt"
+    if rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=True))
+    return client_state
+
+
+# ---------------------------------------------------------------- export
+
+
+def export_draft(out: str | os.PathLike[str], state: dict[str, torch.Tensor], config: DraftConfig,
+                 info: dict[str, Any]) -> None:
+    """Write ``model.safetensors`` + ``draft.json`` into ``out``, atomically (complete or absent)."""
+    d2t = state["d2t"]
+    meta = {"format": EXPORT_FORMAT, "draft_config": asdict(config), "d2t": d2t.tolist(),
+            "t2d": {"size": int(state["t2d"].shape[0]), "true": int(state["t2d"].sum())}, **info}
+    with atomic_dir(out) as tmp:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        text = json.dumps({**meta, "d2t": "@d2t@"}, indent=1).replace('"@d2t@"', json.dumps(meta["d2t"]))
+        (tmp / "draft.json").write_text(text + "\n")
+
+
+def load_exported_draft(folder: str | os.PathLike[str],
+                        embed_tokens_weight: torch.Tensor | None = None) -> tuple[Eagle3Draft, dict[str, Any]]:
+    """An exported draft and its ``draft.json`` (the embedding is the target's: pass it, or it
+    stays at its random init)."""
+    folder = Path(folder)
+    meta = json.loads((folder / "draft.json").read_text())
+    config = DraftConfig(**meta["draft_config"])
+    draft = Eagle3Draft(config, embed_tokens_weight)
+    state = load_file(str(folder / "model.safetensors"))
+    vocab = DraftVocab.from_d2t(torch.tensor(meta["d2t"]), config.vocab_size)
+    if not (torch.equal(vocab.d2t, state["d2t"]) and torch.equal(vocab.t2d, state["t2d"])):
+        raise ValueError(f"{folder}: d2t/t2d in model.safetensors differ from draft.json")
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"embed_tokens.weight"}:
+        raise ValueError(f"{folder}: model.safetensors does not fit the draft config "
+                         f"(missing {missing}, unexpected {unexpected})")
+    return draft, meta
+
+
+def read_draft_vocab(path: str | os.PathLike[str], vocab_size: int) -> DraftVocab:
+    """A draft vocab saved by a run (``draft_vocab.safetensors``) or an exported draft folder."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / ("draft_vocab.safetensors" if (path / "draft_vocab.safetensors").is_file()
+                       else "model.safetensors")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no draft vocab here (expected draft_vocab.safetensors or an exported "
+                                "draft's model.safetensors)")
+    tensors = load_file(str(path))
+    vocab = DraftVocab.from_d2t(tensors["d2t"], vocab_size)
+    if tensors["t2d"].shape[0] != vocab_size or not torch.equal(vocab.t2d, tensors["t2d"].bool()):
+        raise ValueError(f"{path}: a draft vocab over {tensors['t2d'].shape[0]} target tokens, the target has "
+                         f"{vocab_size}")
+    return vocab
+
+
+def write_draft_vocab(path: str | os.PathLike[str], vocab: DraftVocab) -> None:
+    from safetensors.torch import save
+
+    from eagle3.atomic import atomic_write_bytes
+
+    atomic_write_bytes(path, save({"d2t": vocab.d2t.contiguous(), "t2d": vocab.t2d.contiguous()}))
+
+
+__all__ = [
+    "EXPORT_FORMAT", "LATEST", "export_draft", "latest_tag", "load_checkpoint", "load_exported_draft",
+    "read_draft_vocab", "remove_partial", "rng_state", "save_checkpoint", "set_rng_state", "tag_of",
+    "write_draft_vocab",
+]

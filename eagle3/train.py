@@ -1,0 +1,583 @@
+"""The trainer: an EAGLE-3 draft head on a harvest store, with the DeepSpeed engine.
+
+    python -m eagle3.train --store runs/harvest --target smollm2-135m --out runs/train \\
+        [--eval-store DIR | --eval-fraction 0.1] [--steps N] [--zero-stage 0..3] [--precision fp32|bf16] ...
+    torchrun --nproc_per_node 2 -m eagle3.train ...          # or: deepspeed --num_gpus 2 eagle3/train.py ...
+
+What it wraps around the library (the draft and TTT code know nothing of this):
+
+* **Distribution**: ``deepspeed.initialize(model, optimizer, lr_scheduler, config)`` with a
+  torch ``AdamW`` (never a JIT-compiled fused optimiser), ZeRO 0-3, fp32 or bf16, gradient
+  accumulation and clipping, linear warmup + cosine decay. One process, or several under
+  ``torchrun`` / the ``deepspeed`` launcher; gloo on CPU, nccl on CUDA; the device is chosen
+  once in :func:`init_runtime`. On CPU DeepSpeed JIT-builds its ``shm_comm`` op on the first
+  start (~50-90 s); ``TORCH_EXTENSIONS_DIR`` defaults to ``$EAGLE3_HOME/torch_extensions`` so
+  it is built once per machine.
+* **Data** (:mod:`eagle3.train_data`): the training store (checked against the target), an
+  optional held-out store or an id-hash split; packed or length-bucketed micro-batches,
+  reshuffled per epoch and sharded by rank deterministically.
+* **Targets**: the target's frozen final norm + lm_head turn the stored pre-norm ``last``
+  states into its next-token distribution (or a top-k store's log-probs are used).
+* **Draft vocab**: the ``draft_vocab_size`` most frequent loss-masked tokens of the training
+  split, chosen once and saved as ``out_dir/draft_vocab.safetensors`` (frozen for the run,
+  reusable by another run with ``draft_vocab=PATH``).
+* **Loss and metrics**: :func:`eagle3.ttt.ttt_forward` (K=7 steps, weights 0.8**k), per-step
+  accuracy, conditional acceptance and tau_sim on train batches and on the eval split every
+  ``eval_every`` steps; the best eval tau_sim is exported to ``out_dir/best``.
+* **Checkpoints** (:mod:`eagle3.checkpoint`): DeepSpeed's, with the data position, best eval
+  and per-rank RNG states, published atomically; a run killed at any moment resumes to the
+  same losses. ``out_dir/final`` holds the last draft.
+* **Logging** (:mod:`eagle3.train_log`): ``metrics.jsonl`` and wandb (offline by default)
+  from rank 0, a tqdm bar on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import socket
+import sys
+import time
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from eagle3.checkpoint import (
+    export_draft,
+    latest_tag,
+    load_checkpoint,
+    read_draft_vocab,
+    remove_partial,
+    save_checkpoint,
+    write_draft_vocab,
+)
+from eagle3.config import TargetConfig, TrainConfig
+from eagle3.draft import DraftConfig, Eagle3Draft, trainable_parameter_count
+from eagle3.draft_vocab import DraftVocab, select_draft_vocab
+from eagle3.home import eagle3_home
+from eagle3.shards import HarvestStore, StoreError
+from eagle3.target import Target, load_target
+from eagle3.train_data import (
+    epoch_batches,
+    eval_batches_for_rank,
+    load_batch,
+    loss_token_counts,
+    rank_batch_index,
+    split_by_id,
+    steps_per_epoch,
+)
+from eagle3.train_log import NullSink, RunSink, print0
+from eagle3.ttt import TTTOutput, TTTTargets, prepare_targets, prepare_targets_from_topk, step_weights, ttt_forward
+
+
+class TrainError(RuntimeError):
+    """Training cannot start or go on; the message names the setting, store or file."""
+
+
+# ---------------------------------------------------------------- runtime: device and processes
+
+
+@dataclass(frozen=True)
+class Runtime:
+    device: torch.device
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_runtime(device: str = "auto") -> Runtime:
+    """Choose the device once and join (or create) the process group: gloo on CPU, nccl on CUDA.
+
+    Without a launcher this is a group of one (the rendezvous variables are filled in). Run again
+    in the same process, it reuses the existing group.
+    """
+    use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+    if use_cuda and not torch.cuda.is_available():
+        raise TrainError(f"train.device={device!r}, but CUDA is not available")
+    if not use_cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(eagle3_home() / "torch_extensions"))
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if use_cuda:
+        index = int(device.split(":")[1]) if ":" in device else local
+        torch_device = torch.device("cuda", index)
+        torch.cuda.set_device(torch_device)
+    else:
+        torch_device = torch.device("cpu")
+    import deepspeed
+
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", verbose=False)
+    return Runtime(device=torch_device, rank=rank, world_size=world, local_rank=local)
+
+
+def _all_reduce_sum(x: Tensor) -> Tensor:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(x)
+    return x
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+# ---------------------------------------------------------------- schedule, targets, the engine's module
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> Callable[[int], float]:
+    """LR factor of optimizer step s (0-based): (s+1)/warmup, then a cosine to ``min_lr_ratio``."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class TargetHead(nn.Module):
+    """The target's frozen final norm + lm_head: stored pre-norm states -> its distribution."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def targets(self, batch: dict[str, Tensor], t2d: Tensor, chunk_tokens: int = 1024) -> TTTTargets:
+        """TTT targets [B, S, Vd] for a batch with ``last`` [B, S, H] (in chunks of rows, so the
+        full-vocab logits never exist for the whole batch) or ``topk_ids``/``topk_logprobs``."""
+        if "last" not in batch:
+            return prepare_targets_from_topk(batch["topk_ids"], batch["topk_logprobs"], t2d)
+        last = batch["last"]  # [B, S, H]
+        b, s, h = last.shape
+        flat = last.reshape(b * s, h).to(self.lm_head.weight.dtype)
+        parts = [prepare_targets(self.lm_head(self.norm(flat[i:i + chunk_tokens])), t2d)
+                 for i in range(0, b * s, chunk_tokens)]
+        probs = torch.cat([p.probs for p in parts]).view(b, s, -1)  # [B, S, Vd]
+        argmax = torch.cat([p.argmax for p in parts]).view(b, s)  # [B, S]
+        return TTTTargets(probs=probs, argmax=argmax)
+
+
+class TTTModel(nn.Module):
+    """The module the DeepSpeed engine wraps: the draft and its TTT unroll; returns tensors only."""
+
+    def __init__(self, draft: Eagle3Draft, num_steps: int, step_decay: float,
+                 gradient_checkpointing: bool = False) -> None:
+        super().__init__()
+        self.draft = draft
+        self.num_steps = num_steps
+        self.weights = step_weights(num_steps, step_decay)
+        self.gradient_checkpointing = gradient_checkpointing
+
+    def forward(self, input_ids: Tensor, aux: Tensor, position_ids: Tensor, document_ids: Tensor,
+                loss_mask: Tensor, target_probs: Tensor, target_argmax: Tensor) -> tuple[Tensor, ...]:
+        out = ttt_forward(self.draft, input_ids, aux, position_ids, document_ids, loss_mask,
+                          TTTTargets(probs=target_probs, argmax=target_argmax), num_steps=self.num_steps,
+                          weights=self.weights, gradient_checkpointing=self.gradient_checkpointing and self.training)
+        return out.loss, out.loss_sum, out.count, out.match, out.counted
+
+
+def _run(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: Tensor, dtype: torch.dtype,
+         device: torch.device) -> TTTOutput:
+    batch = {k: v.to(device) for k, v in batch.items()}
+    targets = head.targets(batch, t2d)
+    loss, loss_sum, count, match, counted = engine(batch["input_ids"], batch["aux"].to(dtype), batch["position_ids"],
+                                                   batch["document_ids"], batch["loss_mask"], targets.probs,
+                                                   targets.argmax)
+    return TTTOutput(loss=loss, loss_sum=loss_sum, count=count, match=match, counted=counted, valid=counted)
+
+
+# ---------------------------------------------------------------- metrics over many batches and ranks
+
+
+class AcceptanceTally:
+    """Sums behind per-step accuracy, conditional acceptance and tau_sim (as in :mod:`eagle3.ttt`),
+    so that batches and ranks can be added up before the ratios are taken."""
+
+    def __init__(self, num_steps: int, device: torch.device) -> None:
+        self.k = num_steps
+        # hits, counted, upto, before, loss_sum, loss_count [K] each; then accepted, starts
+        self.values = torch.zeros(6 * num_steps + 2, dtype=torch.float64, device=device)
+
+    def add(self, out: TTTOutput) -> None:
+        k = self.k
+        hit = (out.match & out.counted).flatten(1).long()  # [K, N]
+        upto = torch.cumprod(hit, dim=0)  # [K, N] steps 0..k all matched
+        before = torch.cat([torch.ones_like(upto[:1]), upto[:-1]]).bool() & out.counted.flatten(1)  # [K, N]
+        start = out.counted[0].flatten()  # [N]
+        v = self.values
+        v[0:k] += hit.sum(1)
+        v[k:2 * k] += out.counted.flatten(1).sum(1)
+        v[2 * k:3 * k] += upto.sum(1)
+        v[3 * k:4 * k] += before.sum(1)
+        v[4 * k:5 * k] += out.loss_sum.detach().double()
+        v[5 * k:6 * k] += out.count.double()
+        v[6 * k] += upto.sum(0)[start].sum()
+        v[6 * k + 1] += start.sum()
+
+    def all_reduce(self) -> AcceptanceTally:
+        _all_reduce_sum(self.values)
+        return self
+
+    def summary(self, weights: Tensor, prefix: str) -> dict[str, float]:
+        k, v = self.k, self.values.cpu()
+        acc = v[0:k] / v[k:2 * k].clamp_min(1)
+        cond = v[2 * k:3 * k] / v[3 * k:4 * k].clamp_min(1)
+        step_loss = v[4 * k:5 * k] / v[5 * k:6 * k].clamp_min(1)
+        tau = 1.0 + float(v[6 * k] / v[6 * k + 1]) if v[6 * k + 1] > 0 else 1.0
+        out = {f"{prefix}/loss": float((weights * step_loss).sum()), f"{prefix}/tau_sim": tau,
+               f"{prefix}/positions": int(v[6 * k + 1])}
+        out |= {f"{prefix}/acc_{i}": float(acc[i]) for i in range(k)}
+        out |= {f"{prefix}/cond_acc_{i}": float(cond[i]) for i in range(k)}
+        return out
+
+
+# ---------------------------------------------------------------- setup pieces
+
+
+def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 1,  # one micro-batch = one packed row / bucket
+        "gradient_accumulation_steps": cfg.gradient_accumulation,
+        "train_batch_size": cfg.gradient_accumulation * world_size,
+        "gradient_clipping": cfg.max_grad_norm,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "zero_allow_untested_optimizer": True,  # a torch AdamW: nothing JIT-compiled
+        "bf16": {"enabled": cfg.precision == "bf16"},
+        "steps_per_print": 10**12,
+        "wall_clock_breakdown": False,
+    }
+
+
+def choose_draft_vocab(cfg: TrainConfig, store: HarvestStore, train_idx: Sequence[int], vocab_size: int,
+                       always_include: Sequence[int]) -> DraftVocab:
+    """A saved vocab (``cfg.draft_vocab``) or the most frequent loss-masked tokens of the training split."""
+    if cfg.draft_vocab:
+        return read_draft_vocab(cfg.draft_vocab, vocab_size)
+    counts = loss_token_counts(store, train_idx, vocab_size)
+    return select_draft_vocab(counts, min(cfg.draft_vocab_size, vocab_size), always_include)
+
+
+def _load_target(target_cfg: TargetConfig, aux_layer_ids: Sequence[int]) -> Target:
+    if target_cfg.aux_layer_ids is not None and sorted(target_cfg.aux_layer_ids) != sorted(aux_layer_ids):
+        raise TrainError(f"target.aux_layer_ids={target_cfg.aux_layer_ids}, but the store was harvested with "
+                         f"{list(aux_layer_ids)}")
+    return load_target(target_cfg.name_or_path, dtype=target_cfg.dtype, device="cpu", aux_layer_ids=aux_layer_ids,
+                       attn_implementation=target_cfg.attn_implementation,
+                       trust_remote_code=target_cfg.trust_remote_code)
+
+
+def _draft_state(draft: Eagle3Draft, zero_stage: int) -> dict[str, Tensor]:
+    """The full draft state on CPU (gathered from the ranks under ZeRO-3; a collective then)."""
+    if zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(draft.parameters()), modifier_rank=None):
+            return {k: v.detach().cpu().clone() for k, v in draft.vllm_state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in draft.vllm_state_dict().items()}
+
+
+def _grad_norm(engine: Any, params: Sequence[nn.Parameter]) -> float | None:
+    """The global grad norm DeepSpeed clipped with; computed here where DeepSpeed does not keep
+    it (ZeRO 0 in fp32: the gradients are whole and already averaged over ranks)."""
+    norm = engine.get_global_grad_norm()
+    if norm is not None:
+        return float(norm)
+    grads = [p.grad for p in params if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else None
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: Target | None = None) -> dict[str, Any]:
+    """Train (or resume) a draft head; returns a summary. Every rank calls this."""
+    import deepspeed
+    from tqdm import tqdm
+
+    target_cfg = target_cfg or TargetConfig()
+    if not cfg.store or not cfg.out_dir:
+        raise TrainError("train.store and train.out_dir must be set")
+    started = time.perf_counter()
+    rt = init_runtime(cfg.device)
+    if rt.device.type == "cpu":
+        torch.set_num_threads(cfg.threads)
+    out_dir = Path(cfg.out_dir)
+    ckpt_root = out_dir / "checkpoints"
+
+    # -- data
+    store = HarvestStore(Path(cfg.store))
+    spec = store.spec
+    if target is None:
+        target = _load_target(target_cfg, spec.aux_layer_ids)
+    store.check_target(target)
+    if cfg.eval_store:
+        eval_store: HarvestStore | None = HarvestStore(Path(cfg.eval_store))
+        eval_store.check_target(target)
+        if eval_store.spec.aux_layer_ids != spec.aux_layer_ids:
+            raise TrainError(f"train.eval_store={cfg.eval_store}: aux_layer_ids {list(eval_store.spec.aux_layer_ids)}"
+                             f" differ from the training store's {list(spec.aux_layer_ids)}")
+        train_idx, eval_idx = list(range(len(store))), list(range(len(eval_store)))
+    else:
+        train_idx, eval_idx = split_by_id(store.sample_ids, cfg.eval_fraction)
+        eval_store = store if eval_idx else None
+    if not train_idx or (cfg.eval_fraction > 0 and not eval_idx):
+        raise TrainError(f"train.eval_fraction={cfg.eval_fraction} leaves {len(train_idx)} training and "
+                         f"{len(eval_idx)} eval samples of {len(store)} in {cfg.store}")
+
+    # -- draft vocab: chosen once, frozen for the run
+    resume_tag = latest_tag(ckpt_root) if cfg.resume and ckpt_root.is_dir() else None
+    vocab_file = out_dir / "draft_vocab.safetensors"
+    if resume_tag is not None:
+        vocab = read_draft_vocab(vocab_file, target.vocab_size)
+    else:
+        eos = target.tokenizer.eos_token_id
+        vocab = choose_draft_vocab(cfg, store, train_idx, target.vocab_size, [] if eos is None else [eos])
+        if rt.rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            write_draft_vocab(vocab_file, vocab)
+    _barrier()
+
+    # -- the draft (same seed on every rank), the target's head, the engine
+    torch.manual_seed(cfg.seed)
+    draft_config = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size,
+                                                  num_layers=cfg.num_layers, num_aux_layers=len(spec.aux_layer_ids))
+    draft = Eagle3Draft(draft_config, target.embed_tokens.weight.detach().float().cpu())
+    draft.set_draft_vocab(vocab.d2t, vocab.t2d)
+    if cfg.lm_head_init == "target":
+        draft.init_lm_head_from_target(target.lm_head.weight.detach().float().cpu(), vocab.d2t,
+                                       target.norm.weight.detach().float().cpu())
+    head = TargetHead(copy.deepcopy(target.norm), copy.deepcopy(target.lm_head)).to(rt.device)
+    t2d = vocab.t2d.to(rt.device)
+    target_name = spec.target
+    del target  # only the head is needed from here on
+    model = TTTModel(draft, cfg.ttt_steps, cfg.step_decay, cfg.gradient_checkpointing).to(rt.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                  weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps,
+                                                                           cfg.min_lr_ratio))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=deepspeed_config(cfg, rt.world_size))
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    weights = step_weights(cfg.ttt_steps, cfg.step_decay)
+
+    # -- resume
+    state: dict[str, Any] = {"step": 0, "epoch": 0, "batch_index": 0, "best_tau": None, "best_step": None,
+                             "first_eval": None}
+    if rt.rank == 0 and ckpt_root.is_dir():
+        remove_partial(ckpt_root)
+    _barrier()
+    if resume_tag is not None:
+        client = load_checkpoint(engine, ckpt_root, resume_tag, rank=rt.rank)
+        state.update(client["trainer"])
+        print0(f"train: resumed from {ckpt_root / resume_tag} (step {state['step']})")
+    resumed_step = state["step"] if resume_tag is not None else None
+
+    sink = (RunSink(out_dir, wandb_mode=cfg.wandb_mode, project=cfg.wandb_project, run_name=cfg.wandb_run_name,
+                    config={"train": asdict(cfg), "target": asdict(target_cfg), "draft": asdict(draft_config)},
+                    resume_step=resumed_step)
+            if rt.rank == 0 else NullSink())
+    info = {"target": target_name, "aux_layer_ids": list(spec.aux_layer_ids)}
+
+    def evaluate() -> dict[str, float]:
+        assert eval_store is not None
+        tally = AcceptanceTally(cfg.ttt_steps, rt.device)
+        engine.eval()
+        with torch.no_grad():
+            for idx in eval_batches_for_rank(eval_plan, rt.rank, rt.world_size):
+                out = _run(engine, head, load_batch(eval_store, idx or eval_plan[0], cfg.batching), t2d, dtype,
+                           rt.device)
+                if idx is not None:  # a pad forward keeps ZeRO-3's collectives in step; not counted
+                    tally.add(out)
+        engine.train()
+        return tally.all_reduce().summary(weights, "eval")
+
+    def save() -> None:
+        client = {"trainer": dict(state), "draft_config": asdict(draft_config)}
+        save_checkpoint(engine, ckpt_root, state["step"], client, rank=rt.rank, keep=cfg.keep_checkpoints)
+
+    def maybe_eval() -> dict[str, float] | None:
+        if eval_store is None:
+            return None
+        metrics = evaluate()
+        sink.log(metrics, state["step"])
+        if state["first_eval"] is None:
+            state["first_eval"] = {k: v for k, v in metrics.items() if k in ("eval/loss", "eval/tau_sim")}
+        tau = metrics["eval/tau_sim"]
+        better = state["best_tau"] is None or tau > state["best_tau"]
+        if better and state["step"] > 0:
+            state["best_tau"], state["best_step"] = tau, state["step"]
+            weights_now = _draft_state(draft, cfg.zero_stage)
+            if rt.rank == 0:
+                export_draft(out_dir / "best", weights_now, draft_config,
+                             {**info, "step": state["step"], "eval": metrics})
+        return metrics
+
+    lengths = store.lengths
+    eval_plan = (epoch_batches((eval_store.lengths), eval_idx, cfg.batching, cfg.micro_batch_tokens, cfg.seed, 0)
+                 if eval_store is not None else [])
+    per_step = rt.world_size * cfg.gradient_accumulation
+    plan_epoch, plan = -1, []
+    last_eval: dict[str, float] | None = None
+    if state["step"] == 0 and cfg.eval_at_start:
+        last_eval = maybe_eval()
+    bar = tqdm(total=cfg.steps, initial=state["step"], desc="train", unit="step", dynamic_ncols=True,
+               disable=not (cfg.progress and rt.rank == 0), file=sys.stderr)
+    first_loss, tokens_total, train_seconds, last_loss = None, 0, 0.0, None
+    window = {"tokens": 0, "seconds": 0.0}
+    with bar:
+        while state["step"] < cfg.steps:
+            if plan_epoch != state["epoch"]:
+                plan = epoch_batches(lengths, train_idx, cfg.batching, cfg.micro_batch_tokens, cfg.seed,
+                                     state["epoch"])
+                plan_epoch = state["epoch"]
+                if steps_per_epoch(len(plan), rt.world_size, cfg.gradient_accumulation) == 0:
+                    raise TrainError(f"{cfg.store}: {len(plan)} micro-batches of train.micro_batch_tokens="
+                                     f"{cfg.micro_batch_tokens} per epoch, fewer than world_size x "
+                                     f"gradient_accumulation = {per_step}")
+            step_in_epoch = state["batch_index"] // per_step
+            if step_in_epoch >= steps_per_epoch(len(plan), rt.world_size, cfg.gradient_accumulation):
+                state["epoch"], state["batch_index"] = state["epoch"] + 1, 0
+                continue
+            t0 = time.perf_counter()
+            lr = optimizer.param_groups[0]["lr"]
+            tally = AcceptanceTally(cfg.ttt_steps, rt.device)
+            sums = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss over micro-batches, tokens
+            grad_norm = None
+            for micro in range(cfg.gradient_accumulation):
+                idx = plan[rank_batch_index(step_in_epoch, micro, rt.rank, rt.world_size, cfg.gradient_accumulation)]
+                batch = load_batch(store, idx, cfg.batching)
+                out = _run(engine, head, batch, t2d, dtype, rt.device)
+                engine.backward(out.loss)
+                if micro == cfg.gradient_accumulation - 1 and cfg.zero_stage == 0 and dtype == torch.float32:
+                    grad_norm = _grad_norm(engine, params)
+                engine.step()
+                tally.add(out)
+                sums += torch.stack([out.loss.detach().double(), (batch["document_ids"] >= 0).sum().double()])
+            _all_reduce_sum(sums)
+            metrics = tally.all_reduce().summary(weights, "train")
+            seconds = time.perf_counter() - t0
+            state["step"] += 1
+            state["batch_index"] += per_step
+            loss = float(sums[0]) / per_step
+            grad_norm = grad_norm if grad_norm is not None else _grad_norm(engine, params)
+            first_loss = loss if first_loss is None else first_loss
+            last_loss = loss
+            tokens_total += int(sums[1])
+            train_seconds += seconds
+            window["tokens"] += int(sums[1])
+            window["seconds"] += seconds
+            metrics |= {"train/loss": loss, "train/lr": lr, "train/tokens": int(sums[1]), "train/epoch": state["epoch"]}
+            if grad_norm is not None:
+                metrics["train/grad_norm"] = grad_norm
+            if state["step"] % cfg.log_every == 0 or state["step"] == cfg.steps:
+                metrics["train/tokens_per_s"] = window["tokens"] / max(window["seconds"], 1e-9)
+                window = {"tokens": 0, "seconds": 0.0}
+                sink.log(metrics, state["step"])
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", tau=f"{metrics['train/tau_sim']:.2f}",
+                            tok_s=f"{int(sums[1]) / seconds:.0f}")
+            at_end = state["step"] == cfg.steps
+            if eval_store is not None and ((cfg.eval_every and state["step"] % cfg.eval_every == 0) or at_end):
+                last_eval = maybe_eval()
+            if (cfg.save_every and state["step"] % cfg.save_every == 0) or at_end:
+                save()
+    final_state = _draft_state(draft, cfg.zero_stage)
+    if rt.rank == 0:
+        export_draft(out_dir / "final", final_state, draft_config,
+                     {**info, "step": state["step"], "eval": last_eval or {}})
+    sink.close()
+    summary = {
+        "stage": "train", "out": str(out_dir), "steps": state["step"], "resumed_from_step": resumed_step,
+        "world_size": rt.world_size, "zero_stage": cfg.zero_stage, "precision": cfg.precision,
+        "device": str(rt.device), "train_samples": len(train_idx), "eval_samples": len(eval_idx),
+        "draft_vocab_size": vocab.size, "trainable_parameters": trainable_parameter_count(draft_config),
+        "first_loss": first_loss, "last_loss": last_loss,
+        "tokens_per_s": round(tokens_total / train_seconds, 1) if train_seconds else None,
+        "eval_first": state["first_eval"], "eval_last": ({k: v for k, v in last_eval.items()
+                                                          if k in ("eval/loss", "eval/tau_sim")}
+                                                         if last_eval else None),
+        "best_step": state["best_step"], "best_tau_sim": state["best_tau"],
+        "wall_seconds": round(time.perf_counter() - started, 2),
+    }
+    if rt.rank == 0:
+        from eagle3.atomic import atomic_write_text
+
+        atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def _field_type(hint: Any) -> tuple[type, bool]:
+    """(scalar type, optional) of a TrainConfig field annotation."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0], True
+    return hint, False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m eagle3.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=TargetConfig.name_or_path, help="target name or path (default %(default)s)")
+    parser.add_argument("--target-dtype", default="auto", help="dtype the target's head runs in")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    hints = typing.get_type_hints(TrainConfig)
+    defaults = TrainConfig()
+    for f in fields(TrainConfig):
+        flags = ["--" + f.name.replace("_", "-")] + (["--out"] if f.name == "out_dir" else [])
+        kind, optional = _field_type(hints[f.name])
+        default = getattr(defaults, f.name)
+        if kind is bool:
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            parser.add_argument(*flags, dest=f.name, type=kind, default=default,
+                                required=f.name in ("store", "out_dir"),
+                                help=f"default {default!r}" + (" (None: unset)" if optional else ""))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    target_cfg_args = {"name_or_path": args.pop("target"), "dtype": args.pop("target_dtype")}
+    args.pop("local_rank")
+    try:
+        cfg = TrainConfig(**args)
+        target_cfg = TargetConfig(**target_cfg_args)
+    except ValueError as err:
+        parser.error(str(err))
+    try:
+        summary = train(cfg, target_cfg)
+    except (TrainError, StoreError, ValueError, OSError) as err:
+        print(f"train: error: {err}", file=sys.stderr)
+        return 2
+    print0(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""What the trainer reads: a held-out split by sample id, epochs of micro-batches sharded by
+rank, and collation into the packed or padded tensors :func:`eagle3.ttt.ttt_forward` takes.
+
+Every function here is deterministic in its arguments (seed, epoch, rank), so a resumed run
+and every rank of a multi-process run agree on the data without talking to each other.
+
+Sharding: an epoch is a list of micro-batches ``M``; optimizer step ``s`` of the epoch takes
+the ``W * G`` micro-batches ``M[s*W*G : (s+1)*W*G]`` (``W`` ranks, ``G`` accumulation steps)
+and rank ``r`` runs ``M[s*W*G + a*W + r]`` for ``a = 0..G-1``. So one process with G=2 and
+two processes with G=1 train on the same global batches; a tail of fewer than ``W * G``
+micro-batches is dropped, so that every rank runs the same number of steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Sequence
+
+import torch
+
+from eagle3.shards import HarvestStore, Sample, length_buckets, pack, pack_indices
+
+
+def held_out(sample_id: str, fraction: float) -> bool:
+    """Whether a sample belongs to the eval split: a hash of its id, the same in every run."""
+    if fraction <= 0:
+        return False
+    bucket = int.from_bytes(hashlib.sha256(sample_id.encode("utf-8")).digest()[:8], "big") / 2**64
+    return bucket < fraction
+
+
+def split_by_id(ids: Sequence[str], fraction: float) -> tuple[list[int], list[int]]:
+    """(train indices, eval indices) of a store's samples for an ``eval_fraction``."""
+    train, evals = [], []
+    for i, sample_id in enumerate(ids):
+        (evals if held_out(sample_id, fraction) else train).append(i)
+    return train, evals
+
+
+def epoch_batches(lengths: Sequence[int], indices: Sequence[int], batching: str, max_tokens: int,
+                  seed: int, epoch: int) -> list[list[int]]:
+    """One epoch's micro-batches (lists of store indices), shuffled by (seed, epoch).
+
+    ``pack``: first-fit rows of at most ``max_tokens`` tokens (a longer sample gets a row of its
+    own); ``buckets``: similar lengths, padded size at most ``max_tokens``.
+    """
+    sub = [lengths[i] for i in indices]
+    if batching == "pack":
+        rows = pack_indices(sub, max_tokens)
+        random.Random(seed * 1_000_003 + epoch).shuffle(rows)
+    elif batching == "buckets":
+        rows = length_buckets(sub, max_tokens, seed=seed * 1_000_003 + epoch)
+    else:
+        raise ValueError(f"batching={batching!r}: expected pack or buckets")
+    return [[indices[j] for j in row] for row in rows]
+
+
+def steps_per_epoch(num_batches: int, world_size: int, accumulation: int) -> int:
+    return num_batches // (world_size * accumulation)
+
+
+def rank_batch_index(step_in_epoch: int, micro: int, rank: int, world_size: int, accumulation: int) -> int:
+    """Index in the epoch's list of rank ``rank``'s micro-batch ``micro`` of a step (module docstring)."""
+    return step_in_epoch * world_size * accumulation + micro * world_size + rank
+
+
+def eval_batches_for_rank(batches: Sequence[list[int]], rank: int, world_size: int) -> list[list[int] | None]:
+    """Rank r takes batches r, r+W, ...; every rank gets the same count (None pads: a forward
+    whose results are not counted, so that ZeRO-3's collectives stay in step)."""
+    mine: list[list[int] | None] = list(batches[rank::world_size])
+    want = -(-len(batches) // world_size)
+    return mine + [None] * (want - len(mine))
+
+
+def collate(samples: Sequence[Sample], batching: str) -> dict[str, torch.Tensor]:
+    """Samples -> batch tensors [B, S, ...]: one packed row (``pack``) or padded rows (``buckets``).
+
+    Keys: input_ids, loss_mask, position_ids, document_ids [B, S]; aux [B, S, A, H]; and last
+    [B, S, H] or topk_ids/topk_logprobs [B, S, K]. Padding has loss_mask 0 and document id -1.
+    """
+    if batching == "pack":
+        return {k: v.unsqueeze(0) for k, v in pack(samples).items()}
+    width = max(len(s) for s in samples)
+
+    def padded(rows: list[torch.Tensor], fill: float | int | bool = 0) -> torch.Tensor:
+        out = rows[0].new_full((len(rows), width, *rows[0].shape[1:]), fill)
+        for r, row in enumerate(rows):
+            out[r, : len(row)] = row
+        return out
+
+    batch = {
+        "input_ids": padded([s.input_ids for s in samples]),  # [B, S]
+        "loss_mask": padded([s.loss_mask for s in samples], False),  # [B, S]
+        "aux": padded([s.aux for s in samples]),  # [B, S, A, H]
+        "position_ids": padded([torch.arange(len(s)) for s in samples]),  # [B, S]
+        "document_ids": padded([torch.zeros(len(s), dtype=torch.long) for s in samples], -1),  # [B, S]
+    }
+    if samples[0].last is not None:
+        batch["last"] = padded([s.last for s in samples])  # [B, S, H]
+    else:
+        batch["topk_ids"] = padded([s.topk_ids for s in samples])  # [B, S, K]
+        batch["topk_logprobs"] = padded([s.topk_logprobs for s in samples])
+    return batch
+
+
+def load_batch(store: HarvestStore, indices: Sequence[int], batching: str) -> dict[str, torch.Tensor]:
+    return collate([store[i] for i in indices], batching)
+
+
+def loss_token_counts(store: HarvestStore, indices: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """[V] int64 counts of the loss-masked tokens of the given samples (no state is read)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for i in indices:
+        ids, mask = store.token_columns(i)
+        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+__all__ = [
+    "collate", "epoch_batches", "eval_batches_for_rank", "held_out", "load_batch", "loss_token_counts",
+    "rank_batch_index", "split_by_id", "steps_per_epoch",
+]
