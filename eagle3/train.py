@@ -112,10 +112,15 @@ def init_runtime(device: str = "auto") -> Runtime:
     if not use_cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(eagle3_home() / "torch_extensions"))
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
-    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    dist = torch.distributed
+    if dist.is_initialized():  # an earlier call in this process
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+    else:
+        if "RANK" not in os.environ:  # no launcher: a group of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        rank, world, local = (int(os.environ.get(k, "0")) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     if use_cuda:
         index = int(device.split(":")[1]) if ":" in device else local
         torch_device = torch.device("cuda", index)
@@ -124,7 +129,7 @@ def init_runtime(device: str = "auto") -> Runtime:
         torch_device = torch.device("cpu")
     import deepspeed
 
-    if not torch.distributed.is_initialized():
+    if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", verbose=False)
     return Runtime(device=torch_device, rank=rank, world_size=world, local_rank=local)
 

@@ -1,0 +1,273 @@
+"""The trainer on a tiny random target and a tiny harvest store written here: the loss goes
+down, kill -9 and resume gives the same losses, two gloo processes under DeepSpeed match one,
+eval picks the best draft by tau_sim, and bad settings fail naming the key."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from data_gen.harvest import run as harvest
+from eagle3.checkpoint import LATEST, load_exported_draft, read_draft_vocab
+from eagle3.config import HarvestConfig, TargetConfig, TrainConfig
+from eagle3.shards import HarvestStore
+from eagle3.train import AcceptanceTally, main, train, warmup_cosine
+from eagle3.train_data import (
+    collate,
+    epoch_batches,
+    eval_batches_for_rank,
+    rank_batch_index,
+    split_by_id,
+    steps_per_epoch,
+)
+from eagle3.train_log import read_metrics
+from eagle3.ttt import TTTOutput, conditional_acceptance, simulated_tau, step_accuracy
+from tests.test_harvest import _data
+from tests.tiny_targets import lively_target, save_lively
+
+REPO = Path(__file__).resolve().parents[1]
+# A run in this process leaves its rendezvous variables behind; subprocesses must not join it.
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A lively tiny target (in memory and saved as a folder) and two fp32 stores of it: 40
+    conversations with 'last' states, 12 with top-16 log-probs."""
+    root = tmp_path_factory.mktemp("train")
+    target = lively_target()
+    data = _data(root / "data.jsonl", 40, turns=3)
+    lively = TargetConfig(name_or_path="lively")
+    harvest(HarvestConfig(data=str(data), out_dir=str(root / "store"), dtype="float32"), lively,
+            target=target, progress=False)
+    harvest(HarvestConfig(data=str(_data(root / "few.jsonl", 12, turns=2)), out_dir=str(root / "topk"),
+                          dtype="float32", store="topk", topk=16), lively, target=target, progress=False)
+    return {"target": target, "store": root / "store", "topk": root / "topk", "model": save_lively(root / "model")}
+
+
+def _cfg(tiny: dict, out: Path, **kw) -> TrainConfig:
+    base = dict(store=str(tiny["store"]), out_dir=str(out), steps=12, micro_batch_tokens=256, lr=3e-3,
+                warmup_steps=2, eval_fraction=0.2, eval_every=4, save_every=4, draft_vocab_size=64,
+                wandb_mode="disabled", progress=False)
+    return TrainConfig(**{**base, **kw})
+
+
+def _cli(tiny: dict, out: Path, *extra: str) -> list[str]:
+    return ["--store", str(tiny["store"]), "--target", str(tiny["model"]), "--out", str(out),
+            "--micro-batch-tokens", "256", "--draft-vocab-size", "64", "--lr", "3e-3", "--warmup-steps", "2",
+            "--eval-fraction", "0.2", "--wandb-mode", "disabled", "--no-progress", *extra]
+
+
+def _losses(out: Path) -> list[tuple[int, str, float]]:
+    """Every logged loss/accuracy/tau figure (timings left out), in order."""
+    keep = ("loss", "acc", "tau_sim", "grad_norm", "lr")
+    return [(r["step"], k, v) for r in read_metrics(out) for k, v in r.items()
+            if k != "step" and any(w in k for w in keep)]
+
+
+# ---------------------------------------------------------------- pure pieces
+
+
+def test_warmup_then_cosine() -> None:
+    f = warmup_cosine(warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == 1.0 and abs(f(9) - 0.55) < 1e-12 and abs(f(14) - 0.1) < 1e-12
+
+
+def test_split_and_rank_sharding_cover_every_batch_once() -> None:
+    ids = [f"s{i}" for i in range(400)]
+    train_idx, eval_idx = split_by_id(ids, 0.1)
+    assert split_by_id(ids, 0.1) == (train_idx, eval_idx) and 20 < len(eval_idx) < 60
+    assert sorted(train_idx + eval_idx) == list(range(400)) and split_by_id(ids, 0.0)[1] == []
+
+    plan = epoch_batches([5 + i % 37 for i in range(400)], train_idx, "pack", 64, seed=3, epoch=1)
+    assert plan == epoch_batches([5 + i % 37 for i in range(400)], train_idx, "pack", 64, seed=3, epoch=1)
+    assert plan != epoch_batches([5 + i % 37 for i in range(400)], train_idx, "pack", 64, seed=3, epoch=2)
+    world, accum = 2, 3
+    for s in range(steps_per_epoch(len(plan), world, accum)):
+        taken = sorted(rank_batch_index(s, a, r, world, accum) for r in range(world) for a in range(accum))
+        assert taken == list(range(s * world * accum, (s + 1) * world * accum))
+    padded = eval_batches_for_rank([[0], [1], [2]], rank=1, world_size=2)
+    assert padded == [[1], None] and eval_batches_for_rank([[0], [1], [2]], 0, 2) == [[0], [2]]
+
+
+def test_buckets_collate_pads_outside_every_document(tiny: dict) -> None:
+    store = HarvestStore(tiny["store"])
+    batch = collate([store[0], store[1]], "buckets")
+    n0, n1 = len(store[0]), len(store[1])
+    width = max(n0, n1)
+    assert batch["input_ids"].shape == (2, width) and batch["aux"].shape == (2, width, 3, 64)
+    short = 0 if n0 < n1 else 1
+    assert (batch["document_ids"][short, min(n0, n1):] == -1).all()
+    assert not batch["loss_mask"][short, min(n0, n1):].any()
+
+
+def test_tally_equals_the_ttt_metrics() -> None:
+    g = torch.Generator().manual_seed(0)
+    parts = []
+    for n in (30, 50):
+        match = torch.rand(5, 2, n, generator=g) < 0.7
+        counted = torch.rand(5, 2, n, generator=g) < 0.8
+        parts.append(TTTOutput(loss=torch.tensor(0.0), loss_sum=torch.rand(5, generator=g), count=counted.flatten(1)
+                               .sum(1), match=match, counted=counted, valid=counted))
+    tally = AcceptanceTally(5, torch.device("cpu"))
+    for p in parts:
+        tally.add(p)
+    got = tally.summary(torch.ones(5), "x")
+    match = torch.cat([p.match.flatten(1) for p in parts], dim=1)
+    counted = torch.cat([p.counted.flatten(1) for p in parts], dim=1)
+    for k in range(5):
+        assert got[f"x/acc_{k}"] == pytest.approx(float(step_accuracy(match, counted)[k]), abs=1e-6)
+        assert got[f"x/cond_acc_{k}"] == pytest.approx(float(conditional_acceptance(match, counted)[k]), abs=1e-6)
+    assert got["x/tau_sim"] == pytest.approx(float(simulated_tau(match, counted)), abs=1e-6)
+
+
+def test_config_errors_name_the_key(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    for kw, key in [({"steps": 0}, "train.steps=0"), ({"zero_stage": 4}, "train.zero_stage=4"),
+                    ({"precision": "fp16"}, "train.precision='fp16'"), ({"batching": "rows"}, "train.batching='rows'"),
+                    ({"eval_fraction": 1.0}, "train.eval_fraction=1.0"), ({"step_decay": 0.0}, "train.step_decay=0.0"),
+                    ({"eval_store": "x", "eval_fraction": 0.1}, "train.eval_fraction=0.1"),
+                    ({"wandb_mode": "cloud"}, "train.wandb_mode='cloud'"), ({"device": "tpu"}, "train.device='tpu'")]:
+        with pytest.raises(ValueError, match=key.replace("(", r"\(").replace(".", r"\.")):
+            TrainConfig(**kw)
+    with pytest.raises(SystemExit):
+        main(["--store", "s", "--out", str(tmp_path), "--zero-stage", "5"])
+    assert "train.zero_stage=5: expected 0, 1, 2 or 3" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- in this process (DeepSpeed, one rank)
+
+
+def test_a_few_steps_reduce_the_loss_and_export_the_draft(tiny: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    summary = train(_cfg(tiny, out, steps=24, eval_every=8), target=tiny["target"])
+    losses = [r["train/loss"] for r in read_metrics(out) if "train/loss" in r]
+    assert len(losses) == 24 and sum(losses[-4:]) / 4 < 0.9 * sum(losses[:4]) / 4
+    evals = [r for r in read_metrics(out) if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [0, 8, 16, 24]
+    assert evals[-1]["eval/loss"] < 0.9 * evals[0]["eval/loss"] and evals[-1]["eval/tau_sim"] > evals[0]["eval/tau_sim"]
+    assert summary["steps"] == 24 and summary["eval_samples"] > 0 and summary["tokens_per_s"] > 0
+    record = read_metrics(out)[1]
+    for key in ("train/lr", "train/grad_norm", "train/tokens_per_s", "train/tau_sim", "train/acc_6"):
+        assert key in record, key
+
+    final = load_file(str(out / "final" / "model.safetensors"))
+    assert "embed_tokens.weight" not in final and {"fc.weight", "midlayer.self_attn.q_proj.weight", "lm_head.weight",
+                                                   "d2t", "t2d"} <= set(final)
+    draft, meta = load_exported_draft(out / "final")
+    assert meta["step"] == 24 and meta["aux_layer_ids"] == [2, 4, 5] and draft.config.draft_vocab_size == 64
+    vocab = read_draft_vocab(out / "draft_vocab.safetensors", 262)
+    assert torch.equal(draft.d2t, vocab.d2t) and torch.equal(draft.t2d, vocab.t2d)
+
+
+def test_eval_keeps_the_best_tau_and_a_vocab_is_reused(tiny: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    train(_cfg(tiny, out, steps=12, eval_every=2, lr=2e-2, batching="buckets", save_every=0), target=tiny["target"])
+    taus = [(r["eval/tau_sim"], r["step"]) for r in read_metrics(out) if "eval/tau_sim" in r and r["step"] > 0]
+    assert len(taus) == 6 and len({t for t, _ in taus}) > 1
+    best_tau = max(t for t, _ in taus)
+    best_step = next(s for t, s in taus if t == best_tau)  # the first to reach it
+    meta = json.loads((out / "best" / "draft.json").read_text())
+    assert (meta["step"], meta["eval"]["eval/tau_sim"]) == (best_step, best_tau)
+    assert json.loads((out / "summary.json").read_text())["best_step"] == best_step
+
+    # Another run reuses the vocab of the exported draft, whatever its own draft_vocab_size.
+    again = tmp_path / "again"
+    summary = train(_cfg(tiny, again, steps=1, draft_vocab=str(out / "best"), draft_vocab_size=32, save_every=0),
+                    target=tiny["target"])
+    assert summary["draft_vocab_size"] == 64
+    assert (again / "draft_vocab.safetensors").read_bytes() == (out / "draft_vocab.safetensors").read_bytes()
+
+
+def test_topk_store_and_a_held_out_store(tiny: dict, tmp_path: Path) -> None:
+    summary = train(_cfg(tiny, tmp_path / "topk", store=str(tiny["topk"]), eval_fraction=0.0,
+                         eval_store=str(tiny["store"]), steps=3, eval_every=0), target=tiny["target"])
+    assert summary["eval_samples"] == 40 and summary["eval_last"]["eval/tau_sim"] >= 1.0
+
+
+# ---------------------------------------------------------------- subprocesses: kill -9, two processes
+
+
+def test_kill_9_mid_training_then_resume_gives_the_same_losses(tiny: dict, tmp_path: Path) -> None:
+    cli = [sys.executable, "-m", "eagle3.train", "--steps", "40", "--save-every", "3", "--eval-every", "5"]
+    straight = tmp_path / "straight"
+    subprocess.run([*cli, *_cli(tiny, straight)], cwd=REPO, env=_env(), check=True, capture_output=True)
+
+    killed = tmp_path / "killed"
+    rng = random.Random(0)
+    for goal in (7, 22):  # two kills, each a random moment after the goal step's checkpoint
+        proc = subprocess.Popen([*cli, *_cli(tiny, killed)], cwd=REPO, env=_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        latest = killed / "checkpoints" / LATEST
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if latest.is_file() and int(latest.read_text().strip().split("-")[1] or 0) >= goal:
+                break
+            time.sleep(0.005)
+        time.sleep(rng.random() * 0.3)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert not (killed / "summary.json").exists(), "the run finished before it was killed"
+    (killed / "checkpoints" / ".step-00000099.tmp").mkdir()  # what a kill during a save leaves
+    done = subprocess.run([*cli, *_cli(tiny, killed)], cwd=REPO, env=_env(), check=True, capture_output=True,
+                          text=True)
+    resumed = json.loads(done.stdout.strip().splitlines()[-1])["resumed_from_step"]
+    assert resumed is not None and resumed >= 22
+    assert _losses(killed) == _losses(straight)  # exactly, every logged figure of every step
+    for name in ("final", "best"):
+        weights = name + "/model.safetensors"
+        assert (killed / weights).read_bytes() == (straight / weights).read_bytes()
+    assert not list((killed / "checkpoints").glob(".*tmp"))
+    assert len(list((killed / "checkpoints").glob("step-*"))) == 2  # keep_checkpoints
+
+
+def _two_processes(tiny: dict, out: Path, *extra: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           "-m", "eagle3.train", *_cli(tiny, out, "--steps", "6", "--eval-every", "3", *extra)]
+    done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["world_size"] == 2 and summary["steps"] == 6
+
+
+def test_deepspeed_two_gloo_processes_match_one_process(tiny: dict, tmp_path: Path) -> None:
+    """Two ranks with one micro-batch each = one rank accumulating two (the same global batches):
+    bitwise equal under ZeRO 0; ZeRO 2 and 3 shard gradients/parameters, so sums run in another
+    order and agree within fp32 rounding."""
+    one = tmp_path / "one"
+    subprocess.run([sys.executable, "-m", "eagle3.train",
+                    *_cli(tiny, one, "--steps", "6", "--eval-every", "3", "--gradient-accumulation", "2")],
+                   cwd=REPO, env=_env(), check=True, capture_output=True)
+    _two_processes(tiny, tmp_path / "z0")
+    _two_processes(tiny, tmp_path / "z2", "--zero-stage", "2")
+    _two_processes(tiny, tmp_path / "z3", "--zero-stage", "3")
+    reference = _losses(one)
+    assert len(reference) > 6 * 10 and _losses(tmp_path / "z0") == reference
+    for stage in ("z2", "z3"):
+        got = _losses(tmp_path / stage)
+        assert [(s, k) for s, k, _ in got] == [(s, k) for s, k, _ in reference]
+        for (_, key, a), (_, _, b) in zip(got, reference, strict=True):
+            tolerance = 0.02 if "acc" in key or "tau" in key else 1e-5  # an argmax may flip on a near-tie
+            assert abs(a - b) <= tolerance * max(1.0, abs(b)), (stage, key, a, b)
