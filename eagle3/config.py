@@ -370,7 +370,7 @@ class PipelineConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     out_dir: str = "runs/quickstart"
     """Where every stage writes its outputs."""
-    stages: list[str] = field(default_factory=lambda: ["target", "pools", "regenerate", "harvest"])
+    stages: list[str] = field(default_factory=lambda: ["target", "pools", "regenerate", "harvest", "train"])
     """Stages to run, in order."""
     threads: int = 1
     """torch intra-op threads on CPU; 1 was fastest on a loaded 2-core machine."""

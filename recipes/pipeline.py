@@ -103,8 +103,16 @@ def stage_harvest(cfg: PipelineConfig) -> dict[str, Any]:
     return summary
 
 
+def stage_train(cfg: PipelineConfig) -> dict[str, Any]:
+    """Train the draft head on the harvest store (DeepSpeed, one process here; resumable)."""
+    from eagle3.train import train
+
+    return train(cfg.train, cfg.target)
+
+
 STAGES: dict[str, Callable[[PipelineConfig], dict[str, Any]]] = {
     "target": stage_target, "pools": stage_pools, "regenerate": stage_regenerate, "harvest": stage_harvest,
+    "train": stage_train,
 }
 
 
