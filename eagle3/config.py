@@ -287,8 +287,9 @@ class TrainConfig:
     draft folder): across runs and mining rounds."""
     num_layers: int = 1
     """Decoder layers of the draft."""
-    lm_head_init: str = "target"
-    """target: lm_head rows (and the final norm) copied from the target's; random: fresh init."""
+    lm_head_init: str = "random"
+    """random: fresh init (as EAGLE/SpecForge; learnt faster in short CPU runs); target: lm_head rows
+    (and the final norm) copied from the target's (as speculators)."""
     gradient_checkpointing: bool = False
     """Recompute each TTT step in backward: less memory, ~1/3 more compute."""
     eval_every: int = 100

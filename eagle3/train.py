@@ -170,18 +170,30 @@ class TargetHead(nn.Module):
 
     @torch.no_grad()
     def targets(self, batch: dict[str, Tensor], t2d: Tensor, chunk_tokens: int = 1024) -> TTTTargets:
-        """TTT targets [B, S, Vd] for a batch with ``last`` [B, S, H] (in chunks of rows, so the
-        full-vocab logits never exist for the whole batch) or ``topk_ids``/``topk_logprobs``."""
+        """TTT targets [B, S, Vd] for a batch with ``last`` [B, S, H] or ``topk_ids``/``topk_logprobs``.
+
+        The target's distribution p[t] (over x[t+1]) is only ever read where x[t+1] is a
+        loss-masked token of the same document (every step's loss and metrics are gated by
+        that, see :func:`eagle3.ttt.step_counted`), so the head runs on those rows only, in
+        chunks: the full-vocab logits never exist for the whole batch. Other rows get zero
+        probabilities and argmax -1 (never counted).
+        """
         if "last" not in batch:
             return prepare_targets_from_topk(batch["topk_ids"], batch["topk_logprobs"], t2d)
-        last = batch["last"]  # [B, S, H]
+        last, mask, doc = batch["last"], batch["loss_mask"].bool(), batch["document_ids"]  # [B, S, H], [B, S]
         b, s, h = last.shape
-        flat = last.reshape(b * s, h).to(self.lm_head.weight.dtype)
-        parts = [prepare_targets(self.lm_head(self.norm(flat[i:i + chunk_tokens])), t2d)
-                 for i in range(0, b * s, chunk_tokens)]
-        probs = torch.cat([p.probs for p in parts]).view(b, s, -1)  # [B, S, Vd]
-        argmax = torch.cat([p.argmax for p in parts]).view(b, s)  # [B, S]
-        return TTTTargets(probs=probs, argmax=argmax)
+        needed = torch.zeros_like(mask)  # [B, S]
+        needed[:, :-1] = mask[:, 1:] & (doc[:, 1:] == doc[:, :-1])
+        rows = needed.flatten().nonzero().squeeze(1)  # [N]
+        flat = last.reshape(b * s, h)[rows].to(self.lm_head.weight.dtype)  # [N, H]
+        vd = int(t2d.sum())
+        probs = torch.zeros(b * s, vd, dtype=torch.float32, device=last.device)  # [B*S, Vd]
+        argmax = torch.full((b * s,), -1, dtype=torch.long, device=last.device)  # [B*S]
+        for i in range(0, len(rows), chunk_tokens):
+            part = prepare_targets(self.lm_head(self.norm(flat[i:i + chunk_tokens])), t2d)
+            probs[rows[i:i + chunk_tokens]] = part.probs
+            argmax[rows[i:i + chunk_tokens]] = part.argmax
+        return TTTTargets(probs=probs.view(b, s, vd), argmax=argmax.view(b, s))
 
 
 class TTTModel(nn.Module):

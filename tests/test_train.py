@@ -21,8 +21,10 @@ from safetensors.torch import load_file
 from data_gen.harvest import run as harvest
 from eagle3.checkpoint import LATEST, load_exported_draft, read_draft_vocab
 from eagle3.config import HarvestConfig, TargetConfig, TrainConfig
+from eagle3.draft import DraftConfig, Eagle3Draft
+from eagle3.draft_vocab import DraftVocab
 from eagle3.shards import HarvestStore
-from eagle3.train import AcceptanceTally, main, train, warmup_cosine
+from eagle3.train import AcceptanceTally, TargetHead, main, train, warmup_cosine
 from eagle3.train_data import (
     collate,
     epoch_batches,
@@ -32,7 +34,14 @@ from eagle3.train_data import (
     steps_per_epoch,
 )
 from eagle3.train_log import read_metrics
-from eagle3.ttt import TTTOutput, conditional_acceptance, simulated_tau, step_accuracy
+from eagle3.ttt import (
+    TTTOutput,
+    conditional_acceptance,
+    prepare_targets,
+    simulated_tau,
+    step_accuracy,
+    ttt_forward,
+)
 from tests.test_harvest import _data
 from tests.tiny_targets import lively_target, save_lively
 
@@ -124,6 +133,23 @@ def test_buckets_collate_pads_outside_every_document(tiny: dict) -> None:
     assert not batch["loss_mask"][short, min(n0, n1):].any()
 
 
+def test_head_on_the_needed_rows_only_changes_nothing_ttt_reads(tiny: dict) -> None:
+    target, store = tiny["target"], HarvestStore(tiny["store"])
+    batch = collate([store[0], store[1], store[2]], "pack")  # three documents in one row
+    vocab = DraftVocab.from_target_ids(torch.arange(0, 262, 3), 262)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size),
+                        target.embed_tokens.weight)
+    draft.set_draft_vocab(vocab.d2t, vocab.t2d)
+    full = prepare_targets(target.head(batch["last"]), vocab.t2d)
+    some = TargetHead(target.norm, target.lm_head).targets(batch, vocab.t2d, chunk_tokens=50)
+    assert (some.argmax == -1).float().mean() > 0.3  # prompts and document ends are skipped
+    args = (draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"], batch["loss_mask"])
+    a, b = ttt_forward(*args, full), ttt_forward(*args, some)
+    assert torch.allclose(a.loss, b.loss, rtol=1e-6) and torch.equal(a.counted, b.counted)
+    assert torch.equal(a.match & a.counted, b.match & b.counted) and torch.equal(a.valid, b.valid)
+
+
 def test_tally_equals_the_ttt_metrics() -> None:
     g = torch.Generator().manual_seed(0)
     parts = []
@@ -162,12 +188,14 @@ def test_config_errors_name_the_key(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 def test_a_few_steps_reduce_the_loss_and_export_the_draft(tiny: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    summary = train(_cfg(tiny, out, steps=24, eval_every=8), target=tiny["target"])
+    summary = train(_cfg(tiny, out, steps=24, eval_every=8, lr=1e-2), target=tiny["target"])
+    # The random target's own entropy (~3.9 nats per step of a uniform 64-token draft vocab) is
+    # most of the loss, so the learnable part is small: ask for 0.5 nats (weighted over 7 steps).
     losses = [r["train/loss"] for r in read_metrics(out) if "train/loss" in r]
-    assert len(losses) == 24 and sum(losses[-4:]) / 4 < 0.9 * sum(losses[:4]) / 4
+    assert len(losses) == 24 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5
     evals = [r for r in read_metrics(out) if "eval/loss" in r]
     assert [r["step"] for r in evals] == [0, 8, 16, 24]
-    assert evals[-1]["eval/loss"] < 0.9 * evals[0]["eval/loss"] and evals[-1]["eval/tau_sim"] > evals[0]["eval/tau_sim"]
+    assert evals[-1]["eval/loss"] < evals[0]["eval/loss"] - 0.5 and evals[-1]["eval/tau_sim"] > evals[0]["eval/tau_sim"]
     assert summary["steps"] == 24 and summary["eval_samples"] > 0 and summary["tokens_per_s"] > 0
     record = read_metrics(out)[1]
     for key in ("train/lr", "train/grad_norm", "train/tokens_per_s", "train/tau_sim", "train/acc_6"):
@@ -203,7 +231,8 @@ def test_eval_keeps_the_best_tau_and_a_vocab_is_reused(tiny: dict, tmp_path: Pat
 
 def test_topk_store_and_a_held_out_store(tiny: dict, tmp_path: Path) -> None:
     summary = train(_cfg(tiny, tmp_path / "topk", store=str(tiny["topk"]), eval_fraction=0.0,
-                         eval_store=str(tiny["store"]), steps=3, eval_every=0), target=tiny["target"])
+                         eval_store=str(tiny["store"]), steps=3, eval_every=0, lm_head_init="target"),
+                    target=tiny["target"])
     assert summary["eval_samples"] == 40 and summary["eval_last"]["eval/tau_sim"] >= 1.0
 
 
