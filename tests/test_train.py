@@ -281,6 +281,18 @@ def _two_processes(tiny: dict, out: Path, *extra: str) -> None:
     assert summary["world_size"] == 2 and summary["steps"] == 6
 
 
+def test_two_processes_resume_their_sharded_optimizer_states(tiny: dict, tmp_path: Path) -> None:
+    """ZeRO 2 keeps each rank's share of the Adam moments in its own file: a resume from the
+    step-3 checkpoint (as a kill after it leaves things) replays steps 4-6 exactly."""
+    out = tmp_path / "z2"
+    _two_processes(tiny, out, "--zero-stage", "2", "--save-every", "3")
+    straight = _losses(out)
+    assert len(list((out / "checkpoints" / "step-00000003").glob("*optim_states.pt"))) == 2
+    (out / "checkpoints" / LATEST).write_text("step-00000003\n")
+    _two_processes(tiny, out, "--zero-stage", "2", "--save-every", "3")
+    assert _losses(out) == straight
+
+
 def test_deepspeed_two_gloo_processes_match_one_process(tiny: dict, tmp_path: Path) -> None:
     """Two ranks with one micro-batch each = one rank accumulating two (the same global batches):
     bitwise equal under ZeRO 0; ZeRO 2 and 3 shard gradients/parameters, so sums run in another
