@@ -108,8 +108,11 @@ def _fsync_tree(path: Path) -> None:
 
 
 def save_checkpoint(engine: Any, root: str | os.PathLike[str], step: int, client_state: dict[str, Any],
-                    *, rank: int, keep: int) -> str:
-    """Save on every rank (a collective), then publish atomically; returns the tag."""
+                    *, rank: int, keep: int, readable: dict[str, Any] | None = None) -> str:
+    """Save on every rank (a collective), then publish atomically; returns the tag.
+
+    ``readable`` (JSON) is also written as ``trainer.json``, so that a resume can check its
+    settings before DeepSpeed loads anything."""
     root = Path(root)
     tag = tag_of(step)
     if (root / LATEST).is_file() and latest_tag(root) == tag:
@@ -121,6 +124,8 @@ def save_checkpoint(engine: Any, root: str | os.PathLike[str], step: int, client
     _barrier()
     engine.save_checkpoint(str(root), tag=tmp, client_state=client_state, save_latest=False)
     torch.save(rng_state(), root / tmp / f"rng-rank{rank:05d}.pt")
+    if rank == 0 and readable is not None:
+        (root / tmp / "trainer.json").write_text(json.dumps(readable, indent=1) + "\n")
     _barrier()
     if rank == 0:
         _fsync_tree(root / tmp)
@@ -134,6 +139,12 @@ def save_checkpoint(engine: Any, root: str | os.PathLike[str], step: int, client
                 shutil.rmtree(root / old, ignore_errors=True)
     _barrier()
     return tag
+
+
+def read_trainer_state(root: str | os.PathLike[str], tag: str) -> dict[str, Any]:
+    """The ``readable`` part of a checkpoint (empty if it has none)."""
+    path = Path(root) / tag / "trainer.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def load_checkpoint(engine: Any, root: str | os.PathLike[str], tag: str, *, rank: int) -> dict[str, Any]:
@@ -210,6 +221,6 @@ def write_draft_vocab(path: str | os.PathLike[str], vocab: DraftVocab) -> None:
 
 __all__ = [
     "EXPORT_FORMAT", "LATEST", "export_draft", "latest_tag", "load_checkpoint", "load_exported_draft",
-    "read_draft_vocab", "remove_partial", "rng_state", "save_checkpoint", "set_rng_state", "tag_of",
-    "write_draft_vocab",
+    "read_draft_vocab", "read_trainer_state", "remove_partial", "rng_state", "save_checkpoint", "set_rng_state",
+    "tag_of", "write_draft_vocab",
 ]

@@ -301,7 +301,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """Older checkpoints are deleted; the latest complete one is always kept."""
     resume: bool = True
-    """Continue from ``out_dir/checkpoints/latest`` when it exists."""
+    """Continue from ``out_dir/checkpoints/latest`` when it exists (the data, model and sharding
+    settings must match: a mismatch fails naming the key); False starts over, deleting the
+    out_dir's old checkpoints and exports."""
     log_every: int = 1
     """Write metrics every N optimizer steps."""
     seed: int = 0

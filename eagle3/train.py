@@ -38,6 +38,7 @@ import copy
 import json
 import math
 import os
+import shutil
 import socket
 import sys
 import time
@@ -56,6 +57,7 @@ from eagle3.checkpoint import (
     latest_tag,
     load_checkpoint,
     read_draft_vocab,
+    read_trainer_state,
     remove_partial,
     save_checkpoint,
     write_draft_vocab,
@@ -296,6 +298,25 @@ def choose_draft_vocab(cfg: TrainConfig, store: HarvestStore, train_idx: Sequenc
     return select_draft_vocab(counts, min(cfg.draft_vocab_size, vocab_size), always_include)
 
 
+def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore) -> dict[str, Any]:
+    """What a resumed run must share with the run that saved the checkpoint: the settings that
+    decide the data order, the model and how DeepSpeed sharded its states."""
+    keys = ("batching", "micro_batch_tokens", "gradient_accumulation", "seed", "eval_fraction", "ttt_steps",
+            "num_layers", "zero_stage", "precision")
+    pinned = {f"train.{k}": getattr(cfg, k) for k in keys}
+    return {**pinned, "world_size": world_size, "store.samples": len(store),
+            "store.shards": [entry["sha256"] for entry in store.manifest["shards"]]}
+
+
+def check_pinned(saved: dict[str, Any], now: dict[str, Any], out_dir: Path) -> None:
+    for key in sorted(set(saved) | set(now)):
+        if saved.get(key) != now.get(key):
+            shown = (lambda v: f"{str(v)[:60]}...") if key == "store.shards" else repr
+            raise TrainError(f"{out_dir} was trained with {key}={shown(saved.get(key))}, this run has "
+                             f"{shown(now.get(key))}; use the same settings to resume, or another out_dir "
+                             "(or --no-resume to start over)")
+
+
 def _load_target(target_cfg: TargetConfig, aux_layer_ids: Sequence[int]) -> Target:
     if target_cfg.aux_layer_ids is not None and sorted(target_cfg.aux_layer_ids) != sorted(aux_layer_ids):
         raise TrainError(f"target.aux_layer_ids={target_cfg.aux_layer_ids}, but the store was harvested with "
@@ -365,6 +386,9 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
 
     # -- draft vocab: chosen once, frozen for the run
     resume_tag = latest_tag(ckpt_root) if cfg.resume and ckpt_root.is_dir() else None
+    pinned = pinned_settings(cfg, rt.world_size, store)
+    if resume_tag is not None:
+        check_pinned(read_trainer_state(ckpt_root, resume_tag).get("pinned", {}), pinned, out_dir)
     vocab_file = out_dir / "draft_vocab.safetensors"
     if resume_tag is not None:
         vocab = read_draft_vocab(vocab_file, target.vocab_size)
@@ -402,8 +426,11 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
 
     # -- resume
     state: dict[str, Any] = {"step": 0, "epoch": 0, "batch_index": 0, "best_tau": None, "best_step": None,
-                             "first_eval": None}
-    if rt.rank == 0 and ckpt_root.is_dir():
+                             "first_eval": None, "last_eval": None, "pinned": pinned}
+    if rt.rank == 0 and resume_tag is None:  # starting over: no stale checkpoint or export survives
+        for old in (ckpt_root, out_dir / "best", out_dir / "final"):
+            shutil.rmtree(old, ignore_errors=True)
+    elif rt.rank == 0:
         remove_partial(ckpt_root)
     _barrier()
     if resume_tag is not None:
@@ -433,7 +460,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
 
     def save() -> None:
         client = {"trainer": dict(state), "draft_config": asdict(draft_config)}
-        save_checkpoint(engine, ckpt_root, state["step"], client, rank=rt.rank, keep=cfg.keep_checkpoints)
+        save_checkpoint(engine, ckpt_root, state["step"], client, rank=rt.rank, keep=cfg.keep_checkpoints,
+                        readable=client["trainer"])
 
     def maybe_eval() -> dict[str, float] | None:
         if eval_store is None:
@@ -442,6 +470,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         sink.log(metrics, state["step"])
         if state["first_eval"] is None:
             state["first_eval"] = {k: v for k, v in metrics.items() if k in ("eval/loss", "eval/tau_sim")}
+        state["last_eval"] = metrics
         tau = metrics["eval/tau_sim"]
         better = state["best_tau"] is None or tau > state["best_tau"]
         if better and state["step"] > 0:
@@ -457,9 +486,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
                  if eval_store is not None else [])
     per_step = rt.world_size * cfg.gradient_accumulation
     plan_epoch, plan = -1, []
-    last_eval: dict[str, float] | None = None
     if state["step"] == 0 and cfg.eval_at_start:
-        last_eval = maybe_eval()
+        maybe_eval()
     bar = tqdm(total=cfg.steps, initial=state["step"], desc="train", unit="step", dynamic_ncols=True,
                disable=not (cfg.progress and rt.rank == 0), file=sys.stderr)
     first_loss, tokens_total, train_seconds, last_loss = None, 0, 0.0, None
@@ -518,13 +546,13 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
                             tok_s=f"{int(sums[1]) / seconds:.0f}")
             at_end = state["step"] == cfg.steps
             if eval_store is not None and ((cfg.eval_every and state["step"] % cfg.eval_every == 0) or at_end):
-                last_eval = maybe_eval()
+                maybe_eval()
             if (cfg.save_every and state["step"] % cfg.save_every == 0) or at_end:
                 save()
     final_state = _draft_state(draft, cfg.zero_stage)
     if rt.rank == 0:
         export_draft(out_dir / "final", final_state, draft_config,
-                     {**info, "step": state["step"], "eval": last_eval or {}})
+                     {**info, "step": state["step"], "eval": state["last_eval"] or {}})
     sink.close()
     summary = {
         "stage": "train", "out": str(out_dir), "steps": state["step"], "resumed_from_step": resumed_step,
@@ -533,9 +561,9 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         "draft_vocab_size": vocab.size, "trainable_parameters": trainable_parameter_count(draft_config),
         "first_loss": first_loss, "last_loss": last_loss,
         "tokens_per_s": round(tokens_total / train_seconds, 1) if train_seconds else None,
-        "eval_first": state["first_eval"], "eval_last": ({k: v for k, v in last_eval.items()
+        "eval_first": state["first_eval"], "eval_last": ({k: v for k, v in state["last_eval"].items()
                                                           if k in ("eval/loss", "eval/tau_sim")}
-                                                         if last_eval else None),
+                                                         if state["last_eval"] else None),
         "best_step": state["best_step"], "best_tau_sim": state["best_tau"],
         "wall_seconds": round(time.perf_counter() - started, 2),
     }

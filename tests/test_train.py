@@ -24,7 +24,7 @@ from eagle3.config import HarvestConfig, TargetConfig, TrainConfig
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab
 from eagle3.shards import HarvestStore
-from eagle3.train import AcceptanceTally, TargetHead, main, train, warmup_cosine
+from eagle3.train import AcceptanceTally, TargetHead, TrainError, main, train, warmup_cosine
 from eagle3.train_data import (
     collate,
     epoch_batches,
@@ -227,6 +227,21 @@ def test_eval_keeps_the_best_tau_and_a_vocab_is_reused(tiny: dict, tmp_path: Pat
                     target=tiny["target"])
     assert summary["draft_vocab_size"] == 64
     assert (again / "draft_vocab.safetensors").read_bytes() == (out / "draft_vocab.safetensors").read_bytes()
+
+
+def test_rerun_resumes_and_other_settings_fail_naming_the_key(tiny: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    cfg = _cfg(tiny, out, steps=2, eval_every=1)
+    train(cfg, target=tiny["target"])
+    final = (out / "final" / "model.safetensors").read_bytes()
+    again = train(cfg, target=tiny["target"])  # finished: nothing left to do
+    assert again["resumed_from_step"] == 2 and again["eval_last"] is not None
+    assert (out / "final" / "model.safetensors").read_bytes() == final
+    assert json.loads((out / "final" / "draft.json").read_text())["eval"]["eval/tau_sim"] >= 1.0
+    with pytest.raises(TrainError, match="trained with train.micro_batch_tokens=256, this run has 128"):
+        train(_cfg(tiny, out, steps=4, micro_batch_tokens=128), target=tiny["target"])
+    assert train(_cfg(tiny, out, steps=1, micro_batch_tokens=128, resume=False),
+                 target=tiny["target"])["resumed_from_step"] is None
 
 
 def test_topk_store_and_a_held_out_store(tiny: dict, tmp_path: Path) -> None:
