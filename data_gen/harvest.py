@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from data_gen.regenerate import read_pool
 from eagle3.atomic import atomic_write_text, sha256_file
@@ -185,7 +185,6 @@ def _states_ok(sample_id: str, row: dict[str, torch.Tensor]) -> None:
 def run(cfg: HarvestConfig, target_cfg: TargetConfig, *, target: Target | None = None,
         progress: bool = True) -> dict[str, Any]:
     """Harvest this worker's shards of ``cfg.data`` into ``cfg.out_dir``; finalise the store if complete."""
-    from tqdm import tqdm
 
     started = time.perf_counter()
     if target is None and cfg.backend == "hf":
@@ -204,6 +203,32 @@ def run(cfg: HarvestConfig, target_cfg: TargetConfig, *, target: Target | None =
     _check_plan(out_dir, {"spec": spec.to_json(), "settings": settings, "data_sha256": sha256_file(data),
                           "shards": plan, "counts": dict(counts)})
     worker, workers = cfg.worker
+    lock = FileLock(str(out_dir / f".worker-{worker}-of-{workers}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout as err:
+        raise HarvestError(f"{out_dir}: worker {cfg.shard} is already running there") from err
+    try:
+        return _harvest_shards(cfg, out_dir, spec, backend, samples, lengths, plan, counts, settings, started, progress)
+    finally:
+        lock.release()
+
+
+def _remove_stale_temps(out_dir: Path, worker: int, workers: int) -> None:
+    """Temporary shard files of this worker's shards left by a killed run (never complete)."""
+    for tmp in out_dir.glob(".shard-*.safetensors.*.tmp"):
+        index = tmp.name.split(".")[1].removeprefix("shard-")
+        if index.isdigit() and int(index) % workers == worker:
+            tmp.unlink(missing_ok=True)
+
+
+def _harvest_shards(cfg: HarvestConfig, out_dir: Path, spec: HarvestSpec, backend: Any,
+                    samples: list[tuple[str, list[int], list[int]]], lengths: list[int], plan: list[tuple[int, int]],
+                    counts: Counter[str], settings: dict[str, Any], started: float, progress: bool) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    worker, workers = cfg.worker
+    _remove_stale_temps(out_dir, worker, workers)
     mine = [j for j in range(len(plan)) if j % workers == worker and not (out_dir / shard_name(j)).is_file()]
     total_tokens = sum(sum(lengths[slice(*plan[j])]) for j in mine)
     projected = projected_bytes(lengths, spec)
