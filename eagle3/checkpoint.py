@@ -122,7 +122,9 @@ def save_checkpoint(engine: Any, root: str | os.PathLike[str], step: int, client
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(root / tmp, ignore_errors=True)
     _barrier()
-    engine.save_checkpoint(str(root), tag=tmp, client_state=client_state, save_latest=False)
+    # The frozen embedding (a copy of the target's, often the draft's largest tensor) is not saved.
+    engine.save_checkpoint(str(root), tag=tmp, client_state=client_state, save_latest=False,
+                           exclude_frozen_parameters=True)
     torch.save(rng_state(), root / tmp / f"rng-rank{rank:05d}.pt")
     if rank == 0 and readable is not None:
         (root / tmp / "trainer.json").write_text(json.dumps(readable, indent=1) + "\n")
@@ -147,10 +149,20 @@ def read_trainer_state(root: str | os.PathLike[str], tag: str) -> dict[str, Any]
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def _load_trainable(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
+    """Load a module state saved without its frozen parameters; anything else missing is an error."""
+    result = dst.load_state_dict(src, strict=False)
+    frozen = {name for name, p in dst.named_parameters() if not p.requires_grad}
+    missing = set(result.missing_keys) - frozen
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"checkpoint does not fit the draft: missing {sorted(missing)}, "
+                           f"unexpected {sorted(result.unexpected_keys)}")
+
+
 def load_checkpoint(engine: Any, root: str | os.PathLike[str], tag: str, *, rank: int) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and this rank's RNG; returns the client state."""
     path, client_state = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
+                                                load_lr_scheduler_states=True, custom_load_fn=_load_trainable)
     if path is None:
         raise RuntimeError(f"{Path(root) / tag}: DeepSpeed could not load this checkpoint")
     rng_file = Path(root) / tag / f"rng-rank{rank:05d}.pt"
