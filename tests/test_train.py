@@ -244,6 +244,17 @@ def test_rerun_resumes_and_other_settings_fail_naming_the_key(tiny: dict, tmp_pa
                  target=tiny["target"])["resumed_from_step"] is None
 
 
+def test_bf16_and_gradient_checkpointing_track_fp32(tiny: dict, tmp_path: Path) -> None:
+    def losses(name: str, **kw) -> list[float]:
+        train(_cfg(tiny, tmp_path / name, steps=4, eval_every=0, save_every=0, **kw), target=tiny["target"])
+        return [r["train/loss"] for r in read_metrics(tmp_path / name) if "train/loss" in r]
+
+    fp32 = losses("fp32")
+    assert losses("ckpt", gradient_checkpointing=True) == pytest.approx(fp32, rel=1e-5)
+    assert losses("bf16", precision="bf16") == pytest.approx(fp32, rel=2e-2)
+    assert load_file(str(tmp_path / "bf16" / "final" / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
+
+
 def test_topk_store_and_a_held_out_store(tiny: dict, tmp_path: Path) -> None:
     summary = train(_cfg(tiny, tmp_path / "topk", store=str(tiny["topk"]), eval_fraction=0.0,
                          eval_store=str(tiny["store"]), steps=3, eval_every=0, lm_head_init="target"),
