@@ -13,9 +13,9 @@ tag and only then points ``latest`` at it (DeepSpeed's own ``latest`` is truncat
 rewritten in place, so we keep our own and load by tag). A kill at any moment leaves
 ``latest`` at the previous complete checkpoint.
 
-Export (``best/``, ``final/``): ``model.safetensors`` from :meth:`Eagle3Draft.vllm_state_dict`
-(``d2t``/``t2d`` included) and ``draft.json`` with the :class:`DraftConfig`, the draft vocab
-as ``d2t`` offsets, the aux layer ids and the step/metrics it was taken at.
+Export (``best/``, ``final/``): a vLLM-format draft folder (:mod:`eagle3.export`: ``config.json``,
+fp32 ``model.safetensors`` with ``d2t``/``t2d``, no embedding) plus our ``draft.json`` with the
+:class:`DraftConfig`, the target, the aux layer ids and the step/metrics it was taken at.
 """
 
 from __future__ import annotations
@@ -30,14 +30,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from eagle3.atomic import atomic_dir, atomic_write_text
+from eagle3.atomic import atomic_write_text
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab
+from eagle3.export import export_draft_folder, load_draft
 
 LATEST = "latest"
-EXPORT_FORMAT = "eagle3-draft-1"
+EXPORT_FORMAT = "eagle3-draft-2"
 
 
 def tag_of(step: int) -> str:
@@ -176,34 +177,18 @@ def load_checkpoint(engine: Any, root: str | os.PathLike[str], tag: str, *, rank
 
 def export_draft(out: str | os.PathLike[str], state: dict[str, torch.Tensor], config: DraftConfig,
                  info: dict[str, Any]) -> None:
-    """Write ``model.safetensors`` + ``draft.json`` into ``out``, atomically (complete or absent)."""
-    d2t = state["d2t"]
-    meta = {"format": EXPORT_FORMAT, "draft_config": asdict(config), "d2t": d2t.tolist(),
-            "t2d": {"size": int(state["t2d"].shape[0]), "true": int(state["t2d"].sum())}, **info}
-    with atomic_dir(out) as tmp:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        text = json.dumps({**meta, "d2t": "@d2t@"}, indent=1).replace('"@d2t@"', json.dumps(meta["d2t"]))
-        (tmp / "draft.json").write_text(text + "\n")
+    """Write a vLLM-format draft folder (config.json, fp32 ``model.safetensors``) with our
+    ``draft.json`` (config, aux layer ids, step, eval figures), atomically."""
+    meta = {"format": EXPORT_FORMAT, "draft_config": asdict(config), **info}
+    export_draft_folder(out, state, config, info["aux_layer_ids"], "vllm", dtype="float32", meta=meta)
 
 
 def load_exported_draft(folder: str | os.PathLike[str],
                         embed_tokens_weight: torch.Tensor | None = None) -> tuple[Eagle3Draft, dict[str, Any]]:
     """An exported draft and its ``draft.json`` (the embedding is the target's: pass it, or it
     stays at its random init)."""
-    folder = Path(folder)
-    meta = json.loads((folder / "draft.json").read_text())
-    config = DraftConfig(**meta["draft_config"])
-    draft = Eagle3Draft(config, embed_tokens_weight)
-    state = load_file(str(folder / "model.safetensors"))
-    vocab = DraftVocab.from_d2t(torch.tensor(meta["d2t"]), config.vocab_size)
-    if not (torch.equal(vocab.d2t, state["d2t"]) and torch.equal(vocab.t2d, state["t2d"])):
-        raise ValueError(f"{folder}: d2t/t2d in model.safetensors differ from draft.json")
-    missing, unexpected = draft.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {"embed_tokens.weight"}:
-        raise ValueError(f"{folder}: model.safetensors does not fit the draft config "
-                         f"(missing {missing}, unexpected {unexpected})")
-    return draft, meta
+    loaded = load_draft(folder, embed_tokens_weight=embed_tokens_weight)
+    return loaded.draft, loaded.meta
 
 
 def read_draft_vocab(path: str | os.PathLike[str], vocab_size: int) -> DraftVocab:

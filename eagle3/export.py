@@ -1,0 +1,467 @@
+"""Drafts in the formats serving engines load, and back: export and import.
+
+Three on-disk formats, each a folder with ``config.json`` + ``model.safetensors`` (no embedding:
+every engine uses the target's own)::
+
+    vllm         Llama config with architectures ["LlamaForCausalLMEagle3"]; tensors fc.weight,
+                 midlayer.*, norm.weight, lm_head.weight [Vd, H], d2t (int64 offsets), t2d (bool).
+                 Aux ids under both keys vLLM reads: top-level eagle_aux_hidden_state_layer_ids
+                 and eagle_config.eagle_aux_hidden_state_layer_ids. Our trainer's best/ and
+                 final/ are this format (plus our draft.json).
+    speculators  vllm-project/speculators' config (speculators_model_type "eagle3",
+                 transformer_layer_config, speculators_config with the verifier), so that
+                 ``vllm serve <draft>`` finds the target; the decoder layer is ``layers.0.*``.
+    sglang       the vllm layout, with the aux ids only under eagle_config and **one less**:
+                 SGLang captures the output of each configured layer (it adds 1 and records the
+                 input of that layer), while our ids, like vLLM's, name the layer whose *input*
+                 is captured. A sglang folder is for SGLang only; vLLM would read the wrong layers.
+
+Every format writes ``norm_before_residual``, ``norm_before_fc``, ``fc_norm`` and ``norm_output``
+explicitly: the defaults differ between engines and formats (vLLM's speculators path defaults
+``norm_before_residual`` to true, its plain path to false).
+
+Aux layer ids inside this library always mean "the input of decoder layer i" (HF
+``hidden_states[i]``), ascending. ``load_draft`` reads all three formats and the public ones
+they come from (EAGLE/SpecForge checkpoints in the plain layout, speculators checkpoints), to
+evaluate a public draft or continue training it. Pickled ``.bin`` weights are refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from eagle3.atomic import atomic_dir
+from eagle3.draft import DraftConfig, Eagle3Draft
+
+FORMATS = ("vllm", "speculators", "sglang")
+OUR_META = "draft.json"
+MARKER = "eagle3_forge"  # config.json key recording which of our formats wrote the folder
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class DraftFormatError(ValueError):
+    """A draft folder this library cannot read or write; the message names the file and key."""
+
+
+@dataclass
+class LoadedDraft:
+    """A draft read from disk, in our terms."""
+
+    draft: Eagle3Draft
+    aux_layer_ids: tuple[int, ...] | None
+    """Inputs of these target layers (ascending); None: the folder names none (engine defaults)."""
+    format: str
+    """vllm, speculators or sglang."""
+    path: Path
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Our draft.json when present (training step and eval figures), else {}."""
+    has_embedding: bool = False
+    """The checkpoint carried its own embedding (loaded); otherwise the target's must be given."""
+
+
+# ---------------------------------------------------------------- configs
+
+
+def _layer_config(config: DraftConfig, torch_dtype: str) -> dict[str, Any]:
+    """The Llama config of the draft's decoder layer(s), as HF/vLLM read it."""
+    return {
+        "model_type": "llama",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "num_hidden_layers": config.num_layers,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling,
+        "max_position_embeddings": config.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "vocab_size": config.vocab_size,
+        "torch_dtype": torch_dtype,
+    }
+
+
+def _flags(config: DraftConfig) -> dict[str, Any]:
+    return {"norm_before_residual": config.norm_before_residual, "norm_before_fc": False, "fc_norm": False,
+            "norm_output": False}
+
+
+def vllm_config(config: DraftConfig, aux_layer_ids: Sequence[int], torch_dtype: str = "bfloat16") -> dict[str, Any]:
+    """config.json of the plain format (vLLM, EAGLE, SpecForge)."""
+    ids = _checked_ids(aux_layer_ids, config)
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_layer_config(config, torch_dtype),
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "num_aux_hidden_states": len(ids),
+        **_flags(config),
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+        MARKER: {"format": "vllm", "aux_layer_ids": ids},
+    }
+
+
+def sglang_config(config: DraftConfig, aux_layer_ids: Sequence[int], torch_dtype: str = "bfloat16") -> dict[str, Any]:
+    """config.json for SGLang: ids shifted down by one (SGLang adds it back), under eagle_config only."""
+    ids = _checked_ids(aux_layer_ids, config)
+    if ids[0] < 1:
+        raise DraftFormatError(f"aux layer ids {ids}: SGLang cannot capture the input of layer 0 (the embedding "
+                               "output); its configured ids name layer outputs")
+    cfg = vllm_config(config, ids, torch_dtype)
+    del cfg["eagle_aux_hidden_state_layer_ids"]
+    cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids], "use_aux_hidden_state": True}
+    cfg[MARKER] = {"format": "sglang", "aux_layer_ids": ids}
+    return cfg
+
+
+def speculators_config(config: DraftConfig, aux_layer_ids: Sequence[int], *, verifier: str,
+                       verifier_architectures: Sequence[str] = (), speculative_tokens: int = 3,
+                       torch_dtype: str = "bfloat16") -> dict[str, Any]:
+    """config.json of vllm-project/speculators' eagle3 format."""
+    ids = _checked_ids(aux_layer_ids, config)
+    layer = {**_layer_config(config, torch_dtype), "architectures": ["LlamaForCausalLM"]}
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.9.0",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        **_flags(config),
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
+        },
+        "torch_dtype": torch_dtype,
+        MARKER: {"format": "speculators", "aux_layer_ids": ids},
+    }
+
+
+def _checked_ids(aux_layer_ids: Sequence[int], config: DraftConfig) -> list[int]:
+    ids = sorted(int(i) for i in aux_layer_ids)
+    if len(set(ids)) != len(ids) or len(ids) != config.num_aux_layers:
+        raise DraftFormatError(f"aux layer ids {list(aux_layer_ids)}: expected {config.num_aux_layers} distinct "
+                               "ids (the draft's fc reads that many states)")
+    return ids
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def engine_tensors(state: dict[str, Tensor], fmt: str, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Our state dict -> the format's tensors: no embedding, floats in ``dtype``, d2t int64, t2d bool."""
+    out = {}
+    for name, tensor in state.items():
+        if name == "embed_tokens.weight":
+            continue
+        if fmt == "speculators" and name.startswith("midlayer."):
+            name = "layers.0." + name[len("midlayer."):]
+        if name == "d2t":
+            tensor = tensor.to(torch.int64)
+        elif name == "t2d":
+            tensor = tensor.to(torch.bool)
+        else:
+            tensor = tensor.to(dtype)
+        out[name] = tensor.detach().cpu().contiguous()
+    return out
+
+
+def _our_names(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A checkpoint's names -> ours: ``layers.0.`` is the first layer (midlayer), ``model.`` dropped."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.startswith("model."):
+            name = name[len("model."):]
+        if name.startswith("layers.0."):
+            name = "midlayer." + name[len("layers.0."):]
+        out[name] = tensor
+    return out
+
+
+# ---------------------------------------------------------------- export
+
+
+def export_draft_folder(out: str | os.PathLike[str], state: dict[str, Tensor], config: DraftConfig,
+                        aux_layer_ids: Sequence[int], fmt: str = "vllm", *, dtype: str = "bfloat16",
+                        verifier: str | None = None, verifier_architectures: Sequence[str] = (),
+                        speculative_tokens: int = 3, meta: dict[str, Any] | None = None) -> Path:
+    """Write one draft folder in ``fmt`` atomically (complete or absent); returns its path.
+
+    ``state``: an :class:`Eagle3Draft` state dict (our names). ``meta``: written as draft.json
+    (our training record) next to the engine files. ``verifier`` (the target's name or path) is
+    required by the speculators format, so that ``vllm serve <draft>`` knows the target.
+    """
+    if fmt not in FORMATS:
+        raise DraftFormatError(f"format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise DraftFormatError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if fmt == "vllm":
+        cfg = vllm_config(config, aux_layer_ids, dtype)
+    elif fmt == "sglang":
+        cfg = sglang_config(config, aux_layer_ids, dtype)
+    else:
+        if not verifier:
+            raise DraftFormatError("the speculators format needs the verifier (the target's name or path)")
+        cfg = speculators_config(config, aux_layer_ids, verifier=verifier,
+                                 verifier_architectures=verifier_architectures,
+                                 speculative_tokens=speculative_tokens, torch_dtype=dtype)
+    tensors = engine_tensors(state, fmt, DTYPES[dtype])
+    with atomic_dir(out) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        if meta is not None:
+            (tmp / OUR_META).write_text(json.dumps(meta, indent=1) + "\n")
+    return Path(out)
+
+
+# ---------------------------------------------------------------- import
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DraftFormatError(f"{path}: missing (a draft folder needs config.json and model.safetensors)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DraftFormatError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise DraftFormatError(f"{path}: expected a JSON object")
+    return data
+
+
+def detect_format(cfg: dict[str, Any], path: Path) -> str:
+    """vllm, speculators or sglang, from a config.json's contents."""
+    marker = cfg.get(MARKER)
+    if isinstance(marker, dict) and marker.get("format") in FORMATS:
+        return marker["format"]
+    if "speculators_model_type" in cfg:
+        if cfg["speculators_model_type"] != "eagle3":
+            raise DraftFormatError(f"{path}: speculators_model_type={cfg['speculators_model_type']!r}, only eagle3 "
+                                   "drafts are supported")
+        return "speculators"
+    archs = cfg.get("architectures") or []
+    if any(a in ARCHITECTURES for a in archs):
+        return "vllm"
+    raise DraftFormatError(f"{path}: architectures={archs} is not an EAGLE-3 draft (expected one of "
+                           f"{', '.join(ARCHITECTURES)}, or a speculators config)")
+
+
+def _aux_ids(cfg: dict[str, Any], fmt: str, path: Path) -> tuple[int, ...] | None:
+    """The aux ids in our terms (input of layer i), from where the format keeps them."""
+    marker = cfg.get(MARKER)
+    if isinstance(marker, dict) and marker.get("aux_layer_ids"):
+        return tuple(sorted(int(i) for i in marker["aux_layer_ids"]))
+    eagle = cfg.get("eagle_config") or {}
+    if fmt == "sglang":
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids") or cfg.get("eagle_aux_hidden_state_layer_ids")
+        return None if not ids else tuple(sorted(int(i) + 1 for i in ids))
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None and not isinstance(ids, list):
+        raise DraftFormatError(f"{path}: eagle_aux_hidden_state_layer_ids={ids!r} is not a list")
+    return None if not ids else tuple(sorted(int(i) for i in ids))
+
+
+def draft_config_from_json(cfg: dict[str, Any], fmt: str, path: Path, num_aux_layers: int | None) -> DraftConfig:
+    """A :class:`DraftConfig` from a config.json (either layout); unsupported variants are refused by name."""
+    layer = cfg.get("transformer_layer_config", cfg) if fmt == "speculators" else cfg
+    # vLLM's defaults: the speculators path assumes norm_before_residual, the plain path does not
+    flags = {"norm_before_residual": fmt == "speculators", "norm_before_fc": False, "fc_norm": False,
+             "norm_output": False}
+    eagle = cfg.get("eagle_config") or {}
+    for key in flags:
+        value = eagle.get(key, cfg.get(key, layer.get(key)))
+        if value is not None:
+            flags[key] = bool(value)
+    for key in UNSUPPORTED_FLAGS:
+        if flags[key]:
+            raise DraftFormatError(f"{path}: {key}=true is a draft variant this library does not implement")
+    if layer.get("attention_bias") or layer.get("mlp_bias"):
+        raise DraftFormatError(f"{path}: attention_bias/mlp_bias=true is not supported (the draft has no biases)")
+    act = layer.get("hidden_act", "silu")
+    if act != "silu":
+        raise DraftFormatError(f"{path}: hidden_act={act!r}, only silu (SwiGLU) is supported")
+    rope = dict(layer.get("rope_parameters") or layer.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", layer.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    try:
+        hidden = int(layer["hidden_size"])
+        vocab = int(layer.get("vocab_size") or cfg["vocab_size"])
+        return DraftConfig(
+            hidden_size=hidden,
+            intermediate_size=int(layer["intermediate_size"]),
+            num_attention_heads=int(layer["num_attention_heads"]),
+            num_key_value_heads=int(layer.get("num_key_value_heads") or layer["num_attention_heads"]),
+            head_dim=layer.get("head_dim") or hidden // int(layer["num_attention_heads"]),
+            vocab_size=vocab,
+            draft_vocab_size=int(cfg.get("draft_vocab_size") or layer.get("draft_vocab_size") or vocab),
+            target_hidden_size=int(cfg.get("target_hidden_size") or layer.get("target_hidden_size") or hidden),
+            num_aux_layers=num_aux_layers or int(cfg.get("num_aux_hidden_states") or 3),
+            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=None if kind == "default" else rope,
+            max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
+            num_layers=int(layer.get("num_hidden_layers", 1)),
+            norm_before_residual=flags["norm_before_residual"],
+        )
+    except KeyError as err:
+        raise DraftFormatError(f"{path}: config key {err.args[0]!r} is missing") from None
+    except (TypeError, ValueError) as err:
+        raise DraftFormatError(f"{path}: {err}") from None
+
+
+def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
+               embed_tokens_weight: Tensor | None = None) -> LoadedDraft:
+    """Read a draft folder (``config.json`` + ``model.safetensors``) of any supported format.
+
+    ``fmt``: auto (from config.json; a plain folder counts as vllm) or one of FORMATS: pass
+    ``sglang`` for a public SGLang-style folder whose ids follow SGLang's convention (our own
+    sglang exports are recognised by their marker). ``embed_tokens_weight``: the target's
+    embedding, used when the checkpoint has none (the usual case).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DraftFormatError(f"{folder}: not a draft folder")
+    cfg = _read_json(folder / "config.json")
+    found = detect_format(cfg, folder / "config.json")
+    if fmt == "auto":
+        fmt = found
+    elif fmt not in FORMATS:
+        raise DraftFormatError(f"format {fmt!r}: expected auto or one of {', '.join(FORMATS)}")
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+        hint = (f" ({', '.join(pickles)} are pickles, never loaded here: convert them to safetensors "
+                "yourself if you trust their source)") if pickles else ""
+        raise DraftFormatError(f"{folder}: no .safetensors weights{hint}")
+    tensors: dict[str, Tensor] = {}
+    for path in weights:
+        tensors.update(_our_names(load_file(str(path))))
+    ids = _aux_ids(cfg, fmt, folder / "config.json")
+    config = draft_config_from_json(cfg, fmt, folder / "config.json", len(ids) if ids else None)
+    if "fc.weight" in tensors:  # the checkpoint decides how many aux states fc reads
+        width = tensors["fc.weight"].shape[1]
+        if width % config.target_hidden_size:
+            raise DraftFormatError(f"{folder}: fc.weight {tuple(tensors['fc.weight'].shape)} does not read a "
+                                   f"multiple of target_hidden_size={config.target_hidden_size}")
+        if width // config.target_hidden_size != config.num_aux_layers:
+            if ids:
+                raise DraftFormatError(f"{folder}: fc.weight reads {width // config.target_hidden_size} aux states,"
+                                       f" the config names {len(ids)} layers {list(ids)}")
+            config = DraftConfig(**{**asdict(config), "num_aux_layers": width // config.target_hidden_size})
+    has_embedding = "embed_tokens.weight" in tensors
+    draft = Eagle3Draft(config, None if has_embedding else embed_tokens_weight)
+    if "d2t" not in tensors:  # a full-vocab draft: draft id i is target id i
+        if config.draft_vocab_size != config.vocab_size:
+            raise DraftFormatError(f"{folder}: draft_vocab_size={config.draft_vocab_size} < vocab_size="
+                                   f"{config.vocab_size} but the checkpoint has no d2t mapping")
+        tensors["d2t"] = torch.zeros(config.vocab_size, dtype=torch.int64)
+    if "t2d" not in tensors:  # vLLM ignores t2d; rebuild it from d2t
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(len(tensors["d2t"])) + tensors["d2t"].long()] = True
+        tensors["t2d"] = t2d
+    d2t, t2d = tensors.pop("d2t").long(), tensors.pop("t2d").bool()
+    want = draft.state_dict()
+    extra = sorted(set(tensors) - set(want))
+    missing = sorted(set(want) - set(tensors) - {"embed_tokens.weight", "d2t", "t2d"})
+    if extra or missing:
+        raise DraftFormatError(f"{folder}: the weights do not fit the config (unexpected {extra[:8]}, "
+                               f"missing {missing[:8]})")
+    bad = [f"{k} {tuple(v.shape)} vs {tuple(want[k].shape)}" for k, v in tensors.items() if v.shape != want[k].shape]
+    if bad:
+        raise DraftFormatError(f"{folder}: tensor shapes differ from config.json: {'; '.join(bad[:4])}")
+    draft.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    try:
+        draft.set_draft_vocab(d2t, t2d)
+    except ValueError as err:
+        raise DraftFormatError(f"{folder}: d2t/t2d: {err}") from None
+    meta = _read_json(folder / OUR_META) if (folder / OUR_META).is_file() else {}
+    return LoadedDraft(draft=draft, aux_layer_ids=ids, format=fmt, path=folder, meta=meta,
+                       has_embedding=has_embedding)
+
+
+def check_draft_fits_target(loaded: LoadedDraft, *, hidden_size: int, vocab_size: int,
+                            aux_layer_ids: Sequence[int] | None = None) -> None:
+    """Fail, naming the mismatch, when a draft cannot serve this target."""
+    c = loaded.draft.config
+    problems = []
+    if c.target_hidden_size != hidden_size:
+        problems.append(f"target_hidden_size {c.target_hidden_size} != the target's hidden size {hidden_size}")
+    if c.vocab_size != vocab_size:
+        problems.append(f"vocab_size {c.vocab_size} != the target's vocabulary {vocab_size}")
+    if aux_layer_ids is not None and loaded.aux_layer_ids is not None \
+            and tuple(sorted(aux_layer_ids)) != loaded.aux_layer_ids:
+        problems.append(f"aux layer ids {list(loaded.aux_layer_ids)} != {sorted(aux_layer_ids)}")
+    if problems:
+        raise DraftFormatError(f"{loaded.path}: the draft does not fit the target: {'; '.join(problems)}")
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagle3.export",
+                                     description="Convert a draft folder (ours, vLLM/EAGLE/SpecForge, speculators, "
+                                                 "SGLang) into the format an engine loads.")
+    parser.add_argument("--draft", required=True, help="draft folder, e.g. runs/train/best")
+    parser.add_argument("--out", required=True, help="output folder (written atomically)")
+    parser.add_argument("--format", choices=FORMATS, default="vllm")
+    parser.add_argument("--from-format", default="auto", choices=("auto", *FORMATS),
+                        help="how to read --draft (auto: from its config.json)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
+    parser.add_argument("--verifier", default=None,
+                        help="the target's name or path (speculators format; default: draft.json's target)")
+    parser.add_argument("--aux-layer-ids", default=None,
+                        help="comma-separated ids, for a draft folder that names none (engine defaults)")
+    parser.add_argument("--speculative-tokens", type=int, default=3)
+    args = parser.parse_args(argv)
+    try:
+        loaded = load_draft(args.draft, args.from_format)
+        ids = loaded.aux_layer_ids
+        if args.aux_layer_ids:
+            ids = tuple(int(i) for i in args.aux_layer_ids.split(","))
+        if ids is None:
+            raise DraftFormatError(f"{args.draft}: names no aux layer ids; pass --aux-layer-ids (the target's "
+                                   "default is 2,N//2,N-3 for N decoder layers)")
+        verifier = args.verifier or loaded.meta.get("target")
+        meta = {k: v for k, v in loaded.meta.items() if k != "format"} or None
+        state = loaded.draft.state_dict()
+        export_draft_folder(args.out, state, loaded.draft.config, ids, args.format, dtype=args.dtype,
+                            verifier=verifier, speculative_tokens=args.speculative_tokens, meta=meta)
+    except (DraftFormatError, OSError) as err:
+        print(f"export: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({"stage": "export", "from": str(args.draft), "from_format": loaded.format, "out": args.out,
+                      "format": args.format, "aux_layer_ids": list(ids), "dtype": args.dtype}))
+    return 0
+
+
+__all__ = [
+    "FORMATS", "DraftFormatError", "LoadedDraft", "check_draft_fits_target", "detect_format",
+    "draft_config_from_json", "engine_tensors", "export_draft_folder", "load_draft", "sglang_config",
+    "speculators_config", "vllm_config",
+]
+
+if __name__ == "__main__":
+    sys.exit(main())

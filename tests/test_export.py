@@ -1,0 +1,255 @@
+"""Export to the vLLM, speculators and SGLang formats and import back: the keys each engine reads,
+the SGLang id shift, round trips that propose the same tokens, public layouts, and bad folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.draft import DraftConfig, Eagle3Draft, KVCache
+from eagle3.draft_vocab import DraftVocab
+from eagle3.export import (
+    DraftFormatError,
+    check_draft_fits_target,
+    export_draft_folder,
+    load_draft,
+    main,
+)
+from tests.test_draft import randomised, small_config
+
+AUX = (1, 4, 6)  # not any engine's default
+
+
+def make_draft(seed: int = 0, **kw) -> Eagle3Draft:
+    config = small_config(**kw)
+    draft = randomised(Eagle3Draft(config), seed)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(config.vocab_size, generator=g)[: config.draft_vocab_size]
+    vocab = DraftVocab.from_target_ids(ids, config.vocab_size)
+    draft.set_draft_vocab(vocab.d2t, vocab.t2d)
+    return draft
+
+
+def propose(draft: Eagle3Draft, embedding: torch.Tensor, k: int = 5, seed: int = 1) -> list[list[int]]:
+    """Greedy chains of k target ids from random aux states, as at serving time (own KV cache)."""
+    g = torch.Generator().manual_seed(seed)
+    c = draft.config
+    draft.load_embedding(embedding)
+    aux = torch.randn(2, 6, c.num_aux_layers, c.target_hidden_size, generator=g)  # [B, S, A, H_t]
+    tokens = torch.randint(0, c.vocab_size, (2, 6), generator=g)
+    cache = KVCache()
+    with torch.no_grad():
+        hidden, logits = draft(tokens, draft.combine_aux(aux), torch.arange(6).expand(2, 6), cache)
+        hidden, out = hidden[:, -1:], []
+        for step in range(k):
+            token = draft.draft_to_target_ids(logits[:, -1].argmax(-1))  # [B]
+            out.append(token.tolist())
+            hidden, logits = draft(token[:, None], hidden, torch.full((2, 1), 6 + step), cache)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators", "sglang"])
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_round_trip_proposes_the_same_tokens(fmt: str, norm_before_residual: bool, tmp_path: Path) -> None:
+    draft = make_draft(num_layers=2, norm_before_residual=norm_before_residual)
+    embedding = torch.randn(draft.config.vocab_size, draft.config.hidden_size)
+    out = export_draft_folder(tmp_path / fmt, draft.state_dict(), draft.config, AUX, fmt, dtype="float32",
+                              verifier="/models/target")
+    loaded = load_draft(out, embed_tokens_weight=embedding)
+    assert loaded.format == fmt and loaded.aux_layer_ids == AUX and not loaded.has_embedding
+    assert loaded.draft.config == draft.config
+    mine = {k: v for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
+    theirs = loaded.draft.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in mine.items())
+    assert propose(loaded.draft, embedding) == propose(draft, embedding)
+
+
+def test_bf16_export_equals_the_rounded_draft(tmp_path: Path) -> None:
+    draft = make_draft()
+    embedding = torch.randn(draft.config.vocab_size, draft.config.hidden_size)
+    loaded = load_draft(export_draft_folder(tmp_path / "d", draft.state_dict(), draft.config, AUX))
+    stored = load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert stored["fc.weight"].dtype == torch.bfloat16 and stored["d2t"].dtype == torch.int64
+    assert stored["t2d"].dtype == torch.bool
+    rounded = Eagle3Draft(draft.config)
+    rounded.load_state_dict({k: v.bfloat16().float() if v.is_floating_point() else v
+                             for k, v in draft.state_dict().items()})
+    assert propose(loaded.draft, embedding) == propose(rounded, embedding)
+
+
+def test_each_format_writes_the_keys_its_engine_reads(tmp_path: Path) -> None:
+    draft = make_draft()
+    c = draft.config
+    for fmt in ("vllm", "speculators", "sglang"):
+        export_draft_folder(tmp_path / fmt, draft.state_dict(), c, AUX, fmt, verifier="/models/target",
+                            verifier_architectures=["LlamaForCausalLM"])
+    plain = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert plain["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert plain["eagle_aux_hidden_state_layer_ids"] == list(AUX)
+    assert plain["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(AUX)
+    assert (plain["vocab_size"], plain["draft_vocab_size"], plain["target_hidden_size"]) == (128, 32, 48)
+    assert plain["num_hidden_layers"] == 1 and plain["head_dim"] == c.head_dim
+    for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        assert plain[key] is False, key
+    tensors = load_file(str(tmp_path / "vllm" / "model.safetensors"))
+    assert "embed_tokens.weight" not in tensors and tensors["lm_head.weight"].shape == (32, 64)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * 64 and tensors["fc.weight"].shape == (64, 144)
+
+    # SGLang captures the output of each configured id: one less, and only where SGLang reads it
+    sg = json.loads((tmp_path / "sglang" / "config.json").read_text())
+    assert sg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [a - 1 for a in AUX]
+    assert "eagle_aux_hidden_state_layer_ids" not in sg
+
+    spec = json.loads((tmp_path / "speculators" / "config.json").read_text())
+    assert spec["speculators_model_type"] == "eagle3"
+    assert spec["speculators_config"]["verifier"] == {"name_or_path": "/models/target",
+                                                      "architectures": ["LlamaForCausalLM"]}
+    assert spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert spec["norm_before_residual"] is False  # written: vLLM's speculators default is True
+    assert spec["transformer_layer_config"]["hidden_size"] == 64
+    assert spec["eagle_aux_hidden_state_layer_ids"] == list(AUX)
+    names = set(load_file(str(tmp_path / "speculators" / "model.safetensors")))
+    assert "layers.0.self_attn.q_proj.weight" in names and not any(n.startswith("midlayer.") for n in names)
+
+
+def test_sglang_cannot_capture_the_embedding_output(tmp_path: Path) -> None:
+    draft = make_draft()
+    with pytest.raises(DraftFormatError, match="layer 0"):
+        export_draft_folder(tmp_path / "d", draft.state_dict(), draft.config, (0, 3, 6), "sglang")
+    assert not (tmp_path / "d").exists()
+
+
+def _public_folder(path: Path, config: dict, tensors: dict) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def _public_config(c: DraftConfig, **kw) -> dict:
+    return {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads, "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope_theta, "max_position_embeddings": 2048, "vocab_size": c.vocab_size,
+            "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.target_hidden_size, **kw}
+
+
+def test_public_plain_layout_with_its_own_embedding_and_no_ids(tmp_path: Path) -> None:
+    """As EAGLE/SpecForge write them: no marker, no aux ids (engine defaults), embedding included."""
+    draft = make_draft(seed=3)
+    folder = _public_folder(tmp_path / "pub", _public_config(draft.config),
+                            {k: v.contiguous() for k, v in draft.state_dict().items()})
+    loaded = load_draft(folder)
+    assert loaded.format == "vllm" and loaded.aux_layer_ids is None and loaded.has_embedding
+    assert torch.equal(loaded.draft.embed_tokens.weight, draft.embed_tokens.weight)
+    embedding = draft.embed_tokens.weight.clone()
+    assert propose(loaded.draft, embedding) == propose(draft, embedding)
+    # a folder without ids converts only with ids given
+    assert main(["--draft", str(folder), "--out", str(tmp_path / "x")]) == 2
+    assert main(["--draft", str(folder), "--out", str(tmp_path / "x"), "--aux-layer-ids", "2,3,5"]) == 0
+    assert load_draft(tmp_path / "x").aux_layer_ids == (2, 3, 5)
+
+
+def test_public_speculators_layout_defaults_norm_before_residual_to_true(tmp_path: Path) -> None:
+    draft = make_draft(seed=4, norm_before_residual=True)
+    c = draft.config
+    layer = {k: v for k, v in _public_config(c).items() if k not in ("architectures", "draft_vocab_size",
+                                                                      "target_hidden_size")}
+    config = {"speculators_model_type": "eagle3", "transformer_layer_config": layer, "draft_vocab_size": 32,
+              "target_hidden_size": 48, "speculators_config": {"verifier": {"name_or_path": "t"}}}
+    tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v.contiguous()
+               for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
+    loaded = load_draft(_public_folder(tmp_path / "spec", config, tensors))
+    assert loaded.format == "speculators" and loaded.draft.config.norm_before_residual
+    embedding = torch.randn(c.vocab_size, c.hidden_size)
+    assert propose(loaded.draft, embedding) == propose(draft, embedding)
+
+
+def test_public_sglang_ids_are_shifted_when_asked(tmp_path: Path) -> None:
+    draft = make_draft()
+    config = _public_config(draft.config, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 3, 5]})
+    folder = _public_folder(tmp_path / "sg", config, {k: v.contiguous() for k, v in draft.state_dict().items()})
+    assert load_draft(folder).aux_layer_ids == (0, 3, 5)  # read as vLLM would
+    assert load_draft(folder, "sglang").aux_layer_ids == (1, 4, 6)  # SGLang captures layer outputs
+
+
+def test_full_vocab_draft_without_mapping(tmp_path: Path) -> None:
+    draft = make_draft(draft_vocab_size=128)
+    state = {k: v.contiguous() for k, v in draft.state_dict().items() if k not in ("d2t", "t2d")}
+    loaded = load_draft(_public_folder(tmp_path / "full", _public_config(draft.config), state))
+    assert loaded.draft.t2d.all() and not loaded.draft.d2t.any()
+
+
+def test_conversion_cli_chains_formats(tmp_path: Path) -> None:
+    draft = make_draft()
+    embedding = torch.randn(draft.config.vocab_size, draft.config.hidden_size)
+    export_draft_folder(tmp_path / "a", draft.state_dict(), draft.config, AUX, dtype="float32",
+                        meta={"target": "/models/t", "step": 7})
+    assert main(["--draft", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--format", "speculators",
+                 "--dtype", "float32"]) == 0
+    spec = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == "/models/t"  # from draft.json
+    assert main(["--draft", str(tmp_path / "b"), "--out", str(tmp_path / "c"), "--format", "sglang",
+                 "--dtype", "float32"]) == 0
+    assert main(["--draft", str(tmp_path / "c"), "--out", str(tmp_path / "d"), "--dtype", "float32"]) == 0
+    back = load_draft(tmp_path / "d")
+    assert back.aux_layer_ids == AUX and back.meta["step"] == 7
+    assert propose(back.draft, embedding) == propose(draft, embedding)
+
+
+def test_bad_folders_fail_naming_the_file_or_key(tmp_path: Path) -> None:
+    draft = make_draft()
+    good = export_draft_folder(tmp_path / "good", draft.state_dict(), draft.config, AUX)
+    with pytest.raises(DraftFormatError, match="config.json: missing"):
+        load_draft(_empty(tmp_path / "empty"))
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((good / "config.json").read_text())
+    (pickled / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(DraftFormatError, match="pytorch_model.bin are pickles"):
+        load_draft(pickled)
+
+    def variant(name: str, **changes) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        cfg = json.loads((good / "config.json").read_text())
+        cfg.update(changes)
+        (folder / "config.json").write_text(json.dumps(cfg))
+        (folder / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes())
+        return folder
+
+    with pytest.raises(DraftFormatError, match="norm_before_fc=true"):
+        load_draft(variant("fcnorm", norm_before_fc=True))
+    with pytest.raises(DraftFormatError, match="'intermediate_size' is missing"):
+        load_draft(_without(variant("nokey"), "intermediate_size"))
+    with pytest.raises(DraftFormatError, match="midlayer.mlp.gate_proj.weight"):
+        load_draft(variant("wide", intermediate_size=256))
+    with pytest.raises(DraftFormatError, match="not an EAGLE-3 draft"):
+        load_draft(variant("arch", architectures=["LlamaForCausalLM"], eagle3_forge=None))
+    (tmp_path / "badjson").mkdir()
+    (tmp_path / "badjson" / "config.json").write_text("{nope")
+    with pytest.raises(DraftFormatError, match="badjson/config.json: not valid JSON"):
+        load_draft(tmp_path / "badjson")
+
+    loaded = load_draft(good)
+    check_draft_fits_target(loaded, hidden_size=48, vocab_size=128, aux_layer_ids=AUX)
+    with pytest.raises(DraftFormatError, match="target_hidden_size 48 != the target's hidden size 64"):
+        check_draft_fits_target(loaded, hidden_size=64, vocab_size=128)
+    with pytest.raises(DraftFormatError, match=r"aux layer ids \[1, 4, 6\] != \[2, 4, 6\]"):
+        check_draft_fits_target(loaded, hidden_size=48, vocab_size=128, aux_layer_ids=(2, 4, 6))
+
+
+def _empty(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+def _without(folder: Path, key: str) -> Path:
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg[key]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
