@@ -126,21 +126,24 @@ def _spec_and_backend(cfg: HarvestConfig, target_cfg: TargetConfig,
             target = load_target(target_cfg.name_or_path, dtype=target_cfg.dtype, device=target_cfg.device,
                                  aux_layer_ids=target_cfg.aux_layer_ids,
                                  attn_implementation=target_cfg.attn_implementation,
-                                 trust_remote_code=target_cfg.trust_remote_code)
+                                 trust_remote_code=target_cfg.trust_remote_code,
+                                 architecture=target_cfg.architecture)
         tokenizer, config, layers = target.tokenizer, target.model.config, target.aux_layer_ids
         folder, generation_config = target.model.name_or_path, target.model.generation_config
         backend: Any = HFCapture(target, cfg.topk)
     else:
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-        from eagle3.target import check_aux_layer_ids, default_aux_layer_ids
+        from eagle3.target import check_architecture, check_aux_layer_ids, default_aux_layer_ids
         from eagle3.target_source import resolve_target
         from eagle3.vllm_capture import VllmCapture
 
         folder = resolve_target(target_cfg.name_or_path).location
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=target_cfg.trust_remote_code)
         config = AutoConfig.from_pretrained(folder, trust_remote_code=target_cfg.trust_remote_code)
-        n = config.num_hidden_layers
+        if target_cfg.architecture:
+            check_architecture(config, target_cfg.architecture, str(folder))
+        n = config.get_text_config().num_hidden_layers
         layers = (default_aux_layer_ids(n) if target_cfg.aux_layer_ids is None
                   else check_aux_layer_ids(target_cfg.aux_layer_ids, n))
         try:

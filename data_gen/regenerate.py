@@ -115,7 +115,8 @@ def make_backend(cfg: RegenerateConfig, target_cfg: TargetConfig,
         if target is None:
             target = load_target(target_cfg.name_or_path, dtype=target_cfg.dtype, device=target_cfg.device,
                                  attn_implementation=target_cfg.attn_implementation,
-                                 trust_remote_code=target_cfg.trust_remote_code)
+                                 trust_remote_code=target_cfg.trust_remote_code,
+                                 architecture=target_cfg.architecture)
         chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
         return HFGenerator(target), chat, str(target.dtype).removeprefix("torch.")
     from transformers import AutoTokenizer, GenerationConfig

@@ -5,6 +5,7 @@ the entry point converts once, and nothing below it sees a ``DictConfig``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -24,6 +25,11 @@ class TargetConfig:
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
     """Run code shipped with the model folder: only for models you trust."""
+    architecture: dict[str, Any] | None = None
+    """The target's architecture as its config.json states it (hidden_size, num_hidden_layers,
+    vocab_size, ...; nested under ``text_config`` for multimodal checkpoints): lets a recipe be
+    planned without the weights (``stages=[plan]``: draft shape and parameter count). Once the
+    model is loaded, every value given here is checked against its config."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -287,6 +293,17 @@ class TrainConfig:
     draft folder): across runs and mining rounds."""
     num_layers: int = 1
     """Decoder layers of the draft."""
+    draft_intermediate_size: int | None = None
+    """SwiGLU width of the draft's MLP (None: the target's ``intermediate_size``)."""
+    draft_num_attention_heads: int | None = None
+    """Query heads of the draft's attention (None: the target's)."""
+    draft_num_key_value_heads: int | None = None
+    """Key/value heads of the draft's attention (None: the target's)."""
+    draft_head_dim: int | None = None
+    """Head size of the draft's attention (None: the target's ``head_dim``, else hidden / heads)."""
+    draft_rope: str = "target"
+    """target: the target's RoPE theta and scaling (plain, linear or llama3; anything else fails
+    naming this key); plain: the target's theta without scaling (e.g. for YaRN targets)."""
     lm_head_init: str = "random"
     """random: fresh init (as EAGLE/SpecForge; learnt faster in short CPU runs); target: lm_head rows
     (and the final norm) copied from the target's (as speculators)."""
@@ -319,6 +336,16 @@ class TrainConfig:
     """None: the name of ``out_dir``."""
     progress: bool = True
     """A tqdm progress bar on rank 0."""
+
+    def draft_overrides(self) -> dict[str, Any]:
+        """The draft-shape fields set here, as :meth:`eagle3.draft.DraftConfig.from_target_config` overrides."""
+        out: dict[str, Any] = {"num_layers": self.num_layers}
+        for name in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, "draft_" + name) is not None:
+                out[name] = getattr(self, "draft_" + name)
+        if self.draft_rope == "plain":
+            out["rope_scaling"] = None
+        return out
 
     def __post_init__(self) -> None:
         positive = ("steps", "micro_batch_tokens", "gradient_accumulation", "ttt_steps", "draft_vocab_size",
@@ -353,6 +380,12 @@ class TrainConfig:
             raise ValueError(f"train.precision={self.precision!r}: expected one of {', '.join(_PRECISIONS)}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"train.zero_stage={self.zero_stage}: expected 0, 1, 2 or 3")
+        for name in ("draft_intermediate_size", "draft_num_attention_heads", "draft_num_key_value_heads",
+                     "draft_head_dim"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 1 (or null)")
+        if self.draft_rope not in ("target", "plain"):
+            raise ValueError(f"train.draft_rope={self.draft_rope!r}: expected target or plain")
         if self.lm_head_init not in ("target", "random"):
             raise ValueError(f"train.lm_head_init={self.lm_head_init!r}: expected target or random")
         if self.wandb_mode not in _WANDB_MODES:

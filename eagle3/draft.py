@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -102,17 +103,25 @@ class DraftConfig:
 
     @classmethod
     def from_target_config(cls, hf_config: Any, draft_vocab_size: int, **overrides: Any) -> DraftConfig:
-        """A draft shaped like one decoder layer of the target (an HF ``PretrainedConfig``)."""
+        """A draft shaped like one decoder layer of the target (an HF ``PretrainedConfig``, or the
+        dict of its config.json; a multimodal config's ``text_config`` is used). ``overrides`` set
+        fields directly; ``rope_scaling=None`` among them means plain RoPE whatever the target uses."""
+        if isinstance(hf_config, dict):
+            hf_config = SimpleNamespace(**hf_config)
+        text = getattr(hf_config, "text_config", None)
+        if text is not None:
+            hf_config = SimpleNamespace(**text) if isinstance(text, dict) else text
         rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
         theta = rope.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         kind = rope.get("rope_type", rope.get("type", "default"))
         hidden = hf_config.hidden_size
+        heads = overrides.get("num_attention_heads", hf_config.num_attention_heads)
         values = dict(
             hidden_size=hidden,
             intermediate_size=hf_config.intermediate_size,
             num_attention_heads=hf_config.num_attention_heads,
             num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
-            head_dim=getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hidden // heads,
             rms_norm_eps=getattr(hf_config, "rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=None if kind == "default" else rope,
@@ -121,7 +130,13 @@ class DraftConfig:
             vocab_size=hf_config.vocab_size,
             draft_vocab_size=draft_vocab_size,
         )
-        return cls(**{**values, **overrides})
+        values.update(overrides)
+        if values["rope_scaling"] is not None:
+            kind = values["rope_scaling"].get("rope_type", values["rope_scaling"].get("type", "default"))
+            if kind not in ROPE_TYPES:
+                raise ValueError(f"the target's RoPE scaling {kind!r} is not implemented in the draft (one of "
+                                 f"{', '.join(ROPE_TYPES)}); set train.draft_rope=plain for plain RoPE")
+        return cls(**values)
 
 
 def trainable_parameter_count(config: DraftConfig) -> int:

@@ -12,9 +12,13 @@ every engine uses the target's own)::
                  transformer_layer_config, speculators_config with the verifier), so that
                  ``vllm serve <draft>`` finds the target; the decoder layer is ``layers.0.*``.
     sglang       the vllm layout, with the aux ids only under eagle_config and **one less**:
-                 SGLang captures the output of each configured layer (it adds 1 and records the
-                 input of that layer), while our ids, like vLLM's, name the layer whose *input*
-                 is captured. A sglang folder is for SGLang only; vLLM would read the wrong layers.
+                 SGLang (and SpecForge) read configured ids as layer *outputs* (SGLang adds 1 and
+                 records the input of that layer), while our ids, like vLLM's, name the layer whose
+                 *input* is captured. SGLang after PR #25454 adds the 1 only when the first id is 1,
+                 so ids starting at 2 (the EAGLE-3 default, written [1, ...]) are read right by every
+                 version; others get a warning. A sglang folder is for SGLang only: vLLM reads the
+                 top-level key first and would fall back to the shifted ids. SGLang's draft has no
+                 norm_before_residual variant and reads exactly three aux states.
 
 Every format writes ``norm_before_residual``, ``norm_before_fc``, ``fc_norm`` and ``norm_output``
 explicitly: the defaults differ between engines and formats (vLLM's speculators path defaults
@@ -32,6 +36,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -125,6 +130,14 @@ def sglang_config(config: DraftConfig, aux_layer_ids: Sequence[int], torch_dtype
     if ids[0] < 1:
         raise DraftFormatError(f"aux layer ids {ids}: SGLang cannot capture the input of layer 0 (the embedding "
                                "output); its configured ids name layer outputs")
+    if config.norm_before_residual or len(ids) != 3:
+        raise DraftFormatError("SGLang's EAGLE-3 draft reads exactly 3 aux states and has no norm_before_residual "
+                               f"variant (this draft: {len(ids)} states, norm_before_residual="
+                               f"{config.norm_before_residual})")
+    if ids[0] != 2:
+        warnings.warn(f"aux layer ids {ids} are written as {[i - 1 for i in ids]} for SGLang's +1 convention; SGLang "
+                      "releases with PR #25454 add the 1 only when the first id is 1 and would read other layers",
+                      stacklevel=2)
     cfg = vllm_config(config, ids, torch_dtype)
     del cfg["eagle_aux_hidden_state_layer_ids"]
     cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids], "use_aux_hidden_state": True}

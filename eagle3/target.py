@@ -183,8 +183,12 @@ def load_target(
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
     home: Path | None = None,
+    architecture: dict[str, Any] | None = None,
 ) -> Target:
-    """Load a target from an embedded name, a model folder, a ``.gguf`` file or a hub id."""
+    """Load a target from an embedded name, a model folder, a ``.gguf`` file or a hub id.
+
+    ``architecture``: config values the caller expects (a recipe's ``target.architecture``);
+    a mismatch fails naming the key."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     resolved = resolve_target(name_or_path, home)
@@ -209,6 +213,8 @@ def load_target(
         tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise TargetLoadError(f"{where}: cannot load the tokenizer ({type(err).__name__}: {err})") from err
+    if architecture:
+        check_architecture(model.config, architecture, str(where))
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
     model.to(torch_device)
@@ -216,6 +222,18 @@ def load_target(
         return Target(model, tokenizer, aux_layer_ids, name=resolved.spec)
     except ValueError as err:
         raise TargetLoadError(f"{where}: {err}") from err
+
+
+def check_architecture(config: Any, expected: dict[str, Any], where: str, prefix: str = "") -> None:
+    """Every value of ``expected`` (nested dicts for sub-configs such as ``text_config``) equals the
+    loaded config's; otherwise a :class:`TargetLoadError` naming the key."""
+    for key, want in expected.items():
+        got = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+        if isinstance(want, dict) and got is not None:  # a sub-config or dict: the keys given must match
+            check_architecture(got, want, where, f"{prefix}{key}.")
+        elif got != want:
+            raise TargetLoadError(f"{where}: target.architecture.{prefix}{key}={want!r}, but the model's config "
+                                  f"has {got!r} (is the recipe for another model?)")
 
 
 def _find_decoder(model: nn.Module) -> nn.Module:
@@ -253,6 +271,7 @@ def check_capture(target: Target, input_ids: Tensor) -> dict[str, float]:
 
 
 __all__ = [
-    "Target", "TargetLoadError", "TargetOutput", "TargetSourceError", "check_aux_layer_ids", "check_capture",
+    "Target", "TargetLoadError", "TargetOutput", "TargetSourceError", "check_architecture", "check_aux_layer_ids",
+    "check_capture",
     "default_aux_layer_ids", "load_target", "resolve_device", "resolve_dtype",
 ]

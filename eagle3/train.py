@@ -302,7 +302,8 @@ def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore) -> d
     """What a resumed run must share with the run that saved the checkpoint: the settings that
     decide the data order, the model and how DeepSpeed sharded its states."""
     keys = ("batching", "micro_batch_tokens", "gradient_accumulation", "seed", "eval_fraction", "ttt_steps",
-            "num_layers", "zero_stage", "precision")
+            "num_layers", "draft_intermediate_size", "draft_num_attention_heads", "draft_num_key_value_heads",
+            "draft_head_dim", "draft_rope", "zero_stage", "precision")
     pinned = {f"train.{k}": getattr(cfg, k) for k in keys}
     return {**pinned, "world_size": world_size, "store.samples": len(store),
             "store.shards": [entry["sha256"] for entry in store.manifest["shards"]]}
@@ -323,7 +324,7 @@ def _load_target(target_cfg: TargetConfig, aux_layer_ids: Sequence[int]) -> Targ
                          f"{list(aux_layer_ids)}")
     return load_target(target_cfg.name_or_path, dtype=target_cfg.dtype, device="cpu", aux_layer_ids=aux_layer_ids,
                        attn_implementation=target_cfg.attn_implementation,
-                       trust_remote_code=target_cfg.trust_remote_code)
+                       trust_remote_code=target_cfg.trust_remote_code, architecture=target_cfg.architecture)
 
 
 def _draft_state(draft: Eagle3Draft, zero_stage: int) -> dict[str, Tensor]:
@@ -402,8 +403,11 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
 
     # -- the draft (same seed on every rank), the target's head, the engine
     torch.manual_seed(cfg.seed)
-    draft_config = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size,
-                                                  num_layers=cfg.num_layers, num_aux_layers=len(spec.aux_layer_ids))
+    try:
+        draft_config = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size,
+                                                      num_aux_layers=len(spec.aux_layer_ids), **cfg.draft_overrides())
+    except ValueError as err:
+        raise TrainError(f"draft shape: {err}") from None
     draft = Eagle3Draft(draft_config, target.embed_tokens.weight.detach().float().cpu())
     draft.set_draft_vocab(vocab.d2t, vocab.t2d)
     if cfg.lm_head_init == "target":

@@ -110,9 +110,16 @@ def stage_train(cfg: PipelineConfig) -> dict[str, Any]:
     return train(cfg.train, cfg.target)
 
 
+def stage_plan(cfg: PipelineConfig) -> dict[str, Any]:
+    """The draft's shape and trainable parameters, from the target's config alone (no weights)."""
+    from eagle3.plan import plan_draft
+
+    return plan_draft(cfg.target, cfg.train)
+
+
 STAGES: dict[str, Callable[[PipelineConfig], dict[str, Any]]] = {
-    "target": stage_target, "pools": stage_pools, "regenerate": stage_regenerate, "harvest": stage_harvest,
-    "train": stage_train,
+    "plan": stage_plan, "target": stage_target, "pools": stage_pools, "regenerate": stage_regenerate,
+    "harvest": stage_harvest, "train": stage_train,
 }
 
 

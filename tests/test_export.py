@@ -4,6 +4,7 @@ the SGLang id shift, round trips that propose the same tokens, public layouts, a
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -52,10 +53,12 @@ def propose(draft: Eagle3Draft, embedding: torch.Tensor, k: int = 5, seed: int =
     return out
 
 
-@pytest.mark.parametrize("fmt", ["vllm", "speculators", "sglang"])
-@pytest.mark.parametrize("norm_before_residual", [False, True])
-def test_round_trip_proposes_the_same_tokens(fmt: str, norm_before_residual: bool, tmp_path: Path) -> None:
-    draft = make_draft(num_layers=2, norm_before_residual=norm_before_residual)
+@pytest.mark.filterwarnings("ignore:aux layer ids")
+@pytest.mark.parametrize(("fmt", "norm_before_residual", "layers"), [
+    ("vllm", False, 2), ("vllm", True, 1), ("speculators", False, 1), ("speculators", True, 2), ("sglang", False, 1)])
+def test_round_trip_proposes_the_same_tokens(fmt: str, norm_before_residual: bool, layers: int,
+                                             tmp_path: Path) -> None:
+    draft = make_draft(num_layers=layers, norm_before_residual=norm_before_residual)
     embedding = torch.randn(draft.config.vocab_size, draft.config.hidden_size)
     out = export_draft_folder(tmp_path / fmt, draft.state_dict(), draft.config, AUX, fmt, dtype="float32",
                               verifier="/models/target")
@@ -81,6 +84,7 @@ def test_bf16_export_equals_the_rounded_draft(tmp_path: Path) -> None:
     assert propose(loaded.draft, embedding) == propose(rounded, embedding)
 
 
+@pytest.mark.filterwarnings("ignore:aux layer ids")
 def test_each_format_writes_the_keys_its_engine_reads(tmp_path: Path) -> None:
     draft = make_draft()
     c = draft.config
@@ -116,11 +120,21 @@ def test_each_format_writes_the_keys_its_engine_reads(tmp_path: Path) -> None:
     assert "layers.0.self_attn.q_proj.weight" in names and not any(n.startswith("midlayer.") for n in names)
 
 
-def test_sglang_cannot_capture_the_embedding_output(tmp_path: Path) -> None:
+def test_sglang_limits(tmp_path: Path) -> None:
     draft = make_draft()
     with pytest.raises(DraftFormatError, match="layer 0"):
         export_draft_folder(tmp_path / "d", draft.state_dict(), draft.config, (0, 3, 6), "sglang")
     assert not (tmp_path / "d").exists()
+    with pytest.warns(UserWarning, match="PR #25454"):  # first id not 2: SGLang versions disagree
+        export_draft_folder(tmp_path / "w", draft.state_dict(), draft.config, AUX, "sglang")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        export_draft_folder(tmp_path / "ok", draft.state_dict(), draft.config, (2, 4, 6), "sglang")
+    assert json.loads((tmp_path / "ok" / "config.json").read_text())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    nbr = make_draft(norm_before_residual=True)
+    with pytest.raises(DraftFormatError, match="norm_before_residual"):
+        export_draft_folder(tmp_path / "n", nbr.state_dict(), nbr.config, AUX, "sglang")
 
 
 def _public_folder(path: Path, config: dict, tensors: dict) -> Path:
@@ -184,6 +198,7 @@ def test_full_vocab_draft_without_mapping(tmp_path: Path) -> None:
     assert loaded.draft.t2d.all() and not loaded.draft.d2t.any()
 
 
+@pytest.mark.filterwarnings("ignore:aux layer ids")
 def test_conversion_cli_chains_formats(tmp_path: Path) -> None:
     draft = make_draft()
     embedding = torch.randn(draft.config.vocab_size, draft.config.hidden_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -63,6 +64,48 @@ def test_invalid_values_fail_with_the_field_named() -> None:
 def test_unknown_stage_is_named() -> None:
     from recipes.pipeline import run_pipeline
 
-    known = r"known stages are \['target', 'pools', 'regenerate', 'harvest', 'train'\]"
+    known = r"known stages are \['plan', 'target', 'pools', 'regenerate', 'harvest', 'train'\]"
     with pytest.raises(ValueError, match=r"unknown \['harvst'\]; " + known):
         run_pipeline(PipelineConfig(stages=["target", "harvst"]))
+
+
+# ---------------------------------------------------------------- big-target recipes, planned on meta
+
+BIG = {"llama-3.1-8b": ([2, 16, 29], 0.40e9, 0.45e9), "qwen3-8b": ([2, 18, 33], 0.38e9, 0.42e9),
+       "kimi-k2.5": ([2, 30, 58], 0.95e9, 1.05e9)}
+
+
+@pytest.mark.parametrize("name", sorted(BIG))
+def test_big_target_recipes_plan_their_draft_on_meta(name: str) -> None:
+    from eagle3.draft import Eagle3Draft
+    from eagle3.plan import plan_draft
+
+    with initialize_config_module(config_module="recipes", version_base="1.3"):
+        config = OmegaConf.to_object(compose(config_name=name))
+    assert isinstance(config, PipelineConfig) and config.train.precision == "bf16"
+    assert config.regenerate.backend == config.harvest.backend == "vllm"
+    plan = plan_draft(config.target, config.train)  # counted on meta and by the closed form (they must agree)
+    ids, low, high = BIG[name]
+    assert plan["aux_layer_ids"] == ids and low < plan["trainable_parameters"] < high
+    assert plan["draft"]["draft_vocab_size"] == 32000
+    # by hand for Kimi: fc 3*7168^2, q/k/v from 2*7168 to 64*128 + 2*8*128, o, SwiGLU 3*7168*18432,
+    # 4 norms of 7168, lm_head 32000*7168
+    if name == "kimi-k2.5":
+        h = 7168
+        by_hand = 3 * h * h + 2 * h * (8192 + 2048) + 8192 * h + 3 * h * 18432 + 4 * h + 32000 * h
+        assert plan["trainable_parameters"] == by_hand == 985_427_968
+        assert plan["frozen_embedding_parameters"] == 163840 * h
+    with torch.device("meta"):  # the frozen embedding is not trainable
+        from eagle3.draft import DraftConfig
+
+        draft = Eagle3Draft(DraftConfig(**plan["draft"]))
+    assert not draft.embed_tokens.weight.requires_grad
+
+
+def test_architecture_mismatch_fails_naming_the_key() -> None:
+    from eagle3.target import TargetLoadError, check_architecture
+
+    loaded = {"hidden_size": 64, "text_config": {"num_hidden_layers": 2}}
+    check_architecture(loaded, {"hidden_size": 64, "text_config": {"num_hidden_layers": 2}}, "m")
+    with pytest.raises(TargetLoadError, match=r"target.architecture.text_config.num_hidden_layers=61"):
+        check_architecture(loaded, {"text_config": {"num_hidden_layers": 61}}, "m")
