@@ -1,0 +1,273 @@
+"""The neutral judge: exported drafts served by real vLLM, acceptance per eval set, and greedy
+output checked against vLLM without speculation.
+
+Run from the vLLM venv (scripts/setup_vllm_env.sh), on CPU with scripts/vllm_env.sh sourced:
+
+    source scripts/vllm_env.sh
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/vllm_judge.py --draft ours=runs/train/best \\
+        [--draft peer=DIR ...] --pools runs/pools --per-set 10 --k 3 --max-new-tokens 128 [--controls]
+
+Each engine runs in its own child process (vLLM's CPU engine is not made to be built twice in
+one process): first the target alone, then the target with each draft (``method=eagle3``,
+``num_speculative_tokens=K``), fp32, eager, prefix caching off, the same prompt token ids
+(rendered with the target's chat template; MT-Bench contributes its first turn). For every
+eval set and draft one JSON line:
+
+* ``tau``: 1 + accepted / drafts from ``llm.get_metrics()`` (``vllm:spec_decode_num_drafts``,
+  ``..._num_accepted_tokens``), the mean tokens per target forward including the bonus token;
+  ``accept_per_pos``: ``..._num_accepted_tokens_per_pos`` / drafts;
+* ``tokens_per_s``: generated tokens / wall seconds of that set's ``generate`` call, and the same
+  for the plain engine (``plain_tokens_per_s``) — a CPU figure, not a GPU speedup;
+* ``equal``: prompts whose greedy output equals the plain engine's; each other prompt is a
+  divergence, reported with the target's top-2 logit margin at the first differing position
+  (HF, fp32). Lossless means every divergence has a margin below 1e-4 (a near-tie that the
+  batched verification's different reduction order may flip); a larger margin is a failure.
+
+``--controls`` adds, per draft, copies whose aux layer ids are wrong on purpose: ``off-by-one``
+(every id + 1, the bug class of sglang #25454 / vLLM #43671) and, when the draft's ids are not
+the target's defaults, ``ids-removed`` (the keys deleted, so vLLM falls back to its defaults).
+If vLLM read our ids from the right key, both controls lose acceptance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "multilingual")
+SPEC_METRICS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted",
+}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+TIE_MARGIN = 1e-4
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def eval_prompts(pools: Path, sets: list[str], per_set: int, chat: Any) -> dict[str, list[list[int]]]:
+    """First ``per_set`` prompts of each eval set as token ids (first user turn, generation prompt added)."""
+    from eagle3.conversations import iter_jsonl
+
+    out = {}
+    for name in sets:
+        path = pools / "eval" / f"{name}.jsonl"
+        if not path.is_file():
+            raise SystemExit(f"{path}: missing (build the pools: python -m data_gen.pools --out {pools})")
+        rows = []
+        for _, record in iter_jsonl(path):
+            messages = record["messages"]
+            first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+            rows.append(chat.prompt_ids(messages[: first_user + 1]))
+            if len(rows) == per_set:
+                break
+        out[name] = rows
+    return out
+
+
+# ---------------------------------------------------------------- one engine, in a child process
+
+
+def _counters(llm: Any) -> dict[str, Any]:
+    got: dict[str, Any] = {v: 0 for v in SPEC_METRICS.values()}
+    got["per_pos"] = []
+    for metric in llm.get_metrics():
+        if metric.name in SPEC_METRICS:
+            got[SPEC_METRICS[metric.name]] += metric.value
+        elif metric.name == PER_POS:
+            values = list(metric.values)
+            got["per_pos"] = [a + b for a, b in zip(values, got["per_pos"] + [0] * len(values), strict=False)]
+    return got
+
+
+def run_engine(job: dict[str, Any]) -> dict[str, Any]:
+    """Generate every set's prompts greedily; spec-decode counters per set when a draft is given."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams
+
+    settings: dict[str, Any] = dict(model=job["target"], tokenizer=job["target"], dtype="float32",
+                                    max_model_len=job["max_model_len"], seed=0, enable_prefix_caching=False,
+                                    enforce_eager=True, disable_log_stats=False)
+    if job.get("draft"):
+        settings["speculative_config"] = {"model": job["draft"], "method": "eagle3",
+                                          "num_speculative_tokens": job["k"]}
+    llm = LLM(**settings)
+    params = SamplingParams(max_tokens=job["max_new_tokens"], temperature=0.0, stop_token_ids=job["stop_ids"],
+                            detokenize=False)
+    out: dict[str, Any] = {}
+    for name, prompts in job["prompts"].items():
+        before = _counters(llm)
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        after = _counters(llm)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        delta = {k: after[k] - before[k] for k in SPEC_METRICS.values()}
+        per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] + [0] * len(after["per_pos"]),
+                                         strict=False)]
+        out[name] = {"tokens": tokens, "seconds": seconds, **delta, "per_pos": per_pos}
+    return out
+
+
+def in_child(job: dict[str, Any]) -> dict[str, Any]:
+    """``run_engine(job)`` in a fresh interpreter (vLLM spawns its own engine processes)."""
+    with tempfile.TemporaryDirectory(prefix="vllm-engine-") as tmp:
+        job_file, result_file = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_file.write_text(json.dumps(job))
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        subprocess.run([sys.executable, __file__, "--engine-job", str(job_file), "--engine-out", str(result_file)],
+                       check=True, env=env)
+        return json.loads(result_file.read_text())
+
+
+# ---------------------------------------------------------------- controls and margins
+
+
+def control_copies(draft: Path, default_ids: list[int], num_layers: int, workdir: Path) -> dict[str, Path]:
+    """Copies of a vLLM/speculators draft folder with its aux ids made wrong on purpose."""
+    cfg = json.loads((draft / "config.json").read_text())
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        return {}
+    variants: dict[str, list[int] | None] = {}
+    if max(ids) + 1 < num_layers:
+        variants["off-by-one"] = [i + 1 for i in ids]
+    if sorted(ids) != sorted(default_ids):
+        variants["ids-removed"] = None
+    out = {}
+    for name, new in variants.items():
+        dest = workdir / f"{draft.name}-{name}"
+        shutil.copytree(draft, dest)
+        edited = json.loads(json.dumps(cfg))
+        for holder in (edited, edited.get("eagle_config") or {}, edited.get("eagle3_forge") or {}):
+            for key in ("eagle_aux_hidden_state_layer_ids", "aux_layer_ids"):
+                if key in holder:
+                    if new is None:
+                        del holder[key]
+                    else:
+                        holder[key] = new
+        (dest / "config.json").write_text(json.dumps(edited, indent=2))
+        out[name] = dest
+    return out
+
+
+def top2_margin(target: Any, ids: list[int]) -> float:
+    """top-1 minus top-2 logit of the target after ``ids`` (fp32, HF)."""
+    import torch
+
+    with torch.no_grad():
+        logits = target(torch.tensor([ids]), return_logits=True).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# ---------------------------------------------------------------- main
+
+
+def judge(target_folder: str, drafts: dict[str, Path], prompts: dict[str, list[list[int]]], *, k: int,
+          max_new_tokens: int, stop_ids: list[int], target: Any) -> list[dict[str, Any]]:
+    """One line per (draft, set): tau, acceptance per position, tokens/s, greedy equality."""
+    job = {"target": target_folder, "prompts": prompts, "k": k, "max_new_tokens": max_new_tokens,
+           "stop_ids": stop_ids, "max_model_len": 2048}
+    plain = in_child(job)
+    lines = []
+    for name, folder in drafts.items():
+        spec = in_child({**job, "draft": str(folder)})
+        for set_name, got in spec.items():
+            base = plain[set_name]
+            cases = []
+            for row, (ours, ref) in enumerate(zip(got["tokens"], base["tokens"], strict=True)):
+                at = first_divergence(ours, ref)
+                if at is None:
+                    continue
+                margin = top2_margin(target, prompts[set_name][row] + ref[:at])
+                cases.append({"prompt": row, "position": at, "margin": round(margin, 6),
+                              "tie": margin < TIE_MARGIN})
+            drafts_n = max(got["drafts"], 1)
+            generated = sum(len(t) for t in got["tokens"])
+            lines.append({
+                "figure": "vllm_judge", "draft": name, "set": set_name, "prompts": len(got["tokens"]), "k": k,
+                "tau": round(1 + got["accepted"] / drafts_n, 4),
+                "accept_per_pos": [round(x / drafts_n, 4) for x in got["per_pos"]],
+                "drafts": got["drafts"], "accepted": got["accepted"], "generated_tokens": generated,
+                "tokens_per_s": round(generated / got["seconds"], 1),
+                "plain_tokens_per_s": round(sum(len(t) for t in base["tokens"]) / base["seconds"], 1),
+                "equal": len(got["tokens"]) - len(cases), "divergences": cases,
+                "lossless": all(c["tie"] for c in cases),
+            })
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--engine-job"]:  # the child side of in_child
+        result = run_engine(json.loads(Path(argv[1]).read_text()))
+        Path(argv[3]).write_text(json.dumps(result))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--draft", action="append", required=True, help="NAME=FOLDER (repeatable)")
+    parser.add_argument("--pools", default="runs/pools", help="pools folder with eval/*.jsonl")
+    parser.add_argument("--sets", default=",".join(EVAL_SETS))
+    parser.add_argument("--per-set", type=int, default=10)
+    parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--controls", action="store_true", help="also serve copies with wrong aux ids")
+    args = parser.parse_args(argv)
+
+    from eagle3.chat import ChatFormat
+    from eagle3.target import default_aux_layer_ids, load_target
+    from eagle3.target_source import resolve_target
+
+    folder = resolve_target(args.target).location
+    target = load_target(args.target, dtype="float32", device="cpu")
+    chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
+    prompts = eval_prompts(Path(args.pools), args.sets.split(","), args.per_set, chat)
+    drafts = {}
+    for item in args.draft:
+        name, _, path = item.partition("=")
+        if not path or not (Path(path) / "config.json").is_file():
+            raise SystemExit(f"--draft {item}: expected NAME=FOLDER with a config.json")
+        drafts[name] = Path(path)
+    with tempfile.TemporaryDirectory(prefix="vllm-judge-") as tmp:
+        if args.controls:
+            for name, path in list(drafts.items()):
+                for variant, copy in control_copies(path, list(default_aux_layer_ids(target.num_layers)),
+                                                    target.num_layers, Path(tmp)).items():
+                    drafts[f"{name}:{variant}"] = copy
+        lines = judge(str(folder), drafts, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
+                      stop_ids=sorted(chat.stop_ids), target=target)
+    for line in lines:
+        print(json.dumps(line), flush=True)
+    for name in drafts:
+        mine = [x for x in lines if x["draft"] == name]
+        drafts_n = sum(x["drafts"] for x in mine)
+        print(json.dumps({"figure": "vllm_judge_overall", "draft": name,
+                          "tau": round(1 + sum(x["accepted"] for x in mine) / max(drafts_n, 1), 4),
+                          "equal": sum(x["equal"] for x in mine), "prompts": sum(x["prompts"] for x in mine),
+                          "lossless": all(x["lossless"] for x in mine)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
