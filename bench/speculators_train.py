@@ -1,0 +1,375 @@
+"""Train the speculators peer's EAGLE-3 draft (0.9.0) on CPU from bench/speculators_data.py's output.
+
+Runs in the peer's own venv (``bash scripts/setup_speculators_env.sh``)::
+
+    OMP_NUM_THREADS=1 .venv-speculators/bin/python bench/speculators_train.py \\
+        --data runs/race/spec-data --target ~/.cache/eagle3/targets/smollm2-135m \\
+        --out runs/race/speculators --steps 300
+
+It drives speculators' own trainer (``speculators.train.cli.main`` with a ``TrainConfig`` built from
+the ``speculators train`` flags), leaving every recipe default of speculators as it is unless a flag
+here says otherwise; more flags can follow ``--`` and are passed through verbatim. Flags always set:
+``--draft-attn-impl sdpa --loss-implementation eager`` (flex attention and the fused loss need a
+GPU), ``--target-layer-ids`` from the data (the store's aux ids), ``--d2t-path/--t2d-path`` when the
+data carries our draft vocab, ``--train-data-ratio`` reproducing our train/held-out split, and
+``--num-workers 0``.
+
+CPU: speculators assumes an accelerator. Monkeypatches, in this process only (site-packages is not
+touched): the trainer's device is ``cpu`` instead of local rank 0 (``model.to(0)`` means cuda:0)
+and its autocast device type is ``cpu`` instead of its ``cuda`` fallback; checkpoint loading on
+resume maps to ``cpu`` instead of ``cuda:0``; ``torch.accelerator.synchronize`` (its step timer
+calls it on every logged step) is a no-op when there is no accelerator. One peer bug is worked
+around: with ``--max-steps`` its epoch loop keeps running one extra step (plus validation and a
+checkpoint) in every remaining epoch, so the epoch count is cut to what the steps need.
+
+Output: ``OUT/checkpoints/<epoch>/`` are speculators' own checkpoints; ``OUT/draft/`` is the last one's
+``config.json`` + ``model.safetensors`` (speculators format, what ``vllm serve OUT/draft`` loads) with
+the aux layer ids, the norm flags and the verifier path written explicitly. The last stdout line
+is one JSON object (also in ``OUT/result.json``): training tokens/s = non-padding positions the
+training loop consumed / wall seconds of the training epochs (data loading included; validation
+and checkpoint saves excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+CONVERSION = "eagle3_conversion.json"
+CONVERSION_FORMAT = "eagle3-speculators-data-1"
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+class RaceError(RuntimeError):
+    """Bad input; the message names the file or flag."""
+
+
+# ---------------------------------------------------------------- CPU patches
+
+def install_cpu_patches(stats: dict[str, Any]) -> None:
+    """Make speculators' single-process trainer run on the CPU, and measure its training loop."""
+    import speculators.train.checkpointer as checkpointer_mod
+    import speculators.train.cli as cli_mod
+    import speculators.train.trainer as trainer_mod
+
+    if not torch.accelerator.is_available():
+        torch.accelerator.synchronize = lambda *args, **kwargs: None  # its step timer syncs every logged step
+        trainer_mod.get_local_rank = lambda: "cpu"  # Trainer moves the model and batches to this device
+        checkpointer_mod.get_current_device = lambda: "cpu"  # resume would map tensors to cuda:0
+
+    base = trainer_mod.Trainer
+
+    class CpuTrainer(base):  # type: ignore[misc, valid-type]
+        def __init__(self, model, config, train_loader, val_loader=None):
+            super().__init__(model, config, train_loader, val_loader)
+            if not torch.accelerator.is_available():
+                self.device_type = "cpu"  # its fallback is "cuda", which disables autocast here
+            steps_per_epoch = len(self.train_loader)
+            if self.config.max_steps is not None and steps_per_epoch > 0:
+                # the peer's loop runs one more step (+ validation + checkpoint) in every epoch after
+                # reaching max_steps; run only the epochs the steps need
+                needed = math.ceil(self.config.max_steps / steps_per_epoch)
+                self.config = self.config._replace(num_epochs=min(self.config.num_epochs, needed))
+            stats.update(steps_per_epoch=steps_per_epoch, epochs=self.config.num_epochs,
+                         train_tokens=0, train_seconds=0.0, losses=[], lr=[])
+            self.model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
+            logging.getLogger("speculators.metrics").addHandler(_MetricTap(stats))
+
+        def _count_tokens(self, module, args, kwargs):
+            if module.training and "document_ids" in kwargs:
+                stats["train_tokens"] += int((kwargs["document_ids"] != -1).sum())
+
+        def train_epoch(self, epoch, **kwargs):
+            started = time.perf_counter()
+            try:
+                return super().train_epoch(epoch, **kwargs)
+            finally:
+                stats["train_seconds"] += time.perf_counter() - started
+
+    cli_mod.Trainer = CpuTrainer
+
+
+class _MetricTap(logging.Handler):
+    """Keeps the per-step training loss that speculators logs as a dict."""
+
+    def __init__(self, stats: dict[str, Any]):
+        super().__init__(level=logging.INFO)
+        self.stats = stats
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.msg
+        if isinstance(msg, dict) and isinstance(msg.get("train"), dict):
+            train = msg["train"]
+            if "loss" in train:
+                self.stats["losses"].append(float(train["loss"]))
+                self.stats.setdefault("step_metrics", []).append(
+                    {k: round(float(v), 5) for k, v in train.items()
+                     if k == "loss" or k.startswith(("loss_", "full_acc_", "cond_acc_"))})
+                lr = msg.get("lr")
+                self.stats["lr"].append(lr if isinstance(lr, (int, float)) else str(lr))
+        elif isinstance(msg, dict) and isinstance(msg.get("val"), dict):
+            self.stats["val"] = {k: round(float(v), 5) for k, v in msg["val"].items()
+                                 if isinstance(v, (int, float))}
+
+
+# ---------------------------------------------------------------- arguments
+
+def read_conversion(data: Path) -> dict[str, Any]:
+    path = data / CONVERSION
+    if not path.is_file():
+        raise RaceError(f"{path}: missing; make the data with bench/speculators_data.py")
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise RaceError(f"{path}: not valid JSON ({err})") from err
+    if record.get("format") != CONVERSION_FORMAT:
+        raise RaceError(f"{path}: format {record.get('format')!r}, expected {CONVERSION_FORMAT!r}")
+    return record
+
+
+def check_target(target: Path, record: dict[str, Any], data: Path) -> None:
+    config_path = target / "config.json"
+    if not config_path.is_file():
+        raise RaceError(f"{config_path}: missing; --target must be the target's HF folder (config.json + weights)")
+    config = json.loads(config_path.read_text())
+    config = config.get("text_config", config)
+    for ours, theirs in (("num_layers", "num_hidden_layers"), ("hidden_size", "hidden_size"),
+                         ("vocab_size", "vocab_size")):
+        if config.get(theirs) != record[ours]:
+            raise RaceError(f"{config_path}: {theirs}={config.get(theirs)} but {data / CONVERSION} was harvested "
+                            f"with {ours}={record[ours]}")
+
+
+def longer_than(data: Path, seq_len: int) -> int:
+    """Rows longer than one packed training row: speculators truncates them (their tail is never trained on)."""
+    from datasets import load_from_disk
+
+    lengths = load_from_disk(str(data)).with_format(None)["seq_len"]
+    return sum(1 for n in lengths if n > seq_len)
+
+
+def speculators_argv(args: argparse.Namespace, record: dict[str, Any], save_path: Path, log_dir: Path) -> list[str]:
+    argv = [
+        "--speculator-type", "eagle3",
+        "--verifier-name-or-path", str(args.target),
+        "--data-path", str(args.data),
+        "--save-path", str(save_path),
+        "--log-dir", str(log_dir),
+        "--target-layer-ids", *[str(i) for i in record["aux_layer_ids"]],
+        "--draft-attn-impl", "sdpa",
+        "--loss-implementation", "eager",
+        "--hidden-states-dtype", args.dtype,
+        "--total-seq-len", str(args.seq_len),
+        "--ttt-steps", str(args.ttt_steps),
+        "--epochs", str(args.epochs),
+        "--num-workers", str(args.num_workers),
+        "--on-missing", "raise",  # never call a vLLM endpoint for a missing sample
+        "--seed", str(args.seed),
+        "--no-resume-from-checkpoint",
+    ]
+    if args.steps is not None:
+        argv += ["--max-steps", str(args.steps)]
+    if args.lr is not None:
+        argv += ["--lr", str(args.lr)]
+    if args.optimizer is not None:
+        argv += ["--optimizer", args.optimizer]
+    ratio = args.train_data_ratio if args.train_data_ratio is not None else record.get("train_data_ratio")
+    if ratio is None:
+        raise RaceError(f"{args.data / CONVERSION}: the data has no held-out rows and speculators needs some "
+                        "(its --train-data-ratio must be < 1); convert with --eval-fraction > 0 or --eval-store, "
+                        "or pass --train-data-ratio")
+    argv += ["--train-data-ratio", repr(float(ratio))]
+    vocab = record.get("draft_vocab")
+    if vocab is not None:
+        d2t, t2d = args.data / vocab["d2t"], args.data / vocab["t2d"]
+        for path in (d2t, t2d):
+            if not path.is_file():
+                raise RaceError(f"{path}: missing (named in {args.data / CONVERSION})")
+        if args.draft_vocab_size is not None and args.draft_vocab_size != vocab["size"]:
+            raise RaceError(f"--draft-vocab-size {args.draft_vocab_size}: the data's draft vocab "
+                            f"({args.data / vocab['d2t']}) has {vocab['size']} tokens")
+        argv += ["--d2t-path", str(d2t), "--t2d-path", str(t2d), "--draft-vocab-size", str(vocab["size"])]
+    elif args.draft_vocab_size is not None:  # speculators builds it from OUT/token_freq.pt
+        argv += ["--draft-vocab-size", str(args.draft_vocab_size)]
+    return argv + list(args.passthrough)
+
+
+# ---------------------------------------------------------------- the exported draft
+
+def last_epoch_dir(save_path: Path) -> Path:
+    epochs = [int(p.name) for p in save_path.iterdir() if p.is_dir() and not p.is_symlink() and p.name.isdigit()]
+    if not epochs:
+        raise RaceError(f"{save_path}: speculators saved no checkpoint")
+    return save_path / str(max(epochs))
+
+
+def export_draft(checkpoint: Path, out: Path, target: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """Copy the checkpoint's config + weights to ``out`` with the keys vLLM reads written explicitly."""
+    from safetensors import safe_open
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    if config.get("speculators_model_type") != "eagle3":
+        raise RaceError(f"{checkpoint / 'config.json'}: speculators_model_type "
+                        f"{config.get('speculators_model_type')!r}, expected 'eagle3'")
+    saved_ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if saved_ids is not None and list(saved_ids) != list(record["aux_layer_ids"]):
+        raise RaceError(f"{checkpoint / 'config.json'}: eagle_aux_hidden_state_layer_ids {saved_ids}, but the data "
+                        f"was harvested at {record['aux_layer_ids']}")
+    config["eagle_aux_hidden_state_layer_ids"] = list(record["aux_layer_ids"])
+    for key in NORM_FLAGS:  # vLLM's defaults for missing keys differ from speculators' (e.g. norm_before_residual)
+        config[key] = bool(config.get(key, False))
+    spec = config.setdefault("speculators_config", {})
+    verifier = spec.setdefault("verifier", {})
+    verifier["name_or_path"] = str(target)
+    if not verifier.get("architectures"):
+        verifier["architectures"] = json.loads((target / "config.json").read_text()).get("architectures", [])
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as f:
+        names = sorted(f.keys())
+        shapes = {k: list(f.get_slice(k).get_shape()) for k in names}
+        dtypes = sorted({str(f.get_slice(k).get_dtype()) for k in names})
+    if "lm_head.weight" not in names or "fc.weight" not in names:
+        raise RaceError(f"{checkpoint / 'model.safetensors'}: no lm_head.weight/fc.weight among {names}")
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        shutil.copyfile(checkpoint / "model.safetensors", tmp / "model.safetensors")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes 0700; the folder gets the usual mode
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"tensors": shapes, "saved_dtypes": dtypes,
+            **{k: config[k] for k in (*NORM_FLAGS, "eagle_aux_hidden_state_layer_ids", "draft_vocab_size")},
+            "speculative_tokens": [m.get("speculative_tokens") for m in spec.get("proposal_methods", [])],
+            "verifier": verifier}
+
+
+# ---------------------------------------------------------------- main
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    args.data, args.target, args.out = args.data.resolve(), args.target.expanduser().resolve(), args.out.resolve()
+    record = read_conversion(args.data)
+    check_target(args.target, record, args.data)
+    if args.out.exists():
+        if not args.overwrite:
+            raise RaceError(f"{args.out}: exists; pass --overwrite to replace it")
+        shutil.rmtree(args.out)
+    save_path, log_dir = args.out / "checkpoints", args.out / "logs"
+    argv = speculators_argv(args, record, save_path, log_dir)
+    truncated = longer_than(args.data, args.seq_len)
+    if truncated:
+        print(f"warning: {truncated} samples of {args.data} are longer than --seq-len {args.seq_len}; speculators "
+              "keeps only their first --seq-len tokens (a reply past that is never trained on)", file=sys.stderr)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+    from speculators.train.cli import main as speculators_main
+    from speculators.train.config import TrainConfig
+
+    stats: dict[str, Any] = {}
+    install_cpu_patches(stats)
+    cfg = TrainConfig.resolve(argv)
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(sys.stderr):  # its rich logs go to stdout; ours is the JSON line
+        speculators_main(cfg)
+    total = time.perf_counter() - started
+    checkpoint = last_epoch_dir(save_path)
+    draft = export_draft(checkpoint, args.out / "draft", args.target, record)
+    losses = stats.get("losses", [])
+    flat = cfg.flatten()
+    result = {
+        "trainer": "speculators==0.9.0",
+        "out": str(args.out),
+        "draft": str(args.out / "draft"),
+        "checkpoint": str(checkpoint),
+        "device": "cpu" if not torch.accelerator.is_available() else str(torch.accelerator.current_accelerator()),
+        "threads": torch.get_num_threads(),
+        "steps": len(losses),
+        "epochs": stats.get("epochs"),
+        "steps_per_epoch": stats.get("steps_per_epoch"),
+        "train_tokens": stats.get("train_tokens", 0),
+        "train_seconds": round(stats.get("train_seconds", 0.0), 3),
+        "tokens_per_s": round(stats["train_tokens"] / seconds, 2) if (seconds := stats.get("train_seconds")) else None,
+        "wall_seconds": round(total, 2),
+        "samples_truncated_to_seq_len": truncated,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+        "loss_first5_mean": sum(losses[:5]) / len(losses[:5]) if losses else None,
+        "loss_last5_mean": sum(losses[-5:]) / len(losses[-5:]) if losses else None,
+        "last_step_metrics": (stats.get("step_metrics") or [None])[-1],
+        "val": stats.get("val"),
+        "settings": {k: flat.get(k) for k in (
+            "ttt_steps", "ttt_step_loss_decay", "loss_fn", "optimizer", "lr", "muon_lr", "weight_decay",
+            "scheduler_type", "scheduler_warmup_steps", "total_seq_len", "hidden_states_dtype", "num_layers",
+            "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "embed_requires_grad",
+            "draft_vocab_size", "target_layer_ids", "train_data_ratio", "max_steps", "epochs", "seed",
+            "draft_attn_impl", "loss_implementation", "sliding_window")},
+        "exported": draft,
+        "speculators_argv": argv,
+    }
+    (args.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "losses.json").write_text(json.dumps({"loss": losses, "lr": stats.get("lr", []),
+                                                      "metrics": stats.get("step_metrics", [])}) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Flags after -- go to `speculators train` unchanged.")
+    p.add_argument("--data", type=Path, required=True, help="folder written by bench/speculators_data.py")
+    p.add_argument("--target", type=Path, required=True, help="the target's HF folder (the verifier)")
+    p.add_argument("--out", type=Path, required=True, help="output folder (checkpoints/, draft/, result.json)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (speculators' --max-steps)")
+    p.add_argument("--epochs", type=int, default=20, help="epochs (speculators' default 20; --steps stops earlier)")
+    p.add_argument("--ttt-steps", type=int, default=3, help="TTT unroll depth (speculators' default 3)")
+    p.add_argument("--seq-len", type=int, default=2048,
+                   help="tokens per packed training row, one row per step (speculators' --total-seq-len)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (speculators' default 1e-3)")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default=None, help="speculators' default: muon")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="check against the data's draft vocab, or have speculators build one of this size from "
+                        "the data's token_freq.pt")
+    p.add_argument("--train-data-ratio", type=float, default=None,
+                   help="override the data's split (default: ours, from eagle3_conversion.json)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="speculators' --hidden-states-dtype (its autocast dtype; default float32 on CPU)")
+    p.add_argument("--num-workers", type=int, default=0, help="dataloader workers (speculators' default 12)")
+    p.add_argument("--seed", type=int, default=42, help="speculators' default 42")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    args = p.parse_args(argv)
+    args.passthrough = passthrough
+    try:
+        result = run(args)
+    except RaceError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: v for k, v in result.items() if k not in ("exported", "speculators_argv")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
