@@ -14,7 +14,7 @@ rewritten in place, so we keep our own and load by tag). A kill at any moment le
 ``latest`` at the previous complete checkpoint.
 
 Export (``best/``, ``final/``): a vLLM-format draft folder (:mod:`eagle3.export`: ``config.json``,
-fp32 ``model.safetensors`` with ``d2t``/``t2d``, no embedding) plus our ``draft.json`` with the
+``model.safetensors`` (the weights' dtype) with ``d2t``/``t2d``, no embedding) plus our ``draft.json`` with the
 :class:`DraftConfig`, the target, the aux layer ids and the step/metrics it was taken at.
 """
 
@@ -177,10 +177,11 @@ def load_checkpoint(engine: Any, root: str | os.PathLike[str], tag: str, *, rank
 
 def export_draft(out: str | os.PathLike[str], state: dict[str, torch.Tensor], config: DraftConfig,
                  info: dict[str, Any]) -> None:
-    """Write a vLLM-format draft folder (config.json, fp32 ``model.safetensors``) with our
+    """Write a vLLM-format draft folder (config.json, ``model.safetensors`` in the weights' dtype) with our
     ``draft.json`` (config, aux layer ids, step, eval figures), atomically."""
     meta = {"format": EXPORT_FORMAT, "draft_config": asdict(config), **info}
-    export_draft_folder(out, state, config, info["aux_layer_ids"], "vllm", dtype="float32", meta=meta)
+    dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(state["fc.weight"].dtype, "float32")
+    export_draft_folder(out, state, config, info["aux_layer_ids"], "vllm", dtype=dtype, meta=meta)
 
 
 def load_exported_draft(folder: str | os.PathLike[str],

@@ -301,6 +301,9 @@ class TrainConfig:
     """Key/value heads of the draft's attention (None: the target's)."""
     draft_head_dim: int | None = None
     """Head size of the draft's attention (None: the target's ``head_dim``, else hidden / heads)."""
+    draft_variant: str = "eagle3"
+    """eagle3: the layer of the EAGLE-3 paper (no extra norms); speculators: speculators 0.9.0's
+    variant (``norm_before_residual``, ``norm_before_fc`` and ``norm_output``), for comparisons."""
     draft_rope: str = "target"
     """target: the target's RoPE theta and scaling (plain, linear or llama3; anything else fails
     naming this key); plain: the target's theta without scaling (e.g. for YaRN targets)."""
@@ -345,6 +348,8 @@ class TrainConfig:
                 out[name] = getattr(self, "draft_" + name)
         if self.draft_rope == "plain":
             out["rope_scaling"] = None
+        if self.draft_variant == "speculators":
+            out.update(norm_before_residual=True, norm_before_fc=True, norm_output=True)
         return out
 
     def __post_init__(self) -> None:
@@ -384,6 +389,8 @@ class TrainConfig:
                      "draft_head_dim"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 1 (or null)")
+        if self.draft_variant not in ("eagle3", "speculators"):
+            raise ValueError(f"train.draft_variant={self.draft_variant!r}: expected eagle3 or speculators")
         if self.draft_rope not in ("target", "plain"):
             raise ValueError(f"train.draft_rope={self.draft_rope!r}: expected target or plain")
         if self.lm_head_init not in ("target", "random"):

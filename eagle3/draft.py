@@ -76,6 +76,14 @@ class DraftConfig:
     """Decoder layers; the first takes the 2H concatenation, later ones are plain Llama layers."""
     norm_before_residual: bool = False
     """vLLM's ``norm_before_residual``: the residual is hidden_norm(hidden) instead of hidden."""
+    norm_before_fc: bool = False
+    """vLLM's ``norm_before_fc``: one RMSNorm (``input_norm``, width A*H_t) over the concatenated
+    aux states before ``fc`` (speculators' default)."""
+    fc_norm: bool = False
+    """vLLM's ``fc_norm``: one RMSNorm per aux state (``fc_norm.<i>``) before ``fc``."""
+    norm_output: bool = False
+    """vLLM's ``norm_output``: the next step is fed the post-norm state instead of the pre-norm
+    one (speculators' default, "EAGLE 3.1")."""
     initializer_range: float = 0.02
     """Std of the normal init of fresh linear weights."""
 
@@ -147,7 +155,7 @@ def trainable_parameter_count(config: DraftConfig) -> int:
     def layer(width: int, norms: int) -> int:  # q/k/v from `width`, o_proj, SwiGLU, RMSNorm weights
         return width * (q + 2 * kv) + q * h + 3 * h * i + norms * h
 
-    fc = config.num_aux_layers * config.target_hidden_size * h
+    fc = config.num_aux_layers * config.target_hidden_size * (h + config.norm_before_fc + config.fc_norm)
     first = layer(2 * h, 3)  # input_layernorm, hidden_norm, post_attention_layernorm
     rest = (config.num_layers - 1) * layer(h, 2)
     return fc + first + rest + h + config.draft_vocab_size * h  # + final norm + lm_head
@@ -312,7 +320,13 @@ class Eagle3Draft(nn.Module):
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.embed_tokens.requires_grad_(False)
-        self.fc = nn.Linear(config.num_aux_layers * config.target_hidden_size, h, bias=False)
+        width = config.num_aux_layers * config.target_hidden_size
+        if config.norm_before_fc:
+            self.input_norm = RMSNorm(width, config.rms_norm_eps)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList([RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                                          for _ in range(config.num_aux_layers)])
+        self.fc = nn.Linear(width, h, bias=False)
         self.midlayer = DecoderLayer(config, first=True)
         if config.num_layers > 1:  # vLLM names them layers.<i> (it maps midlayer. to layers.0.)
             self.layers = nn.ModuleDict({str(i): DecoderLayer(config, first=False)
@@ -381,8 +395,20 @@ class Eagle3Draft(nn.Module):
         return [self.midlayer, *(self.layers.values() if self.config.num_layers > 1 else ())]
 
     def combine_aux(self, aux: Tensor) -> Tensor:
-        """aux [B, S, A, H_t] (ascending layer ids) -> fc output [B, S, H]."""
-        return self.fc(aux.flatten(-2))
+        """aux [B, S, A, H_t] (ascending layer ids) -> fc output [B, S, H] (norms first, as vLLM:
+        ``input_norm`` over the concatenation, then ``fc_norm`` per state)."""
+        x = aux.flatten(-2)  # [B, S, A*H_t]
+        if self.config.norm_before_fc:
+            x = self.input_norm(x)
+        if self.config.fc_norm:
+            x = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1),
+                                                              strict=True)], dim=-1)
+        return self.fc(x)
+
+    def next_hidden(self, prenorm: Tensor) -> Tensor:
+        """The state the next draft step is fed: the pre-norm output, or with ``norm_output`` the
+        post-norm one. [.., H] -> [.., H]"""
+        return self.norm(prenorm) if self.config.norm_output else prenorm
 
     def embed(self, input_ids: Tensor) -> Tensor:
         return self.embed_tokens(input_ids)  # [B, S, H]
@@ -416,12 +442,13 @@ class Eagle3Draft(nn.Module):
 
         input_ids [B, S]: the token after each position; hidden [B, S, H]: ``combine_aux`` of the
         target's aux states (tokens the target verified) or the draft's previous pre-norm output
-        (draft steps); position_ids [B, S]. Returns (pre-norm state [B, S, H], logits [B, S, Vd]).
+        (draft steps); position_ids [B, S]. Returns (the state the next step takes [B, S, H] (see
+        :meth:`next_hidden`), logits [B, S, Vd]).
         """
         cache = KVCache() if cache is None else cache
         attends = [_cached_attend(cache, i) for i in range(self.config.num_layers)]
         prenorm = self.decode(hidden, self.embed(input_ids), position_ids, attends)
-        return prenorm, self.compute_logits(prenorm)
+        return self.next_hidden(prenorm), self.compute_logits(prenorm)
 
     def vllm_state_dict(self, include_embedding: bool = False) -> dict[str, Tensor]:
         """The checkpoint vLLM's ``LlamaForCausalLMEagle3`` loads, names unchanged. Without the

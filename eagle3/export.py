@@ -21,8 +21,9 @@ every engine uses the target's own)::
                  norm_before_residual variant and reads exactly three aux states.
 
 Every format writes ``norm_before_residual``, ``norm_before_fc``, ``fc_norm`` and ``norm_output``
-explicitly: the defaults differ between engines and formats (vLLM's speculators path defaults
-``norm_before_residual`` to true, its plain path to false).
+explicitly (all four variants are implemented by :class:`eagle3.draft.Eagle3Draft`): the defaults
+differ between engines and formats (vLLM's speculators path defaults ``norm_before_residual`` to
+true, its plain path to false; speculators 0.9.0 trains with the first, second and fourth on).
 
 Aux layer ids inside this library always mean "the input of decoder layer i" (HF
 ``hidden_states[i]``), ascending. ``load_draft`` reads all three formats and the public ones
@@ -53,7 +54,7 @@ FORMATS = ("vllm", "speculators", "sglang")
 OUR_META = "draft.json"
 MARKER = "eagle3_forge"  # config.json key recording which of our formats wrote the folder
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -104,8 +105,7 @@ def _layer_config(config: DraftConfig, torch_dtype: str) -> dict[str, Any]:
 
 
 def _flags(config: DraftConfig) -> dict[str, Any]:
-    return {"norm_before_residual": config.norm_before_residual, "norm_before_fc": False, "fc_norm": False,
-            "norm_output": False}
+    return {key: getattr(config, key) for key in NORM_FLAGS}
 
 
 def vllm_config(config: DraftConfig, aux_layer_ids: Sequence[int], torch_dtype: str = "bfloat16") -> dict[str, Any]:
@@ -130,10 +130,11 @@ def sglang_config(config: DraftConfig, aux_layer_ids: Sequence[int], torch_dtype
     if ids[0] < 1:
         raise DraftFormatError(f"aux layer ids {ids}: SGLang cannot capture the input of layer 0 (the embedding "
                                "output); its configured ids name layer outputs")
-    if config.norm_before_residual or len(ids) != 3:
-        raise DraftFormatError("SGLang's EAGLE-3 draft reads exactly 3 aux states and has no norm_before_residual "
-                               f"variant (this draft: {len(ids)} states, norm_before_residual="
-                               f"{config.norm_before_residual})")
+    variants = [key for key in NORM_FLAGS if getattr(config, key)]
+    if variants or len(ids) != 3:
+        raise DraftFormatError(f"SGLang's EAGLE-3 draft reads exactly 3 aux states and has none of the "
+                               f"{', '.join(NORM_FLAGS)} variants "
+                               f"(this draft: {len(ids)} states, {variants or 'none'})")
     if ids[0] != 2:
         warnings.warn(f"aux layer ids {ids} are written as {[i - 1 for i in ids]} for SGLang's +1 convention; SGLang "
                       "releases with PR #25454 add the 1 only when the first id is 1 and would read other layers",
@@ -307,9 +308,6 @@ def draft_config_from_json(cfg: dict[str, Any], fmt: str, path: Path, num_aux_la
         value = eagle.get(key, cfg.get(key, layer.get(key)))
         if value is not None:
             flags[key] = bool(value)
-    for key in UNSUPPORTED_FLAGS:
-        if flags[key]:
-            raise DraftFormatError(f"{path}: {key}=true is a draft variant this library does not implement")
     if layer.get("attention_bias") or layer.get("mlp_bias"):
         raise DraftFormatError(f"{path}: attention_bias/mlp_bias=true is not supported (the draft has no biases)")
     act = layer.get("hidden_act", "silu")
@@ -336,7 +334,7 @@ def draft_config_from_json(cfg: dict[str, Any], fmt: str, path: Path, num_aux_la
             rope_scaling=None if kind == "default" else rope,
             max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
             num_layers=int(layer.get("num_hidden_layers", 1)),
-            norm_before_residual=flags["norm_before_residual"],
+            **flags,
         )
     except KeyError as err:
         raise DraftFormatError(f"{path}: config key {err.args[0]!r} is missing") from None

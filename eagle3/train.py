@@ -303,7 +303,7 @@ def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore) -> d
     decide the data order, the model and how DeepSpeed sharded its states."""
     keys = ("batching", "micro_batch_tokens", "gradient_accumulation", "seed", "eval_fraction", "ttt_steps",
             "num_layers", "draft_intermediate_size", "draft_num_attention_heads", "draft_num_key_value_heads",
-            "draft_head_dim", "draft_rope", "zero_stage", "precision")
+            "draft_head_dim", "draft_rope", "draft_variant", "zero_stage", "precision")
     pinned = {f"train.{k}": getattr(cfg, k) for k in keys}
     return {**pinned, "world_size": world_size, "store.samples": len(store),
             "store.shards": [entry["sha256"] for entry in store.manifest["shards"]]}

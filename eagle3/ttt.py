@@ -264,7 +264,8 @@ def ttt_forward(
             loss_sum = torch.where(valid, ce, 0.0).sum()
             draft_argmax = draft.draft_to_target_ids(logits.detach().argmax(-1))  # [B, S] target ids
             flat_kv = [t for kv in new_kv for t in kv]
-            return (prenorm, loss_sum, draft_argmax, *flat_kv, *((logits,) if return_logits else ()))
+            return (draft.next_hidden(prenorm), loss_sum, draft_argmax, *flat_kv,
+                    *((logits,) if return_logits else ()))
 
         if gradient_checkpointing and torch.is_grad_enabled():
             out = checkpoint(run_step, hidden, use_reentrant=False)

@@ -27,7 +27,7 @@ def randomised(draft: Eagle3Draft, seed: int = 0) -> Eagle3Draft:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in draft.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g) if name.endswith("norm.weight")
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g) if "norm" in name
                     else 0.2 * torch.randn(p.shape, generator=g))
     return draft.eval()
 
@@ -204,3 +204,21 @@ def test_bad_configs_and_vocab_fail_naming_the_field() -> None:
         draft.set_draft_vocab(vocab.d2t, ~vocab.t2d)
     with pytest.raises(ValueError, match="embedding"):
         draft.load_embedding(torch.zeros(128, 32))
+
+
+@pytest.mark.parametrize("variant", [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_output": True}])
+def test_norm_variants_as_vllm_computes_them(variant: dict) -> None:
+    """input_norm over the concatenated aux states, fc_norm per state, and the post-norm state fed on."""
+    draft = randomised(Eagle3Draft(small_config(**variant)), seed=5)
+    assert trainable_parameter_count(draft.config) == sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    aux = torch.randn(2, 3, 3, 48)  # [B, S, A, H_t]
+    x = aux.flatten(-2)
+    if variant.get("norm_before_fc"):
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + draft.config.rms_norm_eps) * draft.input_norm.weight
+    if variant.get("fc_norm"):
+        x = torch.cat([a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + draft.config.rms_norm_eps) * n.weight
+                       for a, n in zip(aux.unbind(2), draft.fc_norm, strict=True)], dim=-1)
+    torch.testing.assert_close(draft.combine_aux(aux), x @ draft.fc.weight.T)
+    prenorm = torch.randn(2, 3, 64)
+    want = draft.norm(prenorm) if variant.get("norm_output") else prenorm
+    assert torch.equal(draft.next_hidden(prenorm), want)

@@ -54,11 +54,12 @@ def propose(draft: Eagle3Draft, embedding: torch.Tensor, k: int = 5, seed: int =
 
 
 @pytest.mark.filterwarnings("ignore:aux layer ids")
-@pytest.mark.parametrize(("fmt", "norm_before_residual", "layers"), [
-    ("vllm", False, 2), ("vllm", True, 1), ("speculators", False, 1), ("speculators", True, 2), ("sglang", False, 1)])
-def test_round_trip_proposes_the_same_tokens(fmt: str, norm_before_residual: bool, layers: int,
-                                             tmp_path: Path) -> None:
-    draft = make_draft(num_layers=layers, norm_before_residual=norm_before_residual)
+@pytest.mark.parametrize(("fmt", "variant", "layers"), [
+    ("vllm", {}, 2), ("vllm", {"norm_before_residual": True, "fc_norm": True}, 1), ("speculators", {}, 1),
+    ("speculators", {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}, 2),
+    ("sglang", {}, 1)])
+def test_round_trip_proposes_the_same_tokens(fmt: str, variant: dict, layers: int, tmp_path: Path) -> None:
+    draft = make_draft(num_layers=layers, **variant)
     embedding = torch.randn(draft.config.vocab_size, draft.config.hidden_size)
     out = export_draft_folder(tmp_path / fmt, draft.state_dict(), draft.config, AUX, fmt, dtype="float32",
                               verifier="/models/target")
@@ -132,9 +133,10 @@ def test_sglang_limits(tmp_path: Path) -> None:
         export_draft_folder(tmp_path / "ok", draft.state_dict(), draft.config, (2, 4, 6), "sglang")
     assert json.loads((tmp_path / "ok" / "config.json").read_text())["eagle_config"][
         "eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
-    nbr = make_draft(norm_before_residual=True)
-    with pytest.raises(DraftFormatError, match="norm_before_residual"):
-        export_draft_folder(tmp_path / "n", nbr.state_dict(), nbr.config, AUX, "sglang")
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        other = make_draft(**{flag: True})
+        with pytest.raises(DraftFormatError, match=f"this draft: 3 states, \\['{flag}'\\]"):
+            export_draft_folder(tmp_path / flag, other.state_dict(), other.config, AUX, "sglang")
 
 
 def _public_folder(path: Path, config: dict, tensors: dict) -> Path:
@@ -237,8 +239,8 @@ def test_bad_folders_fail_naming_the_file_or_key(tmp_path: Path) -> None:
         (folder / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes())
         return folder
 
-    with pytest.raises(DraftFormatError, match="norm_before_fc=true"):
-        load_draft(variant("fcnorm", norm_before_fc=True))
+    with pytest.raises(DraftFormatError, match="hidden_act='gelu'"):
+        load_draft(variant("gelu", hidden_act="gelu"))
     with pytest.raises(DraftFormatError, match="'intermediate_size' is missing"):
         load_draft(_without(variant("nokey"), "intermediate_size"))
     with pytest.raises(DraftFormatError, match="midlayer.mlp.gate_proj.weight"):

@@ -29,16 +29,16 @@ from eagle3.ttt import (
 VOCAB, DRAFT_VOCAB, TARGET_HIDDEN = 128, 32, 48
 
 
-def tiny_draft(num_layers: int = 1, seed: int = 0) -> Eagle3Draft:
+def tiny_draft(num_layers: int = 1, seed: int = 0, **variant: bool) -> Eagle3Draft:
     torch.manual_seed(seed)
     config = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                          vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=TARGET_HIDDEN,
-                         num_layers=num_layers, initializer_range=0.15)
+                         num_layers=num_layers, initializer_range=0.15, **variant)
     draft = Eagle3Draft(config, embed_tokens_weight=torch.randn(VOCAB, 64))
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # norms away from 1, so that a swapped norm would show
         for name, p in draft.named_parameters():
-            if name.endswith("norm.weight"):
+            if "norm" in name:
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
     vocab = DraftVocab.from_target_ids(torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB], VOCAB)
     draft.set_draft_vocab(vocab.d2t, vocab.t2d)
@@ -129,9 +129,13 @@ def _max_gap(out: ttt.TTTOutput, ref: dict) -> dict[int, float]:
     return gaps
 
 
-@pytest.mark.parametrize("num_layers,num_steps", [(1, 4), (1, 3), (2, 3)])
-def test_batched_ttt_equals_serving_time_draft(num_layers: int, num_steps: int) -> None:
-    draft = tiny_draft(num_layers)
+SPECULATORS_VARIANT = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}
+
+
+@pytest.mark.parametrize("num_layers,num_steps,variant", [
+    (1, 4, {}), (1, 3, {}), (2, 3, {}), (1, 3, SPECULATORS_VARIANT), (2, 3, {"fc_norm": True, "norm_output": True})])
+def test_batched_ttt_equals_serving_time_draft(num_layers: int, num_steps: int, variant: dict) -> None:
+    draft = tiny_draft(num_layers, **variant)
     batch = packed_batch([[9, 7], [5, 11]], t2d=draft.t2d)
     ref = serving_logits(draft, batch, num_steps)
     with torch.no_grad():
