@@ -1,0 +1,159 @@
+"""The race: our trainer against speculators==0.9.0 on the same harvested samples, both drafts
+judged by real vLLM in one run.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/race_speculators.py --store runs/race/harvest-bf16 \\
+        --pools runs/pools --out runs/race/bench --steps 180 [--extra fp8=runs/race/harvest-fp8] \\
+        [--extra ids=runs/race/harvest-ids]
+
+Needs the three venvs: ``.venv`` (ours), ``.venv-speculators`` (scripts/setup_speculators_env.sh)
+and ``.venv-vllm`` (scripts/setup_vllm_env.sh). Steps, one after the other so that neither trainer
+shares the CPU with the other:
+
+1. ours: ``python -m eagle3.train`` on the store (``--eval-fraction`` held out by sample-id hash),
+   its draft vocab chosen from the training split;
+2. speculators: the same store converted by ``bench/speculators_data.py`` (the same held-out
+   split, our draft vocab as its d2t/t2d), trained by ``bench/speculators_train.py`` on CPU;
+3. both drafts (and every ``--extra`` draft: ours on another store, e.g. fp8-stored states or
+   other aux layer ids, same settings) served by vLLM through ``bench/vllm_judge.py``.
+
+Equal for both: samples, TTT steps (3), draft vocab, sequence length per step (2048 tokens:
+speculators packs rows of that length, ours fills length buckets of at most that many tokens),
+optimizer steps. Each keeps its own optimizer, learning rate, schedule, loss weights and lm_head
+init (speculators: Muon + AdamW at 1e-3, linear decay, step weights 1.0, lm_head copied from the
+target and frozen, norm_before_fc / norm_output variant; ours: AdamW, cosine, 0.8^k, fresh
+lm_head): those are what is being compared. Each runs at its own default CPU precision (bf16
+autocast for speculators, bf16 for ours).
+
+Printed (one JSON line each): every trainer's tokens/s (training tokens / training-loop seconds)
+and the ratio; every judged draft's vLLM tau per eval set and overall, and the ratio of ours to
+speculators'. Finished runs are reused (``--fresh`` retrains).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> str:
+    """Run a command, its stderr to ``log``; returns stdout (the last line is its JSON result)."""
+    print(f"# {' '.join(cmd)}", file=sys.stderr, flush=True)
+    with open(log, "w") as err:
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, **(env or {})},
+                              cwd=ROOT)
+    if done.returncode:
+        raise SystemExit(f"failed ({done.returncode}): {' '.join(cmd)}; see {log}")
+    return done.stdout
+
+
+def last_json(text: str) -> dict[str, Any]:
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise SystemExit(f"no JSON result in: {text[-500:]}")
+
+
+def train_ours(name: str, store: str, args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out) / name
+    if (out / "summary.json").is_file() and not args.fresh:
+        return json.loads((out / "summary.json").read_text())
+    cmd = [str(ROOT / ".venv/bin/python"), "-m", "eagle3.train", "--store", store, "--target", args.target,
+           "--out", str(out), "--steps", str(args.steps), "--ttt-steps", str(args.ttt_steps),
+           "--micro-batch-tokens", str(args.seq_len), "--batching", "buckets", "--precision", "bf16",
+           "--lr", str(args.lr), "--warmup-steps", str(max(1, args.steps // 50)),
+           "--eval-fraction", str(args.eval_fraction), "--eval-every", "0", "--no-eval-at-start",
+           "--save-every", "0", "--wandb-mode", "disabled", "--no-progress", "--no-resume"]
+    if args.draft_vocab:
+        cmd += ["--draft-vocab", args.draft_vocab]
+    else:
+        cmd += ["--draft-vocab-size", str(args.draft_vocab_size)]
+    return last_json(run(cmd, Path(args.out) / f"{name}.log"))
+
+
+def train_speculators(args: argparse.Namespace, vocab: Path) -> dict[str, Any]:
+    out = Path(args.out) / "speculators"
+    if (out / "result.json").is_file() and not args.fresh:
+        return json.loads((out / "result.json").read_text())
+    data = Path(args.out) / "speculators-data"
+    if not data.is_dir() or args.fresh:
+        shutil.rmtree(data, ignore_errors=True)
+        run([str(ROOT / ".venv/bin/python"), "bench/speculators_data.py", "--store", args.store, "--out", str(data),
+             "--draft-vocab", str(vocab), "--eval-fraction", str(args.eval_fraction)],
+            Path(args.out) / "speculators-data.log")
+    from eagle3.target_source import resolve_target
+
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [str(ROOT / ".venv-speculators/bin/python"), "bench/speculators_train.py", "--data", str(data),
+           "--target", str(resolve_target(args.target).location), "--out", str(out), "--steps", str(args.steps),
+           "--ttt-steps", str(args.ttt_steps), "--seq-len", str(args.seq_len), "--dtype", "bfloat16"]
+    return last_json(run(cmd, Path(args.out) / "speculators.log"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--store", required=True, help="harvest store both trainers read")
+    parser.add_argument("--extra", action="append", default=[],
+                        help="NAME=STORE: also train ours on another store (same settings) and judge it")
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--pools", default="runs/pools")
+    parser.add_argument("--out", default="runs/race/bench")
+    parser.add_argument("--steps", type=int, default=180)
+    parser.add_argument("--ttt-steps", type=int, default=3)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--draft-vocab-size", type=int, default=8192)
+    parser.add_argument("--draft-vocab", default=None, help="reuse this draft vocab (else chosen by our run)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="ours (speculators keeps its default)")
+    parser.add_argument("--eval-fraction", type=float, default=0.1)
+    parser.add_argument("--per-set", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--fresh", action="store_true")
+    args = parser.parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT))
+
+    ours = train_ours("ours", args.store, args)
+    vocab = Path(args.out) / "ours" / "draft_vocab.safetensors"
+    spec = train_speculators(args, vocab)
+    extras = {}
+    for item in args.extra:
+        name, _, store = item.partition("=")
+        same_vocab = argparse.Namespace(**{**vars(args), "draft_vocab": str(vocab)})
+        extras[name] = train_ours(f"ours-{name}", store, same_vocab)
+
+    rows = [("ours", ours["tokens_per_s"]), ("speculators", spec["tokens_per_s"])]
+    for name, value in rows:
+        print(json.dumps({"figure": "race_train_tokens_per_s", "trainer": name, "tokens_per_s": value}), flush=True)
+    print(json.dumps({"figure": "race_train_tokens_per_s_ratio", "ours_over_speculators":
+                      round(ours["tokens_per_s"] / spec["tokens_per_s"], 3)}), flush=True)
+
+    drafts = ["--draft", f"ours={Path(args.out) / 'ours' / 'final'}", "--draft", f"speculators={spec['draft']}"]
+    for name in extras:
+        drafts += ["--draft", f"ours-{name}={Path(args.out) / f'ours-{name}' / 'final'}"]
+    judge_cmd = [".venv-vllm/bin/python", "bench/vllm_judge.py", *drafts, "--pools", args.pools,
+                 "--per-set", str(args.per_set), "--k", str(args.k), "--max-new-tokens", str(args.max_new_tokens),
+                 "--target", args.target, *(["--controls"] if args.extra else [])]
+    # vLLM's CPU settings (scripts/vllm_env.sh) only for the judge: its OpenMP preload is not for our venv
+    judge = run(["bash", "-c", 'source scripts/vllm_env.sh && exec "$@"', "judge", *judge_cmd],
+                Path(args.out) / "judge.log")
+    lines = [json.loads(line) for line in judge.splitlines() if line.startswith("{")]
+    (Path(args.out) / "judge.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    for line in lines:
+        print(json.dumps(line), flush=True)
+    overall = {x["draft"]: x["tau"] for x in lines if x["figure"] == "vllm_judge_overall"}
+    print(json.dumps({"figure": "race_tau_ratio", "ours_tau": overall["ours"],
+                      "speculators_tau": overall["speculators"],
+                      "ours_over_speculators": round(overall["ours"] / overall["speculators"], 3),
+                      "steps": args.steps, "ttt_steps": args.ttt_steps, "seq_len": args.seq_len}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
