@@ -292,8 +292,15 @@ class KVCache:
         """A copy that later updates do not share (tensors are never written in place)."""
         return KVCache(list(self.keys), list(self.values))
 
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens (a rollback after verification)."""
+        self.keys = [None if k is None else k[:, :length] for k in self.keys]
+        self.values = [None if v is None else v[:, :length] for v in self.values]
 
-def _cached_attend(cache: KVCache, layer: int) -> Attend:
+
+def _cached_attend(cache: KVCache, layer: int, mask: Tensor | None = None) -> Attend:
+    """Attention over the cache plus the new tokens; ``mask`` [S_new, T] (True: may attend)
+    replaces the causal default (each new token sees the cache and the new ones up to itself)."""
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         new = q.shape[1]
         keys, values = cache.update(layer, k, v)  # [B, T, nkv, d], T = past + new
@@ -301,8 +308,8 @@ def _cached_attend(cache: KVCache, layer: int) -> Attend:
         keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)  # [B, nh, T, d]
         values = values.repeat_interleave(group, dim=2).transpose(1, 2)
         past = keys.shape[2] - new
-        # a new token sees every cached token and the new ones up to itself
-        allowed = torch.arange(past + new, device=q.device) <= past + torch.arange(new, device=q.device)[:, None]
+        allowed = mask if mask is not None else (
+            torch.arange(past + new, device=q.device) <= past + torch.arange(new, device=q.device)[:, None])
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=allowed)  # [B, nh, S, d]
         return out.transpose(1, 2)
 
@@ -437,16 +444,17 @@ class Eagle3Draft(nn.Module):
     # -- serving
 
     def forward(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor,
-                cache: KVCache | None = None) -> tuple[Tensor, Tensor]:
+                cache: KVCache | None = None, attn_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Serving-time forward over new tokens, continuing ``cache`` (updated in place).
 
         input_ids [B, S]: the token after each position; hidden [B, S, H]: ``combine_aux`` of the
         target's aux states (tokens the target verified) or the draft's previous pre-norm output
-        (draft steps); position_ids [B, S]. Returns (the state the next step takes [B, S, H] (see
-        :meth:`next_hidden`), logits [B, S, Vd]).
+        (draft steps); position_ids [B, S]; attn_mask [S, past + S] bool for tree drafting (default
+        causal). Returns (the state the next step takes [B, S, H] (see :meth:`next_hidden`),
+        logits [B, S, Vd]).
         """
         cache = KVCache() if cache is None else cache
-        attends = [_cached_attend(cache, i) for i in range(self.config.num_layers)]
+        attends = [_cached_attend(cache, i, attn_mask) for i in range(self.config.num_layers)]
         prenorm = self.decode(hidden, self.embed(input_ids), position_ids, attends)
         return self.next_hidden(prenorm), self.compute_logits(prenorm)
 

@@ -136,16 +136,21 @@ class Target:
         *,
         use_cache: bool = False,
         return_logits: bool = True,
+        position_ids: Tensor | None = None,  # [batch, seq]
     ) -> TargetOutput:
         """Run the target on new tokens, continuing ``past_key_values`` if given.
 
         With padding (left or right), pass ``attention_mask`` covering past and new tokens:
         position ids are then counted over real tokens only, so a padded row computes
-        exactly what it would alone.
+        exactly what it would alone. For tree verification pass a 4D bool ``attention_mask``
+        [batch, 1, seq, past + seq] (True: may attend) with explicit ``position_ids``.
         """
         batch, seq = input_ids.shape
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if attention_mask is not None:
+        if position_ids is not None:
+            if attention_mask is not None and attention_mask.dim() != 4:
+                raise ValueError("explicit position_ids go with a 4D attention_mask (or none)")
+        elif attention_mask is not None:
             if attention_mask.shape != (batch, past_len + seq):
                 raise ValueError(
                     f"attention_mask has shape {tuple(attention_mask.shape)}, "

@@ -1,0 +1,323 @@
+"""Speculative decoding with an EAGLE-3 draft: the target (HF, KV cache, aux-layer capture) and the
+draft (its own KV cache), chain or dynamic tree, greedy or sampled, lossless.
+
+One round, with ``n`` tokens in the target's cache and ``x`` the newest emitted token (not yet in
+it; position ``n``); the draft's cache holds rows 0..n-1 (row t: target states at t, token t+1)::
+
+    propose   the draft's root state (from its last catch-up row) -> chain of K tokens, or a tree
+              (EAGLE-2: expand the best ``topk`` nodes per depth by cumulative log-prob, keep the
+              best ``budget`` nodes); node at depth d sits at position n + d
+    verify    one target forward over [x, nodes...] (tree attention: a node sees the prefix and
+              its ancestors) -> logits and aux states at every node
+    accept    eagle3.verify (greedy or rejection sampling) -> accepted path + one more token
+    rollback  target cache: keep the prefix, x and the accepted path; draft cache: keep rows < n
+    catch up  draft rows n..n+a from the target's aux states at x and the accepted nodes, tokens =
+              the accepted tokens then the new one; its last row is the next root state
+
+Plain decoding runs in the same loop (one target forward per token), so a speedup compares like
+with like. Timings split draft / verify / other; ``stats`` has tau and acceptance per depth.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from eagle3.draft import Eagle3Draft, KVCache
+from eagle3.target import Target
+from eagle3.verify import (
+    SamplingParams,
+    greedy_chain,
+    greedy_tree,
+    sample_chain,
+    sample_tree,
+    target_probs,
+    tree_attention_mask,
+)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How the draft proposes: a chain of ``k`` tokens, or a tree of depth ``k``."""
+
+    mode: str = "chain"
+    """chain or tree."""
+    k: int = 3
+    """Chain length, or tree depth."""
+    topk: int = 4
+    """Tree: children per expanded node, and nodes expanded per depth."""
+    budget: int = 16
+    """Tree: draft tokens verified per round (the best by cumulative draft log-prob)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("chain", "tree"):
+            raise ValueError(f"mode={self.mode!r}: expected chain or tree")
+        for name in ("k", "topk", "budget"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+
+
+@dataclass
+class DecodeStats:
+    """What one generation measured."""
+
+    new_tokens: int = 0
+    target_forwards: int = 0  # verify (or plain decode) forwards, prefill excluded
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted per round
+    proposed: int = 0  # depth of what each round proposed (K), for acceptance per position
+    seconds_prefill: float = 0.0
+    seconds_draft: float = 0.0
+    seconds_verify: float = 0.0
+    seconds_total: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verify forward, the bonus token included (1.0 for plain decoding)."""
+        return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 1.0
+
+    def acceptance_per_position(self) -> list[float]:
+        """Share of rounds whose draft token at depth i (1-based) was accepted."""
+        rounds = max(len(self.accepted), 1)
+        return [sum(a >= i for a in self.accepted) / rounds for i in range(1, self.proposed + 1)]
+
+    def as_dict(self) -> dict[str, Any]:
+        decode = self.seconds_total - self.seconds_prefill
+        return {
+            "new_tokens": self.new_tokens, "target_forwards": self.target_forwards, "tau": round(self.tau, 4),
+            "accept_per_pos": [round(x, 4) for x in self.acceptance_per_position()],
+            "ttft_s": round(self.seconds_prefill, 4), "seconds": round(self.seconds_total, 4),
+            "tokens_per_s": round(self.new_tokens / self.seconds_total, 2) if self.seconds_total else None,
+            "draft_s": round(self.seconds_draft, 4), "verify_s": round(self.seconds_verify, 4),
+            "other_s": round(max(decode - self.seconds_draft - self.seconds_verify, 0.0), 4),
+        }
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    stats: DecodeStats
+
+
+def keep_cache_positions(cache: Any, keep: Tensor) -> None:
+    """Keep only the sequence positions ``keep`` [T'] (ascending) of an HF cache, in place."""
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(-2, keep)
+        layer.values = layer.values.index_select(-2, keep)
+
+
+class SpeculativeDecoder:
+    """Batch-1 generation with a target and an EAGLE-3 draft (or without, for the baseline)."""
+
+    def __init__(self, target: Target, draft: Eagle3Draft | None, config: SpecConfig = SpecConfig()) -> None:
+        self.target, self.draft, self.config = target, draft, config
+        if draft is not None:
+            c = draft.config
+            if c.target_hidden_size != target.hidden_size or c.vocab_size != target.vocab_size:
+                raise ValueError(f"draft (target_hidden_size {c.target_hidden_size}, vocab {c.vocab_size}) does "
+                                 f"not fit the target (hidden {target.hidden_size}, vocab {target.vocab_size})")
+            if c.num_aux_layers != len(target.aux_layer_ids):
+                raise ValueError(f"draft reads {c.num_aux_layers} aux states, the target captures "
+                                 f"{len(target.aux_layer_ids)} layers {list(target.aux_layer_ids)}")
+        self.device = target.device
+
+    # -- helpers
+
+    def _target(self, ids: list[int], cache: Any, positions: list[int] | None = None,
+                mask: Tensor | None = None) -> Any:
+        x = torch.tensor([ids], device=self.device)
+        if positions is None:
+            return self.target(x, past_key_values=cache, use_cache=True)
+        return self.target(x, attention_mask=mask, past_key_values=cache, use_cache=True,
+                           position_ids=torch.tensor([positions], device=self.device))
+
+    def _draft_rows(self, aux: Tensor, tokens: list[int], start: int, cache: KVCache) -> tuple[Tensor, Tensor]:
+        """Catch-up rows start.. from target aux [1, R, A, H] and the token after each -> last (state, logits)."""
+        d = self.draft
+        assert d is not None
+        hidden = d.combine_aux(aux.to(d.fc.weight.dtype))  # [1, R, H]
+        pos = torch.arange(start, start + len(tokens), device=self.device)[None]
+        state, logits = d(torch.tensor([tokens], device=self.device), hidden, pos, cache)
+        return state[:, -1:], logits[:, -1]  # [1, 1, H], [1, Vd]
+
+    def _draft_target_logits(self, logits: Tensor) -> Tensor:
+        """Draft-vocab logits [.., Vd] -> target-vocab logits [.., V] (-inf outside the draft vocab)."""
+        d = self.draft
+        assert d is not None
+        out = logits.new_full((*logits.shape[:-1], d.config.vocab_size), float("-inf"))
+        out[..., d.draft_to_target_ids(torch.arange(logits.shape[-1], device=logits.device))] = logits
+        return out
+
+    # -- proposals
+
+    def _propose_chain(self, root_state: Tensor, root_logits: Tensor, n: int, cache: KVCache,
+                       params: SamplingParams, g: torch.Generator | None,
+                       context: list[int]) -> tuple[list[int], list[int], Tensor | None]:
+        """K draft tokens (parents -1, 0, 1, ...) and, when sampling, their proposal
+        distributions [K, V]. ``context``: prompt + emitted tokens (unused by the EAGLE draft)."""
+        d = self.draft
+        assert d is not None
+        tokens, qs = [], []
+        state, logits = root_state, root_logits
+        for depth in range(1, self.config.k + 1):
+            full = self._draft_target_logits(logits[0])  # [V]
+            if params.greedy:
+                token = int(full.argmax())
+            else:
+                q = torch.softmax(full.float() / params.temperature, dim=-1)
+                qs.append(q)
+                token = int(torch.multinomial(q, 1, generator=g))
+            tokens.append(token)
+            if depth < self.config.k:
+                state, step_logits = d(torch.tensor([[token]], device=self.device), state,
+                                       torch.tensor([[n - 1 + depth]], device=self.device), cache)
+                logits = step_logits[:, -1]
+        return tokens, list(range(-1, len(tokens) - 1)), (torch.stack(qs) if qs else None)
+
+    def _propose_tree(self, root_state: Tensor, root_logits: Tensor, n: int, cache: KVCache,
+                      context: list[int]) -> tuple[list[int], list[int]]:
+        """EAGLE-2 dynamic tree: deterministic top-k children, expanded by cumulative log-prob."""
+        d = self.draft
+        assert d is not None
+        topk, past = self.config.topk, len(cache)
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        cache_row: dict[int, int] = {}  # node -> its row in the draft cache (expanded nodes only)
+        frontier = [(-1, root_state[0, 0], root_logits[0], 0.0)]  # (node, state [H], logits [Vd], score)
+        for depth in range(1, self.config.k + 1):
+            children = []
+            for node, _state, logits, score in frontier:
+                logp = torch.log_softmax(self._draft_target_logits(logits).float(), dim=-1)
+                best = logp.topk(topk)
+                for lp, token in zip(best.values.tolist(), best.indices.tolist(), strict=True):
+                    tokens.append(int(token))
+                    parents.append(node)
+                    scores.append(score + lp)
+                    children.append(len(tokens) - 1)
+            if depth == self.config.k:
+                break
+            # expand the best `topk` of this depth's nodes in one draft forward (tree mask)
+            chosen = sorted(children, key=lambda i: -scores[i])[:topk]
+            rows = len(cache)
+            mask = torch.zeros(len(chosen), rows + len(chosen), dtype=torch.bool, device=self.device)
+            mask[:, :past] = True
+            for r, node in enumerate(chosen):
+                mask[r, rows + r] = True
+                ancestor = parents[node]
+                while ancestor >= 0:
+                    mask[r, cache_row[ancestor]] = True
+                    ancestor = parents[ancestor]
+            fed = {node: state for node, state, _, _ in frontier}  # a child is fed its parent's output state
+            states = torch.stack([fed[parents[node]] for node in chosen])[None]  # [1, C, H]
+            ids = torch.tensor([[tokens[i] for i in chosen]], device=self.device)
+            pos = torch.full((1, len(chosen)), n - 1 + depth, device=self.device)
+            new_states, new_logits = d(ids, states, pos, cache, attn_mask=mask)
+            for r, node in enumerate(chosen):
+                cache_row[node] = rows + r
+            frontier = [(node, new_states[0, r], new_logits[0, r], scores[node]) for r, node in enumerate(chosen)]
+        # keep the best `budget` nodes; a child never outscores its parent, so ancestors stay
+        keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[: self.config.budget])
+        index = {old: new for new, old in enumerate(keep)}
+        return [tokens[i] for i in keep], [index.get(parents[i], -1) if parents[i] >= 0 else -1 for i in keep]
+
+    # -- generation
+
+    @torch.no_grad()
+    def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: set[int] | frozenset[int] = frozenset(),
+                 params: SamplingParams = SamplingParams(), seed: int = 0, speculate: bool = True) -> Generation:
+        """Generate up to ``max_new_tokens`` after ``prompt`` (stopping after a stop id)."""
+        if not prompt:
+            raise ValueError("empty prompt")
+        speculate = speculate and self.draft is not None
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        stats = DecodeStats(proposed=self.config.k if speculate else 0)
+        start = time.perf_counter()
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        out = self._target(prompt, cache)
+        first = self._pick(out.logits[0, -1], params, g)
+        stats.seconds_prefill = time.perf_counter() - start
+        emitted = [first]
+        n = len(prompt)
+        draft_cache = KVCache()
+        root = None
+        if speculate:
+            t0 = time.perf_counter()
+            root = self._draft_rows(out.aux, prompt[1:] + [first], 0, draft_cache)
+            stats.seconds_draft += time.perf_counter() - t0
+        while len(emitted) < max_new_tokens and emitted[-1] not in stop_ids:
+            x = emitted[-1]
+            if not speculate:
+                t0 = time.perf_counter()
+                out = self._target([x], cache)
+                stats.seconds_verify += time.perf_counter() - t0
+                stats.target_forwards += 1
+                emitted.append(self._pick(out.logits[0, -1], params, g))
+                n += 1
+                continue
+            assert root is not None
+            t0 = time.perf_counter()
+            tree = self.config.mode == "tree"
+            if tree:
+                tokens, parents = self._propose_tree(root[0], root[1], n, draft_cache, prompt + emitted)
+                qs = None
+            else:
+                tokens, parents, qs = self._propose_chain(root[0], root[1], n, draft_cache, params, g,
+                                                          prompt + emitted)
+            stats.seconds_draft += time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            depth = [0] * len(tokens)
+            for i, p in enumerate(parents):
+                depth[i] = 1 if p < 0 else depth[p] + 1
+            nodes = tree_attention_mask(parents).to(self.device)  # [N, N]
+            m = len(tokens) + 1
+            mask = torch.zeros(m, n + m, dtype=torch.bool, device=self.device)
+            mask[:, : n + 1] = True  # the prefix and x
+            mask[1:, n + 1:] = nodes
+            mask[0, n + 1:] = False
+            out = self._target([x, *tokens], cache, [n, *(n + dd for dd in depth)], mask[None, None])
+            stats.seconds_verify += time.perf_counter() - t0
+            stats.target_forwards += 1
+            logits = out.logits[0]  # [1 + N, V]
+            if params.greedy:
+                acc = greedy_tree(tokens, parents, logits) if tree else greedy_chain(tokens, logits)
+            else:
+                probs = target_probs(logits, params)
+                acc = sample_tree(tokens, parents, probs, g) if tree else sample_chain(tokens, qs, probs, g)
+            path = acc.path if acc.path is not None else list(range(acc.accepted))
+            stats.accepted.append(acc.accepted)
+            room = max_new_tokens - len(emitted)
+            new = acc.tokens[:room]
+            for i, token in enumerate(new):
+                if token in stop_ids:
+                    new = new[: i + 1]
+                    break
+            emitted += new
+
+            t0 = time.perf_counter()
+            keep = torch.tensor([*range(n + 1), *(n + 1 + p for p in path)], device=self.device)
+            keep_cache_positions(cache, keep)
+            draft_cache.truncate(n)
+            aux = out.aux[:, [0, *(1 + p for p in path)]]  # [1, 1 + a, A, H]: x and the accepted nodes
+            n += 1 + len(path)
+            if len(emitted) < max_new_tokens and emitted[-1] not in stop_ids:
+                root = self._draft_rows(aux, acc.tokens, n - 1 - len(path), draft_cache)
+            stats.seconds_draft += time.perf_counter() - t0
+        stats.new_tokens = len(emitted)
+        stats.seconds_total = time.perf_counter() - start
+        return Generation(emitted, stats)
+
+    @staticmethod
+    def _pick(logits: Tensor, params: SamplingParams, g: torch.Generator | None) -> int:
+        if params.greedy:
+            return int(logits.argmax())
+        return int(torch.multinomial(target_probs(logits, params), 1, generator=g))
+
+
+__all__ = ["DecodeStats", "Generation", "SpecConfig", "SpeculativeDecoder", "keep_cache_positions"]
