@@ -1,0 +1,283 @@
+"""Stage: serve the eval sets with the bundled speculative loop and report acceptance and speed.
+
+    python -m serve_eval.evaluate --draft runs/train/best --pools runs/pools --out runs/serve \\
+        [--target smollm2-135m] [--sets mtbench,humaneval,gsm8k,multilingual] [--per-set 10] \\
+        [--max-new-tokens 128] [--mode chain|tree] [--k 3] [--topk 4] [--budget 16] [--temperature 0]
+
+For every prompt (the first user turn, the target's chat template) it runs plain decoding and
+speculative decoding in the same loop (:class:`eagle3.spec_decode.SpeculativeDecoder`, batch 1),
+and writes to ``--out``:
+
+* ``report.json``: per eval set and overall: tau (tokens per target forward, the bonus token
+  included), acceptance per position, tokens/s of both, speedup (plain time / speculative time for
+  the same prompts), time to first token, and the draft / verify / other split; greedy runs also
+  count prompts whose output equals plain decoding and report each divergence with the target's
+  top-2 logit margin at the first differing token (a near-tie below 1e-4 may flip under batched
+  verification; anything else is a failure);
+* ``report.md`` (a table) and ``acceptance_by_position.png``, ``tau_by_set.png``, ``speedup.png``;
+* a wandb run under ``wandb/`` (offline by default) with the same figures and a per-prompt table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.atomic import atomic_write_text
+from eagle3.spec_decode import DecodeStats, SpecConfig, SpeculativeDecoder
+from eagle3.verify import SamplingParams
+
+EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "multilingual")
+TIE_MARGIN = 1e-4
+
+
+def read_prompts(pools: Path, name: str, per_set: int, chat: Any) -> list[list[int]]:
+    from eagle3.conversations import iter_jsonl
+
+    path = pools / "eval" / f"{name}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing (build the pools: python -m data_gen.pools --out {pools})")
+    out = []
+    for where, record in iter_jsonl(path):
+        if isinstance(record, Exception):
+            raise ValueError(f"{where}: {record}")
+        messages = record["messages"]
+        first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+        out.append(chat.prompt_ids(messages[: first_user + 1]))
+        if len(out) == per_set:
+            break
+    return out
+
+
+def top2_margin(target: Any, ids: list[int]) -> float:
+    with torch.no_grad():
+        logits = target(torch.tensor([ids]), return_logits=True).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def summarise(spec: list[DecodeStats], plain: list[DecodeStats]) -> dict[str, Any]:
+    """One eval set (or all of them): pooled over prompts."""
+    accepted = [a for s in spec for a in s.accepted]
+    k = max((s.proposed for s in spec), default=0)
+    rounds = max(len(accepted), 1)
+    spec_s = sum(s.seconds_total for s in spec)
+    plain_s = sum(s.seconds_total for s in plain)
+    spec_tokens = sum(s.new_tokens for s in spec)
+    plain_tokens = sum(s.new_tokens for s in plain)
+    decode_s = sum(s.seconds_total - s.seconds_prefill for s in spec)
+    return {
+        "prompts": len(spec),
+        "tau": round(sum(a + 1 for a in accepted) / rounds, 4) if accepted else 1.0,
+        "accept_per_pos": [round(sum(a >= i for a in accepted) / rounds, 4) for i in range(1, k + 1)],
+        "spec_tokens_per_s": round(spec_tokens / spec_s, 2) if spec_s else None,
+        "plain_tokens_per_s": round(plain_tokens / plain_s, 2) if plain_s else None,
+        "speedup": round((plain_s / max(plain_tokens, 1)) / (spec_s / max(spec_tokens, 1)), 3) if spec_s else None,
+        "ttft_s": round(sum(s.seconds_prefill for s in spec) / max(len(spec), 1), 4),
+        "time_split": {"draft": round(sum(s.seconds_draft for s in spec) / max(decode_s, 1e-9), 3),
+                       "verify": round(sum(s.seconds_verify for s in spec) / max(decode_s, 1e-9), 3)},
+    }
+
+
+def evaluate(target: Any, draft: Any, prompts: dict[str, list[list[int]]], *, config: SpecConfig,
+             params: SamplingParams, max_new_tokens: int, stop_ids: Sequence[int], seed: int = 0,
+             progress: bool = True) -> dict[str, Any]:
+    """Plain and speculative generation of every prompt; the report's data."""
+    from tqdm import tqdm
+
+    decoder = SpeculativeDecoder(target, draft, config)
+    stops = frozenset(stop_ids)
+    sets: dict[str, Any] = {}
+    rows = []
+    all_spec: list[DecodeStats] = []
+    all_plain: list[DecodeStats] = []
+    total = sum(len(p) for p in prompts.values())
+    bar = tqdm(total=total, desc="serve_eval", disable=not progress)
+    for name, items in prompts.items():
+        spec_stats, plain_stats, divergences, equal = [], [], [], 0
+        for i, prompt in enumerate(items):
+            base = decoder.generate(prompt, max_new_tokens, stops, params, seed=seed + i, speculate=False)
+            got = decoder.generate(prompt, max_new_tokens, stops, params, seed=seed + i)
+            spec_stats.append(got.stats)
+            plain_stats.append(base.stats)
+            at = first_divergence(got.tokens, base.tokens) if params.greedy else None
+            if params.greedy and at is None:
+                equal += 1
+            elif params.greedy:
+                margin = top2_margin(target, prompt + base.tokens[:at])
+                divergences.append({"prompt": i, "position": at, "margin": round(margin, 6),
+                                    "tie": margin < TIE_MARGIN})
+            rows.append({"set": name, "prompt": i, **got.stats.as_dict(),
+                         "plain_tokens_per_s": base.stats.as_dict()["tokens_per_s"]})
+            bar.update(1)
+        sets[name] = summarise(spec_stats, plain_stats)
+        if params.greedy:
+            sets[name].update(equal=equal, divergences=divergences, lossless=all(d["tie"] for d in divergences))
+        all_spec += spec_stats
+        all_plain += plain_stats
+    bar.close()
+    overall = summarise(all_spec, all_plain)
+    if params.greedy:
+        overall["equal"] = sum(s["equal"] for s in sets.values())
+        overall["lossless"] = all(s["lossless"] for s in sets.values())
+    return {"config": {"mode": config.mode, "k": config.k, "topk": config.topk, "budget": config.budget,
+                       "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+                       "max_new_tokens": max_new_tokens},
+            "sets": sets, "overall": overall, "prompts": rows}
+
+
+# ---------------------------------------------------------------- report
+
+
+def markdown(report: dict[str, Any]) -> str:
+    c = report["config"]
+    lines = [f"# Speculative decoding report ({c['mode']}, K={c['k']}"
+             + (f", top-k {c['topk']}, budget {c['budget']}" if c["mode"] == "tree" else "")
+             + f", temperature {c['temperature']}, {c['max_new_tokens']} new tokens)", "",
+             "| set | prompts | tau | acceptance by position | tokens/s (spec) | tokens/s (plain) | speedup | "
+             "TTFT s | draft / verify share | greedy equal |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, s in [*report["sets"].items(), ("overall", report["overall"])]:
+        eq = f"{s['equal']}/{s['prompts']}" if "equal" in s else "-"
+        accept = " / ".join(f"{x:.2f}" for x in s["accept_per_pos"])
+        lines.append(f"| {name} | {s['prompts']} | {s['tau']:.3f} | {accept}"
+                     f" | {s['spec_tokens_per_s']} | {s['plain_tokens_per_s']} | {s['speedup']} | {s['ttft_s']} | "
+                     f"{s['time_split']['draft']:.2f} / {s['time_split']['verify']:.2f} | {eq} |")
+    divergences = [(n, d) for n, s in report["sets"].items() for d in s.get("divergences", [])]
+    if divergences:
+        lines += ["", "Divergences from plain greedy decoding (target top-2 logit margin at the first difference):", ""]
+        lines += [f"- {n} prompt {d['prompt']}, token {d['position']}: margin {d['margin']}"
+                  + (" (near-tie)" if d["tie"] else " (NOT a near-tie)") for n, d in divergences]
+    return "\n".join(lines) + "\n"
+
+
+def plots(report: dict[str, Any], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["sets"])
+    written = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in [*names, "overall"]:
+        s = report["sets"].get(name, report["overall"])
+        ax.plot(range(1, len(s["accept_per_pos"]) + 1), s["accept_per_pos"], marker="o", label=name,
+                linewidth=2.5 if name == "overall" else 1.2)
+    ax.set(xlabel="draft position", ylabel="acceptance", title="Acceptance by position", ylim=(0, 1))
+    ax.legend()
+    for fname, key, title in (("tau_by_set.png", "tau", "tau (tokens per target forward)"),
+                              ("speedup.png", "speedup", "speedup over plain decoding")):
+        fig2, ax2 = plt.subplots(figsize=(6, 4))
+        values = [report["sets"][n][key] or 0 for n in names] + [report["overall"][key] or 0]
+        ax2.bar([*names, "overall"], values, color=["tab:blue"] * len(names) + ["tab:orange"])
+        ax2.axhline(1.0, color="gray", linewidth=0.8)
+        ax2.set(title=title)
+        fig2.tight_layout()
+        fig2.savefig(out / fname, dpi=100)
+        plt.close(fig2)
+        written.append(fname)
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_by_position.png", dpi=100)
+    plt.close(fig)
+    return ["acceptance_by_position.png", *written]
+
+
+def log_wandb(report: dict[str, Any], out: Path, mode: str, project: str) -> None:
+    if mode == "disabled":
+        return
+    import wandb
+
+    (out / "wandb").mkdir(parents=True, exist_ok=True)
+    run = wandb.init(project=project, name=out.name, dir=str(out), mode=mode, job_type="serve_eval",
+                     config=report["config"], settings=wandb.Settings(console="off", silent=True))
+    for name, s in [*report["sets"].items(), ("overall", report["overall"])]:
+        run.summary[f"serve/{name}/tau"] = s["tau"]
+        run.summary[f"serve/{name}/speedup"] = s["speedup"]
+        run.summary[f"serve/{name}/tokens_per_s"] = s["spec_tokens_per_s"]
+        for i, a in enumerate(s["accept_per_pos"], start=1):
+            run.summary[f"serve/{name}/accept_pos{i}"] = a
+    columns = ["set", "prompt", "tau", "tokens_per_s", "plain_tokens_per_s", "new_tokens"]
+    run.log({"serve/prompts": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in report["prompts"]]),
+             **{f"serve/{png.removesuffix('.png')}": wandb.Image(str(out / png)) for png in report["plots"]}})
+    run.finish()
+
+
+def write_report(report: dict[str, Any], out: Path, wandb_mode: str = "offline", project: str = "eagle3") -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    report["plots"] = plots(report, out)
+    atomic_write_text(out / "report.json", json.dumps(report, indent=1) + "\n")
+    atomic_write_text(out / "report.md", markdown(report))
+    log_wandb(report, out, wandb_mode, project)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m serve_eval.evaluate", description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", required=True, help="draft folder (ours, vLLM, speculators or SGLang format)")
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--target-dtype", default="float32")
+    parser.add_argument("--pools", default="runs/pools")
+    parser.add_argument("--sets", default=",".join(EVAL_SETS))
+    parser.add_argument("--per-set", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--mode", choices=("chain", "tree"), default="chain")
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--topk", type=int, default=4)
+    parser.add_argument("--budget", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--wandb-mode", choices=("offline", "online", "disabled"), default="offline")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from eagle3.chat import ChatFormat
+    from eagle3.export import DraftFormatError, check_draft_fits_target, load_draft
+    from eagle3.target import load_target
+
+    try:
+        config = SpecConfig(args.mode, args.k, args.topk, args.budget)
+        params = SamplingParams(args.temperature, args.top_k, args.top_p)
+        probe = load_draft(args.draft)
+        target = load_target(args.target, dtype=args.target_dtype, device="cpu", aux_layer_ids=probe.aux_layer_ids)
+        loaded = load_draft(args.draft, embed_tokens_weight=target.embed_tokens.weight.detach().float())
+        check_draft_fits_target(loaded, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                                aux_layer_ids=target.aux_layer_ids)
+        draft = loaded.draft.to(target.dtype).eval()
+        chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
+        prompts = {name: read_prompts(Path(args.pools), name, args.per_set, chat) for name in args.sets.split(",")}
+    except (DraftFormatError, ValueError, OSError) as err:
+        print(f"serve_eval: error: {err}", file=sys.stderr)
+        return 2
+    report = evaluate(target, draft, prompts, config=config, params=params, max_new_tokens=args.max_new_tokens,
+                      stop_ids=sorted(chat.stop_ids), seed=args.seed, progress=not args.no_progress)
+    report["draft"], report["target"] = str(args.draft), args.target
+    write_report(report, Path(args.out), args.wandb_mode)
+    print(json.dumps({"stage": "serve_eval", "out": args.out, "overall": report["overall"],
+                      "sets": {n: {k: s[k] for k in ("tau", "speedup", "spec_tokens_per_s", "plain_tokens_per_s")}
+                               for n, s in report["sets"].items()}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

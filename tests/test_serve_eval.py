@@ -1,0 +1,45 @@
+"""serve_eval on a tiny target and draft: the report's figures, files and greedy equality."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagle3.spec_decode import SpecConfig
+from eagle3.verify import SamplingParams
+from serve_eval.evaluate import evaluate, markdown, write_report
+from tests.test_spec_decode import PROMPTS, make_draft, make_target
+
+
+def test_report_has_every_figure_and_file(tmp_path: Path) -> None:
+    target = make_target()
+    draft = make_draft(target)
+    prompts = {"a": PROMPTS, "b": PROMPTS[:1]}
+    report = evaluate(target, draft, prompts, config=SpecConfig("tree", k=2, topk=2, budget=4),
+                      params=SamplingParams(), max_new_tokens=12, stop_ids=[2], progress=False)
+    assert set(report["sets"]) == {"a", "b"} and report["overall"]["prompts"] == 3
+    for s in [*report["sets"].values(), report["overall"]]:
+        assert s["tau"] >= 1.0 and len(s["accept_per_pos"]) == 2 and s["speedup"] > 0
+        assert s["spec_tokens_per_s"] > 0 and s["plain_tokens_per_s"] > 0
+    assert report["overall"]["equal"] == 3 and report["overall"]["lossless"]  # greedy: same text as plain
+    assert len(report["prompts"]) == 3
+    write_report(report, tmp_path / "r", wandb_mode="offline")
+    saved = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert saved["overall"]["tau"] == report["overall"]["tau"]
+    for png in ("acceptance_by_position.png", "tau_by_set.png", "speedup.png"):
+        assert (tmp_path / "r" / png).read_bytes()[:4] == b"\x89PNG"
+    assert "| overall | 3 |" in (tmp_path / "r" / "report.md").read_text()
+    assert list((tmp_path / "r" / "wandb").glob("offline-run-*"))
+
+
+def test_markdown_flags_divergences_that_are_not_ties() -> None:
+    report = {"config": {"mode": "chain", "k": 1, "topk": 1, "budget": 1, "temperature": 0.0, "max_new_tokens": 4},
+              "sets": {"x": {"prompts": 1, "tau": 1.5, "accept_per_pos": [0.5], "spec_tokens_per_s": 2,
+                             "plain_tokens_per_s": 1, "speedup": 2.0, "ttft_s": 0.1,
+                             "time_split": {"draft": 0.1, "verify": 0.8}, "equal": 0,
+                             "divergences": [{"prompt": 0, "position": 3, "margin": 0.5, "tie": False}]}},
+              "overall": {"prompts": 1, "tau": 1.5, "accept_per_pos": [0.5], "spec_tokens_per_s": 2,
+                          "plain_tokens_per_s": 1, "speedup": 2.0, "ttft_s": 0.1,
+                          "time_split": {"draft": 0.1, "verify": 0.8}, "equal": 0}}
+    text = markdown(report)
+    assert "NOT a near-tie" in text and "| x | 1 | 1.500 | 0.50 |" in text
