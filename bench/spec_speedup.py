@@ -46,6 +46,7 @@ def cost_model(target, draft, context: int, k: int, repeats: int) -> dict[str, f
     from transformers import DynamicCache
 
     from eagle3.draft import KVCache
+    from eagle3.spec_decode import crop_cache
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 1000, (1, context + k + 1), generator=g)
@@ -57,7 +58,7 @@ def cost_model(target, draft, context: int, k: int, repeats: int) -> dict[str, f
         def run() -> None:
             with torch.no_grad():
                 target(ids[:, context:context + n], past_key_values=cache, use_cache=True)
-            cache.crop(context)
+            crop_cache(cache, context)
         return run
 
     t1, tk = median_time(verify(1), repeats), median_time(verify(k + 1), repeats)

@@ -102,11 +102,27 @@ class Generation:
     stats: DecodeStats
 
 
-def keep_cache_positions(cache: Any, keep: Tensor) -> None:
-    """Keep only the sequence positions ``keep`` [T'] (ascending) of an HF cache, in place."""
-    for layer in cache.layers:
-        layer.keys = layer.keys.index_select(-2, keep)
-        layer.values = layer.values.index_select(-2, keep)
+def crop_cache(cache: Any, length: int) -> None:
+    """Keep the first ``length`` positions of an HF cache (transformers 5 crops by a negative count)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def keep_accepted(cache: Any, prefix: int, path: list[int]) -> None:
+    """Keep the first ``prefix`` positions of an HF cache and then the verified nodes ``path``
+    (ascending node indices; node i sits at position prefix + i), in place.
+
+    A chain's path is 0..a-1, a plain crop. A tree's path is moved down entry by entry: node
+    path[i] >= i, so copying in increasing i never overwrites a source still to be read.
+    """
+    if path != list(range(len(path))):
+        for layer in cache.layers:
+            for i, node in enumerate(path):
+                if node != i:
+                    layer.keys[..., prefix + i, :] = layer.keys[..., prefix + node, :]
+                    layer.values[..., prefix + i, :] = layer.values[..., prefix + node, :]
+    crop_cache(cache, prefix + len(path))
 
 
 class SpeculativeDecoder:
@@ -301,8 +317,7 @@ class SpeculativeDecoder:
             emitted += new
 
             t0 = time.perf_counter()
-            keep = torch.tensor([*range(n + 1), *(n + 1 + p for p in path)], device=self.device)
-            keep_cache_positions(cache, keep)
+            keep_accepted(cache, n + 1, path)
             draft_cache.truncate(n)
             aux = out.aux[:, [0, *(1 + p for p in path)]]  # [1, 1 + a, A, H]: x and the accepted nodes
             n += 1 + len(path)
@@ -320,4 +335,4 @@ class SpeculativeDecoder:
         return int(torch.multinomial(target_probs(logits, params), 1, generator=g))
 
 
-__all__ = ["DecodeStats", "Generation", "SpecConfig", "SpeculativeDecoder", "keep_cache_positions"]
+__all__ = ["DecodeStats", "Generation", "SpecConfig", "SpeculativeDecoder", "crop_cache", "keep_accepted"]
