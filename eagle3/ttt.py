@@ -244,7 +244,8 @@ def ttt_forward(
         earlier = ([list(d) for d in diagonal], list(step0_kv))
 
         def run_step(hidden_prev: Tensor, k: int = k, ids_k: Tensor = ids_k, pos_k: Tensor = pos_k,
-                     valid: Tensor = valid, earlier: tuple = earlier) -> tuple[Tensor, ...]:
+                     valid: Tensor = valid, counted: Tensor = counted,
+                     earlier: tuple = earlier) -> tuple[Tensor, ...]:
             diag_before, window = earlier
             new_kv: list[tuple[Tensor, Tensor]] = []
 
@@ -258,14 +259,23 @@ def ttt_forward(
 
             prenorm = draft.decode(hidden_prev, draft.embed(ids_k), pos_k,
                                    [attend_for(i) for i in range(num_layers)])  # [B, S, H]
-            logits = draft.compute_logits(prenorm)  # [B, S, Vd]
-            target_probs = shift_left(targets.probs, k + 1, 0.0)  # [B, S, Vd] p[t+k+1]
-            ce = soft_cross_entropy(logits, target_probs)  # [B, S]
-            loss_sum = torch.where(valid, ce, 0.0).sum()
-            draft_argmax = draft.draft_to_target_ids(logits.detach().argmax(-1))  # [B, S] target ids
             flat_kv = [t for kv in new_kv for t in kv]
-            return (draft.next_hidden(prenorm), loss_sum, draft_argmax, *flat_kv,
-                    *((logits,) if return_logits else ()))
+            if return_logits:
+                logits = draft.compute_logits(prenorm)  # [B, S, Vd]
+                target_probs = shift_left(targets.probs, k + 1, 0.0)  # [B, S, Vd] p[t+k+1]
+                ce = soft_cross_entropy(logits, target_probs)  # [B, S]
+                loss_sum = torch.where(valid, ce, 0.0).sum()
+                draft_argmax = draft.draft_to_target_ids(logits.detach().argmax(-1))  # [B, S] target ids
+                return (draft.next_hidden(prenorm), loss_sum, draft_argmax, *flat_kv, logits)
+            # Only the rows this step counts need logits (the lm_head is most of a step's compute,
+            # and under half the rows are counted); every row's hidden state still goes on.
+            rows, cols = counted.nonzero(as_tuple=True)  # [M] each
+            logits = draft.compute_logits(prenorm[rows, cols])  # [M, Vd]
+            ce = soft_cross_entropy(logits, targets.probs[rows, cols + k + 1])  # [M]: p[t+k+1]
+            loss_sum = torch.where(valid[rows, cols], ce, 0.0).sum()
+            draft_argmax = torch.full_like(ids_k, -2)  # [B, S]; uncounted rows never match
+            draft_argmax[rows, cols] = draft.draft_to_target_ids(logits.detach().argmax(-1))
+            return (draft.next_hidden(prenorm), loss_sum, draft_argmax, *flat_kv)
 
         if gradient_checkpointing and torch.is_grad_enabled():
             out = checkpoint(run_step, hidden, use_reentrant=False)

@@ -320,3 +320,28 @@ def test_simulated_tau_multiplies_per_position() -> None:
     counted = COUNTED.clone()
     counted[0, 2] = False
     assert simulated_tau(MATCH.view(3, 2, 2), counted.view(3, 2, 2)).item() == pytest.approx(1 + 5 / 3)
+
+
+@pytest.mark.parametrize("variant", [{}, SPECULATORS_VARIANT])
+def test_logits_on_counted_rows_only_change_nothing(variant: dict) -> None:
+    """Training computes logits only where a step is counted; losses, matches and gradients equal
+    the full computation (return_logits=True runs every row)."""
+    draft = tiny_draft(num_layers=2, **variant).train()
+    batch = packed_batch([[9, 7], [5, 11]], seed=4, t2d=draft.t2d)
+
+    def run(full: bool) -> tuple[ttt.TTTOutput, dict[str, torch.Tensor]]:
+        draft.zero_grad(set_to_none=True)
+        out = ttt_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
+                          batch["loss_mask"], prepare_targets(batch["target_logits"], draft.t2d), num_steps=3,
+                          return_logits=full)
+        out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
+
+    (full, g_full), (fast, g_fast) = run(True), run(False)
+    torch.testing.assert_close(fast.loss, full.loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fast.loss_sum, full.loss_sum, rtol=1e-6, atol=1e-6)
+    assert torch.equal(fast.count, full.count) and torch.equal(fast.counted, full.counted)
+    assert torch.equal(fast.match & fast.counted, full.match & full.counted)
+    assert not (fast.match & ~fast.counted).any()
+    for name in g_full:
+        torch.testing.assert_close(g_fast[name], g_full[name], rtol=1e-5, atol=1e-6, msg=name)
