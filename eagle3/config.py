@@ -291,6 +291,11 @@ class TrainConfig:
     draft_vocab: str | None = None
     """Reuse a draft vocab instead (a draft_vocab.safetensors of another run, or an exported
     draft folder): across runs and mining rounds."""
+    init_draft: str | None = None
+    """Continue training this draft (a folder in any format :func:`eagle3.export.load_draft` reads:
+    ours, vLLM/EAGLE/SpecForge, speculators, SGLang): its shape, weights and draft vocab replace
+    the draft-shape fields, ``draft_vocab*`` and ``lm_head_init``. Its aux layer ids must be the
+    store's."""
     num_layers: int = 1
     """Decoder layers of the draft."""
     draft_intermediate_size: int | None = None

@@ -292,6 +292,13 @@ def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
 def choose_draft_vocab(cfg: TrainConfig, store: HarvestStore, train_idx: Sequence[int], vocab_size: int,
                        always_include: Sequence[int]) -> DraftVocab:
     """A saved vocab (``cfg.draft_vocab``) or the most frequent loss-masked tokens of the training split."""
+    if cfg.init_draft:  # the draft's own vocab, whatever its format keeps of it
+        from eagle3.export import DraftFormatError, load_draft
+
+        try:
+            return DraftVocab.from_d2t(load_draft(cfg.init_draft).draft.d2t, vocab_size)
+        except (DraftFormatError, ValueError) as err:
+            raise TrainError(f"train.init_draft: {err}") from None
     if cfg.draft_vocab:
         return read_draft_vocab(cfg.draft_vocab, vocab_size)
     counts = loss_token_counts(store, train_idx, vocab_size)
@@ -302,8 +309,8 @@ def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore) -> d
     """What a resumed run must share with the run that saved the checkpoint: the settings that
     decide the data order, the model and how DeepSpeed sharded its states."""
     keys = ("batching", "micro_batch_tokens", "gradient_accumulation", "seed", "eval_fraction", "ttt_steps",
-            "num_layers", "draft_intermediate_size", "draft_num_attention_heads", "draft_num_key_value_heads",
-            "draft_head_dim", "draft_rope", "draft_variant", "zero_stage", "precision")
+            "init_draft", "num_layers", "draft_intermediate_size", "draft_num_attention_heads",
+            "draft_num_key_value_heads", "draft_head_dim", "draft_rope", "draft_variant", "zero_stage", "precision")
     pinned = {f"train.{k}": getattr(cfg, k) for k in keys}
     return {**pinned, "world_size": world_size, "store.samples": len(store),
             "store.shards": [entry["sha256"] for entry in store.manifest["shards"]]}
@@ -325,6 +332,24 @@ def _load_target(target_cfg: TargetConfig, aux_layer_ids: Sequence[int]) -> Targ
     return load_target(target_cfg.name_or_path, dtype=target_cfg.dtype, device="cpu", aux_layer_ids=aux_layer_ids,
                        attn_implementation=target_cfg.attn_implementation,
                        trust_remote_code=target_cfg.trust_remote_code, architecture=target_cfg.architecture)
+
+
+def _initial_draft(folder: str, spec: Any, target: Target, embedding: Tensor) -> Eagle3Draft:
+    """A draft to continue training, checked against the store and the target."""
+    from eagle3.export import DraftFormatError, check_draft_fits_target, load_draft
+
+    try:
+        loaded = load_draft(folder, embed_tokens_weight=embedding)
+        check_draft_fits_target(loaded, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                                aux_layer_ids=spec.aux_layer_ids)
+    except DraftFormatError as err:
+        raise TrainError(f"train.init_draft: {err}") from None
+    if loaded.aux_layer_ids is None:
+        print0(f"train.init_draft: {folder} names no aux layer ids; assuming the store's {list(spec.aux_layer_ids)}")
+    draft = loaded.draft
+    if loaded.has_embedding:  # a checkpoint's own copy is kept out: the target's embedding is the one served
+        draft.load_embedding(embedding)
+    return draft.float()
 
 
 def _draft_state(draft: Eagle3Draft, zero_stage: int) -> dict[str, Tensor]:
@@ -403,14 +428,20 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
 
     # -- the draft (same seed on every rank), the target's head, the engine
     torch.manual_seed(cfg.seed)
-    try:
-        draft_config = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size,
-                                                      num_aux_layers=len(spec.aux_layer_ids), **cfg.draft_overrides())
-    except ValueError as err:
-        raise TrainError(f"draft shape: {err}") from None
-    draft = Eagle3Draft(draft_config, target.embed_tokens.weight.detach().float().cpu())
+    embedding = target.embed_tokens.weight.detach().float().cpu()
+    if cfg.init_draft:
+        draft = _initial_draft(cfg.init_draft, spec, target, embedding)
+        draft_config = draft.config
+    else:
+        try:
+            draft_config = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size,
+                                                          num_aux_layers=len(spec.aux_layer_ids),
+                                                          **cfg.draft_overrides())
+        except ValueError as err:
+            raise TrainError(f"draft shape: {err}") from None
+        draft = Eagle3Draft(draft_config, embedding)
     draft.set_draft_vocab(vocab.d2t, vocab.t2d)
-    if cfg.lm_head_init == "target":
+    if cfg.lm_head_init == "target" and not cfg.init_draft:
         draft.init_lm_head_from_target(target.lm_head.weight.detach().float().cpu(), vocab.d2t,
                                        target.norm.weight.detach().float().cpu())
     head = TargetHead(copy.deepcopy(target.norm), copy.deepcopy(target.lm_head)).to(rt.device)

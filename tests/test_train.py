@@ -332,3 +332,26 @@ def test_deepspeed_two_gloo_processes_match_one_process(tiny: dict, tmp_path: Pa
     (z3 / "checkpoints" / LATEST).write_text("step-00000003\n")
     _two_processes(tiny, z3, "--zero-stage", "3", "--save-every", "3")
     assert _losses(z3) == straight
+
+
+def test_training_continues_from_an_exported_draft_in_another_format(tiny: dict, tmp_path: Path) -> None:
+    from eagle3.export import main as export_main
+
+    first = tmp_path / "first"
+    train(_cfg(tiny, first, steps=12, eval_every=0, save_every=0, lr=1e-2), target=tiny["target"])
+    assert export_main(["--draft", str(first / "final"), "--out", str(tmp_path / "spec"), "--format", "speculators",
+                        "--dtype", "float32"]) == 0
+    again = tmp_path / "again"
+    summary = train(_cfg(tiny, again, steps=2, eval_every=0, save_every=0, lr=1e-9, warmup_steps=0,
+                         init_draft=str(tmp_path / "spec"), draft_vocab_size=32), target=tiny["target"])
+    fresh = train(_cfg(tiny, tmp_path / "fresh", steps=2, eval_every=0, save_every=0, lr=1e-9, warmup_steps=0),
+                  target=tiny["target"])
+    # the continued run starts from the trained weights (and keeps their 64-token vocab)
+    assert summary["draft_vocab_size"] == 64 and summary["first_loss"] < fresh["first_loss"] - 0.3
+    trained = load_file(str(first / "final" / "model.safetensors"))
+    continued = load_file(str(again / "final" / "model.safetensors"))
+    torch.testing.assert_close(continued["fc.weight"], trained["fc.weight"], rtol=0, atol=1e-6)
+    with pytest.raises(TrainError, match="aux layer ids"):
+        bad = tmp_path / "bad"
+        export_main(["--draft", str(first / "final"), "--out", str(bad), "--aux-layer-ids", "1,3,5"])
+        train(_cfg(tiny, tmp_path / "x", steps=1, init_draft=str(bad)), target=tiny["target"])
