@@ -23,10 +23,10 @@ eval set and draft one JSON line:
   (HF, fp32). Lossless means every divergence has a margin below 1e-4 (a near-tie that the
   batched verification's different reduction order may flip); a larger margin is a failure.
 
-``--controls`` adds, per draft, copies whose aux layer ids are wrong on purpose: ``off-by-one``
-(every id + 1, the bug class of sglang #25454 / vLLM #43671) and, when the draft's ids are not
-the target's defaults, ``ids-removed`` (the keys deleted, so vLLM falls back to its defaults).
-If vLLM read our ids from the right key, both controls lose acceptance.
+``--controls`` adds, for every draft whose aux layer ids are not the target's defaults, copies
+whose ids are wrong on purpose: ``ids-removed`` (the keys deleted, so vLLM falls back to its
+defaults) and ``off-by-one`` (every id + 1, the bug class of sglang #25454 / vLLM #43671). If
+vLLM read our ids from the right key, both controls lose acceptance.
 """
 
 from __future__ import annotations
@@ -143,11 +143,11 @@ def control_copies(draft: Path, default_ids: list[int], num_layers: int, workdir
         "eagle_aux_hidden_state_layer_ids")
     if not ids:
         return {}
-    variants: dict[str, list[int] | None] = {}
+    if sorted(ids) == sorted(default_ids):
+        return {}  # with the defaults a key vLLM ignores goes unnoticed anyway: nothing to prove
+    variants: dict[str, list[int] | None] = {"ids-removed": None}
     if max(ids) + 1 < num_layers:
         variants["off-by-one"] = [i + 1 for i in ids]
-    if sorted(ids) != sorted(default_ids):
-        variants["ids-removed"] = None
     out = {}
     for name, new in variants.items():
         dest = workdir / f"{draft.name}-{name}"
