@@ -45,37 +45,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "multilingual")
+# the eval prompts and the divergence check are serve_eval's, so both judges read the same text
+from serve_eval.evaluate import EVAL_SETS, TIE_MARGIN, first_divergence, read_prompts, top2_margin  # noqa: E402
+
 SPEC_METRICS = {
     "vllm:spec_decode_num_drafts": "drafts",
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",
     "vllm:spec_decode_num_accepted_tokens": "accepted",
 }
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-TIE_MARGIN = 1e-4
-
-
-# ---------------------------------------------------------------- prompts
-
-
-def eval_prompts(pools: Path, sets: list[str], per_set: int, chat: Any) -> dict[str, list[list[int]]]:
-    """First ``per_set`` prompts of each eval set as token ids (first user turn, generation prompt added)."""
-    from eagle3.conversations import iter_jsonl
-
-    out = {}
-    for name in sets:
-        path = pools / "eval" / f"{name}.jsonl"
-        if not path.is_file():
-            raise SystemExit(f"{path}: missing (build the pools: python -m data_gen.pools --out {pools})")
-        rows = []
-        for _, record in iter_jsonl(path):
-            messages = record["messages"]
-            first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
-            rows.append(chat.prompt_ids(messages[: first_user + 1]))
-            if len(rows) == per_set:
-                break
-        out[name] = rows
-    return out
 
 
 # ---------------------------------------------------------------- one engine, in a child process
@@ -165,23 +143,6 @@ def control_copies(draft: Path, default_ids: list[int], num_layers: int, workdir
     return out
 
 
-def top2_margin(target: Any, ids: list[int]) -> float:
-    """top-1 minus top-2 logit of the target after ``ids`` (fp32, HF)."""
-    import torch
-
-    with torch.no_grad():
-        logits = target(torch.tensor([ids]), return_logits=True).logits[0, -1].float()
-    top = logits.topk(2).values
-    return float(top[0] - top[1])
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -243,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     folder = resolve_target(args.target).location
     target = load_target(args.target, dtype="float32", device="cpu")
     chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
-    prompts = eval_prompts(Path(args.pools), args.sets.split(","), args.per_set, chat)
+    prompts = {name: read_prompts(Path(args.pools), name, args.per_set, chat) for name in args.sets.split(",")}
     drafts = {}
     for item in args.draft:
         name, _, path = item.partition("=")
