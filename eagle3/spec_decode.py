@@ -37,6 +37,7 @@ from eagle3.verify import (
     sample_tree,
     target_probs,
     tree_attention_mask,
+    tree_depths,
 )
 
 
@@ -238,7 +239,7 @@ class SpeculativeDecoder:
         # keep the best `budget` nodes; a child never outscores its parent, so ancestors stay
         keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[: self.config.budget])
         index = {old: new for new, old in enumerate(keep)}
-        return [tokens[i] for i in keep], [index.get(parents[i], -1) if parents[i] >= 0 else -1 for i in keep]
+        return [tokens[i] for i in keep], [index[parents[i]] if parents[i] >= 0 else -1 for i in keep]
 
     # -- generation
 
@@ -288,16 +289,15 @@ class SpeculativeDecoder:
             stats.seconds_draft += time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            depth = [0] * len(tokens)
-            for i, p in enumerate(parents):
-                depth[i] = 1 if p < 0 else depth[p] + 1
-            nodes = tree_attention_mask(parents).to(self.device)  # [N, N]
-            m = len(tokens) + 1
-            mask = torch.zeros(m, n + m, dtype=torch.bool, device=self.device)
-            mask[:, : n + 1] = True  # the prefix and x
-            mask[1:, n + 1:] = nodes
-            mask[0, n + 1:] = False
-            out = self._target([x, *tokens], cache, [n, *(n + dd for dd in depth)], mask[None, None])
+            if tree:  # each node sees the prefix, x and its ancestors, at position n + depth
+                m = len(tokens) + 1
+                mask = torch.zeros(m, n + m, dtype=torch.bool, device=self.device)
+                mask[:, : n + 1] = True
+                mask[1:, n + 1:] = tree_attention_mask(parents).to(self.device)  # [N, N]
+                positions = [n, *(n + depth for depth in tree_depths(parents))]
+                out = self._target([x, *tokens], cache, positions, mask[None, None])
+            else:  # a chain is plain causal attention
+                out = self._target([x, *tokens], cache)
             stats.seconds_verify += time.perf_counter() - t0
             stats.target_forwards += 1
             logits = out.logits[0]  # [1 + N, V]
