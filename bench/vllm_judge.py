@@ -107,7 +107,7 @@ def in_child(job: dict[str, Any]) -> dict[str, Any]:
         job_file.write_text(json.dumps(job))
         env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
         subprocess.run([sys.executable, __file__, "--engine-job", str(job_file), "--engine-out", str(result_file)],
-                       check=True, env=env)
+                       check=True, env=env, stdout=sys.stderr)  # vLLM logs to stdout: keep ours JSON only
         return json.loads(result_file.read_text())
 
 
