@@ -98,16 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
 
     from eagle3.chat import ChatFormat
-    from eagle3.export import load_draft
     from eagle3.spec_decode import SpecConfig
-    from eagle3.target import load_target
     from eagle3.verify import SamplingParams
-    from serve_eval.evaluate import evaluate, read_prompts, write_report
+    from serve_eval.evaluate import evaluate, load_pair, read_prompts, write_report
 
-    probe = load_draft(args.draft)
-    target = load_target(args.target, dtype=args.target_dtype, device="cpu", aux_layer_ids=probe.aux_layer_ids)
-    draft = load_draft(args.draft, embed_tokens_weight=target.embed_tokens.weight.detach().float()).draft
-    draft = draft.to(target.dtype).eval()
+    target, draft = load_pair(args.draft, args.target, args.target_dtype)
     chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
     prompts = {n: read_prompts(Path(args.pools), n, args.per_set, chat) for n in args.sets.split(",")}
 

@@ -290,14 +290,13 @@ def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
 
 
 def choose_draft_vocab(cfg: TrainConfig, store: HarvestStore, train_idx: Sequence[int], vocab_size: int,
-                       always_include: Sequence[int]) -> DraftVocab:
-    """A saved vocab (``cfg.draft_vocab``) or the most frequent loss-masked tokens of the training split."""
-    if cfg.init_draft:  # the draft's own vocab, whatever its format keeps of it
-        from eagle3.export import DraftFormatError, load_draft
-
+                       always_include: Sequence[int], initial: Eagle3Draft | None = None) -> DraftVocab:
+    """The vocab of the draft training continues from (``initial``), a saved vocab
+    (``cfg.draft_vocab``), or the most frequent loss-masked tokens of the training split."""
+    if initial is not None:  # the draft's own vocab, whatever its format keeps of it
         try:
-            return DraftVocab.from_d2t(load_draft(cfg.init_draft).draft.d2t, vocab_size)
-        except (DraftFormatError, ValueError) as err:
+            return DraftVocab.from_d2t(initial.d2t, vocab_size)
+        except ValueError as err:
             raise TrainError(f"train.init_draft: {err}") from None
     if cfg.draft_vocab:
         return read_draft_vocab(cfg.draft_vocab, vocab_size)
@@ -410,6 +409,9 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         raise TrainError(f"train.eval_fraction={cfg.eval_fraction} leaves {len(train_idx)} training and "
                          f"{len(eval_idx)} eval samples of {len(store)} in {cfg.store}")
 
+    embedding = target.embed_tokens.weight.detach().float().cpu()
+    initial = _initial_draft(cfg.init_draft, spec, target, embedding) if cfg.init_draft else None
+
     # -- draft vocab: chosen once, frozen for the run
     resume_tag = latest_tag(ckpt_root) if cfg.resume and ckpt_root.is_dir() else None
     pinned = pinned_settings(cfg, rt.world_size, store)
@@ -420,7 +422,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         vocab = read_draft_vocab(vocab_file, target.vocab_size)
     else:
         eos = target.tokenizer.eos_token_id
-        vocab = choose_draft_vocab(cfg, store, train_idx, target.vocab_size, [] if eos is None else [eos])
+        vocab = choose_draft_vocab(cfg, store, train_idx, target.vocab_size, [] if eos is None else [eos], initial)
         if rt.rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
             write_draft_vocab(vocab_file, vocab)
@@ -428,10 +430,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
 
     # -- the draft (same seed on every rank), the target's head, the engine
     torch.manual_seed(cfg.seed)
-    embedding = target.embed_tokens.weight.detach().float().cpu()
-    if cfg.init_draft:
-        draft = _initial_draft(cfg.init_draft, spec, target, embedding)
-        draft_config = draft.config
+    if initial is not None:
+        draft, draft_config = initial, initial.config
     else:
         try:
             draft_config = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size,

@@ -227,6 +227,24 @@ def write_report(report: dict[str, Any], out: Path, wandb_mode: str = "offline",
 # ---------------------------------------------------------------- CLI
 
 
+def load_pair(draft_path: str, target_name: str, dtype: str = "float32") -> tuple[Any, Any]:
+    """The target (capturing the draft's aux layers) and the draft, read once and checked against it.
+
+    A draft without its own embedding gets the target's; errors are :class:`DraftFormatError`,
+    ``ValueError`` or ``OSError`` naming the file or the mismatch."""
+    from eagle3.export import check_draft_fits_target, load_draft
+    from eagle3.target import load_target
+
+    loaded = load_draft(draft_path)
+    target = load_target(target_name, dtype=dtype, device="cpu", aux_layer_ids=loaded.aux_layer_ids)
+    check_draft_fits_target(loaded, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                            aux_layer_ids=target.aux_layer_ids)
+    if not loaded.has_embedding:
+        loaded.draft.load_embedding(target.embed_tokens.weight.detach().float())
+    return target, loaded.draft.to(target.dtype).eval()
+
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve_eval.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("--draft", required=True, help="draft folder (ours, vLLM, speculators or SGLang format)")
@@ -252,18 +270,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     from eagle3.chat import ChatFormat
-    from eagle3.export import DraftFormatError, check_draft_fits_target, load_draft
-    from eagle3.target import load_target
+    from eagle3.export import DraftFormatError
 
     try:
         config = SpecConfig(args.mode, args.k, args.topk, args.budget)
         params = SamplingParams(args.temperature, args.top_k, args.top_p)
-        probe = load_draft(args.draft)
-        target = load_target(args.target, dtype=args.target_dtype, device="cpu", aux_layer_ids=probe.aux_layer_ids)
-        loaded = load_draft(args.draft, embed_tokens_weight=target.embed_tokens.weight.detach().float())
-        check_draft_fits_target(loaded, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-                                aux_layer_ids=target.aux_layer_ids)
-        draft = loaded.draft.to(target.dtype).eval()
+        target, draft = load_pair(args.draft, args.target, args.target_dtype)
         chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
         prompts = {name: read_prompts(Path(args.pools), name, args.per_set, chat) for name in args.sets.split(",")}
     except (DraftFormatError, ValueError, OSError) as err:
