@@ -265,8 +265,13 @@ class TrainConfig:
     a document); buckets: similar lengths padded together."""
     gradient_accumulation: int = 1
     """Micro-batches per rank per optimizer step; the global batch is world_size times this."""
+    optimizer: str = "adamw"
+    """adamw; or muon: Muon (orthogonalised momentum, DeepSpeed's) on the draft's hidden 2-D
+    matrices (fc, attention, MLP) and AdamW on the rest (lm_head, norms), as speculators does."""
     lr: float = 1e-4
-    """Peak learning rate (AdamW)."""
+    """Peak learning rate (AdamW; with ``optimizer=muon`` each Muon matrix's step is scaled to
+    the RMS an AdamW step of this lr would have, 0.2 * lr, so one lr serves both halves)."""
+    muon_momentum: float = 0.95
     min_lr_ratio: float = 0.0
     """The cosine decays to lr * min_lr_ratio at the last step."""
     warmup_steps: int = 50
@@ -372,6 +377,10 @@ class TrainConfig:
             raise ValueError(f"train.eval_fraction={self.eval_fraction}: set it or eval_store, not both")
         if self.lr <= 0:
             raise ValueError(f"train.lr={self.lr}: must be > 0")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"train.optimizer={self.optimizer!r}: expected adamw or muon")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ValueError(f"train.muon_momentum={self.muon_momentum}: must be in [0, 1)")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         for name in ("weight_decay", "max_grad_norm"):

@@ -21,8 +21,9 @@ with like. Timings split draft / verify / other; ``stats`` has tau and acceptanc
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -62,6 +63,14 @@ class SpecConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
 
 
+class DepthPolicy(Protocol):
+    """Chooses each round's chain depth (adaptive speculation, :mod:`eagle3.adaptive`)."""
+
+    def choose(self) -> int: ...
+
+    def observe(self, depth: int, accepted: int) -> None: ...
+
+
 @dataclass
 class DecodeStats:
     """What one generation measured."""
@@ -69,7 +78,8 @@ class DecodeStats:
     new_tokens: int = 0
     target_forwards: int = 0  # verify (or plain decode) forwards, prefill excluded
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per round
-    proposed: int = 0  # depth of what each round proposed (K), for acceptance per position
+    proposed: int = 0  # the deepest proposal of any round (K), for acceptance per position
+    depths: list[int] = field(default_factory=list)  # depth proposed per round (K, or the adaptive choice)
     seconds_prefill: float = 0.0
     seconds_draft: float = 0.0
     seconds_verify: float = 0.0
@@ -81,9 +91,13 @@ class DecodeStats:
         return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 1.0
 
     def acceptance_per_position(self) -> list[float]:
-        """Share of rounds whose draft token at depth i (1-based) was accepted."""
-        rounds = max(len(self.accepted), 1)
-        return [sum(a >= i for a in self.accepted) / rounds for i in range(1, self.proposed + 1)]
+        """Share of the rounds proposing a token at depth i (1-based) in which it was accepted."""
+        depths = self.depths or [self.proposed] * len(self.accepted)
+        out = []
+        for i in range(1, self.proposed + 1):
+            rounds = [a for a, d in zip(self.accepted, depths, strict=True) if d >= i]
+            out.append(sum(a >= i for a in rounds) / len(rounds) if rounds else 0.0)
+        return out
 
     def as_dict(self) -> dict[str, Any]:
         decode = self.seconds_total - self.seconds_prefill
@@ -172,14 +186,14 @@ class SpeculativeDecoder:
 
     def _propose_chain(self, root_state: Tensor, root_logits: Tensor, n: int, cache: KVCache,
                        params: SamplingParams, g: torch.Generator | None,
-                       context: list[int]) -> tuple[list[int], list[int], Tensor | None]:
-        """K draft tokens (parents -1, 0, 1, ...) and, when sampling, their proposal
-        distributions [K, V]. ``context``: prompt + emitted tokens (unused by the EAGLE draft)."""
+                       context: list[int], k: int) -> tuple[list[int], list[int], Tensor | None]:
+        """k draft tokens (parents -1, 0, 1, ...) and, when sampling, their proposal
+        distributions [k, V]. ``context``: prompt + emitted tokens (unused by the EAGLE draft)."""
         d = self.draft
         assert d is not None
         tokens, qs = [], []
         state, logits = root_state, root_logits
-        for depth in range(1, self.config.k + 1):
+        for depth in range(1, k + 1):
             full = self._draft_target_logits(logits[0])  # [V]
             if params.greedy:
                 token = int(full.argmax())
@@ -188,7 +202,7 @@ class SpeculativeDecoder:
                 qs.append(q)
                 token = int(torch.multinomial(q, 1, generator=g))
             tokens.append(token)
-            if depth < self.config.k:
+            if depth < k:
                 state, step_logits = d(torch.tensor([[token]], device=self.device), state,
                                        torch.tensor([[n - 1 + depth]], device=self.device), cache)
                 logits = step_logits[:, -1]
@@ -245,10 +259,19 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: set[int] | frozenset[int] = frozenset(),
-                 params: SamplingParams = SamplingParams(), seed: int = 0, speculate: bool = True) -> Generation:
-        """Generate up to ``max_new_tokens`` after ``prompt`` (stopping after a stop id)."""
+                 params: SamplingParams = SamplingParams(), seed: int = 0, speculate: bool = True,
+                 policy: DepthPolicy | None = None,
+                 on_tokens: Callable[[list[int]], bool] | None = None) -> Generation:
+        """Generate up to ``max_new_tokens`` after ``prompt`` (stopping after a stop id).
+
+        ``policy`` (chains only) picks each round's depth, 0..K (0: a plain target step, the
+        draft still catching up) and is told what was accepted. ``on_tokens`` is called with each
+        round's new tokens; returning False ends the generation there (a stop string, a client
+        gone)."""
         if not prompt:
             raise ValueError("empty prompt")
+        if policy is not None and self.config.mode != "chain":
+            raise ValueError("an adaptive depth policy needs mode=chain")
         speculate = speculate and self.draft is not None
         g = torch.Generator(device="cpu").manual_seed(seed)
         stats = DecodeStats(proposed=self.config.k if speculate else 0)
@@ -261,13 +284,14 @@ class SpeculativeDecoder:
         stats.seconds_prefill = time.perf_counter() - start
         emitted = [first]
         n = len(prompt)
+        going = on_tokens is None or on_tokens([first]) is not False
         draft_cache = KVCache()
         root = None
         if speculate:
             t0 = time.perf_counter()
             root = self._draft_rows(out.aux, prompt[1:] + [first], 0, draft_cache)
             stats.seconds_draft += time.perf_counter() - t0
-        while len(emitted) < max_new_tokens and emitted[-1] not in stop_ids:
+        while going and len(emitted) < max_new_tokens and emitted[-1] not in stop_ids:
             x = emitted[-1]
             if not speculate:
                 t0 = time.perf_counter()
@@ -276,6 +300,7 @@ class SpeculativeDecoder:
                 stats.target_forwards += 1
                 emitted.append(self._pick(out.logits[0, -1], params, g))
                 n += 1
+                going = on_tokens is None or on_tokens(emitted[-1:]) is not False
                 continue
             assert root is not None
             t0 = time.perf_counter()
@@ -284,8 +309,9 @@ class SpeculativeDecoder:
                 tokens, parents = self._propose_tree(root[0], root[1], n, draft_cache, prompt + emitted)
                 qs = None
             else:
+                k = self.config.k if policy is None else min(max(policy.choose(), 0), self.config.k)
                 tokens, parents, qs = self._propose_chain(root[0], root[1], n, draft_cache, params, g,
-                                                          prompt + emitted)
+                                                          prompt + emitted, k)
             stats.seconds_draft += time.perf_counter() - t0
 
             t0 = time.perf_counter()
@@ -308,6 +334,9 @@ class SpeculativeDecoder:
                 acc = sample_tree(tokens, parents, probs, g) if tree else sample_chain(tokens, qs, probs, g)
             path = acc.path if acc.path is not None else list(range(acc.accepted))
             stats.accepted.append(acc.accepted)
+            stats.depths.append(max(tree_depths(parents), default=0) if tree else len(tokens))
+            if policy is not None:
+                policy.observe(len(tokens), acc.accepted)
             room = max_new_tokens - len(emitted)
             new = acc.tokens[:room]
             for i, token in enumerate(new):
@@ -315,13 +344,14 @@ class SpeculativeDecoder:
                     new = new[: i + 1]
                     break
             emitted += new
+            going = on_tokens is None or on_tokens(new) is not False
 
             t0 = time.perf_counter()
             keep_accepted(cache, n + 1, path)
             draft_cache.truncate(n)
             aux = out.aux[:, [0, *(1 + p for p in path)]]  # [1, 1 + a, A, H]: x and the accepted nodes
             n += 1 + len(path)
-            if len(emitted) < max_new_tokens and emitted[-1] not in stop_ids:
+            if going and len(emitted) < max_new_tokens and emitted[-1] not in stop_ids:
                 root = self._draft_rows(aux, acc.tokens, n - 1 - len(path), draft_cache)
             stats.seconds_draft += time.perf_counter() - t0
         stats.new_tokens = len(emitted)
@@ -335,4 +365,5 @@ class SpeculativeDecoder:
         return int(torch.multinomial(target_probs(logits, params), 1, generator=g))
 
 
-__all__ = ["DecodeStats", "Generation", "SpecConfig", "SpeculativeDecoder", "crop_cache", "keep_accepted"]
+__all__ = ["DecodeStats", "DepthPolicy", "Generation", "SpecConfig", "SpeculativeDecoder", "crop_cache",
+           "keep_accepted"]

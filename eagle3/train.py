@@ -275,8 +275,40 @@ class AcceptanceTally:
 # ---------------------------------------------------------------- setup pieces
 
 
+def muon_param_groups(model: nn.Module, lr: float) -> list[dict[str, Any]]:
+    """Trainable parameters tagged for DeepSpeed's Muon, one group per Muon matrix.
+
+    Muon takes the hidden 2-D matrices (fc, attention, MLP); lm_head (an output layer) and the
+    norms go to the auxiliary AdamW at ``lr``. DeepSpeed's orthogonalised step for a
+    [out, in] matrix has an RMS of about 1/sqrt(in) per unit lr; each matrix's lr is set so that
+    the step's RMS is 0.2 * lr, the RMS of an AdamW step (speculators' ``match_rms_adamw``), so
+    warmup and decay act on both halves alike.
+    """
+    groups: list[dict[str, Any]] = []
+    adam: list[nn.Parameter] = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            p.use_muon = False
+            continue
+        p.use_muon = p.ndim == 2 and "lm_head" not in name
+        if p.use_muon:
+            groups.append({"params": [p], "lr": 0.2 * lr * math.sqrt(p.shape[1]), "name": name})
+        else:
+            adam.append(p)
+    return [*groups, {"params": adam, "lr": lr, "name": "adamw"}]
+
+
 def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+    optimizer: dict[str, Any] = {}
+    if cfg.optimizer == "muon":
+        optimizer = {
+            "optimizer": {"type": "Muon", "params": {
+                "lr": cfg.lr, "momentum": cfg.muon_momentum, "betas": [cfg.adam_beta1, cfg.adam_beta2],
+                "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay, "torch_adam": True}},
+            "data_types": {"grad_accum_dtype": "fp32"},
+        }
     return {
+        **optimizer,
         "train_micro_batch_size_per_gpu": 1,  # one micro-batch = one packed row / bucket
         "gradient_accumulation_steps": cfg.gradient_accumulation,
         "train_batch_size": cfg.gradient_accumulation * world_size,
@@ -449,13 +481,19 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     target_name = spec.target
     del target  # only the head is needed from here on
     model = TTTModel(draft, cfg.ttt_steps, cfg.step_decay, cfg.gradient_checkpointing).to(rt.device)
+    schedule = warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                  weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps,
-                                                                           cfg.min_lr_ratio))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(cfg, rt.world_size))
+    if cfg.optimizer == "muon":  # DeepSpeed builds Muon + its auxiliary AdamW from the config
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=muon_param_groups(model, cfg.lr),
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
+            config=deepspeed_config(cfg, rt.world_size))
+    else:
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                      eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=deepspeed_config(cfg, rt.world_size))
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     weights = step_weights(cfg.ttt_steps, cfg.step_decay)
 
@@ -478,7 +516,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
                     config={"train": asdict(cfg), "target": asdict(target_cfg), "draft": asdict(draft_config)},
                     resume_step=resumed_step)
             if rt.rank == 0 else NullSink())
-    info = {"target": target_name, "aux_layer_ids": list(spec.aux_layer_ids)}
+    info = {"target": target_name, "aux_layer_ids": list(spec.aux_layer_ids),
+            "tokenizer_sha256": spec.tokenizer_sha256}
 
     def evaluate() -> dict[str, float]:
         assert eval_store is not None
@@ -542,7 +581,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
                 state["epoch"], state["batch_index"] = state["epoch"] + 1, 0
                 continue
             t0 = time.perf_counter()
-            lr = optimizer.param_groups[0]["lr"]
+            lr = cfg.lr * schedule(state["step"])  # the AdamW lr; Muon matrices follow the same factor
             tally = AcceptanceTally(cfg.ttt_steps, rt.device)
             sums = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss over micro-batches, tokens
             grad_norm = None

@@ -228,21 +228,33 @@ def write_report(report: dict[str, Any], out: Path, wandb_mode: str = "offline",
 
 
 def load_pair(draft_path: str, target_name: str, dtype: str = "float32") -> tuple[Any, Any]:
-    """The target (capturing the draft's aux layers) and the draft, read once and checked against it.
+    """The target (capturing the draft's aux layers) and the draft: :func:`load_pair_meta` without the meta."""
+    target, draft, _ = load_pair_meta(draft_path, target_name, dtype)
+    return target, draft
+
+
+def load_pair_meta(draft_path: str, target_name: str, dtype: str = "float32") -> tuple[Any, Any, dict[str, Any]]:
+    """The target (capturing the draft's aux layers), the draft and its ``draft.json``, read once and
+    checked against each other: hidden size, vocabulary, aux layer ids, and the tokenizer where the
+    draft recorded the fingerprint of the one it was trained with.
 
     A draft without its own embedding gets the target's; errors are :class:`DraftFormatError`,
     ``ValueError`` or ``OSError`` naming the file or the mismatch."""
-    from eagle3.export import check_draft_fits_target, load_draft
+    from eagle3.export import DraftFormatError, check_draft_fits_target, load_draft
+    from eagle3.fingerprint import tokenizer_fingerprint
     from eagle3.target import load_target
 
     loaded = load_draft(draft_path)
     target = load_target(target_name, dtype=dtype, device="cpu", aux_layer_ids=loaded.aux_layer_ids)
     check_draft_fits_target(loaded, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
                             aux_layer_ids=target.aux_layer_ids)
+    trained_with, served = loaded.meta.get("tokenizer_sha256"), tokenizer_fingerprint(target.tokenizer)
+    if trained_with and trained_with != served:
+        raise DraftFormatError(f"{draft_path}: the draft was trained with another tokenizer than {target_name}'s "
+                               f"(tokenizer sha256 {trained_with[:12]}... != {served[:12]}...)")
     if not loaded.has_embedding:
         loaded.draft.load_embedding(target.embed_tokens.weight.detach().float())
-    return target, loaded.draft.to(target.dtype).eval()
-
+    return target, loaded.draft.to(target.dtype).eval(), loaded.meta
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -271,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from eagle3.chat import ChatFormat
     from eagle3.export import DraftFormatError
+    from eagle3.target import TargetLoadError
 
     try:
         config = SpecConfig(args.mode, args.k, args.topk, args.budget)
@@ -278,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         target, draft = load_pair(args.draft, args.target, args.target_dtype)
         chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
         prompts = {name: read_prompts(Path(args.pools), name, args.per_set, chat) for name in args.sets.split(",")}
-    except (DraftFormatError, ValueError, OSError) as err:
+    except (DraftFormatError, TargetLoadError, ValueError, OSError) as err:
         print(f"serve_eval: error: {err}", file=sys.stderr)
         return 2
     report = evaluate(target, draft, prompts, config=config, params=params, max_new_tokens=args.max_new_tokens,

@@ -49,8 +49,8 @@ class OracleDecoder(SpeculativeDecoder):
             out.append(int(logits.argmax()))
         return out
 
-    def _propose_chain(self, root_state, root_logits, n, cache, params, g, context):
-        tokens = self._greedy(context, self.config.k)
+    def _propose_chain(self, root_state, root_logits, n, cache, params, g, context, k):
+        tokens = self._greedy(context, k)
         if self.wrong:
             tokens = [(t + 1) % self.target.vocab_size if (i + n) % self.wrong == 0 else t
                       for i, t in enumerate(tokens)]
@@ -105,6 +105,52 @@ def test_stop_ids_and_length_limits() -> None:
     assert len(decoder.generate(PROMPTS[0], 5).tokens) == 5
     with pytest.raises(ValueError, match="empty prompt"):
         decoder.generate([], 5)
+
+
+class ScriptedDepth:
+    """A depth policy that cycles through fixed depths (0 included) and records what it saw."""
+
+    def __init__(self, depths: list[int]) -> None:
+        self.depths, self.i, self.seen = depths, 0, []
+
+    def choose(self) -> int:
+        self.i += 1
+        return self.depths[(self.i - 1) % len(self.depths)]
+
+    def observe(self, depth: int, accepted: int) -> None:
+        self.seen.append((depth, accepted))
+
+
+@pytest.mark.parametrize("wrong", [0, 3])
+def test_a_depth_policy_varies_the_chain_and_greedy_output_is_unchanged(wrong: int) -> None:
+    target = make_target()
+    decoder = OracleDecoder(target, make_draft(target), SpecConfig("chain", k=4), wrong=wrong)
+    for prompt in PROMPTS:
+        ref = plain(target, prompt, 30)
+        policy = ScriptedDepth([0, 2, 4, 1, 0, 0, 3])
+        got = decoder.generate(prompt, 30, policy=policy)
+        assert got.tokens == ref
+        assert [d for d, _ in policy.seen] == got.stats.depths
+        assert [a for _, a in policy.seen] == got.stats.accepted
+        assert all(a <= d for d, a in policy.seen)
+        if wrong == 0:  # the oracle is always right: every round accepts all it proposed (but the last)
+            assert all(a == d for d, a in policy.seen[:-1])
+        # acceptance at depth i counts only rounds that proposed depth i
+        depths, accepted = got.stats.depths, got.stats.accepted
+        rounds3 = [a for a, d in zip(accepted, depths, strict=True) if d >= 3]
+        assert got.stats.acceptance_per_position()[2] == pytest.approx(sum(a >= 3 for a in rounds3) / len(rounds3))
+
+
+def test_on_tokens_sees_every_token_and_can_stop_the_generation() -> None:
+    target = make_target()
+    decoder = SpeculativeDecoder(target, make_draft(target), SpecConfig("chain", k=3))
+    ref = plain(target, PROMPTS[1], 20)
+    seen: list[int] = []
+    got = decoder.generate(PROMPTS[1], 20, on_tokens=lambda ids: seen.extend(ids) or True)
+    assert seen == got.tokens == ref
+    seen.clear()
+    got = decoder.generate(PROMPTS[1], 20, on_tokens=lambda ids: seen.extend(ids) or len(seen) < 5)
+    assert seen == got.tokens and 5 <= len(got.tokens) < 5 + 4 and got.tokens == ref[: len(got.tokens)]
 
 
 def test_mismatched_draft_is_refused() -> None:

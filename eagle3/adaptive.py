@@ -1,0 +1,175 @@
+"""Adaptive speculation: each round's chain depth from the running acceptance and a measured cost model.
+
+A chain of depth k whose token at depth i is accepted with probability a_i given that depth i-1
+was (conditional acceptance) emits on average::
+
+    E[tokens | k] = 1 + sum_{j=1..k} prod_{i=1..j} a_i          (the bonus token is the 1)
+
+and costs one target forward over 1 + k tokens plus k draft steps. The policy picks the k in
+0..K with the most tokens per second, ``E[tokens | k] / cost(k)``; k = 0 is a plain decoding
+step (the draft still catches up, so it can resume). The a_i are Beta-smoothed counts: this
+request's own rounds on top of a prior (the server's running totals, or a neutral guess).
+Rounds at k = 0 teach nothing, so after ``probe_every`` of them one round proposes depth 1.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class CostModel:
+    """Seconds of one round at each depth: ``verify_s[k]`` (a target forward over 1 + k tokens)
+    and ``draft_step_s`` (one draft forward of one token)."""
+
+    verify_s: list[float]
+    draft_step_s: float
+
+    def __post_init__(self) -> None:
+        if not self.verify_s or min(self.verify_s) <= 0 or self.draft_step_s < 0:
+            raise ValueError(f"cost model: verify_s {self.verify_s} must be positive, draft_step_s "
+                             f"{self.draft_step_s} >= 0")
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.verify_s) - 1
+
+    def round_seconds(self, k: int) -> float:
+        """A round of depth k: k proposals (the first from the catch-up row) + the verify + the catch-up."""
+        return self.verify_s[k] + (k + 1) * self.draft_step_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"verify_ms": [round(1e3 * t, 2) for t in self.verify_s],
+                "draft_step_ms": round(1e3 * self.draft_step_s, 3)}
+
+
+def expected_tokens(conditional: Sequence[float], k: int) -> float:
+    """Mean tokens a chain of depth k emits per round, given conditional acceptance per depth."""
+    total, reach = 1.0, 1.0
+    for a in conditional[:k]:
+        reach *= a
+        total += reach
+    return total
+
+
+def best_depth(conditional: Sequence[float], cost: CostModel, max_depth: int | None = None) -> int:
+    """The depth with the most expected tokens per second (the shallowest among equals)."""
+    top = cost.max_depth if max_depth is None else min(max_depth, cost.max_depth)
+    rates = [expected_tokens(conditional, k) / cost.round_seconds(k) for k in range(top + 1)]
+    return max(range(top + 1), key=lambda k: (rates[k], -k))
+
+
+@dataclass
+class AcceptanceCounts:
+    """Per depth i (1-based): rounds that proposed depth i with depth i-1 accepted (trials), and
+    those whose depth-i token was accepted (hits)."""
+
+    trials: list[float] = field(default_factory=list)
+    hits: list[float] = field(default_factory=list)
+
+    def add(self, depth: int, accepted: int) -> None:
+        self._grow(depth)
+        for i in range(min(accepted + 1, depth)):  # depths 1..accepted+1 were tried
+            self.trials[i] += 1
+            if i < accepted:
+                self.hits[i] += 1
+
+    def merge(self, other: AcceptanceCounts) -> None:
+        self._grow(len(other.trials))
+        for i, (t, h) in enumerate(zip(other.trials, other.hits, strict=True)):
+            self.trials[i] += t
+            self.hits[i] += h
+
+    def conditional(self, depth: int, prior: Sequence[float], prior_weight: float) -> list[float]:
+        """Beta-smoothed conditional acceptance for depths 1..depth."""
+        out = []
+        for i in range(depth):
+            t = self.trials[i] if i < len(self.trials) else 0.0
+            h = self.hits[i] if i < len(self.hits) else 0.0
+            p = prior[i] if i < len(prior) else (prior[-1] if prior else 0.5)
+            out.append((h + prior_weight * p) / (t + prior_weight))
+        return out
+
+    def _grow(self, depth: int) -> None:
+        while len(self.trials) < depth:
+            self.trials.append(0.0)
+            self.hits.append(0.0)
+
+
+@dataclass
+class AdaptiveDepth:
+    """A per-request :class:`eagle3.spec_decode.DepthPolicy`."""
+
+    cost: CostModel
+    prior: list[float]
+    """Conditional acceptance per depth assumed before this request has rounds of its own."""
+    prior_weight: float = 8.0
+    """How many rounds the prior counts for."""
+    probe_every: int = 8
+    counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)
+    chosen: list[int] = field(default_factory=list)
+    _plain_run: int = 0
+
+    def choose(self) -> int:
+        k = best_depth(self.counts.conditional(self.cost.max_depth, self.prior, self.prior_weight), self.cost)
+        if k == 0:
+            self._plain_run += 1
+            if self._plain_run > self.probe_every:
+                self._plain_run, k = 0, 1
+        else:
+            self._plain_run = 0
+        self.chosen.append(k)
+        return k
+
+    def observe(self, depth: int, accepted: int) -> None:
+        if depth > 0:
+            self.counts.add(depth, accepted)
+
+
+def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int = 3, seed: int = 0) -> CostModel:
+    """Time the decoder's target over 1 + k tokens (k = 0..max_depth) after a ``context``-token
+    prefix, and one draft step; medians of ``repeats``."""
+    from transformers import DynamicCache
+
+    from eagle3.draft import KVCache
+    from eagle3.spec_decode import crop_cache
+
+    target, draft, device = decoder.target, decoder.draft, decoder.device
+    g = torch.Generator().manual_seed(seed)
+    vocab = target.vocab_size
+    prefix = torch.randint(0, vocab, (context,), generator=g).tolist()
+    verify = []
+    with torch.no_grad():
+        cache = DynamicCache()
+        out = decoder._target(prefix, cache)
+        for k in range(max_depth + 1):
+            times = []
+            for _ in range(repeats):
+                ids = torch.randint(0, vocab, (1 + k,), generator=g).tolist()
+                t0 = time.perf_counter()
+                decoder._target(ids, cache)
+                times.append(time.perf_counter() - t0)
+                crop_cache(cache, context)
+            verify.append(statistics.median(times))
+        step = 0.0
+        if draft is not None:
+            dcache = KVCache()
+            decoder._draft_rows(out.aux, prefix[1:] + [prefix[0]], 0, dcache)
+            state = torch.zeros(1, 1, draft.config.hidden_size, dtype=draft.fc.weight.dtype, device=device)
+            times = []
+            for r in range(repeats + 1):
+                t0 = time.perf_counter()
+                draft(torch.tensor([[prefix[r]]], device=device), state, torch.tensor([[context + r]], device=device),
+                      dcache)
+                times.append(time.perf_counter() - t0)
+            step = statistics.median(times[1:])
+    return CostModel(verify, step)
+
+
+__all__ = ["AcceptanceCounts", "AdaptiveDepth", "CostModel", "best_depth", "expected_tokens", "measure_cost"]

@@ -1,0 +1,639 @@
+"""An OpenAI-compatible speculative-decoding server with live acceptance metrics.
+
+    python -m serve_eval.server --draft runs/quickstart/train/best [--target smollm2-135m] \\
+        [--k 3 | --adaptive] [--port 8000] [--api-key KEY]
+
+Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (``stream: true`` for
+server-sent events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text:
+acceptance counters per draft position, server-wide and for the last ``--recent-requests``
+requests). Binds 127.0.0.1 unless ``--host`` says otherwise; with ``--api-key`` (or
+``EAGLE3_API_KEY``) every ``/v1`` call needs ``Authorization: Bearer KEY``.
+
+Requests are served one at a time by a worker thread (batch-1 speculative decoding, the target's
+and draft's KV caches per request) from a bounded queue: a full queue answers 503. Every bad
+request is a 4xx with an OpenAI-style ``{"error": {"message", "type", "param"}}`` body naming the
+reason. With ``--adaptive`` each request's chain depth follows its running acceptance and the
+cost model measured at start-up (:mod:`eagle3.adaptive`); depth 0 is plain decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import queue
+import secrets
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.exceptions import HTTPException
+
+from eagle3.adaptive import AcceptanceCounts, AdaptiveDepth, CostModel, measure_cost
+from eagle3.chat import ChatFormat, ChatFormatError
+from eagle3.spec_decode import DecodeStats, SpecConfig, SpeculativeDecoder
+from eagle3.verify import SamplingParams
+
+# ---------------------------------------------------------------- requests
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind = message, param, status, kind
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    n: int = Field(default=1, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    logprobs: Any = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return v
+
+
+class _TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class _Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[_TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Sampling):
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """Bytes of a request body -> the validated request, or :class:`BadRequest` naming the reason."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BadRequest(f"the request body is not valid UTF-8 (byte {err.start})") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise BadRequest(f"the request body is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") \
+            from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(x) for x in first["loc"])
+        raise BadRequest(f"{param}: {first['msg']}" if param else first["msg"], param=param or None) from None
+
+
+# ---------------------------------------------------------------- text
+
+
+class TextStream:
+    """Incremental detokenisation with stop strings: ``push`` returns the text safe to send (never
+    a half UTF-8 character, never text that may become a stop string) and whether a stop string
+    was found (the text ends before it)."""
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str] = ()) -> None:
+        self.tokenizer, self.stops = tokenizer, list(stops)
+        self.ids: list[int] = []
+        self.sent = 0
+        self.text = ""
+
+    def push(self, ids: Sequence[int]) -> tuple[str, bool]:
+        self.ids.extend(ids)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        hits = [i for i in (self.text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stops) if i >= 0]
+        if hits:
+            end = min(hits)
+            self.text = self.text[:end]
+            return self._emit(max(end, self.sent)), True
+        safe = len(self.text.rstrip("\ufffd"))
+        for s in self.stops:  # hold back a tail that could still grow into a stop string
+            for j in range(min(len(s) - 1, safe), 0, -1):
+                if self.text[:safe].endswith(s[:j]):
+                    safe = min(safe, len(self.text[:safe]) - j)
+                    break
+        return self._emit(max(safe, self.sent)), False
+
+    def finish(self) -> str:
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        delta = self.text[self.sent:upto]
+        self.sent = upto
+        return delta
+
+
+# ---------------------------------------------------------------- metrics
+
+
+class Metrics:
+    """Server-wide counters plus a window of recent requests, rendered as Prometheus text."""
+
+    def __init__(self, max_depth: int, recent: int) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("eagle3_requests", "Finished requests by outcome", ["endpoint", "outcome"],
+                                registry=r)
+        self.prompt_tokens = Counter("eagle3_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("eagle3_generation_tokens", "Generated tokens", registry=r)
+        self.target_forwards = Counter("eagle3_target_forwards", "Target forwards after prefill", registry=r)
+        self.drafts = Counter("eagle3_spec_decode_num_drafts", "Rounds that proposed >= 1 draft token", registry=r)
+        self.draft_tokens = Counter("eagle3_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.accepted = Counter("eagle3_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.proposed_pos = Counter("eagle3_spec_decode_num_draft_tokens_per_pos",
+                                    "Rounds that proposed a token at this depth", ["position"], registry=r)
+        self.accepted_pos = Counter("eagle3_spec_decode_num_accepted_tokens_per_pos",
+                                    "Rounds whose token at this depth was accepted", ["position"], registry=r)
+        for i in range(1, max_depth + 1):  # present from the start, at 0
+            self.proposed_pos.labels(str(i))
+            self.accepted_pos.labels(str(i))
+        self.queue_depth = Gauge("eagle3_queue_depth", "Requests waiting", registry=r)
+        self.running = Gauge("eagle3_running", "Requests being generated", registry=r)
+        self.latency = Histogram("eagle3_request_seconds", "Request latency (queue included)", registry=r,
+                                 buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
+        self.recent: deque[dict[str, Any]] = deque(maxlen=recent)
+        self.lock = threading.Lock()
+
+    def observe_round(self, depth: int, accepted: int) -> None:
+        self.target_forwards.inc()
+        if depth == 0:
+            return
+        self.drafts.inc()
+        self.draft_tokens.inc(depth)
+        self.accepted.inc(accepted)
+        for i in range(1, depth + 1):
+            self.proposed_pos.labels(str(i)).inc()
+            if i <= accepted:
+                self.accepted_pos.labels(str(i)).inc()
+
+    def finish(self, request_id: str, endpoint: str, outcome: str, prompt_tokens: int,
+               stats: DecodeStats | None, seconds: float) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+        self.latency.observe(seconds)
+        if stats is None:
+            return
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(stats.new_tokens)
+        with self.lock:
+            self.recent.append({"id": request_id, "tau": stats.tau, "rounds": len(stats.accepted),
+                                "accept_per_pos": stats.acceptance_per_position(),
+                                "mean_depth": sum(stats.depths) / len(stats.depths) if stats.depths else 0.0})
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        lines = [generate_latest(self.registry).decode()]
+        with self.lock:
+            recent = list(self.recent)
+        lines.append("# HELP eagle3_request_tau Mean tokens per target forward of a recent request\n"
+                     "# TYPE eagle3_request_tau gauge\n")
+        lines += [f'eagle3_request_tau{{request_id="{r["id"]}"}} {r["tau"]:.6g}\n' for r in recent]
+        lines.append("# HELP eagle3_request_mean_depth Mean proposed chain depth of a recent request\n"
+                     "# TYPE eagle3_request_mean_depth gauge\n")
+        lines += [f'eagle3_request_mean_depth{{request_id="{r["id"]}"}} {r["mean_depth"]:.6g}\n' for r in recent]
+        lines.append("# HELP eagle3_request_acceptance Acceptance at a draft position of a recent request\n"
+                     "# TYPE eagle3_request_acceptance gauge\n")
+        lines += [f'eagle3_request_acceptance{{request_id="{r["id"]}",position="{i}"}} {a:.6g}\n'
+                  for r in recent for i, a in enumerate(r["accept_per_pos"], 1)]
+        return "".join(lines).encode()
+
+
+# ---------------------------------------------------------------- engine
+
+
+@dataclass
+class Job:
+    request_id: str
+    endpoint: str
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    seed: int
+    stops: list[str]
+    emit: Callable[[dict[str, Any]], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = field(default_factory=time.perf_counter)
+
+
+class _LiveDepth:
+    """Wraps a fixed depth or an adaptive policy so every round reaches the metrics as it happens."""
+
+    def __init__(self, k: int, adaptive: AdaptiveDepth | None, metrics: Metrics) -> None:
+        self.k, self.adaptive, self.metrics = k, adaptive, metrics
+
+    def choose(self) -> int:
+        return self.adaptive.choose() if self.adaptive is not None else self.k
+
+    def observe(self, depth: int, accepted: int) -> None:
+        if self.adaptive is not None:
+            self.adaptive.observe(depth, accepted)
+        self.metrics.observe_round(depth, accepted)
+
+
+class Engine:
+    """The decoder, its chat format and one worker thread draining a bounded job queue."""
+
+    def __init__(self, decoder: SpeculativeDecoder, chat: ChatFormat, *, model_name: str, max_model_len: int,
+                 default_max_tokens: int = 1024, adaptive: bool = False, cost: CostModel | None = None,
+                 prior: Sequence[float] | None = None, max_queue: int = 256, recent_requests: int = 64) -> None:
+        self.decoder, self.chat, self.model_name = decoder, chat, model_name
+        self.tokenizer = chat.tokenizer
+        self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
+        self.k = decoder.config.k if decoder.draft is not None else 0
+        if adaptive and (decoder.draft is None or decoder.config.mode != "chain"):
+            raise ValueError("adaptive speculation needs a draft and mode=chain")
+        if adaptive and cost is None:
+            raise ValueError("adaptive speculation needs a cost model")
+        self.adaptive, self.cost = adaptive, cost
+        self.prior = list(prior) if prior else [0.5] * max(self.k, 1)
+        self.totals = AcceptanceCounts()  # every finished request's rounds: the next request's prior
+        self.metrics = Metrics(self.k, recent_requests)
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.ids = itertools.count(1)
+        self.worker = threading.Thread(target=self._work, name="eagle3-engine", daemon=True)
+        self.worker.start()
+
+    # -- requests -> jobs
+
+    def prompt_ids(self, req: ChatRequest | CompletionRequest) -> list[int]:
+        if isinstance(req, ChatRequest):
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in req.messages]
+            try:
+                ids = self.chat.prompt_ids(messages)
+            except ChatFormatError as err:
+                raise BadRequest(f"messages: {err}", param="messages") from None
+            except Exception as err:  # a template that rejects the conversation (roles out of order, ...)
+                raise BadRequest(f"messages: the chat template cannot render them: {err}", param="messages") \
+                    from None
+            return ids
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (list, str)):
+            if len(p) != 1:
+                raise BadRequest("prompt: only one prompt per request is supported", param="prompt")
+            p = p[0]
+        if isinstance(p, str):
+            ids = self.tokenizer(p, add_special_tokens=True)["input_ids"]
+        else:
+            ids = list(p)
+            bad = [t for t in ids if not 0 <= t < self.decoder.target.vocab_size]
+            if bad:
+                raise BadRequest(f"prompt: token id {bad[0]} outside the vocabulary "
+                                 f"[0, {self.decoder.target.vocab_size})", param="prompt")
+        if not ids:
+            raise BadRequest("prompt: empty", param="prompt")
+        return ids
+
+    def make_job(self, req: ChatRequest | CompletionRequest, endpoint: str,
+                 emit: Callable[[dict[str, Any]], None]) -> Job:
+        if req.n != 1:
+            raise BadRequest("n: only n=1 is supported", param="n")
+        if req.logprobs not in (None, False):
+            raise BadRequest("logprobs: not supported", param="logprobs")
+        if isinstance(req, CompletionRequest) and req.echo:
+            raise BadRequest("echo: not supported", param="echo")
+        prompt = self.prompt_ids(req)
+        room = self.max_model_len - len(prompt)
+        asked = req.max_completion_tokens if isinstance(req, ChatRequest) and req.max_completion_tokens else \
+            req.max_tokens
+        if room < 1 or (asked is not None and asked > room):
+            raise BadRequest(f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                             f"{len(prompt)} and {asked or 1} more were requested", param="max_tokens")
+        max_tokens = asked if asked is not None else min(room, self.default_max_tokens)
+        try:
+            params = SamplingParams(req.temperature, max(req.top_k, 0), req.top_p)
+        except ValueError as err:
+            raise BadRequest(str(err)) from None
+        seed = req.seed if req.seed is not None else secrets.randbits(31)
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+        return Job(f"{prefix}-{next(self.ids)}-{secrets.token_hex(4)}", endpoint, prompt, max_tokens, params, seed,
+                   stops, emit)
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise BadRequest("the server is busy: the request queue is full, retry later", status=503,
+                             kind="server_error") from None
+        self.metrics.queue_depth.set(self.jobs.qsize())
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.worker.join(timeout=30)
+
+    # -- the worker
+
+    def _work(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            self.metrics.queue_depth.set(self.jobs.qsize())
+            if job.cancelled.is_set():
+                self.metrics.finish(job.request_id, job.endpoint, "cancelled", len(job.prompt), None,
+                                    time.perf_counter() - job.queued_at)
+                continue
+            self.metrics.running.set(1)
+            try:
+                self._run(job)
+            except Exception as err:  # the request fails, the server goes on
+                job.emit({"type": "error", "message": f"generation failed: {type(err).__name__}: {err}"})
+                self.metrics.finish(job.request_id, job.endpoint, "error", len(job.prompt), None,
+                                    time.perf_counter() - job.queued_at)
+            finally:
+                self.metrics.running.set(0)
+
+    def _run(self, job: Job) -> None:
+        text = TextStream(self.tokenizer, job.stops)
+        hit_stop = False
+
+        def on_tokens(ids: list[int]) -> bool:
+            nonlocal hit_stop
+            delta, hit_stop = text.push(ids)
+            if delta:
+                job.emit({"type": "delta", "text": delta})
+            return not hit_stop and not job.cancelled.is_set()
+
+        policy = None
+        if self.decoder.draft is not None and self.decoder.config.mode == "chain":
+            adaptive = None
+            if self.adaptive:
+                assert self.cost is not None
+                prior = self.totals.conditional(self.k, self.prior, prior_weight=16.0)
+                adaptive = AdaptiveDepth(self.cost, prior)
+            policy = _LiveDepth(self.k, adaptive, self.metrics)
+        gen = self.decoder.generate(job.prompt, job.max_tokens, self.chat.stop_ids, job.params, job.seed,
+                                    policy=policy, on_tokens=on_tokens)
+        stats = gen.stats
+        if policy is None:
+            for depth, accepted in zip(stats.depths or [0] * len(stats.accepted), stats.accepted, strict=True):
+                self.metrics.observe_round(depth, accepted)
+            self.metrics.target_forwards.inc(max(stats.target_forwards - len(stats.accepted), 0))
+        elif policy.adaptive is not None:
+            self.totals.merge(policy.adaptive.counts)
+        rest = text.finish()
+        if rest:
+            job.emit({"type": "delta", "text": rest})
+        stopped = hit_stop or (gen.tokens and gen.tokens[-1] in self.chat.stop_ids)
+        outcome = "cancelled" if job.cancelled.is_set() and not hit_stop else "ok"
+        self.metrics.finish(job.request_id, job.endpoint, outcome, len(job.prompt), stats,
+                            time.perf_counter() - job.queued_at)
+        job.emit({"type": "done", "finish_reason": "stop" if stopped else "length",
+                  "prompt_tokens": len(job.prompt), "completion_tokens": len(gen.tokens),
+                  "spec_decode": {"tau": round(stats.tau, 4),
+                                  "accept_per_pos": [round(a, 4) for a in stats.acceptance_per_position()],
+                                  "mean_depth": round(sum(stats.depths) / len(stats.depths), 3)
+                                  if stats.depths else 0.0}})
+
+
+# ---------------------------------------------------------------- HTTP
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> Any:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
+                        status_code=status)
+
+
+def build_app(engine: Engine, api_key: str | None = None) -> Any:
+    """The FastAPI application around ``engine``."""
+    app = FastAPI(title="eagle3 speculative server")
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> Any:
+        return _error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else
+                      "invalid_request_error")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> Any:
+        return _error(400, str(exc.errors()[:1]))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Any:
+        if api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return _error(401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Any:
+        return {"status": "ok" if engine.worker.is_alive() else "dead", "queue": engine.jobs.qsize()}
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
+                                            "owned_by": "eagle3"}]}
+
+    async def serve(request: Request, kind: type[BaseModel], endpoint: str) -> Any:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+        def emit(event: dict[str, Any]) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        try:
+            req = parse_body(await request.body(), kind)
+            if req.model is not None and req.model != engine.model_name:
+                raise BadRequest(f"model: {req.model!r} is not served here (serving {engine.model_name!r})",
+                                 param="model", status=404, kind="not_found_error")
+            job = engine.make_job(req, endpoint, emit)
+            engine.submit(job)
+        except BadRequest as err:
+            return _error(err.status, err.message, err.kind, err.param)
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool((req.stream_options or {}).get("include_usage"))
+            return StreamingResponse(_sse(job, events, endpoint, engine.model_name, created, include_usage),
+                                     media_type="text/event-stream")
+        parts, done = [], None
+        try:
+            while done is None:
+                event = await events.get()
+                if event["type"] == "delta":
+                    parts.append(event["text"])
+                elif event["type"] == "error":
+                    return _error(500, event["message"], "server_error")
+                else:
+                    done = event
+        finally:
+            job.cancelled.set()  # a client gone mid-request frees the worker (no-op once done)
+        text = "".join(parts)
+        usage = {"prompt_tokens": done["prompt_tokens"], "completion_tokens": done["completion_tokens"],
+                 "total_tokens": done["prompt_tokens"] + done["completion_tokens"]}
+        if endpoint == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": done["finish_reason"], "logprobs": None}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": done["finish_reason"], "logprobs": None}
+            obj = "text_completion"
+        return JSONResponse({"id": job.request_id, "object": obj, "created": created, "model": engine.model_name,
+                             "choices": [choice], "usage": usage, "spec_decode": done["spec_decode"]})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        return await serve(request, ChatRequest, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await serve(request, CompletionRequest, "completion")
+
+    return app
+
+
+async def _sse(job: Job, events: asyncio.Queue[dict[str, Any]], endpoint: str, model: str, created: int,
+               include_usage: bool) -> AsyncIterator[bytes]:
+    obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+
+    def chunk(delta: str | None, finish: str | None, role: bool = False) -> bytes:
+        if endpoint == "chat":
+            d: dict[str, Any] = {"role": "assistant", "content": ""} if role else \
+                ({"content": delta} if delta is not None else {})
+            choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+        body = {"id": job.request_id, "object": obj, "created": created, "model": model, "choices": [choice]}
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+
+    try:
+        if endpoint == "chat":
+            yield chunk(None, None, role=True)
+        while True:
+            event = await events.get()
+            if event["type"] == "delta":
+                yield chunk(event["text"], None)
+            elif event["type"] == "error":
+                body = {"error": {"message": event["message"], "type": "server_error", "param": None, "code": None}}
+                yield f"data: {json.dumps(body)}\n\n".encode()
+                break
+            else:
+                yield chunk(None, event["finish_reason"])
+                if include_usage:
+                    usage = {"prompt_tokens": event["prompt_tokens"], "completion_tokens": event["completion_tokens"],
+                             "total_tokens": event["prompt_tokens"] + event["completion_tokens"]}
+                    body = {"id": job.request_id, "object": obj, "created": created, "model": model, "choices": [],
+                            "usage": usage, "spec_decode": event["spec_decode"]}
+                    yield f"data: {json.dumps(body)}\n\n".encode()
+                break
+        yield b"data: [DONE]\n\n"
+    finally:
+        job.cancelled.set()  # the client went away: the worker stops this request at its next round
+
+
+# ---------------------------------------------------------------- start-up
+
+
+def draft_prior(meta: dict[str, Any], k: int) -> list[float] | None:
+    """Conditional acceptance per depth from a draft's own held-out eval (``draft.json``), if any."""
+    ev = meta.get("eval") or {}
+    vals = [ev.get(f"eval/cond_acc_{i}") for i in range(k)]
+    known = [float(v) for v in vals if isinstance(v, (int, float))]
+    if not known:
+        return None
+    return [float(v) if isinstance(v, (int, float)) else known[-1] for v in vals]
+
+
+def build_engine(args: argparse.Namespace) -> Engine:
+    from serve_eval.evaluate import load_pair_meta
+
+    target, draft, meta = load_pair_meta(args.draft, args.target, args.target_dtype)
+    decoder = SpeculativeDecoder(target, draft, SpecConfig(args.mode, args.k, args.topk, args.budget))
+    chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
+    limit = int(getattr(target.model.config, "max_position_embeddings", 0) or 0) or 8192
+    max_model_len = min(args.max_model_len, limit) if args.max_model_len else limit
+    cost = None
+    if args.adaptive:
+        cost = measure_cost(decoder, args.k)
+        print(json.dumps({"server": "cost model", **cost.as_dict()}), file=sys.stderr)
+    return Engine(decoder, chat, model_name=args.served_model_name or args.target, max_model_len=max_model_len,
+                  default_max_tokens=args.default_max_tokens, adaptive=args.adaptive, cost=cost,
+                  prior=draft_prior(meta, args.k), max_queue=args.max_queue)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m serve_eval.server", description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", required=True, help="draft folder (ours, vLLM, speculators or SGLang format)")
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--target-dtype", default="float32")
+    parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("EAGLE3_API_KEY"))
+    parser.add_argument("--mode", choices=("chain", "tree"), default="chain")
+    parser.add_argument("--k", type=int, default=3, help="chain depth (the maximum with --adaptive)")
+    parser.add_argument("--adaptive", action="store_true", help="choose each round's depth (chain mode)")
+    parser.add_argument("--topk", type=int, default=4)
+    parser.add_argument("--budget", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--default-max-tokens", type=int, default=1024)
+    parser.add_argument("--max-queue", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    import uvicorn
+
+    from eagle3.export import DraftFormatError
+    from eagle3.target import TargetLoadError
+
+    try:
+        engine = build_engine(args)
+    except (DraftFormatError, TargetLoadError, ValueError, OSError) as err:
+        print(f"serve_eval.server: error: {err}", file=sys.stderr)
+        return 2
+    uvicorn.run(build_app(engine, args.api_key), host=args.host, port=args.port, log_level="info")
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

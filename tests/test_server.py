@@ -1,0 +1,312 @@
+"""The OpenAI-compatible server on a tiny random target + draft, driven by the official ``openai``
+client and raw HTTP: outputs equal plain greedy decoding, streaming equals non-streaming,
+stop strings, malformed requests (400 with the reason), the API key, 20 concurrent clients,
+live acceptance metrics, adaptive depth, memory over 1,000 requests and start-up mismatches."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from eagle3.adaptive import CostModel
+from eagle3.chat import ChatFormat
+from eagle3.spec_decode import SpecConfig, SpeculativeDecoder
+from eagle3.target import Target
+from serve_eval.server import Engine, TextStream, build_app, main
+from tests.conftest import TINY_VOCAB, tiny_llama, tiny_tokenizer
+from tests.test_spec_decode import make_draft
+
+MODEL = "tiny"
+KEY = "test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    def __init__(self, engine: Engine, api_key: str | None) -> None:
+        import uvicorn
+
+        self.engine, self.port = engine, _free_port()
+        config = uvicorn.Config(build_app(engine, api_key), host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.engine.close()
+
+
+def tiny_engine(adaptive: bool = False, max_model_len: int = 256) -> Engine:
+    torch.manual_seed(0)
+    target = Target(tiny_llama(num_layers=6, vocab=TINY_VOCAB), tiny_tokenizer(), aux_layer_ids=(1, 2, 3))
+    decoder = SpeculativeDecoder(target, make_draft(target), SpecConfig("chain", k=3))
+    chat = ChatFormat.for_tokenizer(target.tokenizer)
+    cost = CostModel([0.010, 0.011, 0.012, 0.013], 0.001) if adaptive else None
+    return Engine(decoder, chat, model_name=MODEL, max_model_len=max_model_len, adaptive=adaptive, cost=cost,
+                  prior=[0.9, 0.9, 0.9], recent_requests=8)
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    s = Served(tiny_engine(), KEY)
+    yield s
+    s.stop()
+
+
+def plain_text(engine: Engine, prompt: list[int], n: int) -> tuple[str, list[int]]:
+    tokens = SpeculativeDecoder(engine.decoder.target, None).generate(prompt, n, engine.chat.stop_ids).tokens
+    return engine.tokenizer.decode(tokens, skip_special_tokens=True), tokens
+
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three primes."}]
+
+
+def test_chat_equals_plain_greedy_decoding_and_streams_the_same_text(served: Served) -> None:
+    client = served.client()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
+    prompt = served.engine.chat.prompt_ids(MESSAGES)
+    text, tokens = plain_text(served.engine, prompt, 24)
+    assert r.choices[0].message.content == text
+    assert r.choices[0].finish_reason == ("stop" if tokens[-1] in served.engine.chat.stop_ids else "length")
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(tokens)
+    assert r.model_extra["spec_decode"]["tau"] >= 1.0
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [r.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == len(tokens) and not chunks[-1].choices
+
+
+def test_completions_with_text_and_token_prompts(served: Served) -> None:
+    client = served.client()
+    ids = served.engine.tokenizer("Once upon a time", add_special_tokens=True)["input_ids"]
+    text, _ = plain_text(served.engine, ids, 16)
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0)
+    assert r.choices[0].text == text
+    r2 = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0)
+    assert r2.choices[0].text == text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0, stream=True))
+    assert streamed == text
+    # sampling: a seed makes it reproducible
+    a = client.completions.create(model=MODEL, prompt="abc", max_tokens=12, temperature=0.8, top_p=0.9, seed=7)
+    b = client.completions.create(model=MODEL, prompt="abc", max_tokens=12, temperature=0.8, top_p=0.9, seed=7)
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_stop_strings_truncate_and_finish_with_stop(served: Served) -> None:
+    client = served.client()
+    full = client.completions.create(model=MODEL, prompt="hello", max_tokens=40, temperature=0).choices[0].text
+    printable = [i for i in range(3, len(full) - 2) if full[i:i + 2].isprintable() and "\ufffd" not in full[i:i + 2]]
+    if not printable:
+        pytest.skip("the random model produced no printable two-character window")
+    cut = printable[0]
+    stop = full[cut:cut + 2]
+    first = full.find(stop)
+    for stream in (False, True):
+        if stream:
+            parts = list(client.completions.create(model=MODEL, prompt="hello", max_tokens=40, temperature=0,
+                                                   stop=[stop, "\x00never"], stream=True))
+            text = "".join(p.choices[0].text for p in parts)
+            reason = [p.choices[0].finish_reason for p in parts if p.choices[0].finish_reason][0]
+        else:
+            r = client.completions.create(model=MODEL, prompt="hello", max_tokens=40, temperature=0,
+                                          stop=[stop, "\x00never"])
+            text, reason = r.choices[0].text, r.choices[0].finish_reason
+        assert text == full[:first]
+        assert reason == "stop"
+
+
+def test_text_stream_holds_back_partial_stop_strings() -> None:
+    tok = tiny_tokenizer()
+    s = TextStream(tok, ["END"])
+    ids = tok("abcEN", add_special_tokens=False)["input_ids"]
+    out = "".join(s.push([i])[0] for i in ids)
+    assert out == "abc"  # "EN" may still become "END"
+    delta, hit = s.push(tok("D tail", add_special_tokens=False)["input_ids"])
+    assert (delta, hit) == ("", True) and s.text == "abc"
+    s2 = TextStream(tok, ["END"])
+    s2.push(tok("abEN", add_special_tokens=False)["input_ids"])
+    assert s2.push(tok("x", add_special_tokens=False)["input_ids"]) == ("ENx", False)
+    # a multi-byte character split across tokens is never sent half
+    s3 = TextStream(tok)
+    ids = tok("é", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 2 and s3.push(ids[:1]) == ("", False) and s3.push(ids[1:]) == ("é", False)
+
+
+BAD = [
+    (b"\xff\xfe{not utf-8", "not valid UTF-8"),
+    (b'{"model": "tiny", "messages": [', "not valid JSON"),
+    (b"[1, 2]", "JSON object"),
+    (b'{"model": "tiny"}', "messages"),
+    (b'{"model": "tiny", "messages": []}', "messages"),
+    (b'{"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}', "role"),
+    (b'{"model": "tiny", "messages": [{"role": "user"}]}', "content"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}', "temperature"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}', "top_p"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', "max_tokens"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}', "n"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}',
+     "maximum context length"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": ["a","b","c","d","e"]}', "stop"),
+    (b'{"model": "tiny", "messages": [{"role": "assistant", "content": "hi"}]}', "user message"),
+]
+
+
+@pytest.mark.parametrize("body,reason", BAD)
+def test_malformed_chat_requests_are_400_with_the_reason(served: Served, body: bytes, reason: str) -> None:
+    r = httpx.post(f"{served.url}/v1/chat/completions", content=body, timeout=30,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert reason in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_malformed_completions_and_the_openai_client_errors(served: Served) -> None:
+    client = served.client()
+    long_prompt = "x" * 400  # a byte tokenizer: 400 tokens > max_model_len 256
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model=MODEL, prompt=[1, 99999], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="empty"):
+        client.completions.create(model=MODEL, prompt=[], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="one prompt"):
+        client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=4)
+    with pytest.raises(openai.NotFoundError, match="not served"):
+        client.completions.create(model="gpt-4", prompt="a", max_tokens=4)
+    with pytest.raises(openai.AuthenticationError):
+        served.client("wrong").completions.create(model=MODEL, prompt="a", max_tokens=4)
+    assert httpx.get(f"{served.url}/health").json()["status"] == "ok"  # /health needs no key
+
+
+def test_twenty_concurrent_clients_and_live_metrics(served: Served) -> None:
+    client = served.client()
+
+    def one(i: int) -> str:
+        if i % 2:
+            return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"question {i}"}], max_tokens=10,
+                temperature=0, stream=True) if c.choices)
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"question {i}"}],
+                                              max_tokens=10, temperature=0).choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        outs = list(pool.map(one, range(20)))
+    for i, out in enumerate(outs):  # each equals its own plain greedy decoding
+        prompt = served.engine.chat.prompt_ids([{"role": "user", "content": f"question {i}"}])
+        assert out == plain_text(served.engine, prompt, 10)[0]
+
+    text = httpx.get(f"{served.url}/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values['eagle3_requests_total{endpoint="chat",outcome="ok"}'] >= 20
+    drafts = values["eagle3_spec_decode_num_drafts_total"]
+    assert drafts > 0
+    assert values['eagle3_spec_decode_num_draft_tokens_per_pos_total{position="1"}'] == drafts
+    accepted = [values[f'eagle3_spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] for i in (1, 2, 3)]
+    assert sum(accepted) == values["eagle3_spec_decode_num_accepted_tokens_total"]
+    assert accepted[0] >= accepted[1] >= accepted[2]
+    recent = [k for k in values if k.startswith("eagle3_request_tau{")]
+    assert len(recent) == 8  # the window of recent requests is bounded
+    assert any(k.startswith('eagle3_request_acceptance{request_id="chatcmpl-') for k in values)
+
+
+def test_adaptive_depth_keeps_outputs_and_reports_depths() -> None:
+    s = Served(tiny_engine(adaptive=True), None)
+    try:
+        client = s.client("unused")
+        for i in range(3):
+            r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"q{i}"}],
+                                               max_tokens=20, temperature=0)
+            prompt = s.engine.chat.prompt_ids([{"role": "user", "content": f"q{i}"}])
+            assert r.choices[0].message.content == plain_text(s.engine, prompt, 20)[0]
+            assert 0.0 <= r.model_extra["spec_decode"]["mean_depth"] <= 3.0
+        # a random draft is almost never accepted: the policy learns to stop speculating
+        assert r.model_extra["spec_decode"]["mean_depth"] < 2.0
+        assert "eagle3_request_mean_depth" in httpx.get(f"{s.url}/metrics").text
+    finally:
+        s.stop()
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_memory_is_stable_over_a_thousand_requests(served: Served) -> None:
+    body = {"model": MODEL, "prompt": "memory check", "max_tokens": 2, "temperature": 0}
+    with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        for _ in range(200):
+            assert http.post("/v1/completions", json=body).status_code == 200
+        gc.collect()
+        before = _rss_mb()
+        for i in range(800):
+            r = http.post("/v1/completions", json=body if i % 2 else {**body, "stream": True})
+            assert r.status_code == 200
+        gc.collect()
+        after = _rss_mb()
+    assert after - before < 25, f"RSS grew {after - before:.1f} MB over 800 requests"
+
+
+def test_startup_refuses_a_draft_that_does_not_fit(tmp_path: Path, tiny_model_dir: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from eagle3.checkpoint import export_draft
+    from eagle3.draft import DraftConfig, Eagle3Draft
+    from eagle3.target import load_target
+
+    target = load_target(str(tiny_model_dir), dtype="float32", device="cpu")
+    ids = list(target.aux_layer_ids)
+
+    def write(name: str, hidden: int, info: dict) -> Path:
+        config = DraftConfig.from_target_config(target.config, draft_vocab_size=TINY_VOCAB)
+        config.target_hidden_size = hidden
+        draft = Eagle3Draft(config, torch.zeros(TINY_VOCAB, config.hidden_size))
+        state = {k: v for k, v in draft.state_dict().items() if not k.startswith("embed_tokens")}
+        export_draft(tmp_path / name, state, config, {"aux_layer_ids": ids, **info})
+        return tmp_path / name
+
+    cases = [
+        (write("hidden", target.hidden_size * 2, {}), "target_hidden_size"),
+        (write("tokenizer", target.hidden_size, {"tokenizer_sha256": "0" * 64}), "another tokenizer"),
+        (write("ids", target.hidden_size, {"aux_layer_ids": [1, 2, 99]}), "out of range"),
+    ]
+    for folder, reason in cases:
+        assert main(["--draft", str(folder), "--target", str(tiny_model_dir)]) == 2
+        assert reason in capsys.readouterr().err
+    assert json.loads((cases[0][0] / "draft.json").read_text())["aux_layer_ids"] == ids
