@@ -379,6 +379,10 @@ class TrainConfig:
             raise ValueError(f"train.lr={self.lr}: must be > 0")
         if self.optimizer not in ("adamw", "muon"):
             raise ValueError(f"train.optimizer={self.optimizer!r}: expected adamw or muon")
+        if self.optimizer == "muon" and self.precision == "bf16" and self.zero_stage == 0:
+            raise ValueError("train.optimizer=muon with precision=bf16 needs train.zero_stage >= 1 (DeepSpeed runs "
+                             "Muon on bf16 weights only through its ZeRO optimizers; stage 1 costs nothing extra on "
+                             "one rank)")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ValueError(f"train.muon_momentum={self.muon_momentum}: must be in [0, 1)")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

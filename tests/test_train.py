@@ -255,6 +255,37 @@ def test_bf16_and_gradient_checkpointing_track_fp32(tiny: dict, tmp_path: Path) 
     assert load_file(str(tmp_path / "bf16" / "final" / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
 
 
+def test_muon_orthogonalises_the_hidden_matrices_and_learns(tiny: dict, tmp_path: Path) -> None:
+    def first_step(name: str, lr: float, **kw) -> dict[str, torch.Tensor]:
+        train(_cfg(tiny, tmp_path / name, steps=1, eval_every=0, save_every=0, lr=lr, **kw), target=tiny["target"])
+        return load_file(str(tmp_path / name / "final" / "model.safetensors"))
+
+    def spread(delta: torch.Tensor) -> float:  # ratio of the largest to the smallest singular value
+        s = torch.linalg.svdvals(delta.double())
+        return float(s.max() / s.min())
+
+    # two first steps at lr and 2 lr from the same init: their difference is lr x the update direction
+    for opt, kw in (("muon", {"optimizer": "muon"}), ("adamw", {})):
+        a, b = first_step(f"{opt}-a", 1e-3, **kw), first_step(f"{opt}-b", 2e-3, **kw)
+        fc, q = spread(b["fc.weight"] - a["fc.weight"]), spread(b["midlayer.self_attn.q_proj.weight"] -
+                                                                  a["midlayer.self_attn.q_proj.weight"])
+        if opt == "muon":  # Newton-Schulz (5 steps): the spectrum flattened (measured 5.0 and 7.0)
+            assert fc < 10 and q < 10, (fc, q)
+        else:  # AdamW's first step is a sign matrix: a wide spectrum (measured 28 and 26)
+            assert fc > 15 and q > 15, (fc, q)
+        # lm_head goes to the auxiliary AdamW either way: a first Adam step moves each entry by ~lr
+        moved = (b["lm_head.weight"] - a["lm_head.weight"]).abs()
+        assert moved.max() == pytest.approx(0.5e-3, rel=0.05)  # warmup step 1 of 2: half the lr
+
+    out = tmp_path / "muon-bf16"
+    train(_cfg(tiny, out, steps=24, eval_every=0, save_every=0, lr=1e-2, optimizer="muon", precision="bf16",
+               zero_stage=1), target=tiny["target"])
+    losses = [r["train/loss"] for r in read_metrics(out) if "train/loss" in r]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5
+    with pytest.raises(ValueError, match="zero_stage >= 1"):
+        _cfg(tiny, out, optimizer="muon", precision="bf16")
+
+
 def test_topk_store_and_a_held_out_store(tiny: dict, tmp_path: Path) -> None:
     summary = train(_cfg(tiny, tmp_path / "topk", store=str(tiny["topk"]), eval_fraction=0.0,
                          eval_store=str(tiny["store"]), steps=3, eval_every=0, lm_head_init="target"),
