@@ -132,6 +132,23 @@ class AdaptiveDepth:
             self.counts.add(depth, accepted)
 
 
+class AdaptiveSession:
+    """Adaptive depth across requests: each request's policy starts from what the finished ones
+    measured (on top of ``prior``, e.g. the draft's own held-out acceptance)."""
+
+    def __init__(self, cost: CostModel, max_depth: int, prior: Sequence[float] | None = None,
+                 prior_weight: float = 16.0) -> None:
+        self.cost, self.max_depth, self.prior_weight = cost, min(max_depth, cost.max_depth), prior_weight
+        self.prior = list(prior) if prior else [0.5] * max(self.max_depth, 1)
+        self.totals = AcceptanceCounts()
+
+    def start(self) -> AdaptiveDepth:
+        return AdaptiveDepth(self.cost, self.totals.conditional(self.max_depth, self.prior, self.prior_weight))
+
+    def finish(self, policy: AdaptiveDepth) -> None:
+        self.totals.merge(policy.counts)
+
+
 def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int = 3, seed: int = 0) -> CostModel:
     """Time the decoder's target over 1 + k tokens (k = 0..max_depth) after a ``context``-token
     prefix, and one draft step; medians of ``repeats``."""
@@ -172,4 +189,5 @@ def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int 
     return CostModel(verify, step)
 
 
-__all__ = ["AcceptanceCounts", "AdaptiveDepth", "CostModel", "best_depth", "expected_tokens", "measure_cost"]
+__all__ = ["AcceptanceCounts", "AdaptiveDepth", "AdaptiveSession", "CostModel", "best_depth", "expected_tokens",
+           "measure_cost"]

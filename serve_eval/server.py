@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException
 
-from eagle3.adaptive import AcceptanceCounts, AdaptiveDepth, CostModel, measure_cost
+from eagle3.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_cost
 from eagle3.chat import ChatFormat, ChatFormatError
 from eagle3.spec_decode import DecodeStats, SpecConfig, SpeculativeDecoder
 from eagle3.verify import SamplingParams
@@ -288,9 +288,8 @@ class Engine:
             raise ValueError("adaptive speculation needs a draft and mode=chain")
         if adaptive and cost is None:
             raise ValueError("adaptive speculation needs a cost model")
-        self.adaptive, self.cost = adaptive, cost
-        self.prior = list(prior) if prior else [0.5] * max(self.k, 1)
-        self.totals = AcceptanceCounts()  # every finished request's rounds: the next request's prior
+        # every finished request's rounds become the next request's prior
+        self.session = AdaptiveSession(cost, self.k, prior) if adaptive and cost is not None else None
         self.metrics = Metrics(self.k, recent_requests)
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.ids = itertools.count(1)
@@ -401,11 +400,7 @@ class Engine:
 
         policy = None
         if self.decoder.draft is not None and self.decoder.config.mode == "chain":
-            adaptive = None
-            if self.adaptive:
-                assert self.cost is not None
-                prior = self.totals.conditional(self.k, self.prior, prior_weight=16.0)
-                adaptive = AdaptiveDepth(self.cost, prior)
+            adaptive = self.session.start() if self.session is not None else None
             policy = _LiveDepth(self.k, adaptive, self.metrics)
         gen = self.decoder.generate(job.prompt, job.max_tokens, self.chat.stop_ids, job.params, job.seed,
                                     policy=policy, on_tokens=on_tokens)
@@ -414,8 +409,8 @@ class Engine:
             for depth, accepted in zip(stats.depths or [0] * len(stats.accepted), stats.accepted, strict=True):
                 self.metrics.observe_round(depth, accepted)
             self.metrics.target_forwards.inc(max(stats.target_forwards - len(stats.accepted), 0))
-        elif policy.adaptive is not None:
-            self.totals.merge(policy.adaptive.counts)
+        elif policy.adaptive is not None and self.session is not None:
+            self.session.finish(policy.adaptive)
         rest = text.finish()
         if rest:
             job.emit({"type": "delta", "text": rest})
