@@ -23,6 +23,7 @@ eval set and draft one JSON line:
   (HF, fp32). Lossless means every divergence has a margin below 1e-4 (a near-tie that the
   batched verification's different reduction order may flip); a larger margin is a failure.
 
+``--ngram`` adds vLLM's n-gram (prompt lookup) speculator, K tokens, 2-5-gram matches.
 ``--controls`` adds, for every draft whose aux layer ids are not the target's defaults, copies
 whose ids are wrong on purpose: ``ids-removed`` (the keys deleted, so vLLM falls back to its
 defaults) and ``off-by-one`` (every id + 1, the bug class of sglang #25454 / vLLM #43671). If
@@ -79,7 +80,10 @@ def run_engine(job: dict[str, Any]) -> dict[str, Any]:
     settings: dict[str, Any] = dict(model=job["target"], tokenizer=job["target"], dtype="float32",
                                     max_model_len=job["max_model_len"], seed=0, enable_prefix_caching=False,
                                     enforce_eager=True, disable_log_stats=False)
-    if job.get("draft"):
+    if job.get("method") == "ngram":  # vLLM's prompt-lookup speculator: no draft model
+        settings["speculative_config"] = {"method": "ngram", "num_speculative_tokens": job["k"],
+                                          "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    elif job.get("draft"):
         settings["speculative_config"] = {"model": job["draft"], "method": "eagle3",
                                           "num_speculative_tokens": job["k"]}
     llm = LLM(**settings)
@@ -146,7 +150,7 @@ def control_copies(draft: Path, default_ids: list[int], num_layers: int, workdir
 # ---------------------------------------------------------------- main
 
 
-def judge(target_folder: str, drafts: dict[str, Path], prompts: dict[str, list[list[int]]], *, k: int,
+def judge(target_folder: str, drafts: dict[str, Path | None], prompts: dict[str, list[list[int]]], *, k: int,
           max_new_tokens: int, stop_ids: list[int], target: Any) -> list[dict[str, Any]]:
     """One line per (draft, set): tau, acceptance per position, tokens/s, greedy equality."""
     job = {"target": target_folder, "prompts": prompts, "k": k, "max_new_tokens": max_new_tokens,
@@ -154,7 +158,7 @@ def judge(target_folder: str, drafts: dict[str, Path], prompts: dict[str, list[l
     plain = in_child(job)
     lines = []
     for name, folder in drafts.items():
-        spec = in_child({**job, "draft": str(folder)})
+        spec = in_child({**job, "method": "ngram"} if folder is None else {**job, "draft": str(folder)})
         for set_name, got in spec.items():
             base = plain[set_name]
             cases = []
@@ -188,7 +192,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--draft", action="append", required=True, help="NAME=FOLDER (repeatable)")
+    parser.add_argument("--draft", action="append", default=[], help="NAME=FOLDER (repeatable)")
+    parser.add_argument("--ngram", action="store_true", help="also judge vLLM's n-gram speculator (as 'ngram')")
     parser.add_argument("--pools", default="runs/pools", help="pools folder with eval/*.jsonl")
     parser.add_argument("--sets", default=",".join(EVAL_SETS))
     parser.add_argument("--per-set", type=int, default=10)
@@ -205,7 +210,9 @@ def main(argv: list[str] | None = None) -> None:
     target = load_target(args.target, dtype="float32", device="cpu")
     chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
     prompts = {name: read_prompts(Path(args.pools), name, args.per_set, chat) for name in args.sets.split(",")}
-    drafts = {}
+    if not args.draft and not args.ngram:
+        raise SystemExit("give at least one --draft NAME=FOLDER, or --ngram")
+    drafts: dict[str, Path | None] = {}
     for item in args.draft:
         name, _, path = item.partition("=")
         if not path or not (Path(path) / "config.json").is_file():
@@ -214,9 +221,13 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="vllm-judge-") as tmp:
         if args.controls:
             for name, path in list(drafts.items()):
+                if path is None:
+                    continue
                 for variant, copy in control_copies(path, list(default_aux_layer_ids(target.num_layers)),
                                                     target.num_layers, Path(tmp)).items():
                     drafts[f"{name}:{variant}"] = copy
+        if args.ngram:
+            drafts["ngram"] = None
         lines = judge(str(folder), drafts, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
                       stop_ids=sorted(chat.stop_ids), target=target)
     for line in lines:

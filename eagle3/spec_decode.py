@@ -12,7 +12,9 @@ it; position ``n``); the draft's cache holds rows 0..n-1 (row t: target states a
     accept    eagle3.verify (greedy or rejection sampling) -> accepted path + one more token
     rollback  target cache: keep the prefix, x and the accepted path; draft cache: keep rows < n
     catch up  draft rows n..n+a from the target's aux states at x and the accepted nodes, tokens =
-              the accepted tokens then the new one; its last row is the next root state
+              the accepted tokens then the new one; its last row is the next root state (run
+              lazily: pending rows go through the draft in one forward before the next proposal,
+              so a round at depth 0, plain decoding under an adaptive policy, costs no draft step)
 
 Plain decoding runs in the same loop (one target forward per token), so a speedup compares like
 with like. Timings split draft / verify / other; ``stats`` has tau and acceptance per depth.
@@ -287,10 +289,12 @@ class SpeculativeDecoder:
         going = on_tokens is None or on_tokens([first]) is not False
         draft_cache = KVCache()
         root = None
-        if speculate:
-            t0 = time.perf_counter()
-            root = self._draft_rows(out.aux, prompt[1:] + [first], 0, draft_cache)
-            stats.seconds_draft += time.perf_counter() - t0
+        # Catch-up rows not yet run through the draft: (aux [1, R, A, H], the token after each).
+        # They are run in one draft forward right before the next proposal, so rounds that do
+        # not speculate (depth 0) cost no draft step.
+        pending: list[tuple[Tensor, list[int]]] = [(out.aux, prompt[1:] + [first])] if speculate else []
+        caught_up = 0  # rows in the draft cache
+
         while going and len(emitted) < max_new_tokens and emitted[-1] not in stop_ids:
             x = emitted[-1]
             if not speculate:
@@ -302,16 +306,23 @@ class SpeculativeDecoder:
                 n += 1
                 going = on_tokens is None or on_tokens(emitted[-1:]) is not False
                 continue
-            assert root is not None
             t0 = time.perf_counter()
             tree = self.config.mode == "tree"
-            if tree:
-                tokens, parents = self._propose_tree(root[0], root[1], n, draft_cache, prompt + emitted)
-                qs = None
-            else:
-                k = self.config.k if policy is None else min(max(policy.choose(), 0), self.config.k)
-                tokens, parents, qs = self._propose_chain(root[0], root[1], n, draft_cache, params, g,
-                                                          prompt + emitted, k)
+            k = self.config.k if policy is None else min(max(policy.choose(), 0), self.config.k)
+            if k > 0 and pending:
+                aux_rows = torch.cat([a for a, _ in pending], dim=1)  # [1, R, A, H]
+                row_tokens = [t for _, ts in pending for t in ts]
+                root = self._draft_rows(aux_rows, row_tokens, caught_up, draft_cache)
+                caught_up += len(row_tokens)
+                pending.clear()
+            tokens, parents, qs = [], [], None
+            if k > 0:
+                assert root is not None and caught_up == n
+                if tree:
+                    tokens, parents = self._propose_tree(root[0], root[1], n, draft_cache, prompt + emitted)
+                else:
+                    tokens, parents, qs = self._propose_chain(root[0], root[1], n, draft_cache, params, g,
+                                                              prompt + emitted, k)
             stats.seconds_draft += time.perf_counter() - t0
 
             t0 = time.perf_counter()
@@ -346,14 +357,10 @@ class SpeculativeDecoder:
             emitted += new
             going = on_tokens is None or on_tokens(new) is not False
 
-            t0 = time.perf_counter()
             keep_accepted(cache, n + 1, path)
-            draft_cache.truncate(n)
-            aux = out.aux[:, [0, *(1 + p for p in path)]]  # [1, 1 + a, A, H]: x and the accepted nodes
+            draft_cache.truncate(caught_up)  # the proposals' rows go
+            pending.append((out.aux[:, [0, *(1 + p for p in path)]], acc.tokens))  # x and the accepted nodes
             n += 1 + len(path)
-            if going and len(emitted) < max_new_tokens and emitted[-1] not in stop_ids:
-                root = self._draft_rows(aux, acc.tokens, n - 1 - len(path), draft_cache)
-            stats.seconds_draft += time.perf_counter() - t0
         stats.new_tokens = len(emitted)
         stats.seconds_total = time.perf_counter() - start
         return Generation(emitted, stats)
