@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_gen import harvest
 from data_gen.harvest import HarvestError, run
+from eagle3 import harvest
 from eagle3.chat import ChatFormat
 from eagle3.config import HarvestConfig, TargetConfig
 from eagle3.shards import HarvestStore, StoreError, verify_store
