@@ -251,6 +251,13 @@ class TrainConfig:
     """Training harvest store (a folder with manifest.json), checked against the target."""
     out_dir: str = ""
     """checkpoints/, best/ and final/ exported drafts, draft_vocab.safetensors, metrics.jsonl, wandb/."""
+    extra_stores: list[str] = field(default_factory=list)
+    """More stores of the same target and layers, trained on with ``store`` as one (e.g. what
+    mining rounds appended); the held-out split by sample id covers them too."""
+    sample_weights: str | None = None
+    """A JSON file ``{sample_id: weight}``: each epoch a sample is seen floor(w) times, plus once
+    with probability frac(w) (drawn per seed, epoch and id); unlisted samples weigh 1. Mining's
+    oversampling of weak domains."""
     eval_store: str | None = None
     """Held-out harvest store for evaluation (None: hold out ``eval_fraction`` of ``store``)."""
     eval_fraction: float = 0.0

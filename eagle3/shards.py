@@ -329,6 +329,57 @@ class HarvestStore:
             yield self[i]
 
 
+class StoreUnion:
+    """Several finished stores of the same target and layers read as one (e.g. a base store and
+    the stores mining rounds appended): indices run through the stores in order."""
+
+    def __init__(self, roots: Sequence[str | os.PathLike[str]]) -> None:
+        if not roots:
+            raise StoreError("a store union needs at least one store")
+        self.stores = [HarvestStore(Path(r)) for r in roots]
+        self.root = self.stores[0].root
+        self.spec = self.stores[0].spec
+        same = ("target", "weights_fingerprint", "tokenizer_sha256", "num_layers", "hidden_size", "vocab_size",
+                "aux_layer_ids", "store", "topk")
+        for other in self.stores[1:]:
+            for key in same:
+                if getattr(other.spec, key) != getattr(self.spec, key):
+                    raise StoreError(f"{other.root / MANIFEST}: spec.{key}={getattr(other.spec, key)!r} differs from "
+                                     f"{self.root / MANIFEST}'s {getattr(self.spec, key)!r}: stores cannot be combined")
+        self.lengths = [n for st in self.stores for n in st.lengths]
+        self._where = [(k, i) for k, st in enumerate(self.stores) for i in range(len(st))]
+        self.manifest = {"spec": self.stores[0].manifest["spec"],
+                         "shards": [entry for st in self.stores for entry in st.manifest["shards"]]}
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [sid for st in self.stores for sid in st.sample_ids]
+
+    def token_columns(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, j = self._where[i]
+        return self.stores[k].token_columns(j)
+
+    def check_target(self, target: Any) -> None:
+        for st in self.stores:
+            st.check_target(target)
+
+    def __getitem__(self, i: int) -> Sample:
+        k, j = self._where[i]
+        return self.stores[k][j]
+
+    def __iter__(self) -> Iterator[Sample]:
+        for i in range(len(self)):
+            yield self[i]
+
+
+def open_stores(roots: Sequence[str | os.PathLike[str]]) -> HarvestStore | StoreUnion:
+    """One store as itself, several as a :class:`StoreUnion`."""
+    return HarvestStore(Path(roots[0])) if len(roots) == 1 else StoreUnion(roots)
+
+
 def compare_stores(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> dict[str, float]:
     """Max relative error (max |b - a| / max |a|, per sample, worst over samples) of every
     stored state of ``b`` against ``a``: e.g. a vLLM harvest against an HF one."""

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from eagle3.atomic import sha256_file
 from eagle3.checkpoint import (
     export_draft,
     latest_tag,
@@ -66,7 +67,7 @@ from eagle3.config import TargetConfig, TrainConfig
 from eagle3.draft import DraftConfig, Eagle3Draft, trainable_parameter_count
 from eagle3.draft_vocab import DraftVocab, select_draft_vocab
 from eagle3.home import eagle3_home
-from eagle3.shards import HarvestStore, StoreError
+from eagle3.shards import HarvestStore, StoreError, StoreUnion, open_stores
 from eagle3.target import Target, load_target
 from eagle3.train_data import (
     epoch_batches,
@@ -76,6 +77,7 @@ from eagle3.train_data import (
     rank_batch_index,
     split_by_id,
     steps_per_epoch,
+    weighted_indices,
 )
 from eagle3.train_log import NullSink, RunSink, print0
 from eagle3.ttt import TTTOutput, TTTTargets, prepare_targets, prepare_targets_from_topk, step_weights, ttt_forward
@@ -321,7 +323,7 @@ def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
     }
 
 
-def choose_draft_vocab(cfg: TrainConfig, store: HarvestStore, train_idx: Sequence[int], vocab_size: int,
+def choose_draft_vocab(cfg: TrainConfig, store: HarvestStore | StoreUnion, train_idx: Sequence[int], vocab_size: int,
                        always_include: Sequence[int], initial: Eagle3Draft | None = None) -> DraftVocab:
     """The vocab of the draft training continues from (``initial``), a saved vocab
     (``cfg.draft_vocab``), or the most frequent loss-masked tokens of the training split."""
@@ -336,15 +338,28 @@ def choose_draft_vocab(cfg: TrainConfig, store: HarvestStore, train_idx: Sequenc
     return select_draft_vocab(counts, min(cfg.draft_vocab_size, vocab_size), always_include)
 
 
-def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore) -> dict[str, Any]:
+def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore | StoreUnion) -> dict[str, Any]:
     """What a resumed run must share with the run that saved the checkpoint: the settings that
     decide the data order, the model and how DeepSpeed sharded its states."""
     keys = ("batching", "micro_batch_tokens", "gradient_accumulation", "seed", "eval_fraction", "ttt_steps",
             "init_draft", "num_layers", "draft_intermediate_size", "draft_num_attention_heads",
             "draft_num_key_value_heads", "draft_head_dim", "draft_rope", "draft_variant", "zero_stage", "precision")
     pinned = {f"train.{k}": getattr(cfg, k) for k in keys}
+    weights = sha256_file(Path(cfg.sample_weights)) if cfg.sample_weights else None
     return {**pinned, "world_size": world_size, "store.samples": len(store),
-            "store.shards": [entry["sha256"] for entry in store.manifest["shards"]]}
+            "store.shards": [entry["sha256"] for entry in store.manifest["shards"]], "sample_weights": weights}
+
+
+def _read_sample_weights(path: str | None) -> dict[str, float]:
+    if not path:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise TrainError(f"train.sample_weights={path}: {err}") from None
+    if not isinstance(data, dict) or not all(isinstance(v, (int, float)) and v >= 0 for v in data.values()):
+        raise TrainError(f"train.sample_weights={path}: expected a JSON object of sample id -> weight >= 0")
+    return {str(k): float(v) for k, v in data.items()}
 
 
 def check_pinned(saved: dict[str, Any], now: dict[str, Any], out_dir: Path) -> None:
@@ -422,8 +437,12 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     ckpt_root = out_dir / "checkpoints"
 
     # -- data
-    store = HarvestStore(Path(cfg.store))
+    try:
+        store = open_stores([cfg.store, *cfg.extra_stores])
+    except StoreError as err:
+        raise TrainError(f"train.extra_stores: {err}") from None
     spec = store.spec
+    weights_by_id = _read_sample_weights(cfg.sample_weights)
     if target is None:
         target = _load_target(target_cfg, spec.aux_layer_ids)
     store.check_target(target)
@@ -556,6 +575,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         return metrics
 
     lengths = store.lengths
+    sample_ids = store.sample_ids
     eval_plan = (epoch_batches((eval_store.lengths), eval_idx, cfg.batching, cfg.micro_batch_tokens, cfg.seed, 0)
                  if eval_store is not None else [])
     per_step = rt.world_size * cfg.gradient_accumulation
@@ -569,7 +589,9 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     with bar:
         while state["step"] < cfg.steps:
             if plan_epoch != state["epoch"]:
-                plan = epoch_batches(lengths, train_idx, cfg.batching, cfg.micro_batch_tokens, cfg.seed,
+                epoch_idx = (weighted_indices(train_idx, sample_ids, weights_by_id, cfg.seed, state["epoch"])
+                             if weights_by_id else train_idx)
+                plan = epoch_batches(lengths, epoch_idx, cfg.batching, cfg.micro_batch_tokens, cfg.seed,
                                      state["epoch"])
                 plan_epoch = state["epoch"]
                 if steps_per_epoch(len(plan), rt.world_size, cfg.gradient_accumulation) == 0:
@@ -672,6 +694,9 @@ def build_parser() -> argparse.ArgumentParser:
         default = getattr(defaults, f.name)
         if kind is bool:
             parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+        elif typing.get_origin(kind) is list:
+            parser.add_argument(*flags, dest=f.name, nargs="*", type=typing.get_args(kind)[0], default=default,
+                                help=f"default {default!r}; space-separated")
         else:
             parser.add_argument(*flags, dest=f.name, type=kind, default=default,
                                 required=f.name in ("store", "out_dir"),

@@ -56,6 +56,19 @@ def epoch_batches(lengths: Sequence[int], indices: Sequence[int], batching: str,
     return [[indices[j] for j in row] for row in rows]
 
 
+def weighted_indices(indices: Sequence[int], ids: Sequence[str], weights: dict[str, float], seed: int,
+                     epoch: int) -> list[int]:
+    """``indices`` with sample ``i`` repeated floor(w) times plus once more with probability frac(w),
+    w = ``weights.get(ids[i], 1.0)``; the draw depends only on (seed, epoch, id)."""
+    out = []
+    for i in indices:
+        w = weights.get(ids[i], 1.0)
+        whole = int(w)
+        u = int(hashlib.sha256(f"{seed}:{epoch}:{ids[i]}".encode()).hexdigest()[:12], 16) / 16**12
+        out += [i] * (whole + (u < w - whole))
+    return out
+
+
 def steps_per_epoch(num_batches: int, world_size: int, accumulation: int) -> int:
     return num_batches // (world_size * accumulation)
 
@@ -119,5 +132,5 @@ def loss_token_counts(store: HarvestStore, indices: Sequence[int], vocab_size: i
 
 __all__ = [
     "collate", "epoch_batches", "eval_batches_for_rank", "held_out", "load_batch", "loss_token_counts",
-    "rank_batch_index", "split_by_id", "steps_per_epoch",
+    "rank_batch_index", "split_by_id", "steps_per_epoch", "weighted_indices",
 ]

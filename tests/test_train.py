@@ -286,6 +286,39 @@ def test_muon_orthogonalises_the_hidden_matrices_and_learns(tiny: dict, tmp_path
         _cfg(tiny, out, optimizer="muon", precision="bf16")
 
 
+def test_weighted_indices_by_hand() -> None:
+    from eagle3.train_data import weighted_indices
+
+    ids = [f"s{i}" for i in range(400)]
+    weights = {"s0": 2.0, "s1": 0.0, "s2": 3.0}
+    got = weighted_indices([0, 1, 2, 3], ids, weights, seed=0, epoch=0)
+    assert got == [0, 0, 2, 2, 2, 3]
+    half = {f"s{i}": 1.5 for i in range(400)}
+    draws = weighted_indices(list(range(400)), ids, half, seed=0, epoch=0)
+    assert 540 < len(draws) < 660 and set(draws) == set(range(400))  # 600 expected
+    assert draws != weighted_indices(list(range(400)), ids, half, seed=0, epoch=1)
+    assert draws == weighted_indices(list(range(400)), ids, half, seed=0, epoch=0)
+
+
+def test_extra_stores_and_sample_weights(tiny: dict, tmp_path: Path) -> None:
+    from eagle3.shards import StoreError, StoreUnion
+
+    union = StoreUnion([tiny["store"], tiny["store"]])
+    single = HarvestStore(tiny["store"])
+    assert len(union) == 2 * len(single) and union.lengths == single.lengths * 2
+    assert torch.equal(union[len(single)].aux, single[0].aux)
+    with pytest.raises(StoreError, match="spec.store='topk' differs"):
+        StoreUnion([tiny["store"], tiny["topk"]])
+    weights = tmp_path / "weights.json"
+    weights.write_text(json.dumps({sid: 3.0 for sid in single.sample_ids[:5]}))
+    summary = train(_cfg(tiny, tmp_path / "run", steps=3, eval_every=0, save_every=0,
+                         extra_stores=[str(tiny["store"])], sample_weights=str(weights)), target=tiny["target"])
+    assert summary["train_samples"] + summary["eval_samples"] == 2 * len(single)
+    weights.write_text("[1, 2]")
+    with pytest.raises(TrainError, match="sample id -> weight"):
+        train(_cfg(tiny, tmp_path / "bad", steps=1, sample_weights=str(weights)), target=tiny["target"])
+
+
 def test_topk_store_and_a_held_out_store(tiny: dict, tmp_path: Path) -> None:
     summary = train(_cfg(tiny, tmp_path / "topk", store=str(tiny["topk"]), eval_fraction=0.0,
                          eval_store=str(tiny["store"]), steps=3, eval_every=0, lm_head_init="target"),

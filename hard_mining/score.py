@@ -1,0 +1,176 @@
+"""Where is the draft weak? Per-sample, per-domain and per-language acceptance of a draft on
+harvested data.
+
+Each sample runs through the training-time-test unroll alone (the draft proposing K tokens from
+every assistant position, as :mod:`eagle3.ttt` trains it), so its figures are exactly the ones
+the trainer's eval reports, split by sample:
+
+* ``accepted``: per counted start position, how many of the K draft tokens in a row match the
+  target's argmax (the per-token acceptance; tau_sim = 1 + its mean);
+* ``loss``: the step-weighted soft cross-entropy against the target's distribution.
+
+Groups (domain, language) pool their positions: tau of a group is 1 + sum(accepted) / starts,
+not a mean of per-sample taus, so long samples weigh what they contain.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.conversations import iter_jsonl
+from eagle3.draft import Eagle3Draft
+from eagle3.shards import HarvestStore
+from eagle3.train_data import load_batch
+from eagle3.ttt import step_weights, ttt_forward
+
+UNKNOWN = "unknown"
+
+
+@dataclass
+class SampleScore:
+    sample_id: str
+    domain: str
+    language: str
+    tokens: int
+    accepted: list[int]
+    """Draft tokens accepted in a row from each counted start position (0..K)."""
+    loss: float
+    """Step-weighted soft cross-entropy (the training loss of this sample alone)."""
+    step_hits: list[int] = field(default_factory=list)
+    """Per TTT step: counted positions whose draft argmax matched."""
+    step_counted: list[int] = field(default_factory=list)
+
+    @property
+    def positions(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tau_sim(self) -> float:
+        return 1.0 + sum(self.accepted) / len(self.accepted) if self.accepted else 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "tau_sim": round(self.tau_sim, 4), "positions": self.positions}
+
+
+@dataclass
+class GroupScore:
+    name: str
+    samples: int
+    positions: int
+    accepted: int
+    loss: float
+    """Mean of the samples' losses, weighted by their positions."""
+    acceptance: list[float]
+    """Per depth i: share of starts whose first i draft tokens were all accepted."""
+
+    @property
+    def tau_sim(self) -> float:
+        return 1.0 + self.accepted / self.positions if self.positions else 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "tau_sim": round(self.tau_sim, 4)}
+
+
+def read_sample_meta(records: str | Path | Iterable[str | Path]) -> dict[str, dict[str, str]]:
+    """``{id: {"domain", "language"}}`` from regenerated-conversation JSONL files (the harvest's input)."""
+    paths = [records] if isinstance(records, (str, Path)) else list(records)
+    out: dict[str, dict[str, str]] = {}
+    for path in paths:
+        for where, record in iter_jsonl(Path(path)):
+            if isinstance(record, Exception):
+                raise ValueError(f"{where}: {record}")
+            out[str(record["id"])] = {"domain": str(record.get("domain") or UNKNOWN),
+                                      "language": str(record.get("language") or UNKNOWN)}
+    return out
+
+
+def meta_of(sample_id: str, meta: dict[str, dict[str, str]]) -> dict[str, str]:
+    """A sample's domain and language; per-turn samples (``<id>-t<k>``) inherit their record's."""
+    if sample_id in meta:
+        return meta[sample_id]
+    base = sample_id.rsplit("-t", 1)[0]
+    return meta.get(base, {"domain": UNKNOWN, "language": UNKNOWN})
+
+
+def target_head(target: Any) -> Any:
+    """The trainer's frozen head (the target's final norm + lm_head, copied) for ``target``."""
+    from eagle3.train import TargetHead
+
+    return TargetHead(copy.deepcopy(target.norm), copy.deepcopy(target.lm_head)).float().eval()
+
+
+@torch.no_grad()
+def score_sample(draft: Eagle3Draft, head: Any, batch: dict[str, torch.Tensor], ttt_steps: int,
+                 step_decay: float = 0.8) -> tuple[list[int], float, list[int], list[int]]:
+    """One sample (a batch of one row) -> accepted run per start, loss, per-step hits and counts."""
+    dtype = draft.fc.weight.dtype
+    targets = head.targets(batch, draft.t2d)
+    out = ttt_forward(draft, batch["input_ids"], batch["aux"].to(dtype), batch["position_ids"],
+                      batch["document_ids"], batch["loss_mask"], targets, num_steps=ttt_steps,
+                      weights=step_weights(ttt_steps, step_decay))
+    hit = (out.match & out.counted).flatten(1).long()  # [K, N]
+    run = torch.cumprod(hit, dim=0).sum(0)  # [N]
+    start = out.counted[0].flatten()  # [N]
+    return (run[start].tolist(), float(out.loss), hit.sum(1).tolist(), out.counted.flatten(1).sum(1).tolist())
+
+
+def score_store(draft: Eagle3Draft, head: Any, store: HarvestStore, meta: dict[str, dict[str, str]],
+                *, ttt_steps: int, indices: Sequence[int] | None = None, step_decay: float = 0.8,
+                progress: bool = False) -> list[SampleScore]:
+    """Score every sample of ``store`` (or ``indices``) with ``draft``."""
+    draft = draft.eval()
+    ids = store.sample_ids
+    chosen = range(len(store)) if indices is None else indices
+    if progress:
+        from tqdm import tqdm
+
+        chosen = tqdm(chosen, desc="score", unit="sample")
+    out = []
+    for i in chosen:
+        batch = load_batch(store, [i], "buckets")
+        accepted, loss, hits, counted = score_sample(draft, head, batch, ttt_steps, step_decay)
+        m = meta_of(ids[i], meta)
+        out.append(SampleScore(ids[i], m["domain"], m["language"], int(batch["input_ids"].shape[1]), accepted,
+                               loss, hits, counted))
+    return out
+
+
+def group_scores(scores: Sequence[SampleScore], key: str, depth: int | None = None) -> dict[str, GroupScore]:
+    """Pool samples by ``key`` (``domain``, ``language``, or ``all``)."""
+    groups: dict[str, list[SampleScore]] = defaultdict(list)
+    for s in scores:
+        groups["all" if key == "all" else getattr(s, key)].append(s)
+    k = depth if depth is not None else max((len(s.step_hits) for s in scores), default=0)
+    out = {}
+    for name, items in sorted(groups.items()):
+        runs = [a for s in items for a in s.accepted]
+        positions = len(runs)
+        loss = sum(s.loss * s.positions for s in items) / positions if positions else 0.0
+        acceptance = [sum(a >= i for a in runs) / positions if positions else 0.0 for i in range(1, k + 1)]
+        out[name] = GroupScore(name, len(items), positions, sum(runs), loss, acceptance)
+    return out
+
+
+def hardest(scores: Sequence[SampleScore], n: int, min_positions: int = 8) -> list[SampleScore]:
+    """The ``n`` samples with the highest loss (ties: lower tau first), among those with at least
+    ``min_positions`` scored positions (a 2-token reply says little)."""
+    pool = [s for s in scores if s.positions >= min_positions]
+    return sorted(pool, key=lambda s: (-s.loss, s.tau_sim, s.sample_id))[:n]
+
+
+def write_scores(path: Path, scores: Sequence[SampleScore]) -> None:
+    from eagle3.atomic import atomic_write_text
+
+    atomic_write_text(path, "".join(json.dumps(s.as_dict()) + "\n" for s in scores))
+
+
+__all__ = ["GroupScore", "SampleScore", "group_scores", "hardest", "meta_of", "read_sample_meta",
+           "score_sample", "score_store", "target_head", "write_scores"]
