@@ -1,0 +1,388 @@
+"""Mining rounds: score -> mine -> regenerate + harvest -> continue training, recorded per round.
+
+    python -m hard_mining.rounds --draft runs/train/best --store runs/harvest \\
+        --records runs/regen/dataset/regenerated.jsonl \\
+        --eval-store runs/val-harvest --eval-records runs/val-regen/dataset/regenerated.jsonl \\
+        --pool runs/pools/train.jsonl --eval-sets runs/pools/eval --out runs/mine [--rounds 1] [--steps 60] \\
+        [--strategies reweight hardest synthesize]
+
+Each round (``OUT/round-<r>/``):
+
+1. score the current draft on the held-out store (per domain and language: ``before``) and on
+   the training stores (what reweighting and synthesis start from);
+2. mine, with each strategy of ``mine.strategies``: ``reweight`` writes per-sample weights that
+   oversample the weak domains; ``hardest`` regenerates and harvests a short prefix of
+   ``candidates`` not-yet-harvested pool prompts, scores them with the draft and keeps the top
+   ``keep_fraction`` by loss; ``synthesize`` has the target write variations of the hardest
+   training prompts and adds procedural math and code prompts; ``uniform`` adds random pool
+   prompts (the control arm of the ablation). New prompts are deduplicated against every eval set,
+   the held-out conversations and everything harvested so far;
+3. regenerate the new prompts fully and harvest them into a store of the round;
+4. continue training from the current draft (its draft vocab frozen) on the base store plus every
+   appended store, with the weights, for ``mine.steps`` steps; score the held-out store again
+   (``after``).
+
+``OUT/manifest.json`` lists the finished rounds (per-domain and per-language tau before and
+after, what each strategy added, the training summary); a rerun skips finished rounds (each
+library call resumes its own work). A wandb run (offline by default) gets per-domain tau per
+round and a table of the hardest samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.atomic import atomic_write_text
+from eagle3.config import HarvestConfig, MineConfig, RegenerateConfig, TargetConfig, TrainConfig
+from eagle3.conversations import iter_jsonl
+from eagle3.shards import HarvestStore, open_stores
+from hard_mining.score import (
+    SampleScore,
+    group_scores,
+    hardest,
+    read_sample_meta,
+    score_store,
+    target_head,
+    write_scores,
+)
+from hard_mining.strategies import (
+    code_tasks,
+    dedupe,
+    domain_weights,
+    math_problems,
+    parse_variation,
+    pick_hardest,
+    prompt_record,
+    sample_weights,
+    variation_requests,
+)
+
+MANIFEST = "manifest.json"
+
+
+class MineError(RuntimeError):
+    pass
+
+
+def read_records(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
+    out = []
+    for path in paths:
+        for where, record in iter_jsonl(Path(path)):
+            if isinstance(record, Exception):
+                raise MineError(f"{where}: {record}")
+            out.append(record)
+    return out
+
+
+def write_records(path: Path, records: Sequence[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+def balanced_pick(records: Sequence[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` records, round-robin over domains, each domain in a seeded random order."""
+    by_domain: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_domain.setdefault(str(r.get("domain")), []).append(r)
+    rng = random.Random(seed)
+    queues = []
+    for name in sorted(by_domain):
+        items = list(by_domain[name])
+        rng.shuffle(items)
+        queues.append(items)
+    out: list[dict[str, Any]] = []
+    while len(out) < n and any(queues):
+        for q in queues:
+            if q and len(out) < n:
+                out.append(q.pop())
+    return out
+
+
+def load_scoring_draft(folder: str | Path, target: Any) -> Any:
+    from eagle3.export import check_draft_fits_target, load_draft
+
+    loaded = load_draft(folder)
+    check_draft_fits_target(loaded, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                            aux_layer_ids=target.aux_layer_ids)
+    if not loaded.has_embedding:
+        loaded.draft.load_embedding(target.embed_tokens.weight.detach().float())
+    return loaded.draft.float().eval()
+
+
+class Harvester:
+    """Regenerate + harvest prompt records with the library, into folders under ``root``."""
+
+    def __init__(self, root: Path, target: Any, target_cfg: TargetConfig, like: HarvestStore, seed: int,
+                 progress: bool) -> None:
+        self.root, self.target, self.target_cfg, self.seed, self.progress = root, target, target_cfg, seed, progress
+        self.dtype, self.max_seq_len = like.spec.dtype, like.spec.max_seq_len
+
+    def __call__(self, name: str, records: Sequence[dict[str, Any]], max_new_tokens: int,
+                 temperature: float = 0.0) -> tuple[Path, Path] | None:
+        """-> (store folder, regenerated records file), or None when there is nothing to harvest."""
+        from eagle3.harvest import run as harvest
+        from eagle3.regenerate import run as regenerate
+
+        if not records:
+            return None
+        work = self.root / name
+        write_records(work / "prompts.jsonl", records)
+        regenerate(RegenerateConfig(pool=str(work / "prompts.jsonl"), out_dir=str(work / "regen"),
+                                    max_new_tokens=max_new_tokens, temperature=temperature, seed=self.seed),
+                   self.target_cfg, target=self.target, progress=self.progress)
+        data = work / "regen" / "dataset" / "regenerated.jsonl"
+        if not any(True for _ in iter_jsonl(data)):
+            return None
+        harvest(HarvestConfig(data=str(data), out_dir=str(work / "store"), dtype=self.dtype,
+                              max_seq_len=self.max_seq_len), self.target_cfg, target=self.target,
+                progress=self.progress)
+        return work / "store", data
+
+
+def _groups(scores: Sequence[SampleScore]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for key in ("all", "domain", "language"):
+        out[key] = {name: g.as_dict() for name, g in group_scores(scores, key).items()}
+    return out
+
+
+def run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig, *, target: Any = None,
+               progress: bool = True) -> dict[str, Any]:
+    """Run (or resume) ``cfg.rounds`` mining rounds; returns the manifest."""
+    from eagle3.target import load_target
+    from eagle3.train import train
+
+    for name in ("draft", "store", "eval_store", "out_dir"):
+        if not getattr(cfg, name):
+            raise MineError(f"mine.{name} must be set")
+    needs_pool = {"hardest", "uniform"} & set(cfg.strategies)
+    if needs_pool and not cfg.pool:
+        raise MineError(f"mine.pool must be set for strategies {sorted(needs_pool)}")
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest_path = out / MANIFEST
+    manifest: dict[str, Any] = (json.loads(manifest_path.read_text()) if manifest_path.is_file()
+                                else {"config": asdict(cfg), "rounds": []})
+    if manifest["config"] != asdict(cfg):
+        changed = sorted(k for k in asdict(cfg) if manifest["config"].get(k) != asdict(cfg)[k])
+        raise MineError(f"{manifest_path}: written with other settings ({', '.join('mine.' + k for k in changed)}); "
+                        "use a new out_dir")
+
+    base = HarvestStore(Path(cfg.store))
+    eval_store = HarvestStore(Path(cfg.eval_store))
+    if target is None:
+        target = load_target(target_cfg.name_or_path, dtype="float32", device="cpu",
+                             aux_layer_ids=base.spec.aux_layer_ids)
+    base.check_target(target)
+    eval_store.check_target(target)
+    head = target_head(target)
+    records = read_records(cfg.records)
+    eval_records = read_records(cfg.eval_records)
+    eval_sets = read_records(sorted(Path(cfg.eval_sets).glob("*.jsonl"))) if cfg.eval_sets else []
+    pool = read_records([cfg.pool]) if cfg.pool else []
+    run = _wandb(cfg, out)
+
+    draft_dir = Path(cfg.draft)
+    stores: list[str] = []  # appended by earlier rounds
+    weights_file: str | None = None
+    harvested_ids = {str(r["id"]) for r in records}
+    for done in manifest["rounds"]:
+        draft_dir, stores, weights_file = Path(done["draft"]), done["stores"], done["sample_weights"]
+        harvested_ids |= set(done["added_ids"])
+        records += read_records(done["added_records"])
+
+    for r in range(len(manifest["rounds"]) + 1, cfg.rounds + 1):
+        started = time.perf_counter()
+        rdir = out / f"round-{r}"
+        seed = cfg.seed * 1000 + r
+        meta = read_sample_meta([*cfg.records, *cfg.eval_records]) | {
+            str(x["id"]): {"domain": str(x.get("domain")), "language": str(x.get("language"))} for x in records}
+        draft = load_scoring_draft(draft_dir, target)
+        before = score_store(draft, head, eval_store, meta, ttt_steps=train_cfg.ttt_steps, progress=progress)
+        train_store = open_stores([cfg.store, *stores])
+        train_scores = score_store(draft, head, train_store, meta, ttt_steps=train_cfg.ttt_steps, progress=progress)
+        write_scores(rdir / "scores_eval_before.jsonl", before)
+        write_scores(rdir / "scores_train.jsonl", train_scores)
+
+        known = [*eval_sets, *eval_records, *records]
+        harvester = Harvester(rdir, target, target_cfg, base, seed, progress)
+        fresh = [p for p in pool if str(p.get("id")) not in harvested_ids]
+        added: dict[str, Any] = {}
+        new_records: list[dict[str, Any]] = []
+
+        if "reweight" in cfg.strategies:
+            w = domain_weights(group_scores(train_scores, "domain"), power=cfg.weight_power)
+            weights_file = str(rdir / "sample_weights.json")
+            atomic_write_text(Path(weights_file), json.dumps(sample_weights(train_scores, w), indent=0))
+            added["reweight"] = {"domain_weights": {k: round(v, 4) for k, v in w.items()}}
+        if "hardest" in cfg.strategies and cfg.candidates:
+            cands, dropped = dedupe(balanced_pick(fresh, cfg.candidates, seed), known)
+            got = harvester("candidates", cands, cfg.candidate_tokens)
+            keep: list[dict[str, Any]] = []
+            if got is not None:
+                cand_meta = {str(x["id"]): {"domain": str(x.get("domain")), "language": str(x.get("language"))}
+                             for x in cands}
+                cand_scores = score_store(draft, head, HarvestStore(got[0]), cand_meta, ttt_steps=train_cfg.ttt_steps)
+                write_scores(rdir / "scores_candidates.jsonl", cand_scores)
+                ids = set(pick_hardest(cand_scores, cfg.keep_fraction))
+                keep = [x for x in cands if str(x["id"]) in ids]
+            new_records += keep
+            added["hardest"] = {"candidates": len(cands), "kept": len(keep), "dropped": dropped}
+        if "synthesize" in cfg.strategies:
+            by_id = {str(x["id"]): x for x in records}
+            parents = [by_id[s.sample_id.rsplit("-t", 1)[0]] for s in hardest(train_scores, cfg.hard_examples)
+                       if s.sample_id.rsplit("-t", 1)[0] in by_id]
+            made: list[dict[str, Any]] = []
+            asked = variation_requests(parents, cfg.variations)
+            got = harvester("variations", asked, 200, temperature=0.8) if asked else None
+            if got is not None:
+                for rec in read_records([got[1]]):
+                    text = parse_variation(next(m["content"] for m in rec["messages"] if m["role"] == "assistant"))
+                    if text:
+                        made.append(prompt_record(text, str(rec.get("domain")), str(rec.get("language")),
+                                                  "mined-variation", {"parent": rec["meta"]["parent"]}))
+            made += math_problems(cfg.procedural, seed) + code_tasks(cfg.procedural, seed)
+            kept, dropped = dedupe(made, [*known, *new_records])
+            new_records += kept
+            added["synthesize"] = {"hard_parents": len(parents), "variations_asked": len(asked),
+                                   "made": len(made), "kept": len(kept), "dropped": dropped}
+        if "uniform" in cfg.strategies and cfg.uniform:
+            picked = random.Random(seed).sample(fresh, min(cfg.uniform, len(fresh)))
+            kept, dropped = dedupe(picked, known)
+            new_records += kept
+            added["uniform"] = {"picked": len(picked), "kept": len(kept), "dropped": dropped}
+
+        new_store = harvester("mined", new_records, cfg.max_new_tokens)
+        round_stores = list(stores)
+        added_records: list[str] = []
+        if new_store is not None:
+            round_stores.append(str(new_store[0]))
+            added_records.append(str(new_store[1]))
+            records += read_records([new_store[1]])
+
+        summary = train(replace(train_cfg, store=cfg.store, extra_stores=round_stores, sample_weights=weights_file,
+                                init_draft=str(draft_dir), steps=cfg.steps,
+                                out_dir=str(rdir / "train"), eval_store=cfg.eval_store, eval_fraction=0.0,
+                                seed=train_cfg.seed + r, resume=True, wandb_mode="disabled"),
+                        target_cfg, target=target)
+        new_draft = rdir / "train" / "final"
+        after = score_store(load_scoring_draft(new_draft, target), head, eval_store, meta,
+                            ttt_steps=train_cfg.ttt_steps, progress=progress)
+        write_scores(rdir / "scores_eval_after.jsonl", after)
+        entry = {
+            "round": r, "draft_before": str(draft_dir), "draft": str(new_draft), "stores": round_stores,
+            "sample_weights": weights_file, "added": added, "added_records": added_records,
+            "added_ids": [str(x["id"]) for x in new_records],
+            "before": _groups(before), "after": _groups(after),
+            "train": {k: summary.get(k) for k in ("steps", "tokens_per_s", "train_samples", "eval_last")},
+            "hardest_train": [s.as_dict() | {"accepted": None} for s in hardest(train_scores, 10)],
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+        manifest["rounds"].append(entry)
+        atomic_write_text(manifest_path, json.dumps(manifest, indent=1) + "\n")
+        _log_round(run, entry, {str(x["id"]): x for x in records})
+        draft_dir, stores = new_draft, round_stores
+        harvested_ids |= set(entry["added_ids"])
+        if progress:
+            b, a = entry["before"]["all"]["all"]["tau_sim"], entry["after"]["all"]["all"]["tau_sim"]
+            print(f"mine: round {r}: held-out tau_sim {b} -> {a}; added {len(new_records)} prompts", file=sys.stderr)
+    if run is not None:
+        run.finish()
+    return manifest
+
+
+def _wandb(cfg: MineConfig, out: Path) -> Any:
+    if cfg.wandb_mode == "disabled":
+        return None
+    import wandb
+
+    (out / "wandb").mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=cfg.wandb_project, name=f"mine-{out.name}", dir=str(out), mode=cfg.wandb_mode,
+                      job_type="mine", config=asdict(cfg), settings=wandb.Settings(console="off", silent=True))
+
+
+def _log_round(run: Any, entry: dict[str, Any], records: dict[str, dict[str, Any]]) -> None:
+    if run is None:
+        return
+    import wandb
+
+    metrics: dict[str, Any] = {"mine/round": entry["round"]}
+    for when in ("before", "after"):
+        for key in ("all", "domain", "language"):
+            for name, g in entry[when][key].items():
+                metrics[f"mine/{when}/{key}/{name}/tau_sim"] = g["tau_sim"]
+    columns = ["round", "sample_id", "domain", "language", "tau_sim", "loss", "positions", "prompt"]
+    rows = []
+    for s in entry["hardest_train"]:
+        rec = records.get(s["sample_id"].rsplit("-t", 1)[0], {})
+        prompt = next((m["content"] for m in rec.get("messages", []) if m["role"] == "user"), "")
+        rows.append([entry["round"], s["sample_id"], s["domain"], s["language"], s["tau_sim"], round(s["loss"], 4),
+                     s["positions"], prompt[:300]])
+    metrics["mine/hardest"] = wandb.Table(columns=columns, data=rows)
+    run.log(metrics, step=entry["round"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hard_mining.rounds", description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=TargetConfig.name_or_path)
+    parser.add_argument("--draft", required=True)
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--records", nargs="+", required=True)
+    parser.add_argument("--eval-store", required=True)
+    parser.add_argument("--eval-records", nargs="+", required=True)
+    parser.add_argument("--pool", default="")
+    parser.add_argument("--eval-sets", default="")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--strategies", nargs="+", default=MineConfig().strategies)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--candidates", type=int, default=MineConfig.candidates)
+    parser.add_argument("--keep-fraction", type=float, default=MineConfig.keep_fraction)
+    parser.add_argument("--uniform", type=int, default=MineConfig.uniform)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--wandb-mode", default="offline")
+    # the continued training's settings
+    parser.add_argument("--ttt-steps", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--micro-batch-tokens", type=int, default=2048)
+    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    try:
+        cfg = MineConfig(draft=args.draft, store=args.store, records=args.records, eval_store=args.eval_store,
+                         eval_records=args.eval_records, pool=args.pool, eval_sets=args.eval_sets, out_dir=args.out,
+                         rounds=args.rounds, strategies=args.strategies, steps=args.steps,
+                         candidates=args.candidates, keep_fraction=args.keep_fraction, uniform=args.uniform,
+                         seed=args.seed, wandb_mode=args.wandb_mode)
+        train_cfg = TrainConfig(store=args.store, out_dir=args.out, ttt_steps=args.ttt_steps, lr=args.lr,
+                                warmup_steps=max(1, args.steps // 20), micro_batch_tokens=args.micro_batch_tokens,
+                                batching="buckets", precision=args.precision, eval_every=0, save_every=0,
+                                progress=not args.no_progress, threads=args.threads)
+        manifest = run_rounds(cfg, train_cfg, TargetConfig(name_or_path=args.target), progress=not args.no_progress)
+    except (MineError, ValueError, OSError) as err:
+        print(f"hard_mining: error: {err}", file=sys.stderr)
+        return 2
+    for entry in manifest["rounds"]:
+        print(json.dumps({"stage": "mine", "round": entry["round"],
+                          "tau_before": entry["before"]["all"]["all"]["tau_sim"],
+                          "tau_after": entry["after"]["all"]["all"]["tau_sim"],
+                          "domain_before": {k: v["tau_sim"] for k, v in entry["before"]["domain"].items()},
+                          "domain_after": {k: v["tau_sim"] for k, v in entry["after"]["domain"].items()},
+                          "added": entry["added"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

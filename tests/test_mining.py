@@ -1,0 +1,175 @@
+"""hard_mining on tiny models: scores agree with the trainer's eval, grouping and selection by hand,
+dedup against eval sets, and one full mining round (regenerate + harvest + continue training)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle3.config import HarvestConfig, MineConfig, TargetConfig, TrainConfig
+from eagle3.harvest import run as harvest
+from eagle3.shards import HarvestStore
+from eagle3.train import train
+from hard_mining.rounds import MineError, balanced_pick, run_rounds
+from hard_mining.score import (
+    GroupScore,
+    SampleScore,
+    group_scores,
+    hardest,
+    meta_of,
+    read_sample_meta,
+    score_store,
+    target_head,
+)
+from hard_mining.strategies import (
+    code_tasks,
+    dedupe,
+    domain_weights,
+    math_problems,
+    parse_variation,
+    pick_hardest,
+    prompt_record,
+    sample_weights,
+    variation_requests,
+)
+from tests.test_harvest import _conv
+from tests.tiny_targets import lively_target
+
+DOMAINS = ["coding", "science", "general", "multilingual"]
+
+
+def _records(path: Path, ids: range, prefix: str = "r") -> Path:
+    with open(path, "w") as f:
+        for i in ids:
+            language = "de" if i % 4 == 3 else "en"
+            f.write(json.dumps({"id": f"{prefix}{i}", "domain": DOMAINS[i % 4], "language": language,
+                                "messages": _conv(i, 1 + i % 2)}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("mine")
+    target = lively_target()
+    lively = TargetConfig(name_or_path="lively")
+    data, val = _records(root / "data.jsonl", range(32)), _records(root / "val.jsonl", range(100, 112), "v")
+    harvest(HarvestConfig(data=str(data), out_dir=str(root / "store"), dtype="float32"), lively, target=target,
+            progress=False)
+    harvest(HarvestConfig(data=str(val), out_dir=str(root / "val"), dtype="float32"), lively, target=target,
+            progress=False)
+    base = TrainConfig(store=str(root / "store"), out_dir=str(root / "train"), steps=8, micro_batch_tokens=256, lr=1e-2,
+                       warmup_steps=1, eval_store=str(root / "val"), eval_every=8, save_every=0, draft_vocab_size=64,
+                       ttt_steps=3, wandb_mode="disabled", progress=False)
+    summary = train(base, lively, target=target)
+    return {"root": root, "target": target, "data": data, "val": val, "train": base, "summary": summary}
+
+
+def test_scores_agree_with_the_trainers_eval(world: dict) -> None:
+    from hard_mining.rounds import load_scoring_draft
+
+    target = world["target"]
+    draft = load_scoring_draft(world["root"] / "train" / "final", target)
+    meta = read_sample_meta(world["val"])
+    scores = score_store(draft, target_head(target), HarvestStore(world["root"] / "val"), meta, ttt_steps=3)
+    assert len(scores) == 12 and {s.domain for s in scores} == set(DOMAINS)
+    assert scores[3].language == "de" and scores[0].language == "en"
+    pooled = group_scores(scores, "all")["all"]
+    assert pooled.tau_sim == pytest.approx(world["summary"]["eval_last"]["eval/tau_sim"], abs=1e-9)
+    from eagle3.train_log import read_metrics
+
+    last_eval = [r for r in read_metrics(world["root"] / "train") if "eval/positions" in r][-1]
+    assert pooled.positions == last_eval["eval/positions"]
+    for s in scores:
+        assert s.tau_sim == pytest.approx(1 + sum(s.accepted) / len(s.accepted))
+        assert all(0 <= a <= 3 for a in s.accepted) and s.step_counted[0] == s.positions
+    assert meta_of("v101-t1", meta)["domain"] == "science"  # per-turn ids inherit their record's
+
+
+def _s(sid: str, domain: str, accepted: list[int], loss: float, language: str = "en") -> SampleScore:
+    return SampleScore(sid, domain, language, tokens=50, accepted=accepted, loss=loss)
+
+
+def test_grouping_and_selection_by_hand() -> None:
+    scores = [_s("a", "coding", [0, 1, 3, 0], 2.0), _s("b", "coding", [2, 2], 1.0),
+              _s("c", "multilingual", [0, 0, 0, 1], 4.0, "de"), _s("d", "multilingual", [0, 0, 0, 0, 0, 0], 5.0, "fr"),
+              _s("e", "science", [1, 1, 1, 1], 3.0)]
+    g = group_scores(scores, "domain", depth=3)
+    # coding pools 6 starts with 8 accepted: tau 1 + 8/6; acceptance at depth 1: 4 of 6 starts
+    assert g["coding"].tau_sim == pytest.approx(1 + 8 / 6) and g["coding"].positions == 6
+    assert g["coding"].acceptance == pytest.approx([4 / 6, 3 / 6, 1 / 6])
+    assert g["coding"].loss == pytest.approx((2.0 * 4 + 1.0 * 2) / 6)
+    assert g["multilingual"].tau_sim == pytest.approx(1 + 1 / 10)
+    assert set(group_scores(scores, "language")) == {"en", "de", "fr"}
+    assert [s.sample_id for s in hardest(scores, 2, min_positions=4)] == ["d", "c"]
+    assert [s.sample_id for s in hardest(scores, 2, min_positions=5)] == ["d"]
+    # the top half by loss within each domain (at least one each); "b" has too few positions
+    assert pick_hardest(scores, 0.5, min_positions=4) == ["a", "d", "e"]
+    assert pick_hardest(scores, 0.4, per_domain=False, min_positions=4) == ["c", "d"]
+    with pytest.raises(ValueError, match="fraction"):
+        pick_hardest(scores, 0.0)
+
+
+def test_domain_weights_by_hand() -> None:
+    groups = {"coding": GroupScore("coding", 2, 10, 5, 1.0, []),  # tau 1.5
+              "multilingual": GroupScore("multilingual", 2, 10, 2, 1.0, [])}  # tau 1.2
+    w = domain_weights(groups, power=1.0)
+    # raw 1.0 and 1.5/1.2 = 1.25; scaled to a mean of 1 over the 4 samples: / 1.125
+    assert w == pytest.approx({"coding": 1 / 1.125, "multilingual": 1.25 / 1.125})
+    w4 = domain_weights(groups, power=20.0)  # 1.25**20 = 86.7 -> capped at 4
+    assert w4["multilingual"] / w4["coding"] == pytest.approx(4.0)
+    per = sample_weights([_s("a", "coding", [0], 1.0), _s("c", "multilingual", [0], 1.0)], w)
+    assert per == {"a": pytest.approx(0.888889), "c": pytest.approx(1.111111)}
+
+
+def test_variations_procedural_prompts_and_dedup() -> None:
+    rec = {"id": "x1", "domain": "multilingual", "language": "de",
+           "messages": [{"role": "user", "content": "Wie funktioniert ein Kühlschrank?"}]}
+    asked = variation_requests([rec], per_record=2)
+    assert [a["id"] for a in asked] == ["x1-var0", "x1-var1"] and asked[0]["meta"]["parent"] == "x1"
+    assert "Kühlschrank" in asked[0]["messages"][0]["content"] and "Deutsch" in asked[0]["messages"][0]["content"]
+    assert parse_variation("Frage: Wie funktioniert eine Waschmaschine?") == "Wie funktioniert eine Waschmaschine?"
+    assert parse_variation("ok") is None
+    math, code = math_problems(6, seed=1), code_tasks(6, seed=1)
+    assert math == math_problems(6, seed=1) and math != math_problems(6, seed=2)
+    assert {r["domain"] for r in math} == {"science"} and {r["domain"] for r in code} == {"coding"}
+    eval_sets = [{"messages": [{"role": "user", "content": "What is the capital of France?"}]},
+                 {"messages": [{"role": "user", "content": "one two three four five six seven eight nine ten"}]}]
+    cands = [prompt_record("what is the CAPITAL of   france?", "general", "en", "t"),  # exact after normalising
+             prompt_record("one two three four five six seven eight nine ten eleven", "general", "en", "t"),
+             prompt_record("A fresh question about rivers and lakes in Europe today", "general", "en", "t"),
+             prompt_record("A fresh question about rivers and lakes in Europe today", "general", "en", "t")]
+    kept, dropped = dedupe(cands, eval_sets)
+    assert [k["messages"][0]["content"] for k in kept] == ["A fresh question about rivers and lakes in Europe today"]
+    assert dropped == {"exact": 1, "ngram": 1, "repeat": 1}
+    picked = balanced_pick([{"id": i, "domain": DOMAINS[i % 2]} for i in range(10)], 4, seed=0)
+    assert sorted(r["domain"] for r in picked) == ["coding", "coding", "science", "science"]
+
+
+def test_one_mining_round_end_to_end(world: dict, tmp_path: Path) -> None:
+    root, target = world["root"], world["target"]
+    pool = _records(tmp_path / "pool.jsonl", range(200, 216), "p")
+    cfg = MineConfig(draft=str(root / "train" / "final"), store=str(root / "store"), records=[str(world["data"])],
+                     eval_store=str(root / "val"), eval_records=[str(world["val"])], pool=str(pool),
+                     out_dir=str(tmp_path / "mine"), rounds=1, candidates=8, candidate_tokens=6, keep_fraction=0.5,
+                     hard_examples=2, procedural=1, steps=2, max_new_tokens=12, wandb_mode="offline")
+    lively = TargetConfig(name_or_path="lively")
+    manifest = run_rounds(cfg, world["train"], lively, target=target, progress=False)
+    (entry,) = manifest["rounds"]
+    assert entry["added"]["hardest"]["candidates"] == 8 and entry["added"]["hardest"]["kept"] == 4
+    assert entry["added"]["synthesize"]["hard_parents"] == 2
+    assert set(entry["added"]["reweight"]["domain_weights"]) == set(DOMAINS)
+    assert len(entry["stores"]) == 1 and HarvestStore(Path(entry["stores"][0])).manifest["spec"]["dtype"] == "float32"
+    assert len(entry["added_ids"]) >= 4 + 2  # 4 kept candidates + procedural math and code
+    assert set(entry["before"]["domain"]) == set(DOMAINS) and entry["after"]["all"]["all"]["positions"] > 0
+    assert entry["train"]["steps"] == 2 and (Path(entry["draft"]) / "model.safetensors").is_file()
+    weights = json.loads(Path(entry["sample_weights"]).read_text())
+    assert len(weights) == 32
+    assert list((tmp_path / "mine" / "wandb").glob("offline-run-*")), "no offline wandb run"
+    # a rerun finds the round done; other settings fail naming the key
+    assert run_rounds(cfg, world["train"], lively, target=target, progress=False) == manifest
+    with pytest.raises(MineError, match="mine.steps"):
+        run_rounds(MineConfig(**{**cfg.__dict__, "steps": 3}), world["train"], lively, target=target, progress=False)
+    with pytest.raises(ValueError, match="mine.strategies"):
+        MineConfig(strategies=["magic"])
