@@ -490,6 +490,35 @@ class MineConfig:
 
 
 @dataclass
+class EvalConfig:
+    """The serving evaluation (serve_eval): the bundled loop, speculative vs plain, on the eval sets."""
+
+    draft: str | None = None
+    """Draft folder; None: the last mining round's draft, else the training run's final one."""
+    sets: list[str] = field(default_factory=lambda: ["mtbench", "humaneval", "gsm8k", "multilingual"])
+    per_set: int = 10
+    max_new_tokens: int = 96
+    mode: str = "chain"
+    k: int = 3
+    topk: int = 4
+    budget: int = 16
+    temperature: float = 0.0
+    out_dir: str = ""
+    wandb_mode: str = "offline"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("chain", "tree"):
+            raise ValueError(f"eval.mode={self.mode!r}: expected chain or tree")
+        for name in ("per_set", "max_new_tokens", "k", "topk", "budget"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"eval.{name}={getattr(self, name)}: must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"eval.temperature={self.temperature}: must be >= 0")
+        if self.wandb_mode not in _WANDB_MODES:
+            raise ValueError(f"eval.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(_WANDB_MODES)}")
+
+
+@dataclass
 class PipelineConfig:
     """One run of the pipeline: every stage reads its part of this tree."""
 
@@ -499,9 +528,14 @@ class PipelineConfig:
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     harvest: HarvestConfig = field(default_factory=HarvestConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    val: SelectConfig = field(default_factory=lambda: SelectConfig(num_prompts=24, split="val"))
+    """The held-out prompts the ``val`` stage regenerates and harvests (mining scores on them)."""
+    mine: MineConfig = field(default_factory=MineConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     out_dir: str = "runs/quickstart"
     """Where every stage writes its outputs."""
-    stages: list[str] = field(default_factory=lambda: ["target", "pools", "regenerate", "harvest", "train"])
+    stages: list[str] = field(default_factory=lambda: ["target", "pools", "regenerate", "harvest", "val", "train",
+                                                       "mine", "eval", "report"])
     """Stages to run, in order."""
     threads: int = 1
     """torch intra-op threads on CPU; 1 was fastest on a loaded 2-core machine."""

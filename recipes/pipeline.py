@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +110,121 @@ def stage_train(cfg: PipelineConfig) -> dict[str, Any]:
     return train(cfg.train, cfg.target)
 
 
+def stage_val(cfg: PipelineConfig) -> dict[str, Any]:
+    """Held-out conversations: a balanced subset of the val pool, regenerated and harvested like
+    the training data (what mining scores the draft on)."""
+    from data_gen.pools import read_jsonl, select_balanced
+    from eagle3.harvest import run as harvest
+    from eagle3.regenerate import run as regenerate
+
+    pool = Path(cfg.pools.out_dir) / f"{cfg.val.split}.jsonl"
+    if not pool.is_file():
+        raise FileNotFoundError(f"{pool}: no prompt pool; run the pools stage first")
+    chosen = select_balanced(read_jsonl(pool), cfg.val.num_prompts, cfg.val.domains, cfg.val.seed)
+    root = Path(cfg.out_dir) / "val"
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chosen)
+    prompts = root / "prompts.jsonl"
+    if not prompts.is_file() or prompts.read_text(encoding="utf-8") != text:
+        atomic_write_text(prompts, text)
+    regen = regenerate(replace(cfg.regenerate, pool=str(prompts), out_dir=str(root / "regenerate")), cfg.target)
+    data = root / "regenerate" / "dataset" / "regenerated.jsonl"
+    summary = harvest(replace(cfg.harvest, data=str(data), out_dir=str(root / "harvest")), cfg.target)
+    return {"prompts": len(chosen), "regenerate": regen, "harvest": summary}
+
+
+def stage_mine(cfg: PipelineConfig) -> dict[str, Any]:
+    """Hard-example mining rounds from the trained draft (hard_mining; resumable)."""
+    from hard_mining.rounds import run_rounds
+
+    manifest = run_rounds(cfg.mine, cfg.train, cfg.target)
+    return {"rounds": [{"round": e["round"], "draft": e["draft"], "added_prompts": len(e["added_ids"]),
+                        "tau_before": e["before"]["all"]["all"]["tau_sim"],
+                        "tau_after": e["after"]["all"]["all"]["tau_sim"],
+                        "domain_before": {k: v["tau_sim"] for k, v in e["before"]["domain"].items()},
+                        "domain_after": {k: v["tau_sim"] for k, v in e["after"]["domain"].items()}}
+                       for e in manifest["rounds"]]}
+
+
+def eval_draft(cfg: PipelineConfig) -> str:
+    """The draft the eval stage serves: ``eval.draft``, else the last mining round's, else training's final."""
+    if cfg.eval.draft:
+        return cfg.eval.draft
+    manifest = Path(cfg.mine.out_dir) / "manifest.json"
+    if "mine" in cfg.stages and manifest.is_file():
+        rounds = json.loads(manifest.read_text())["rounds"]
+        if rounds:
+            return str(rounds[-1]["draft"])
+    return str(Path(cfg.train.out_dir) / "final")
+
+
+def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
+    """The bundled speculative loop vs plain decoding on the eval sets: report.md, PNG plots, wandb."""
+    from eagle3.chat import ChatFormat
+    from eagle3.spec_decode import SpecConfig
+    from eagle3.verify import SamplingParams
+    from serve_eval.evaluate import evaluate, load_pair, read_prompts, write_report
+
+    e = cfg.eval
+    draft_path = eval_draft(cfg)
+    out = Path(e.out_dir)
+    settings = {**asdict(e), "draft": draft_path, "target": cfg.target.name_or_path}
+    done = out / "report.json"
+    if done.is_file() and json.loads(done.read_text()).get("settings") == settings:
+        print(f"eval: up to date in {out}")
+        report = json.loads(done.read_text())
+    else:
+        target, draft = load_pair(draft_path, cfg.target.name_or_path)
+        chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
+        prompts = {name: read_prompts(Path(cfg.pools.out_dir), name, e.per_set, chat) for name in e.sets}
+        report = evaluate(target, draft, prompts, config=SpecConfig(e.mode, e.k, e.topk, e.budget),
+                          params=SamplingParams(e.temperature), max_new_tokens=e.max_new_tokens,
+                          stop_ids=sorted(chat.stop_ids), seed=cfg.seed)
+        report.update(draft=draft_path, target=cfg.target.name_or_path, settings=settings)
+        write_report(report, out, e.wandb_mode)
+    return {"out_dir": str(out), "draft": draft_path, "overall": report["overall"],
+            "sets": {n: {k: s[k] for k in ("tau", "speedup", "accept_per_pos")} for n, s in report["sets"].items()}}
+
+
+def stage_report(cfg: PipelineConfig) -> dict[str, Any]:
+    """``out_dir/report.md``: data, training, mining per domain and the serving evaluation, with the plots."""
+    out = Path(cfg.out_dir)
+
+    def result(name: str) -> dict[str, Any] | None:
+        path = out / f"{name}.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    lines = [f"# EAGLE-3 pipeline report: {cfg.target.name_or_path}", ""]
+    regen, train, mine, ev = result("regenerate"), result("train"), result("mine"), result("eval")
+    if regen:
+        lines += [f"Data: {regen.get('records', '?')} regenerated conversations ({regen.get('turns', '?')} "
+                  f"assistant turns, {regen.get('new_tokens', '?')} generated tokens).", ""]
+    if train:
+        first, last = train.get("eval_first") or {}, train.get("eval_last") or {}
+        lines += [f"Training: {train['steps']} steps at {train['tokens_per_s']} tokens/s; held-out tau_sim "
+                  f"{first.get('eval/tau_sim', float('nan')):.3f} -> {last.get('eval/tau_sim', float('nan')):.3f}.", ""]
+    if mine and mine["rounds"]:
+        domains = sorted(mine["rounds"][0]["domain_before"])
+        lines += ["## Mining rounds (held-out tau_sim per domain, before -> after)", "",
+                  "| round | added prompts | overall | " + " | ".join(domains) + " |",
+                  "| --- | --- | --- | " + " | ".join("---" for _ in domains) + " |"]
+        for r in mine["rounds"]:
+            cells = [f"{r['domain_before'][d]:.3f} -> {r['domain_after'][d]:.3f}" for d in domains]
+            lines.append(f"| {r['round']} | {r['added_prompts']} | {r['tau_before']:.3f} -> {r['tau_after']:.3f} | "
+                         + " | ".join(cells) + " |")
+        lines.append("")
+    if ev:
+        eval_md = Path(ev["out_dir"]) / "report.md"
+        lines += [f"## Serving evaluation (draft {ev['draft']})", ""]
+        if eval_md.is_file():
+            lines += eval_md.read_text().splitlines()[2:] + [""]
+        for png in ("tau_by_set.png", "acceptance_by_position.png", "speedup.png"):
+            if (Path(ev["out_dir"]) / png).is_file():
+                rel = (Path(ev["out_dir"]) / png).resolve().relative_to(out.resolve(), walk_up=True)
+                lines.append(f"![{png}]({rel})")
+    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+    return {"report": str(out / "report.md")}
+
+
 def stage_plan(cfg: PipelineConfig) -> dict[str, Any]:
     """The draft's shape and trainable parameters, from the target's config alone (no weights)."""
     from eagle3.plan import plan_draft
@@ -119,7 +234,8 @@ def stage_plan(cfg: PipelineConfig) -> dict[str, Any]:
 
 STAGES: dict[str, Callable[[PipelineConfig], dict[str, Any]]] = {
     "plan": stage_plan, "target": stage_target, "pools": stage_pools, "regenerate": stage_regenerate,
-    "harvest": stage_harvest, "train": stage_train,
+    "harvest": stage_harvest, "train": stage_train, "val": stage_val, "mine": stage_mine, "eval": stage_eval,
+    "report": stage_report,
 }
 
 

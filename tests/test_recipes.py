@@ -31,9 +31,13 @@ def test_default_recipe_is_the_embedded_target() -> None:
     with initialize_config_module(config_module="recipes", version_base="1.3"):
         config = OmegaConf.to_object(compose(config_name="pipeline"))
     assert config.target.name_or_path == "smollm2-135m"
-    assert config.stages == ["target", "pools", "regenerate", "harvest", "train"]
+    assert config.stages == ["target", "pools", "regenerate", "harvest", "val", "train", "mine", "eval", "report"]
+    assert config.select.num_prompts >= 200 and config.eval.per_set >= 10 and config.mine.rounds >= 1
+    assert config.mine.store == config.train.store == config.harvest.out_dir
+    assert config.train.eval_store == config.mine.eval_store == "runs/quickstart/val/harvest"
+    assert config.mine.records == [config.harvest.data] and config.mine.draft == "runs/quickstart/train/final"
     assert config.train.store == "runs/quickstart/harvest" and config.train.out_dir == "runs/quickstart/train"
-    assert isinstance(config.train, TrainConfig) and config.train.eval_fraction > 0
+    assert isinstance(config.train, TrainConfig) and config.train.eval_fraction == 0  # a separate eval store
     assert config.harvest.data == "runs/quickstart/regenerate/dataset/regenerated.jsonl"
     assert config.regenerate.pool == "runs/quickstart/prompts.jsonl"
     assert config.pools.out_dir == "runs/quickstart/pools"
@@ -64,7 +68,8 @@ def test_invalid_values_fail_with_the_field_named() -> None:
 def test_unknown_stage_is_named() -> None:
     from recipes.pipeline import run_pipeline
 
-    known = r"known stages are \['plan', 'target', 'pools', 'regenerate', 'harvest', 'train'\]"
+    known = (r"known stages are \['plan', 'target', 'pools', 'regenerate', 'harvest', 'train', 'val', 'mine', "
+             r"'eval', 'report'\]")
     with pytest.raises(ValueError, match=r"unknown \['harvst'\]; " + known):
         run_pipeline(PipelineConfig(stages=["target", "harvst"]))
 
