@@ -114,3 +114,12 @@ def test_architecture_mismatch_fails_naming_the_key() -> None:
     check_architecture(loaded, {"hidden_size": 64, "text_config": {"num_hidden_layers": 2}}, "m")
     with pytest.raises(TargetLoadError, match=r"target.architecture.text_config.num_hidden_layers=61"):
         check_architecture(loaded, {"text_config": {"num_hidden_layers": 61}}, "m")
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in RECIPES.glob("*.yaml")))
+def test_every_top_level_recipe_composes(name: str) -> None:
+    with initialize_config_module(config_module="recipes", version_base="1.3"):
+        config = OmegaConf.to_object(compose(config_name=name))
+    assert isinstance(config, PipelineConfig) and config.stages
+    if "mine" in config.stages:
+        assert config.mine.store == config.train.store and config.mine.eval_store == config.train.eval_store
