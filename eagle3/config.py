@@ -519,6 +519,36 @@ class EvalConfig:
 
 
 @dataclass
+class LauncherConfig:
+    """Where the pipeline runs: in this process (``none``), or as submitit jobs (recipes/launch.py)."""
+
+    kind: str = "none"
+    """none, local (submitit processes here, the groups one after the other) or slurm."""
+    folder: str = "runs/submitit"
+    """Job logs and pickles; each submission gets a fresh sub-folder."""
+    partition: str | None = None
+    timeout_min: int = 240
+    cpus_per_task: int = 2
+    mem_gb: int | None = None
+    gpus_per_node: int = 0
+    nodes: int = 1
+    """The training job's nodes ..."""
+    tasks_per_node: int = 1
+    """... and ranks per node (one per GPU on GPU nodes)."""
+    harvest_shards: int = 1
+    """The harvest array's tasks (``harvest.shard`` i/n each)."""
+    additional: dict[str, str] = field(default_factory=dict)
+    """Extra sbatch options (account, qos, constraint, ...)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("none", "local", "slurm"):
+            raise ValueError(f"launcher.kind={self.kind!r}: expected none, local or slurm")
+        for name in ("timeout_min", "cpus_per_task", "nodes", "tasks_per_node", "harvest_shards"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"launcher.{name}={getattr(self, name)}: must be >= 1")
+
+
+@dataclass
 class PipelineConfig:
     """One run of the pipeline: every stage reads its part of this tree."""
 
@@ -532,6 +562,7 @@ class PipelineConfig:
     """The held-out prompts the ``val`` stage regenerates and harvests (mining scores on them)."""
     mine: MineConfig = field(default_factory=MineConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
     out_dir: str = "runs/quickstart"
     """Where every stage writes its outputs."""
     stages: list[str] = field(default_factory=lambda: ["target", "pools", "regenerate", "harvest", "val", "train",

@@ -1,0 +1,141 @@
+"""Launching the pipeline's stages as jobs with submitit: Slurm, or local processes.
+
+``eagle3-run launcher=slurm launcher.partition=gpu ...`` submits instead of running in-process:
+
+    job "prepare"   one task: the stages before harvest (target, pools, regenerate, val)
+    job "harvest"   an array, one task per shard (``harvest.shard = i/n``; whoever finishes the
+                    last shard writes the manifest)                    after "prepare" succeeded
+    job "train"     ``nodes x tasks_per_node`` tasks: DeepSpeed ranks, the rendezvous taken from
+                    the job's environment (submitit's JobEnvironment: rank, world size, local
+                    rank, first hostname; the port from the job id)   after every shard succeeded
+    job "finish"    one task: mine, eval, report                       after "train" succeeded
+
+On Slurm the dependencies are ``afterok`` and :func:`submit` returns at once with the job ids;
+``launcher=local`` runs the same jobs as local processes one group after the other (what the tests
+use without a Slurm). Job folders are ``launcher.folder/<timestamp>-<name>`` (fresh per submission:
+Slurm job ids restart when its state is wiped).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from eagle3.config import LauncherConfig, PipelineConfig
+
+PREPARE = ("plan", "target", "pools", "regenerate", "val")
+FINISH = ("mine", "eval", "report")
+
+
+def run_stages(cfg: PipelineConfig, stages: list[str]) -> dict[str, Any]:
+    from recipes.pipeline import run_pipeline
+
+    return run_pipeline(replace(cfg, stages=stages))
+
+
+def harvest_shard(cfg: PipelineConfig, shard: int, shards: int) -> dict[str, Any]:
+    """One task of the harvest array: shard ``shard`` of ``shards``."""
+    from eagle3.harvest import run
+
+    return run(replace(cfg.harvest, shard=f"{shard}/{shards}"), cfg.target)
+
+
+def rendezvous_from_job(port_base: int = 20000) -> dict[str, str]:
+    """RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the running submitit job."""
+    import submitit
+
+    env = submitit.JobEnvironment()
+    job_number = int("".join(c for c in str(env.job_id).split("_")[0] if c.isdigit()) or 0)
+    return {"RANK": str(env.global_rank), "WORLD_SIZE": str(env.num_tasks), "LOCAL_RANK": str(env.local_rank),
+            "MASTER_ADDR": env.hostnames[0], "MASTER_PORT": str(port_base + job_number % 20000)}
+
+
+def train_task(cfg: PipelineConfig) -> dict[str, Any]:
+    """One rank of the training job."""
+    from eagle3.train import train
+
+    os.environ.update(rendezvous_from_job())
+    return train(cfg.train, cfg.target)
+
+
+def _executor(launcher: LauncherConfig, name: str, **params: Any) -> Any:
+    import submitit
+
+    folder = Path(launcher.folder) / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{name}"
+    if launcher.kind == "local":
+        ex = submitit.LocalExecutor(folder=folder)
+        ex.update_parameters(timeout_min=launcher.timeout_min, **{k: v for k, v in params.items()
+                                                                  if k in ("tasks_per_node", "nodes")})
+        return ex
+    ex = submitit.AutoExecutor(folder=folder, cluster="slurm")
+    slurm: dict[str, Any] = dict(timeout_min=launcher.timeout_min, slurm_job_name=f"eagle3-{name}",
+                                 cpus_per_task=launcher.cpus_per_task, **params)
+    if launcher.partition:
+        slurm["slurm_partition"] = launcher.partition
+    if launcher.mem_gb:
+        slurm["mem_gb"] = launcher.mem_gb
+    if launcher.gpus_per_node:
+        slurm["gpus_per_node"] = launcher.gpus_per_node
+    slurm["slurm_additional_parameters"] = dict(launcher.additional)
+    ex.update_parameters(**slurm)
+    return ex
+
+
+def _after(ex: Any, launcher: LauncherConfig, jobs: list[Any]) -> None:
+    """Make ``ex``'s next submission wait for ``jobs`` (Slurm afterok)."""
+    if launcher.kind != "slurm" or not jobs:
+        return
+    ids = sorted({str(j.job_id).split("_")[0] for j in jobs})
+    params = dict(ex.parameters.get("slurm_additional_parameters") or {})
+    params["dependency"] = "afterok:" + ":".join(ids)
+    ex.update_parameters(slurm_additional_parameters=params)
+
+
+def submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None = None) -> dict[str, Any]:
+    """Submit the pipeline's stages as jobs; returns the job ids (and, when waiting, the results)."""
+    wait = launcher.kind == "local" if wait is None else wait
+    prepare = [s for s in cfg.stages if s in PREPARE]
+    finish = [s for s in cfg.stages if s in FINISH]
+    jobs: dict[str, Any] = {}
+    previous: list[Any] = []
+
+    def settle(group: list[Any]) -> None:
+        if launcher.kind == "local":  # no dependencies between local jobs: run the groups in order
+            for job in group:
+                job.results()
+
+    if prepare:
+        ex = _executor(launcher, "prepare")
+        jobs["prepare"] = [ex.submit(run_stages, cfg, prepare)]
+        settle(jobs["prepare"])
+        previous = jobs["prepare"]
+    if "harvest" in cfg.stages:
+        ex = _executor(launcher, "harvest")
+        _after(ex, launcher, previous)
+        n = launcher.harvest_shards
+        jobs["harvest"] = ex.map_array(harvest_shard, [cfg] * n, list(range(n)), [n] * n)
+        settle(jobs["harvest"])
+        previous = jobs["harvest"]
+    if "train" in cfg.stages:
+        ex = _executor(launcher, "train", nodes=launcher.nodes, tasks_per_node=launcher.tasks_per_node)
+        _after(ex, launcher, previous)
+        jobs["train"] = [ex.submit(train_task, cfg)]
+        settle(jobs["train"])
+        previous = jobs["train"]
+    if finish:
+        ex = _executor(launcher, "finish")
+        _after(ex, launcher, previous)
+        jobs["finish"] = [ex.submit(run_stages, cfg, finish)]
+        settle(jobs["finish"])
+    out: dict[str, Any] = {"launcher": launcher.kind,
+                           "jobs": {k: [str(j.job_id) for j in v] for k, v in jobs.items()}}
+    if wait:
+        # a multi-task job's result is its rank 0's
+        out["results"] = {k: [j.results()[0] for j in v] for k, v in jobs.items()}
+    return out
+
+
+__all__ = ["harvest_shard", "rendezvous_from_job", "run_stages", "submit", "train_task"]

@@ -1,0 +1,43 @@
+"""The job layout of recipes/launch.py, run with submitit's local executor (no Slurm needed): a
+harvest array over 2 shards and a 2-task (2-rank, gloo) training job on a tiny saved target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagle3.config import HarvestConfig, LauncherConfig, PipelineConfig, TargetConfig, TrainConfig
+from eagle3.shards import HarvestStore, verify_store
+from recipes.launch import submit
+from tests.test_harvest import _data
+from tests.tiny_targets import save_lively
+
+
+def tiny_pipeline(root: Path, kind: str = "local") -> PipelineConfig:
+    model = save_lively(root / "model")
+    data = _data(root / "data.jsonl", 24, turns=2)
+    return PipelineConfig(
+        target=TargetConfig(name_or_path=str(model), dtype="float32", device="cpu"),
+        harvest=HarvestConfig(data=str(data), out_dir=str(root / "harvest"), dtype="float32", max_shard_mb=0.02),
+        train=TrainConfig(store=str(root / "harvest"), out_dir=str(root / "train"), steps=2, micro_batch_tokens=256,
+                          batching="buckets", draft_vocab_size=64, eval_fraction=0.2, eval_every=0, save_every=0,
+                          warmup_steps=1, lr=1e-3, wandb_mode="disabled", progress=False),
+        stages=["harvest", "train"], out_dir=str(root),
+        launcher=LauncherConfig(kind=kind, folder=str(root / "submitit"), harvest_shards=2, tasks_per_node=2,
+                                timeout_min=10),
+    )
+
+
+def test_harvest_array_and_two_rank_training_as_local_jobs(tmp_path: Path) -> None:
+    cfg = tiny_pipeline(tmp_path)
+    out = submit(cfg, cfg.launcher)
+    assert len(out["jobs"]["harvest"]) == 2 and len(out["jobs"]["train"]) == 1
+    shards = out["results"]["harvest"]
+    assert {s["worker"] for s in shards} == {"0/2", "1/2"} and any(s["complete"] for s in shards)
+    assert all(s["shards_run"] >= 1 for s in shards)  # both workers did part of the work
+    store = HarvestStore(tmp_path / "harvest")
+    assert len(store) == 24 and len(store.manifest["shards"]) >= 2
+    verify_store(tmp_path / "harvest")
+    summary = json.loads((tmp_path / "train" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 2
+    assert (tmp_path / "train" / "final" / "model.safetensors").is_file()
