@@ -63,8 +63,9 @@ class RunSink(NullSink):
             self.run = wandb.init(project=project, name=run_name or self.out_dir.name, id=run_id, resume="allow",
                                   dir=str(self.out_dir), mode=wandb_mode, config=config,
                                   settings=wandb.Settings(console="off", silent=True))
-            self.run.define_metric("step")
-            self.run.define_metric("*", step_metric="step")
+            from eagle3.dashboards import define_metrics
+
+            define_metrics(self.run, "train")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         record = {"step": step, **metrics}

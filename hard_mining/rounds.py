@@ -306,9 +306,13 @@ def _wandb(cfg: MineConfig, out: Path) -> Any:
         return None
     import wandb
 
+    from eagle3.dashboards import define_metrics
+
     (out / "wandb").mkdir(parents=True, exist_ok=True)
-    return wandb.init(project=cfg.wandb_project, name=f"mine-{out.name}", dir=str(out), mode=cfg.wandb_mode,
-                      job_type="mine", config=asdict(cfg), settings=wandb.Settings(console="off", silent=True))
+    run = wandb.init(project=cfg.wandb_project, name=f"mine-{out.name}", dir=str(out), mode=cfg.wandb_mode,
+                     job_type="mine", config=asdict(cfg), settings=wandb.Settings(console="off", silent=True))
+    define_metrics(run, "mine")
+    return run
 
 
 def _log_round(run: Any, entry: dict[str, Any], records: dict[str, dict[str, Any]]) -> None:
@@ -329,7 +333,7 @@ def _log_round(run: Any, entry: dict[str, Any], records: dict[str, dict[str, Any
         rows.append([entry["round"], s["sample_id"], s["domain"], s["language"], s["tau_sim"], round(s["loss"], 4),
                      s["positions"], prompt[:300]])
     metrics["mine/hardest"] = wandb.Table(columns=columns, data=rows)
-    run.log(metrics, step=entry["round"])
+    run.log(metrics)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

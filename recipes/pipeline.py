@@ -222,7 +222,12 @@ def stage_report(cfg: PipelineConfig) -> dict[str, Any]:
                 rel = (Path(ev["out_dir"]) / png).resolve().relative_to(out.resolve(), walk_up=True)
                 lines.append(f"![{png}]({rel})")
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
-    return {"report": str(out / "report.md")}
+    from eagle3.dashboards import spec
+
+    atomic_write_text(out / "wandb_dashboard.json", json.dumps(spec(), indent=1) + "\n")
+    runs = sorted(str(p) for p in out.glob("**/wandb/offline-run-*"))
+    return {"report": str(out / "report.md"), "wandb_dashboard": str(out / "wandb_dashboard.json"),
+            "wandb_offline_runs": runs}
 
 
 def stage_plan(cfg: PipelineConfig) -> dict[str, Any]:

@@ -204,6 +204,9 @@ def log_wandb(report: dict[str, Any], out: Path, mode: str, project: str) -> Non
     (out / "wandb").mkdir(parents=True, exist_ok=True)
     run = wandb.init(project=project, name=out.name, dir=str(out), mode=mode, job_type="serve_eval",
                      config=report["config"], settings=wandb.Settings(console="off", silent=True))
+    from eagle3.dashboards import define_metrics
+
+    define_metrics(run, "serve")
     for name, s in [*report["sets"].items(), ("overall", report["overall"])]:
         run.summary[f"serve/{name}/tau"] = s["tau"]
         run.summary[f"serve/{name}/speedup"] = s["speedup"]

@@ -173,3 +173,24 @@ def test_one_mining_round_end_to_end(world: dict, tmp_path: Path) -> None:
         run_rounds(MineConfig(**{**cfg.__dict__, "steps": 3}), world["train"], lively, target=target, progress=False)
     with pytest.raises(ValueError, match="mine.strategies"):
         MineConfig(strategies=["magic"])
+
+
+def test_dashboard_panels_name_metrics_the_runs_log(world: dict) -> None:
+    from eagle3.dashboards import SECTIONS, spec, workspace
+    from eagle3.train_log import read_metrics
+
+    logged = set().union(*(r.keys() for r in read_metrics(world["root"] / "train")))
+    k = 3  # the world's TTT steps: deeper per-step panels stay empty for this run
+    train_panels = dict(SECTIONS)["Acceptance over training"]
+    for _, _, x, metrics in train_panels:
+        assert x in logged
+        for m in metrics:
+            tail = m.rsplit("_", 1)[-1]
+            depth = int(tail) if tail.isdigit() else 0
+            assert m in logged or depth >= k, m
+    mine = dict(SECTIONS)["Mining rounds"]
+    assert all(m.startswith("mine/") for _, _, _, ms in mine for m in ms)
+    assert spec()["version"] == 1 and len(spec()["sections"]) == 3
+    pytest.importorskip("wandb_workspaces")
+    view = workspace("someone", "eagle3")
+    assert [s.name for s in view.sections] == [name for name, _ in SECTIONS]
