@@ -149,9 +149,24 @@ class AdaptiveSession:
         self.totals.merge(policy.counts)
 
 
-def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int = 3, seed: int = 0) -> CostModel:
+def fit_linear(times: Sequence[float]) -> list[float]:
+    """Least-squares ``a + b k`` through measured times (b >= 0): a verify forward costs a fixed part
+    plus a part per token, and single medians on a loaded machine are not even monotonic."""
+    n = len(times)
+    if n == 1:
+        return list(times)
+    mean_k, mean_t = (n - 1) / 2, sum(times) / n
+    var = sum((k - mean_k) ** 2 for k in range(n))
+    b = max(sum((k - mean_k) * (t - mean_t) for k, t in enumerate(times)) / var, 0.0)
+    a = mean_t - b * mean_k
+    if a <= 0:  # keep every time positive
+        a, b = min(times), max(b, 0.0)
+    return [a + b * k for k in range(n)]
+
+
+def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int = 5, seed: int = 0) -> CostModel:
     """Time the decoder's target over 1 + k tokens (k = 0..max_depth) after a ``context``-token
-    prefix, and one draft step; medians of ``repeats``."""
+    prefix (medians of ``repeats``, fitted by :func:`fit_linear`) and one draft step (median)."""
     from transformers import DynamicCache
 
     from eagle3.draft import KVCache
@@ -161,19 +176,18 @@ def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int 
     g = torch.Generator().manual_seed(seed)
     vocab = target.vocab_size
     prefix = torch.randint(0, vocab, (context,), generator=g).tolist()
-    verify = []
+    times: list[list[float]] = [[] for _ in range(max_depth + 1)]
     with torch.no_grad():
         cache = DynamicCache()
         out = decoder._target(prefix, cache)
-        for k in range(max_depth + 1):
-            times = []
-            for _ in range(repeats):
+        for _ in range(repeats):  # depths interleaved, so that a burst of load hits them alike
+            for k in range(max_depth + 1):
                 ids = torch.randint(0, vocab, (1 + k,), generator=g).tolist()
                 t0 = time.perf_counter()
                 decoder._target(ids, cache)
-                times.append(time.perf_counter() - t0)
+                times[k].append(time.perf_counter() - t0)
                 crop_cache(cache, context)
-            verify.append(statistics.median(times))
+        verify = fit_linear([statistics.median(t) for t in times])
         step = 0.0
         if draft is not None:
             dcache = KVCache()
@@ -190,4 +204,4 @@ def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int 
 
 
 __all__ = ["AcceptanceCounts", "AdaptiveDepth", "AdaptiveSession", "CostModel", "best_depth", "expected_tokens",
-           "measure_cost"]
+           "fit_linear", "measure_cost"]

@@ -71,3 +71,13 @@ def test_measure_cost_on_a_tiny_model() -> None:
     assert len(cost.verify_s) == 4 and all(t > 0 for t in cost.verify_s) and cost.draft_step_s > 0
     with pytest.raises(ValueError, match="verify_s"):
         CostModel([], 0.0)
+
+
+def test_fit_linear_by_hand() -> None:
+    from eagle3.adaptive import fit_linear
+
+    assert fit_linear([1.0, 2.0, 3.0]) == pytest.approx([1.0, 2.0, 3.0])
+    # a noisy, non-monotonic set: 0.11, 0.086, 0.083, 0.163 -> mean 0.1105, slope 0.0156
+    fitted = fit_linear([0.11, 0.086, 0.083, 0.163])
+    assert fitted == pytest.approx([0.0871, 0.1027, 0.1183, 0.1339], abs=1e-4)
+    assert fit_linear([0.3, 0.2, 0.1]) == pytest.approx([0.2, 0.2, 0.2])  # never a negative slope
