@@ -327,6 +327,9 @@ class TrainConfig:
     lm_head_init: str = "random"
     """random: fresh init (as EAGLE/SpecForge; learnt faster in short CPU runs); target: lm_head rows
     (and the final norm) copied from the target's (as speculators)."""
+    freeze_lm_head: bool = False
+    """Keep lm_head fixed during training (speculators 0.9.0 freezes its target-initialised one): with
+    ``lm_head_init=target`` the draft must produce states in the target's own output space."""
     gradient_checkpointing: bool = False
     """Recompute each TTT step in backward: less memory, ~1/3 more compute."""
     eval_every: int = 100

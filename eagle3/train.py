@@ -343,7 +343,8 @@ def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore | Sto
     decide the data order, the model and how DeepSpeed sharded its states."""
     keys = ("batching", "micro_batch_tokens", "gradient_accumulation", "seed", "eval_fraction", "ttt_steps",
             "init_draft", "num_layers", "draft_intermediate_size", "draft_num_attention_heads",
-            "draft_num_key_value_heads", "draft_head_dim", "draft_rope", "draft_variant", "zero_stage", "precision")
+            "draft_num_key_value_heads", "draft_head_dim", "draft_rope", "draft_variant", "zero_stage", "precision",
+            "freeze_lm_head")
     pinned = {f"train.{k}": getattr(cfg, k) for k in keys}
     weights = sha256_file(Path(cfg.sample_weights)) if cfg.sample_weights else None
     return {**pinned, "world_size": world_size, "store.samples": len(store),
@@ -495,6 +496,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     if cfg.lm_head_init == "target" and not cfg.init_draft:
         draft.init_lm_head_from_target(target.lm_head.weight.detach().float().cpu(), vocab.d2t,
                                        target.norm.weight.detach().float().cpu())
+    if cfg.freeze_lm_head:
+        draft.lm_head.weight.requires_grad_(False)
     head = TargetHead(copy.deepcopy(target.norm), copy.deepcopy(target.lm_head)).to(rt.device)
     t2d = vocab.t2d.to(rt.device)
     target_name = spec.target

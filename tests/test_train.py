@@ -319,6 +319,15 @@ def test_extra_stores_and_sample_weights(tiny: dict, tmp_path: Path) -> None:
         train(_cfg(tiny, tmp_path / "bad", steps=1, sample_weights=str(weights)), target=tiny["target"])
 
 
+def test_a_frozen_target_lm_head_stays_the_targets(tiny: dict, tmp_path: Path) -> None:
+    out = tmp_path / "frozen"
+    train(_cfg(tiny, out, steps=3, eval_every=0, save_every=0, lm_head_init="target", freeze_lm_head=True),
+          target=tiny["target"])
+    final = load_file(str(out / "final" / "model.safetensors"))
+    rows = tiny["target"].lm_head.weight.detach()[torch.arange(64) + final["d2t"]]
+    assert torch.equal(final["lm_head.weight"], rows)
+
+
 def test_topk_store_and_a_held_out_store(tiny: dict, tmp_path: Path) -> None:
     summary = train(_cfg(tiny, tmp_path / "topk", store=str(tiny["topk"]), eval_fraction=0.0,
                          eval_store=str(tiny["store"]), steps=3, eval_every=0, lm_head_init="target"),
