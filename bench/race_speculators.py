@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -75,6 +76,7 @@ def train_ours(name: str, store: str, args: argparse.Namespace) -> dict[str, Any
         cmd += ["--draft-vocab", args.draft_vocab]
     else:
         cmd += ["--draft-vocab-size", str(args.draft_vocab_size)]
+    cmd += shlex.split(args.ours_args)
     return last_json(run(cmd, Path(args.out) / f"{name}.log"))
 
 
@@ -116,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--fresh", action="store_true")
+    parser.add_argument("--ours-args", default="", help="more eagle3.train arguments for our runs, e.g. "
+                        "'--lm-head-init target --freeze-lm-head'")
     args = parser.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
