@@ -11,7 +11,7 @@ Each round (``OUT/round-<r>/``):
 1. score the current draft on the held-out store (per domain and language: ``before``) and on
    the training stores (what reweighting and synthesis start from);
 2. mine, with each strategy of ``mine.strategies``: ``reweight`` writes per-sample weights that
-   oversample the weak domains; ``hardest`` regenerates and harvests a short prefix of
+   oversample the domains weak on the held-out store; ``hardest`` regenerates and harvests a short prefix of
    ``candidates`` not-yet-harvested pool prompts, scores them with the draft and keeps the top
    ``keep_fraction`` by loss; ``synthesize`` has the target write variations of the hardest
    training prompts and adds procedural math and code prompts; ``uniform`` adds random pool
@@ -221,7 +221,8 @@ def run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig
         new_records: list[dict[str, Any]] = []
 
         if "reweight" in cfg.strategies:
-            w = domain_weights(group_scores(train_scores, "domain"), power=cfg.weight_power)
+            # weak where it matters: the held-out acceptance per domain (the training set is already fitted)
+            w = domain_weights(group_scores(before, "domain"), power=cfg.weight_power)
             weights_file = str(rdir / "sample_weights.json")
             atomic_write_text(Path(weights_file), json.dumps(sample_weights(train_scores, w), indent=0))
             added["reweight"] = {"domain_weights": {k: round(v, 4) for k, v in w.items()}}
