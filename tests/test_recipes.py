@@ -123,3 +123,14 @@ def test_every_top_level_recipe_composes(name: str) -> None:
     assert isinstance(config, PipelineConfig) and config.stages
     if "mine" in config.stages:
         assert config.mine.store == config.train.store and config.mine.eval_store == config.train.eval_store
+
+
+def test_draft_and_serve_groups_set_their_fields() -> None:
+    with initialize_config_module(config_module="recipes", version_base="1.3"):
+        default = OmegaConf.to_object(compose(config_name="pipeline"))
+        frozen = OmegaConf.to_object(compose(config_name="pipeline", overrides=["draft=frozen-head", "serve=tree"]))
+    assert (default.train.draft_variant, default.train.freeze_lm_head, default.eval.mode) == ("eagle3", False, "chain")
+    assert (frozen.train.draft_variant, frozen.train.lm_head_init, frozen.train.freeze_lm_head,
+            frozen.train.step_decay) == ("speculators", "target", True, 1.0)
+    assert (frozen.eval.mode, frozen.eval.k, frozen.eval.budget) == ("tree", 4, 16)
+    assert frozen.train.steps == default.train.steps  # the group touches only its own fields
