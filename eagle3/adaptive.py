@@ -41,8 +41,10 @@ class CostModel:
         return len(self.verify_s) - 1
 
     def round_seconds(self, k: int) -> float:
-        """A round of depth k: k proposals (the first from the catch-up row) + the verify + the catch-up."""
-        return self.verify_s[k] + (k + 1) * self.draft_step_s
+        """A round of depth k: the verify and k draft forwards (the batched catch-up whose last row
+        proposes the first token, then k - 1 chain steps); a depth-0 round runs no draft forward
+        (its catch-up rows join the next speculating round's)."""
+        return self.verify_s[k] + k * self.draft_step_s
 
     def as_dict(self) -> dict[str, Any]:
         return {"verify_ms": [round(1e3 * t, 2) for t in self.verify_s],

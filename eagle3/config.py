@@ -423,6 +423,9 @@ class TrainConfig:
             raise ValueError(f"train.draft_rope={self.draft_rope!r}: expected target or plain")
         if self.lm_head_init not in ("target", "random"):
             raise ValueError(f"train.lm_head_init={self.lm_head_init!r}: expected target or random")
+        if self.freeze_lm_head and self.lm_head_init != "target" and not self.init_draft:
+            raise ValueError("train.freeze_lm_head=true needs train.lm_head_init=target (or an init_draft): a frozen "
+                             "random lm_head cannot be learnt around")
         if self.wandb_mode not in _WANDB_MODES:
             raise ValueError(f"train.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(_WANDB_MODES)}")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):

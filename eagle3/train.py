@@ -344,7 +344,7 @@ def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore | Sto
     keys = ("batching", "micro_batch_tokens", "gradient_accumulation", "seed", "eval_fraction", "ttt_steps",
             "init_draft", "num_layers", "draft_intermediate_size", "draft_num_attention_heads",
             "draft_num_key_value_heads", "draft_head_dim", "draft_rope", "draft_variant", "zero_stage", "precision",
-            "freeze_lm_head")
+            "freeze_lm_head", "optimizer", "muon_momentum", "lm_head_init", "step_decay")
     pinned = {f"train.{k}": getattr(cfg, k) for k in keys}
     weights = sha256_file(Path(cfg.sample_weights)) if cfg.sample_weights else None
     return {**pinned, "world_size": world_size, "store.samples": len(store),
@@ -358,8 +358,9 @@ def _read_sample_weights(path: str | None) -> dict[str, float]:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise TrainError(f"train.sample_weights={path}: {err}") from None
-    if not isinstance(data, dict) or not all(isinstance(v, (int, float)) and v >= 0 for v in data.values()):
-        raise TrainError(f"train.sample_weights={path}: expected a JSON object of sample id -> weight >= 0")
+    if not isinstance(data, dict) or not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+                                             for v in data.values()):
+        raise TrainError(f"train.sample_weights={path}: expected a JSON object of sample id -> finite weight >= 0")
     return {str(k): float(v) for k, v in data.items()}
 
 

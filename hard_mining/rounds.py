@@ -173,8 +173,10 @@ def run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig
     manifest_path = out / MANIFEST
     manifest: dict[str, Any] = (json.loads(manifest_path.read_text()) if manifest_path.is_file()
                                 else {"config": asdict(cfg), "rounds": []})
-    if manifest["config"] != asdict(cfg):
-        changed = sorted(k for k in asdict(cfg) if manifest["config"].get(k) != asdict(cfg)[k])
+    loose = ("rounds", "wandb_mode", "wandb_project")  # more rounds extend a finished run
+    pinned = {k: v for k, v in asdict(cfg).items() if k not in loose}
+    if {k: v for k, v in manifest["config"].items() if k not in loose} != pinned:
+        changed = sorted(k for k in pinned if manifest["config"].get(k) != pinned[k])
         raise MineError(f"{manifest_path}: written with other settings ({', '.join('mine.' + k for k in changed)}); "
                         "use a new out_dir")
 
@@ -222,7 +224,10 @@ def run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig
 
         if "reweight" in cfg.strategies:
             # weak where it matters: the held-out acceptance per domain (the training set is already fitted)
-            w = domain_weights(group_scores(before, "domain"), power=cfg.weight_power)
+            counts: dict[str, int] = {}
+            for sc in train_scores:
+                counts[sc.domain] = counts.get(sc.domain, 0) + 1
+            w = domain_weights(group_scores(before, "domain"), power=cfg.weight_power, counts=counts)
             weights_file = str(rdir / "sample_weights.json")
             atomic_write_text(Path(weights_file), json.dumps(sample_weights(train_scores, w), indent=0))
             added["reweight"] = {"domain_weights": {k: round(v, 4) for k, v in w.items()}}
@@ -241,8 +246,9 @@ def run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig
             added["hardest"] = {"candidates": len(cands), "kept": len(keep), "dropped": dropped}
         if "synthesize" in cfg.strategies:
             by_id = {str(x["id"]): x for x in records}
-            parents = [by_id[s.sample_id.rsplit("-t", 1)[0]] for s in hardest(train_scores, cfg.hard_examples)
-                       if s.sample_id.rsplit("-t", 1)[0] in by_id]
+            worst = hardest(train_scores, 4 * cfg.hard_examples)
+            parent_ids = dict.fromkeys(s.sample_id.rsplit("-t", 1)[0] for s in worst)
+            parents = [by_id[i] for i in parent_ids if i in by_id][: cfg.hard_examples]  # one per record
             made: list[dict[str, Any]] = []
             asked = variation_requests(parents, cfg.variations)
             got = harvester("variations", asked, 200, temperature=0.8) if asked else None
@@ -259,7 +265,7 @@ def run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig
                                    "made": len(made), "kept": len(kept), "dropped": dropped}
         if "uniform" in cfg.strategies and cfg.uniform:
             picked = random.Random(seed).sample(fresh, min(cfg.uniform, len(fresh)))
-            kept, dropped = dedupe(picked, known)
+            kept, dropped = dedupe(picked, [*known, *new_records])
             new_records += kept
             added["uniform"] = {"picked": len(picked), "kept": len(kept), "dropped": dropped}
 

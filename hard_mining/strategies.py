@@ -25,15 +25,20 @@ from hard_mining.score import GroupScore, SampleScore
 
 
 def domain_weights(groups: dict[str, GroupScore], power: float = 4.0, low: float = 0.25,
-                   high: float = 4.0) -> dict[str, float]:
+                   high: float = 4.0, counts: dict[str, int] | None = None) -> dict[str, float]:
     """Oversampling weight per domain: ``(tau_best / tau_d) ** power`` clipped to [low, high] and
-    scaled so the weights average 1 over the samples (the epoch keeps its size)."""
+    scaled so that the weights average 1 over the samples they will apply to (``counts`` per
+    domain, e.g. the training set's; default the groups' own sample counts), so the epoch keeps
+    its size. A domain of ``counts`` without a score gets the raw weight 1 before scaling."""
     if not groups:
         return {}
     best = max(g.tau_sim for g in groups.values())
     raw = {name: min(max((best / g.tau_sim) ** power, low), high) for name, g in groups.items()}
-    total = sum(g.samples for g in groups.values())
-    mean = sum(raw[n] * g.samples for n, g in groups.items()) / total if total else 1.0
+    counts = counts if counts is not None else {n: g.samples for n, g in groups.items()}
+    for name in counts:
+        raw.setdefault(name, 1.0)
+    total = sum(counts.values())
+    mean = sum(raw[n] * c for n, c in counts.items()) / total if total else 1.0
     return {name: w / mean for name, w in raw.items()}
 
 

@@ -36,11 +36,26 @@ def run_stages(cfg: PipelineConfig, stages: list[str]) -> dict[str, Any]:
     return run_pipeline(replace(cfg, stages=stages))
 
 
-def harvest_shard(cfg: PipelineConfig, shard: int, shards: int) -> dict[str, Any]:
-    """One task of the harvest array: shard ``shard`` of ``shards``."""
-    from eagle3.harvest import run
+def _record(cfg: PipelineConfig, stage: str, result: dict[str, Any]) -> None:
+    """``out_dir/<stage>.json``, as the in-process pipeline writes it (the report stage reads them)."""
+    import json
 
-    return run(replace(cfg.harvest, shard=f"{shard}/{shards}"), cfg.target)
+    from eagle3.atomic import atomic_write_text
+
+    atomic_write_text(Path(cfg.out_dir) / f"{stage}.json", json.dumps(result, indent=2, default=str) + "\n")
+
+
+def harvest_shard(cfg: PipelineConfig, shard: int, shards: int) -> dict[str, Any]:
+    """One task of the harvest array: shard ``shard`` of ``shards``; the task that completes the
+    store verifies it and records the stage."""
+    from eagle3.harvest import run
+    from eagle3.shards import verify_store
+
+    summary = run(replace(cfg.harvest, shard=f"{shard}/{shards}"), cfg.target)
+    if summary["complete"]:
+        verify_store(cfg.harvest.out_dir)
+        _record(cfg, "harvest", summary)
+    return summary
 
 
 def rendezvous_from_job(port_base: int = 20000) -> dict[str, str]:
@@ -58,7 +73,10 @@ def train_task(cfg: PipelineConfig) -> dict[str, Any]:
     from eagle3.train import train
 
     os.environ.update(rendezvous_from_job())
-    return train(cfg.train, cfg.target)
+    summary = train(cfg.train, cfg.target)
+    if os.environ["RANK"] == "0":
+        _record(cfg, "train", summary)
+    return summary
 
 
 def _executor(launcher: LauncherConfig, name: str, **params: Any) -> Any:

@@ -139,6 +139,8 @@ class TextStream:
         self.ids: list[int] = []
         self.sent = 0
         self.text = ""
+        self.used: int | None = None
+        """With a stop string found: the tokens needed to produce the text before it."""
 
     def push(self, ids: Sequence[int]) -> tuple[str, bool]:
         self.ids.extend(ids)
@@ -147,6 +149,8 @@ class TextStream:
         if hits:
             end = min(hits)
             self.text = self.text[:end]
+            self.used = next(n for n in range(len(self.ids) + 1)
+                             if len(self.tokenizer.decode(self.ids[:n], skip_special_tokens=True)) >= end)
             return self._emit(max(end, self.sent)), True
         safe = len(self.text.rstrip("\ufffd"))
         for s in self.stops:  # hold back a tail that could still grow into a stop string
@@ -211,13 +215,13 @@ class Metrics:
                 self.accepted_pos.labels(str(i)).inc()
 
     def finish(self, request_id: str, endpoint: str, outcome: str, prompt_tokens: int,
-               stats: DecodeStats | None, seconds: float) -> None:
+               stats: DecodeStats | None, seconds: float, completion_tokens: int = 0) -> None:
         self.requests.labels(endpoint, outcome).inc()
         self.latency.observe(seconds)
         if stats is None:
             return
         self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(stats.new_tokens)
+        self.generation_tokens.inc(completion_tokens)
         with self.lock:
             self.recent.append({"id": request_id, "tau": stats.tau, "rounds": len(stats.accepted),
                                 "accept_per_pos": stats.acceptance_per_position(),
@@ -381,7 +385,10 @@ class Engine:
             try:
                 self._run(job)
             except Exception as err:  # the request fails, the server goes on
-                job.emit({"type": "error", "message": f"generation failed: {type(err).__name__}: {err}"})
+                try:
+                    job.emit({"type": "error", "message": f"generation failed: {type(err).__name__}: {err}"})
+                except RuntimeError:  # the event loop is gone (shutting down): nobody to tell
+                    pass
                 self.metrics.finish(job.request_id, job.endpoint, "error", len(job.prompt), None,
                                     time.perf_counter() - job.queued_at)
             finally:
@@ -416,10 +423,12 @@ class Engine:
             job.emit({"type": "delta", "text": rest})
         stopped = hit_stop or (gen.tokens and gen.tokens[-1] in self.chat.stop_ids)
         outcome = "cancelled" if job.cancelled.is_set() and not hit_stop else "ok"
+        # tokens past a stop string were generated in the same round but are not the client's
+        completion = text.used if hit_stop and text.used is not None else len(gen.tokens)
         self.metrics.finish(job.request_id, job.endpoint, outcome, len(job.prompt), stats,
-                            time.perf_counter() - job.queued_at)
+                            time.perf_counter() - job.queued_at, completion)
         job.emit({"type": "done", "finish_reason": "stop" if stopped else "length",
-                  "prompt_tokens": len(job.prompt), "completion_tokens": len(gen.tokens),
+                  "prompt_tokens": len(job.prompt), "completion_tokens": completion,
                   "spec_decode": {"tau": round(stats.tau, 4),
                                   "accept_per_pos": [round(a, 4) for a in stats.acceptance_per_position()],
                                   "mean_depth": round(sum(stats.depths) / len(stats.depths), 3)
@@ -492,7 +501,12 @@ def build_app(engine: Engine, api_key: str | None = None) -> Any:
         parts, done = [], None
         try:
             while done is None:
-                event = await events.get()
+                try:
+                    event = await asyncio.wait_for(events.get(), timeout=1.0)
+                except TimeoutError:
+                    if await request.is_disconnected():  # the client left: free the worker
+                        return _error(499, "client closed the request", "client_closed")
+                    continue
                 if event["type"] == "delta":
                     parts.append(event["text"])
                 elif event["type"] == "error":

@@ -18,15 +18,17 @@ def test_expected_tokens_by_hand() -> None:
 
 
 def test_best_depth_follows_acceptance_and_cost() -> None:
-    # verify cost 60 ms + 10 ms per extra token, draft steps 2 ms: cost(k) = 60 + 10k + 2(k + 1)
+    # verify cost 60 ms + 10 ms per extra token, draft forwards 2 ms: cost(k) = 60 + 10k + 2k
     cost = CostModel([0.060, 0.070, 0.080, 0.090], 0.002)
-    assert cost.round_seconds(2) == pytest.approx(0.086)
-    # a weak draft: 1.15 tokens per 74 ms (15.5/s) < 1 per 62 ms (16.1/s) -> plain decoding
+    assert cost.round_seconds(2) == pytest.approx(0.084) and cost.round_seconds(0) == pytest.approx(0.060)
+    # a weak draft: 1.15 tokens per 72 ms (16.0/s) < 1 per 60 ms (16.7/s) -> plain decoding
     assert best_depth([0.15, 0.1, 0.1], cost) == 0
-    # depth 1: 1.5 / 74 ms = 20.3/s; depth 2: 1.65 / 86 ms = 19.2/s
+    # depth 1: 1.5 / 72 ms = 20.8/s; depth 2: 1.65 / 84 ms = 19.6/s
     assert best_depth([0.5, 0.3, 0.0], cost) == 1
-    # depth 2: 1.75 / 86 ms = 20.35/s just beats depth 1
-    assert best_depth([0.5, 0.5, 0.0], cost) == 2
+    # depth 2: 1.75 / 84 ms = 20.83/s ties depth 1 (1.5 / 72 ms): the shallower wins
+    assert best_depth([0.5, 0.5, 0.0], cost) == 1
+    # depth 2: 1.8 / 84 ms = 21.4/s beats depth 1
+    assert best_depth([0.5, 0.6, 0.0], cost) == 2
     # a strong draft: deeper is better all the way
     assert best_depth([0.9, 0.9, 0.9], cost) == 3
     assert best_depth([0.9, 0.9, 0.9], cost, max_depth=2) == 2

@@ -39,5 +39,7 @@ def test_harvest_array_and_two_rank_training_as_local_jobs(tmp_path: Path) -> No
     assert len(store) == 24 and len(store.manifest["shards"]) >= 2
     verify_store(tmp_path / "harvest")
     summary = json.loads((tmp_path / "train" / "summary.json").read_text())
+    assert json.loads((tmp_path / "train.json").read_text())["world_size"] == 2  # recorded as the stage
+    assert json.loads((tmp_path / "harvest.json").read_text())["complete"]
     assert summary["world_size"] == 2 and summary["steps"] == 2
     assert (tmp_path / "train" / "final" / "model.safetensors").is_file()

@@ -119,6 +119,9 @@ def test_domain_weights_by_hand() -> None:
     assert w == pytest.approx({"coding": 1 / 1.125, "multilingual": 1.25 / 1.125})
     w4 = domain_weights(groups, power=20.0)  # 1.25**20 = 86.7 -> capped at 4
     assert w4["multilingual"] / w4["coding"] == pytest.approx(4.0)
+    # normalised over the samples the weights apply to; an unscored domain's raw weight is 1
+    wt = domain_weights(groups, power=1.0, counts={"coding": 6, "multilingual": 2, "science": 2})
+    assert wt == pytest.approx({"coding": 1 / 1.05, "multilingual": 1.25 / 1.05, "science": 1 / 1.05})
     per = sample_weights([_s("a", "coding", [0], 1.0), _s("c", "multilingual", [0], 1.0)], w)
     assert per == {"a": pytest.approx(0.888889), "c": pytest.approx(1.111111)}
 

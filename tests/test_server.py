@@ -143,6 +143,13 @@ def test_stop_strings_truncate_and_finish_with_stop(served: Served) -> None:
             r = client.completions.create(model=MODEL, prompt="hello", max_tokens=40, temperature=0,
                                           stop=[stop, "\x00never"])
             text, reason = r.choices[0].text, r.choices[0].finish_reason
+            # usage counts the tokens up to the stop string, not the rest of that verify round
+            ids = served.engine.tokenizer("hello", add_special_tokens=True)["input_ids"]
+            tokens = plain_text(served.engine, ids, 40)[1]
+            used = r.usage.completion_tokens
+            decode = served.engine.tokenizer.decode
+            assert len(decode(tokens[:used], skip_special_tokens=True)) >= first
+            assert len(decode(tokens[:used - 1], skip_special_tokens=True)) < first
         assert text == full[:first]
         assert reason == "stop"
 

@@ -178,6 +178,8 @@ def test_config_errors_name_the_key(tmp_path: Path, capsys: pytest.CaptureFixtur
                     ({"wandb_mode": "cloud"}, "train.wandb_mode='cloud'"), ({"device": "tpu"}, "train.device='tpu'")]:
         with pytest.raises(ValueError, match=key.replace("(", r"\(").replace(".", r"\.")):
             TrainConfig(**kw)
+    with pytest.raises(ValueError, match="freeze_lm_head=true needs train.lm_head_init=target"):
+        TrainConfig(freeze_lm_head=True)
     with pytest.raises(SystemExit):
         main(["--store", "s", "--out", str(tmp_path), "--zero-stage", "5"])
     assert "train.zero_stage=5: expected 0, 1, 2 or 3" in capsys.readouterr().err
