@@ -133,4 +133,6 @@ def test_draft_and_serve_groups_set_their_fields() -> None:
     assert (frozen.train.draft_variant, frozen.train.lm_head_init, frozen.train.freeze_lm_head,
             frozen.train.step_decay) == ("speculators", "target", True, 1.0)
     assert (frozen.eval.mode, frozen.eval.k, frozen.eval.budget) == ("tree", 4, 16)
+    assert (default.train.optimizer, default.train.lr, frozen.train.optimizer, frozen.train.lr) == \
+        ("adamw", 2e-3, "muon", 1e-3)
     assert frozen.train.steps == default.train.steps  # the group touches only its own fields
