@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         extra: dict[str, Any] = {}
         if name != "overall" and ("eagle3", name) in vllm_tau:
             extra["tau_vs_vllm"] = round(ours_tau(fixed) / vllm_tau[("eagle3", name)]["tau"], 4)
+        extra.update(drafts=len(fixed["accepted"]), accepted=sum(fixed["accepted"]))  # raw counts, as vLLM's
         rows.append(row(f"ours-k{args.k}", name, fixed, plain, ours_tau(fixed), **extra))
         adaptive = pick(results["ours-adaptive"])
         depths = adaptive["depths"]
@@ -204,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"figure": "cross_check", "method": method, "set": x["set"], "tau": x["tau"],
                      "tokens_per_s": x["tokens_per_s"],
                      "speedup": round(x["tokens_per_s"] / x["plain_tokens_per_s"], 3),
-                     "equal": x["equal"], "prompts": x["prompts"], "vllm_plain_tokens_per_s": x["plain_tokens_per_s"]})
+                     "equal": x["equal"], "prompts": x["prompts"], "vllm_plain_tokens_per_s": x["plain_tokens_per_s"],
+                     "drafts": x["drafts"], "accepted": x["accepted"]})
     for r in rows:
         print(json.dumps(r), flush=True)
     text = table(rows)
