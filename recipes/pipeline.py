@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -200,7 +201,8 @@ def stage_report(cfg: PipelineConfig) -> dict[str, Any]:
                   f"assistant turns, {regen.get('new_tokens', '?')} generated tokens).", ""]
     if train:
         first, last = train.get("eval_first") or {}, train.get("eval_last") or {}
-        lines += [f"Training: {train['steps']} steps at {train['tokens_per_s']} tokens/s; held-out tau_sim "
+        speed = f"{train['tokens_per_s']} tokens/s" if train.get("tokens_per_s") else "(resumed: finished earlier)"
+        lines += [f"Training: {train['steps']} steps at {speed}; held-out tau_sim "
                   f"{first.get('eval/tau_sim', float('nan')):.3f} -> {last.get('eval/tau_sim', float('nan')):.3f}.", ""]
     if mine and mine["rounds"]:
         domains = sorted(mine["rounds"][0]["domain_before"])
@@ -219,7 +221,7 @@ def stage_report(cfg: PipelineConfig) -> dict[str, Any]:
             lines += eval_md.read_text().splitlines()[2:] + [""]
         for png in ("tau_by_set.png", "acceptance_by_position.png", "speedup.png"):
             if (Path(ev["out_dir"]) / png).is_file():
-                rel = (Path(ev["out_dir"]) / png).resolve().relative_to(out.resolve(), walk_up=True)
+                rel = os.path.relpath(Path(ev["out_dir"]) / png, out)
                 lines.append(f"![{png}]({rel})")
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
     from eagle3.dashboards import spec
