@@ -317,7 +317,7 @@ def test_extra_stores_and_sample_weights(tiny: dict, tmp_path: Path) -> None:
                          extra_stores=[str(tiny["store"])], sample_weights=str(weights)), target=tiny["target"])
     assert summary["train_samples"] + summary["eval_samples"] == 2 * len(single)
     weights.write_text("[1, 2]")
-    with pytest.raises(TrainError, match="sample id -> weight"):
+    with pytest.raises(TrainError, match="sample id -> finite weight"):
         train(_cfg(tiny, tmp_path / "bad", steps=1, sample_weights=str(weights)), target=tiny["target"])
 
 
