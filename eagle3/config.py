@@ -465,6 +465,8 @@ class MineConfig:
     hard_examples: int = 8
     """synthesize: the hardest training samples whose prompts get variations."""
     variations: int = 1
+    variation_tokens: int = 96
+    """synthesize: new tokens the target may spend writing one variation (a question, not an answer)."""
     procedural: int = 4
     """synthesize: procedural math and code prompts each per round."""
     uniform: int = 16
@@ -483,7 +485,7 @@ class MineConfig:
         bad = [s for s in self.strategies if s not in MINE_STRATEGIES]
         if bad or not self.strategies:
             raise ValueError(f"mine.strategies={self.strategies}: expected some of {', '.join(MINE_STRATEGIES)}")
-        for name in ("rounds", "steps", "max_new_tokens", "candidate_tokens"):
+        for name in ("rounds", "steps", "max_new_tokens", "candidate_tokens", "variation_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"mine.{name}={getattr(self, name)}: must be >= 1")
         for name in ("candidates", "hard_examples", "variations", "procedural", "uniform"):

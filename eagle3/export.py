@@ -428,6 +428,22 @@ def check_draft_fits_target(loaded: LoadedDraft, *, hidden_size: int, vocab_size
         raise DraftFormatError(f"{loaded.path}: the draft does not fit the target: {'; '.join(problems)}")
 
 
+def fit_to_target(loaded: LoadedDraft, target: Any) -> None:
+    """Check a loaded draft against a loaded target (hidden size, vocabulary, aux layer ids, and the
+    tokenizer where the draft recorded the fingerprint of the one it was trained with) and give it
+    the target's embedding when it carries none. Mismatches raise :class:`DraftFormatError`."""
+    from eagle3.fingerprint import tokenizer_fingerprint
+
+    check_draft_fits_target(loaded, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                            aux_layer_ids=target.aux_layer_ids)
+    trained_with, served = loaded.meta.get("tokenizer_sha256"), tokenizer_fingerprint(target.tokenizer)
+    if trained_with and trained_with != served:
+        raise DraftFormatError(f"{loaded.path}: the draft was trained with another tokenizer than {target.name}'s "
+                               f"(tokenizer sha256 {trained_with[:12]}... != {served[:12]}...)")
+    if not loaded.has_embedding:
+        loaded.draft.load_embedding(target.embed_tokens.weight.detach().float())
+
+
 # ---------------------------------------------------------------- CLI
 
 

@@ -109,13 +109,11 @@ def balanced_pick(records: Sequence[dict[str, Any]], n: int, seed: int) -> list[
 
 
 def load_scoring_draft(folder: str | Path, target: Any) -> Any:
-    from eagle3.export import check_draft_fits_target, load_draft
+    """A draft folder checked against ``target`` (with its embedding), in fp32 for scoring."""
+    from eagle3.export import fit_to_target, load_draft
 
     loaded = load_draft(folder)
-    check_draft_fits_target(loaded, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-                            aux_layer_ids=target.aux_layer_ids)
-    if not loaded.has_embedding:
-        loaded.draft.load_embedding(target.embed_tokens.weight.detach().float())
+    fit_to_target(loaded, target)
     return loaded.draft.float().eval()
 
 
@@ -251,7 +249,7 @@ def run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig
             parents = [by_id[i] for i in parent_ids if i in by_id][: cfg.hard_examples]  # one per record
             made: list[dict[str, Any]] = []
             asked = variation_requests(parents, cfg.variations)
-            got = harvester("variations", asked, 200, temperature=0.8) if asked else None
+            got = harvester("variations", asked, cfg.variation_tokens, temperature=0.8) if asked else None
             if got is not None:
                 for rec in read_records([got[1]]):
                     text = parse_variation(next(m["content"] for m in rec["messages"] if m["role"] == "assistant"))

@@ -243,20 +243,12 @@ def load_pair_meta(draft_path: str, target_name: str, dtype: str = "float32") ->
 
     A draft without its own embedding gets the target's; errors are :class:`DraftFormatError`,
     ``ValueError`` or ``OSError`` naming the file or the mismatch."""
-    from eagle3.export import DraftFormatError, check_draft_fits_target, load_draft
-    from eagle3.fingerprint import tokenizer_fingerprint
+    from eagle3.export import fit_to_target, load_draft
     from eagle3.target import load_target
 
     loaded = load_draft(draft_path)
     target = load_target(target_name, dtype=dtype, device="cpu", aux_layer_ids=loaded.aux_layer_ids)
-    check_draft_fits_target(loaded, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-                            aux_layer_ids=target.aux_layer_ids)
-    trained_with, served = loaded.meta.get("tokenizer_sha256"), tokenizer_fingerprint(target.tokenizer)
-    if trained_with and trained_with != served:
-        raise DraftFormatError(f"{draft_path}: the draft was trained with another tokenizer than {target_name}'s "
-                               f"(tokenizer sha256 {trained_with[:12]}... != {served[:12]}...)")
-    if not loaded.has_embedding:
-        loaded.draft.load_embedding(target.embed_tokens.weight.detach().float())
+    fit_to_target(loaded, target)
     return target, loaded.draft.to(target.dtype).eval(), loaded.meta
 
 
