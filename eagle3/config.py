@@ -30,10 +30,15 @@ class TargetConfig:
     vocab_size, ...; nested under ``text_config`` for multimodal checkpoints): lets a recipe be
     planned without the weights (``stages=[plan]``: draft shape and parameter count). Once the
     model is loaded, every value given here is checked against its config."""
+    nvfp4_mode: str = "auto"
+    """For an NVFP4 checkpoint (``python -m eagle3.nvfp4 convert``), run emulated: auto (as the
+    checkpoint says: W4A4 when it has activation scales), w4a4, or w4a16 (weights only)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"target.dtype={self.dtype!r}: expected one of {', '.join(_DTYPES)}")
+        if self.nvfp4_mode not in ("auto", "w4a4", "w4a16"):
+            raise ValueError(f"target.nvfp4_mode={self.nvfp4_mode!r}: expected auto, w4a4 or w4a16")
 
 
 TRAIN_SOURCES = ["sharegpt", "codeio", "stdlib", "reasoning_gym", "mmath", "chatterbot", "dataset_build"]

@@ -127,7 +127,7 @@ def _spec_and_backend(cfg: HarvestConfig, target_cfg: TargetConfig,
             target = load_target(target_cfg.name_or_path, dtype=target_cfg.dtype, device=target_cfg.device,
                                  aux_layer_ids=target_cfg.aux_layer_ids,
                                  attn_implementation=target_cfg.attn_implementation,
-                                 trust_remote_code=target_cfg.trust_remote_code,
+                                 trust_remote_code=target_cfg.trust_remote_code, nvfp4_mode=target_cfg.nvfp4_mode,
                                  architecture=target_cfg.architecture)
         tokenizer, config, layers = target.tokenizer, target.model.config, target.aux_layer_ids
         folder, generation_config = target.model.name_or_path, target.model.generation_config

@@ -117,7 +117,7 @@ def make_backend(cfg: RegenerateConfig, target_cfg: TargetConfig,
             target = load_target(target_cfg.name_or_path, dtype=target_cfg.dtype, device=target_cfg.device,
                                  attn_implementation=target_cfg.attn_implementation,
                                  trust_remote_code=target_cfg.trust_remote_code,
-                                 architecture=target_cfg.architecture)
+                                 architecture=target_cfg.architecture, nvfp4_mode=target_cfg.nvfp4_mode)
         chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
         return HFGenerator(target), chat, str(target.dtype).removeprefix("torch.")
     from transformers import AutoTokenizer, GenerationConfig

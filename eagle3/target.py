@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from eagle3.nvfp4 import load_emulated, nvfp4_quantization
 from eagle3.target_source import TargetSourceError, resolve_target
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -189,11 +190,14 @@ def load_target(
     trust_remote_code: bool = False,
     home: Path | None = None,
     architecture: dict[str, Any] | None = None,
+    nvfp4_mode: str = "auto",
 ) -> Target:
     """Load a target from an embedded name, a model folder, a ``.gguf`` file or a hub id.
 
     ``architecture``: config values the caller expects (a recipe's ``target.architecture``);
-    a mismatch fails naming the key."""
+    a mismatch fails naming the key. An NVFP4 checkpoint (compressed-tensors
+    ``nvfp4-pack-quantized``) runs emulated (:mod:`eagle3.nvfp4`): ``nvfp4_mode`` ``auto`` as its
+    checkpoint says (W4A4 with activation scales), or ``w4a16`` for weight-only."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     resolved = resolve_target(name_or_path, home)
@@ -208,10 +212,13 @@ def load_target(
             "save the model with save_pretrained(..., safe_serialization=True) first"
         )
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            where, dtype=torch_dtype, use_safetensors=True, attn_implementation=attn_implementation,
-            trust_remote_code=trust_remote_code,
-        )
+        if resolved.kind == "folder" and nvfp4_quantization(where) is not None:
+            model = load_emulated(where, dtype=torch_dtype, mode=nvfp4_mode, attn_implementation=attn_implementation)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                where, dtype=torch_dtype, use_safetensors=True, attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code,
+            )
     except (OSError, ValueError, KeyError, TypeError, ImportError) as err:
         raise TargetLoadError(f"{where}: cannot load as a causal LM ({type(err).__name__}: {err})") from err
     try:

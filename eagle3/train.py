@@ -379,7 +379,8 @@ def _load_target(target_cfg: TargetConfig, aux_layer_ids: Sequence[int]) -> Targ
                          f"{list(aux_layer_ids)}")
     return load_target(target_cfg.name_or_path, dtype=target_cfg.dtype, device="cpu", aux_layer_ids=aux_layer_ids,
                        attn_implementation=target_cfg.attn_implementation,
-                       trust_remote_code=target_cfg.trust_remote_code, architecture=target_cfg.architecture)
+                       trust_remote_code=target_cfg.trust_remote_code, architecture=target_cfg.architecture,
+                       nvfp4_mode=target_cfg.nvfp4_mode)
 
 
 def _initial_draft(folder: str, spec: Any, target: Target, embedding: Tensor) -> Eagle3Draft:

@@ -182,7 +182,7 @@ def run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig
     eval_store = HarvestStore(Path(cfg.eval_store))
     if target is None:
         target = load_target(target_cfg.name_or_path, dtype="float32", device="cpu",
-                             aux_layer_ids=base.spec.aux_layer_ids)
+                             aux_layer_ids=base.spec.aux_layer_ids, nvfp4_mode=target_cfg.nvfp4_mode)
     base.check_target(target)
     eval_store.check_target(target)
     head = target_head(target)

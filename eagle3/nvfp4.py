@@ -1,0 +1,391 @@
+"""NVFP4 targets: convert a BF16 (or INT4 compressed-tensors) model to the compressed-tensors
+NVFP4 checkpoint vLLM loads, and run such a checkpoint here as Blackwell computes it.
+
+* :func:`convert` loads the source (an INT4 ``pack-quantized`` checkpoint, as Kimi K2.x ships, is
+  dequantised on load by transformers' compressed-tensors integration), runs calibration
+  conversations through it to find each Linear's input range, and writes every Linear (``ignore``
+  aside, ``lm_head`` by default) as ``weight_packed`` (two FP4 per byte), ``weight_scale`` (FP8 per
+  16 inputs), ``weight_global_scale`` and, for W4A4, ``input_global_scale``. Linears that vLLM fuses
+  (siblings reading the same input: q/k/v, gate/up) share one weight global scale, as vLLM keeps
+  one per fused layer.
+* :func:`load_emulated` builds the model from such a checkpoint with dequantised weights; in
+  ``w4a4`` mode every quantised Linear also fake-quantises its input per block of 16 with the
+  calibrated global scale (what the FP4 tensor cores multiply), in ``w4a16`` only weights are FP4.
+
+The arithmetic is in :mod:`eagle3.fp4`; both are tested against compressed-tensors' reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from eagle3 import fp4
+from eagle3.atomic import atomic_dir
+
+FORMAT = "nvfp4-pack-quantized"
+MODES = ("w4a4", "w4a16")
+REPORT_FILE = "eagle3_nvfp4.json"
+
+
+class NVFP4Error(ValueError):
+    """A checkpoint or conversion request that cannot be honoured; the message names the file or key."""
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+@dataclass
+class Calibration:
+    """What the calibration conversations showed about each Linear's input."""
+
+    input_amax: dict[str, float] = field(default_factory=dict)
+    fused: list[list[str]] = field(default_factory=list)
+    """Sibling Linears that read the very same input tensor (vLLM fuses them into one GEMM)."""
+    tokens: int = 0
+
+
+def quantizable_linears(model: nn.Module, ignore: Sequence[str] = ("lm_head",)) -> dict[str, nn.Linear]:
+    """Every ``nn.Linear`` whose name is not ignored (a name matches an entry equal to it or
+    ending in ``.<entry>``); each must have a multiple of 16 inputs."""
+    chosen = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or any(name == i or name.endswith("." + i) for i in ignore):
+            continue
+        if module.in_features % fp4.BLOCK:
+            raise NVFP4Error(f"{name}: {module.in_features} inputs is not a multiple of {fp4.BLOCK}; "
+                             f"add it to ignore to keep it unquantised")
+        chosen[name] = module
+    return chosen
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, linears: dict[str, nn.Linear], batches: Iterable[Tensor]) -> Calibration:
+    """Run ``batches`` of token ids [1, seq] through ``model`` and record, per Linear, the largest
+    |input| seen (compressed-tensors' ``static_minmax`` observer), and which siblings share an input."""
+    calib = Calibration()
+    first_pass: dict[str, Tensor] = {}  # inputs of the first batch, held so that no id is reused
+
+    def observe(name: str, module: nn.Module, args: tuple) -> None:
+        x = args[0]
+        calib.input_amax[name] = max(calib.input_amax.get(name, 0.0), x.detach().abs().amax().item())
+        if calib.tokens == 0:
+            first_pass.setdefault(name, x)
+
+    handles = [m.register_forward_pre_hook(functools.partial(observe, n)) for n, m in linears.items()]
+    try:
+        for ids in batches:
+            model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
+            if calib.tokens == 0:
+                calib.fused = _siblings_sharing_input({n: id(x) for n, x in first_pass.items()})
+                first_pass.clear()
+            calib.tokens += ids.numel()
+    finally:
+        for h in handles:
+            h.remove()
+    if calib.tokens == 0:
+        raise NVFP4Error("calibration got no tokens: pass at least one conversation")
+    missing = sorted(set(linears) - set(calib.input_amax))
+    if missing:
+        raise NVFP4Error(f"calibration never reached {missing[:5]} ({len(missing)} Linears): "
+                         "they would have no input scale")
+    return calib
+
+
+def _siblings_sharing_input(input_ids: dict[str, int]) -> list[list[str]]:
+    groups: dict[tuple[str, int], list[str]] = {}
+    for name, tensor_id in input_ids.items():
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        groups.setdefault((parent, tensor_id), []).append(name)
+    return [sorted(g) for g in groups.values() if len(g) > 1]
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def quantize_linear(weight: Tensor, weight_gscale: Tensor, input_amax: float | None) -> dict[str, Tensor]:
+    """One Linear's tensors in the compressed-tensors NVFP4 layout (local names)."""
+    codes, scale = fp4.quantize(weight, weight_gscale)  # [out, in], [out, in/16]
+    tensors = {"weight_packed": fp4.pack_fp4(codes), "weight_scale": scale,
+               "weight_global_scale": weight_gscale.float().reshape(1).clone()}
+    if input_amax is not None:
+        tensors["input_global_scale"] = fp4.global_scale(input_amax)
+    return tensors
+
+
+def quantization_config(mode: str, ignore: Sequence[str]) -> dict[str, Any]:
+    """The ``quantization_config`` of config.json, built with compressed-tensors' own schema."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import NVFP4, NVFP4A16
+
+    preset = NVFP4 if mode == "w4a4" else NVFP4A16
+    qc = QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], format=FORMAT, **preset)},
+        format=FORMAT, ignore=list(ignore), quantization_status="compressed",
+    )
+    out = qc.model_dump(mode="json")
+    out["quant_method"] = "compressed-tensors"
+    return out
+
+
+def load_source(src: str, dtype: torch.dtype) -> tuple[nn.Module, Any, Path]:
+    """A dense model, its tokenizer and folder from a target spec (embedded name, folder, .gguf);
+    an INT4 compressed-tensors checkpoint is dequantised on load."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle3.target_source import resolve_target
+
+    folder = Path(resolve_target(src).location)
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    quant = config.get("quantization_config") or {}
+    kwargs: dict[str, Any] = {}
+    if quant:
+        if quant.get("quant_method") != "compressed-tensors":
+            raise NVFP4Error(f"{folder}/config.json: quantization_config.quant_method="
+                             f"{quant.get('quant_method')!r}; only compressed-tensors checkpoints are dequantised")
+        if quant.get("format") == FORMAT:
+            raise NVFP4Error(f"{folder}: already NVFP4 ({FORMAT})")
+        from transformers.utils.quantization_config import CompressedTensorsConfig
+
+        kwargs["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True, **kwargs)
+    return model.eval(), AutoTokenizer.from_pretrained(folder), folder
+
+
+@torch.no_grad()
+def convert(src: str, out: str | Path, *, mode: str = "w4a4", calibration: Sequence[Sequence[int]] = (),
+            ignore: Sequence[str] = ("lm_head",), dtype: torch.dtype = torch.float32,
+            max_shard_bytes: int = 4 << 30) -> dict[str, Any]:
+    """Write ``src`` as an NVFP4 checkpoint at ``out`` (atomically) and return its report.
+
+    ``calibration``: token-id sequences run through the source to set the input global scales
+    (needed for w4a4; w4a16 writes no activation scales)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    if mode not in MODES:
+        raise NVFP4Error(f"mode={mode!r}: expected one of {', '.join(MODES)}")
+    if mode == "w4a4" and not calibration:
+        raise NVFP4Error("w4a4 needs calibration conversations for the activation scales")
+    model, tokenizer, folder = load_source(src, dtype)
+    linears = quantizable_linears(model, ignore)
+    calib = calibrate(model, linears, (torch.tensor([list(s)]) for s in calibration if len(s)))
+    shared_gscale = _shared_weight_gscales(linears, calib.fused)
+
+    state: dict[str, Tensor] = {}
+    errors: dict[str, float] = {}
+    for name, module in linears.items():
+        w = module.weight.float()
+        tensors = quantize_linear(w, shared_gscale[name], calib.input_amax[name] if mode == "w4a4" else None)
+        dq = fp4.dequantize(fp4.unpack_fp4(tensors["weight_packed"]), tensors["weight_scale"],
+                            tensors["weight_global_scale"])
+        errors[name] = ((dq - w).norm() / w.norm().clamp(min=1e-12)).item()
+        state.update({f"{name}.{k}": v for k, v in tensors.items()})
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    for key, tensor in model.state_dict().items():
+        module_name, _, leaf = key.rpartition(".")
+        if module_name in linears and leaf == "weight":
+            continue
+        if tied and key == "lm_head.weight":
+            continue  # written once, as the embedding
+        state[key] = tensor.contiguous()
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["quantization_config"] = quantization_config(mode, ignore)
+    report = {
+        "source": str(folder), "mode": mode, "ignore": list(ignore), "calibration_tokens": calib.tokens,
+        "calibration_sequences": len(calibration), "quantized_linears": len(linears),
+        "fused_groups": calib.fused,
+        "weight_relative_error": {"mean": sum(errors.values()) / max(len(errors), 1),
+                                  "max": max(errors.values(), default=0.0)},
+        "per_linear": {n: {"weight_relative_error": errors[n], "input_amax": calib.input_amax[n]} for n in linears},
+    }
+    out = Path(out)
+    with atomic_dir(out) as tmp:
+        split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_bytes)
+        for filename, keys in split.filename_to_tensors.items():
+            save_file({k: state[k] for k in keys}, tmp / filename, metadata={"format": "pt"})
+        if split.is_sharded:
+            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                     "weight_map": split.tensor_to_filename}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        tokenizer.save_pretrained(tmp)
+        for extra in ("generation_config.json", "chat_template.jinja"):
+            if (folder / extra).is_file() and not (tmp / extra).exists():
+                shutil.copy(folder / extra, tmp / extra)
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _shared_weight_gscales(linears: dict[str, nn.Linear], fused: list[list[str]]) -> dict[str, Tensor]:
+    """Per Linear its weight global scale; a fused group gets the smallest of its members' (the
+    largest |w| of the group maps to the top of the grid, so no member overflows FP8)."""
+    scales = {n: fp4.global_scale(m.weight.detach().float().abs().amax()) for n, m in linears.items()}
+    for group in fused:
+        shared = torch.stack([scales[n] for n in group]).amin(0)
+        for n in group:
+            scales[n] = shared
+    return scales
+
+
+# --------------------------------------------------------------------------- emulated loading
+
+
+def nvfp4_quantization(folder: str | Path) -> dict[str, Any] | None:
+    """The checkpoint's NVFP4 ``quantization_config`` (None for a checkpoint in another format)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    quant = json.loads(path.read_text()).get("quantization_config") or {}
+    formats = {quant.get("format")} | {g.get("format") for g in (quant.get("config_groups") or {}).values()}
+    return quant if FORMAT in formats else None
+
+
+class ActivationFakeQuant:
+    """Forward pre-hook: the Linear's input fake-quantised to NVFP4 with a fixed global scale."""
+
+    def __init__(self, gscale: Tensor) -> None:
+        self.gscale = gscale
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        return (fp4.fake_quantize(args[0], self.gscale.to(args[0].device)), *args[1:])
+
+
+def load_emulated(folder: str | Path, *, dtype: torch.dtype = torch.float32, mode: str = "auto",
+                  attn_implementation: str = "sdpa") -> nn.Module:
+    """An HF causal LM from an NVFP4 checkpoint, its weights dequantised; ``mode`` ``auto`` follows
+    the checkpoint (w4a4 when it has activation scales), ``w4a16`` ignores activation scales."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    folder = Path(folder)
+    quant = nvfp4_quantization(folder)
+    if quant is None:
+        raise NVFP4Error(f"{folder}/config.json: no {FORMAT} quantization_config")
+    if mode not in ("auto", *MODES):
+        raise NVFP4Error(f"nvfp4 mode={mode!r}: expected auto, w4a4 or w4a16")
+    config = AutoConfig.from_pretrained(folder)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise NVFP4Error(f"{folder}: no safetensors files")
+    raw: dict[str, Tensor] = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                raw[key] = f.get_tensor(key)
+    state: dict[str, Tensor] = {}
+    input_scales: dict[str, Tensor] = {}
+    for key in list(raw):
+        if not key.endswith(".weight_packed"):
+            continue
+        name = key[: -len(".weight_packed")]
+        try:
+            packed = raw.pop(key)
+            scale, gscale = raw.pop(f"{name}.weight_scale"), raw.pop(f"{name}.weight_global_scale")
+        except KeyError as err:
+            raise NVFP4Error(f"{folder}: {name} has weight_packed but no {err.args[0]}") from None
+        state[f"{name}.weight"] = fp4.dequantize(fp4.unpack_fp4(packed), scale, gscale.float(), dtype)
+        if f"{name}.input_global_scale" in raw:
+            input_scales[name] = raw.pop(f"{name}.input_global_scale").float()
+    state.update({k: v.to(dtype) if v.is_floating_point() else v for k, v in raw.items()})
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if getattr(config, "tie_word_embeddings", False):
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise NVFP4Error(f"{folder}: checkpoint does not match the config "
+                         f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+
+    has_acts = bool(input_scales)
+    use_acts = {"auto": has_acts, "w4a4": True, "w4a16": False}[mode]
+    if use_acts and not has_acts:
+        raise NVFP4Error(f"{folder}: w4a4 emulation asked for, but the checkpoint has no input_global_scale "
+                         "(a weight-only NVFP4A16 checkpoint)")
+    if use_acts:
+        modules = dict(model.named_modules())
+        for name, gscale in input_scales.items():
+            modules[name].register_forward_pre_hook(ActivationFakeQuant(gscale))
+    model.nvfp4_mode = "w4a4" if use_acts else "w4a16"
+    model.config._name_or_path = str(folder)  # what from_pretrained would record: the harvest manifest reads it
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model.eval()
+
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def calibration_sequences(path: str | Path, tokenizer: Any, *, samples: int, max_tokens: int,
+                          seed: int = 0) -> list[list[int]]:
+    """Token ids of ``samples`` conversations from a pool or dataset jsonl (a seeded random pick,
+    whole conversations in the target's chat template, cut at ``max_tokens``)."""
+    import random
+
+    from eagle3.chat import ChatFormat
+    from eagle3.conversations import iter_user_conversations
+
+    chat = ChatFormat.for_tokenizer(tokenizer)
+    conversations = [messages for _, messages in iter_user_conversations(path, strict=True)]
+    if not conversations:
+        raise NVFP4Error(f"{path}: no conversations to calibrate on")
+    random.Random(seed).shuffle(conversations)
+    return [chat.tokenize_conversation(m)[0][:max_tokens] for m in conversations[:samples]]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    from eagle3.target import resolve_dtype
+    from eagle3.target_source import resolve_target
+
+    parser = argparse.ArgumentParser(
+        prog="python -m data_gen.nvfp4",
+        description="Convert a target (BF16, or INT4 compressed-tensors pack-quantized) to a compressed-tensors "
+                    "NVFP4 checkpoint; run it here by passing the output folder as the target.")
+    parser.add_argument("--target", default="smollm2-135m", help="embedded name, model folder or .gguf")
+    parser.add_argument("--out", required=True, help="output folder (written atomically)")
+    parser.add_argument("--mode", choices=MODES, default="w4a4",
+                        help="w4a4: NVFP4 weights and activations (calibrated); w4a16: weights only")
+    parser.add_argument("--calibration", help="pool or dataset jsonl whose conversations set the activation scales")
+    parser.add_argument("--samples", type=int, default=64, help="calibration conversations")
+    parser.add_argument("--max-tokens", type=int, default=512, help="tokens per calibration conversation")
+    parser.add_argument("--ignore", default="lm_head", help="comma-separated Linear names left unquantised")
+    parser.add_argument("--dtype", default="float32", help="dtype the source is loaded and calibrated in")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    calib: list[list[int]] = []
+    try:
+        if args.calibration:
+            tokenizer = AutoTokenizer.from_pretrained(resolve_target(args.target).location)
+            calib = calibration_sequences(args.calibration, tokenizer, samples=args.samples,
+                                          max_tokens=args.max_tokens, seed=args.seed)
+        report = convert(args.target, args.out, mode=args.mode, calibration=calib,
+                         ignore=[i for i in args.ignore.split(",") if i],
+                         dtype=resolve_dtype(args.dtype, torch.device("cpu")))
+    except (NVFP4Error, OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    summary = {k: report[k] for k in ("mode", "quantized_linears", "calibration_sequences", "calibration_tokens",
+                                      "weight_relative_error")}
+    summary["fused_groups"] = len(report["fused_groups"])
+    print(json.dumps({"out": str(args.out), **summary}))
+    return 0
