@@ -6,6 +6,11 @@ Run from the vLLM venv (scripts/setup_vllm_env.sh), on CPU with scripts/vllm_env
     OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/vllm_target_agreement.py
 
 Prints one JSON line per prompt (tokens equal up to the first divergence) and a summary.
+
+An NVFP4 checkpoint (``python -m data_gen.nvfp4``) is read by vLLM's compressed-tensors loader;
+vLLM registers no NVFP4 kernel for CPUs, so ``--cpu-nvfp4-emulation`` runs the engine in-process
+with vLLM's own emulation kernel (``EmulationNvFp4LinearKernel``, its fallback on GPUs without FP4)
+added to the CPU's list: vLLM's emulation judges ours.
 """
 
 from __future__ import annotations
@@ -26,7 +31,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--reference", help="a second target (e.g. the BF16 original of an NVFP4 checkpoint): "
+                                            "its teacher-forced top-1 agreement with ours gives the scale")
+    parser.add_argument("--cpu-nvfp4-emulation", action="store_true",
+                        help="let vLLM on CPU run NVFP4 Linears with its emulation kernel")
     args = parser.parse_args()
+    if args.cpu_nvfp4_emulation:
+        import os
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the patch below must reach the engine
+        from vllm.model_executor.kernels.linear import _POSSIBLE_NVFP4_KERNELS, EmulationNvFp4LinearKernel
+        from vllm.platforms import PlatformEnum
+
+        _POSSIBLE_NVFP4_KERNELS[PlatformEnum.CPU] = [EmulationNvFp4LinearKernel]
 
     import torch
     from vllm import LLM, SamplingParams
@@ -51,14 +68,40 @@ def main() -> None:
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                         SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens))
     equal = 0
-    for prompt, ref, out in zip(PROMPTS, hf, outs, strict=True):
+    for prompt, ids, ref, out in zip(PROMPTS, prompts, hf, outs, strict=True):
         got = list(out.outputs[0].token_ids)
         same = next((i for i, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b), min(len(ref), len(got)))
         equal += got == ref
+        margin = None
+        if got != ref and same < min(len(ref), len(got)):  # our top-2 logit margin where they part
+            with torch.no_grad():
+                logits = target(torch.tensor([ids + ref[:same]])).logits[0, -1]
+            top2 = logits.topk(2).values
+            margin = round(float(top2[0] - top2[1]), 6)
         print(json.dumps({"prompt": prompt[:40], "hf_tokens": len(ref), "vllm_tokens": len(got),
-                          "equal_prefix": same, "identical": got == ref}))
+                          "equal_prefix": same, "identical": got == ref, "top2_margin_at_divergence": margin}))
     print(json.dumps({"figure": "vllm_hf_greedy_identical", "value": equal, "of": len(PROMPTS),
                       "vllm_load_s": round(load_s, 1)}))
+
+    # teacher-forced on prompt + our continuation: does vLLM's argmax equal ours at each position?
+    full = [ids + ref for ids, ref in zip(prompts, hf, strict=True)]
+    scored = llm.generate([{"prompt_token_ids": f} for f in full],
+                          SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))
+    with torch.no_grad():
+        ours = [target(torch.tensor([f])).logits[0, :-1].argmax(-1).tolist() for f in full]  # predicts f[1:]
+    vllm_top = [[next(t for t, lp in s.prompt_logprobs[i].items() if lp.rank == 1) for i in range(1, len(f))]
+                for f, s in zip(full, scored, strict=True)]
+    agree = sum(a == b for o, v in zip(ours, vllm_top, strict=True) for a, b in zip(o, v, strict=True))
+    total = sum(len(o) for o in ours)
+    print(json.dumps({"figure": "vllm_hf_teacher_forced_top1_agreement", "value": round(agree / total, 4),
+                      "tokens": total}))
+    if args.reference:
+        other = load_target(args.reference, dtype="float32", device="cpu")
+        with torch.no_grad():
+            theirs = [other(torch.tensor([f])).logits[0, :-1].argmax(-1).tolist() for f in full]
+        agree = sum(a == b for o, r in zip(ours, theirs, strict=True) for a, b in zip(o, r, strict=True))
+        print(json.dumps({"figure": "reference_hf_teacher_forced_top1_agreement", "reference": args.reference,
+                          "value": round(agree / total, 4), "tokens": total}))
 
 
 if __name__ == "__main__":

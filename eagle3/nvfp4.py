@@ -156,7 +156,7 @@ def load_source(src: str, dtype: torch.dtype) -> tuple[nn.Module, Any, Path]:
             raise NVFP4Error(f"{folder}: already NVFP4 ({FORMAT})")
         from transformers.utils.quantization_config import CompressedTensorsConfig
 
-        kwargs["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
+        kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True, **kwargs)
     return model.eval(), AutoTokenizer.from_pretrained(folder), folder
 
@@ -178,7 +178,9 @@ def convert(src: str, out: str | Path, *, mode: str = "w4a4", calibration: Seque
         raise NVFP4Error("w4a4 needs calibration conversations for the activation scales")
     model, tokenizer, folder = load_source(src, dtype)
     linears = quantizable_linears(model, ignore)
-    calib = calibrate(model, linears, (torch.tensor([list(s)]) for s in calibration if len(s)))
+    # w4a16 needs no activation ranges, but one forward still shows which Linears share an input
+    sequences = [list(s) for s in calibration if len(s)] or [list(range(min(16, model.config.vocab_size)))]
+    calib = calibrate(model, linears, (torch.tensor([s]) for s in sequences))
     shared_gscale = _shared_weight_gscales(linears, calib.fused)
 
     state: dict[str, Tensor] = {}
@@ -203,7 +205,7 @@ def convert(src: str, out: str | Path, *, mode: str = "w4a4", calibration: Seque
     config.pop("quantization_config", None)
     config["quantization_config"] = quantization_config(mode, ignore)
     report = {
-        "source": str(folder), "mode": mode, "ignore": list(ignore), "calibration_tokens": calib.tokens,
+        "source": str(folder), "mode": mode, "ignore": list(ignore), "calibration_tokens": calib.tokens if calibration else 0,
         "calibration_sequences": len(calibration), "quantized_linears": len(linears),
         "fused_groups": calib.fused,
         "weight_relative_error": {"mean": sum(errors.values()) / max(len(errors), 1),
