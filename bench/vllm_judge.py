@@ -77,6 +77,10 @@ def run_engine(job: dict[str, Any]) -> dict[str, Any]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
 
+    from eagle3.nvfp4 import prepare_vllm_on_cpu
+
+    prepare_vllm_on_cpu(job["target"])  # an NVFP4 target on CPU: vLLM's emulation kernel
+
     settings: dict[str, Any] = dict(model=job["target"], tokenizer=job["target"], dtype="float32",
                                     max_model_len=job["max_model_len"], seed=0, enable_prefix_caching=False,
                                     enforce_eager=True, disable_log_stats=False)

@@ -8,9 +8,9 @@ Run from the vLLM venv (scripts/setup_vllm_env.sh), on CPU with scripts/vllm_env
 Prints one JSON line per prompt (tokens equal up to the first divergence) and a summary.
 
 An NVFP4 checkpoint (``python -m data_gen.nvfp4``) is read by vLLM's compressed-tensors loader;
-vLLM registers no NVFP4 kernel for CPUs, so ``--cpu-nvfp4-emulation`` runs the engine in-process
-with vLLM's own emulation kernel (``EmulationNvFp4LinearKernel``, its fallback on GPUs without FP4)
-added to the CPU's list: vLLM's emulation judges ours.
+vLLM registers no NVFP4 kernel for CPUs, so on CPU (``eagle3.nvfp4.prepare_vllm_on_cpu``) the engine
+runs in-process with vLLM's own emulation kernel (its fallback on GPUs without FP4) added to the
+CPU's list: vLLM's emulation judges ours.
 """
 
 from __future__ import annotations
@@ -33,18 +33,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--reference", help="a second target (e.g. the BF16 original of an NVFP4 checkpoint): "
                                             "its teacher-forced top-1 agreement with ours gives the scale")
-    parser.add_argument("--cpu-nvfp4-emulation", action="store_true",
-                        help="let vLLM on CPU run NVFP4 Linears with its emulation kernel")
     args = parser.parse_args()
-    if args.cpu_nvfp4_emulation:
-        import os
-
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the patch below must reach the engine
-        from vllm.model_executor.kernels.linear import _POSSIBLE_NVFP4_KERNELS, EmulationNvFp4LinearKernel
-        from vllm.platforms import PlatformEnum
-
-        _POSSIBLE_NVFP4_KERNELS[PlatformEnum.CPU] = [EmulationNvFp4LinearKernel]
-
     import torch
     from vllm import LLM, SamplingParams
 
@@ -61,6 +50,9 @@ def main() -> None:
             out = target.model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False)
             hf.append(out[0, len(ids):].tolist())
 
+    from eagle3.nvfp4 import prepare_vllm_on_cpu
+
+    prepare_vllm_on_cpu(target.model.name_or_path)
     t0 = time.perf_counter()
     llm = LLM(model=target.model.name_or_path, dtype="float32", enforce_eager=True, max_model_len=2048,
               enable_prefix_caching=False)

@@ -532,6 +532,29 @@ class EvalConfig:
 
 
 @dataclass
+class QuantizeConfig:
+    """The ``quantize`` stage: convert the target to NVFP4 (as Blackwell serves it) and run every later
+    stage (regeneration, harvest, training, mining, evaluation) on the converted target, emulated."""
+
+    mode: str = "w4a4"
+    """w4a4 (weights and activations FP4, activation scales calibrated) or w4a16 (weights only)."""
+    calibration: str = ""
+    """Pool jsonl whose conversations calibrate; empty: the pools stage's train pool."""
+    samples: int = 64
+    max_tokens: int = 512
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    out_dir: str = ""
+    """The converted checkpoint; empty: ``<out_dir>/nvfp4-target``."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("w4a4", "w4a16"):
+            raise ValueError(f"quantize.mode={self.mode!r}: expected w4a4 or w4a16")
+        for name in ("samples", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"quantize.{name}={getattr(self, name)}: must be >= 1")
+
+
+@dataclass
 class LauncherConfig:
     """Where the pipeline runs: in this process (``none``), or as submitit jobs (recipes/launch.py)."""
 
@@ -575,6 +598,8 @@ class PipelineConfig:
     """The held-out prompts the ``val`` stage regenerates and harvests (mining scores on them)."""
     mine: MineConfig = field(default_factory=MineConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
+    """Used when ``stages`` has ``quantize``: every stage after it runs on the NVFP4 target."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     out_dir: str = "runs/quickstart"
     """Where every stage writes its outputs."""

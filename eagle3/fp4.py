@@ -29,19 +29,27 @@ BLOCK = 16
 _THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
+def _boundaries(device: torch.device) -> Tensor:
+    """float32 thresholds such that the index of |x| is the count of thresholds strictly below it: a
+    threshold whose tie rounds up is moved one float32 step down (``x >= t`` is ``x > prev(t)``)."""
+    t = torch.tensor([b for b, _ in _THRESHOLDS], dtype=torch.float32, device=device)
+    up = torch.tensor([u for _, u in _THRESHOLDS], device=device)
+    return torch.where(up, torch.nextafter(t, torch.zeros_like(t)), t)
+
+
 def e2m1_index(x: Tensor) -> Tensor:
     """Index into :data:`E2M1_VALUES` of the nearest magnitude to ``|x|`` (clamped at 6), int64."""
-    mag = x.abs()
-    index = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
-    for threshold, tie_up in _THRESHOLDS:
-        index += (mag >= threshold) if tie_up else (mag > threshold)
-    return index
+    return torch.bucketize(x.float().abs(), _boundaries(x.device), right=False)
 
 
 def round_to_e2m1(x: Tensor) -> Tensor:
-    """``x`` rounded to the nearest FP4 value (same dtype as ``x``)."""
-    table = torch.tensor(E2M1_VALUES, dtype=x.dtype, device=x.device)
-    return torch.where(x < 0, -table[e2m1_index(x)], table[e2m1_index(x)])
+    """``x`` rounded to the nearest FP4 value (same dtype as ``x``). The grid's step is 0.5 below 2,
+    1 in [2, 4) and 2 from 4 to 6, so rounding is torch.round (half to even) at the local step,
+    which sends each tie to the even mantissa as :data:`_THRESHOLDS` says."""
+    m = x.float().abs().clamp(max=FP4_MAX)
+    step = torch.where(m < 2, 0.5, torch.where(m < 4, 1.0, 2.0))
+    magnitude = torch.round(m / step) * step
+    return torch.where(x < 0, -magnitude, magnitude).to(x.dtype)
 
 
 def pack_fp4(codes: Tensor) -> Tensor:

@@ -164,11 +164,11 @@ def load_source(src: str, dtype: torch.dtype) -> tuple[nn.Module, Any, Path]:
 @torch.no_grad()
 def convert(src: str, out: str | Path, *, mode: str = "w4a4", calibration: Sequence[Sequence[int]] = (),
             ignore: Sequence[str] = ("lm_head",), dtype: torch.dtype = torch.float32,
-            max_shard_bytes: int = 4 << 30) -> dict[str, Any]:
+            max_shard_bytes: int = 4 << 30, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write ``src`` as an NVFP4 checkpoint at ``out`` (atomically) and return its report.
 
     ``calibration``: token-id sequences run through the source to set the input global scales
-    (needed for w4a4; w4a16 writes no activation scales)."""
+    (needed for w4a4; w4a16 writes no activation scales). ``extra`` is added to the report."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
@@ -205,12 +205,13 @@ def convert(src: str, out: str | Path, *, mode: str = "w4a4", calibration: Seque
     config.pop("quantization_config", None)
     config["quantization_config"] = quantization_config(mode, ignore)
     report = {
-        "source": str(folder), "mode": mode, "ignore": list(ignore), "calibration_tokens": calib.tokens if calibration else 0,
-        "calibration_sequences": len(calibration), "quantized_linears": len(linears),
-        "fused_groups": calib.fused,
+        "source": str(folder), "mode": mode, "ignore": list(ignore),
+        "calibration_tokens": calib.tokens if calibration else 0, "calibration_sequences": len(calibration),
+        "quantized_linears": len(linears), "fused_groups": calib.fused,
         "weight_relative_error": {"mean": sum(errors.values()) / max(len(errors), 1),
                                   "max": max(errors.values(), default=0.0)},
         "per_linear": {n: {"weight_relative_error": errors[n], "input_amax": calib.input_amax[n]} for n in linears},
+        **(extra or {}),
     }
     out = Path(out)
     with atomic_dir(out) as tmp:
@@ -391,3 +392,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary["fused_groups"] = len(report["fused_groups"])
     print(json.dumps({"out": str(args.out), **summary}))
     return 0
+
+
+def prepare_vllm_on_cpu(model: str | Path) -> bool:
+    """Let vLLM on a machine without CUDA run an NVFP4 checkpoint: vLLM registers no NVFP4 kernel
+    for CPUs, so its own emulation kernel (its fallback on GPUs without FP4) is added to the CPU's
+    list, and the engine runs in this process so that the registration reaches it. Call before
+    creating the ``LLM``; returns whether anything was changed (False for other checkpoints or on CUDA)."""
+    if torch.cuda.is_available() or nvfp4_quantization(model) is None:
+        return False
+    import os
+
+    from vllm.model_executor.kernels.linear import _POSSIBLE_NVFP4_KERNELS, EmulationNvFp4LinearKernel
+    from vllm.platforms import PlatformEnum
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    _POSSIBLE_NVFP4_KERNELS[PlatformEnum.CPU] = [EmulationNvFp4LinearKernel]
+    return True

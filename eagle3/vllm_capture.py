@@ -64,6 +64,10 @@ class VllmCapture:
         from transformers import AutoConfig
         from vllm import LLM
 
+        from eagle3.nvfp4 import prepare_vllm_on_cpu
+
+        prepare_vllm_on_cpu(model)
+
         for key in _FORCED_OFF:
             if engine_args.pop(key, False):
                 raise ValueError(f"{key}=True breaks hidden-state capture (short or partial rows); leave it off")

@@ -26,6 +26,10 @@ class VllmGenerator:
         import torch
         from vllm import LLM
 
+        from eagle3.nvfp4 import prepare_vllm_on_cpu
+
+        prepare_vllm_on_cpu(model)
+
         on_cpu = not torch.cuda.is_available()
         settings: dict[str, Any] = dict(
             model=model, tokenizer=model, dtype=dtype, max_model_len=max_model_len, seed=seed,

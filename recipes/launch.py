@@ -2,7 +2,7 @@
 
 ``eagle3-run launcher=slurm launcher.partition=gpu ...`` submits instead of running in-process:
 
-    job "prepare"   one task: the stages before harvest (target, pools, regenerate, val)
+    job "prepare"   one task: the stages before harvest (target, pools, quantize, regenerate, val)
     job "harvest"   an array, one task per shard (``harvest.shard = i/n``; whoever finishes the
                     last shard writes the manifest)                    after "prepare" succeeded
     job "train"     ``nodes x tasks_per_node`` tasks: DeepSpeed ranks, the rendezvous taken from
@@ -26,7 +26,7 @@ from typing import Any
 
 from eagle3.config import LauncherConfig, PipelineConfig
 
-PREPARE = ("plan", "target", "pools", "regenerate", "val")
+PREPARE = ("plan", "target", "pools", "quantize", "regenerate", "val")
 FINISH = ("mine", "eval", "report")
 
 
@@ -130,6 +130,10 @@ def submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None = No
         jobs["prepare"] = [ex.submit(run_stages, cfg, prepare)]
         settle(jobs["prepare"])
         previous = jobs["prepare"]
+    if "quantize" in cfg.stages:  # the jobs after "prepare" run on the NVFP4 checkpoint it wrote
+        from recipes.pipeline import on_quantized_target
+
+        cfg = on_quantized_target(cfg)
     if "harvest" in cfg.stages:
         ex = _executor(launcher, "harvest")
         _after(ex, launcher, previous)

@@ -232,6 +232,46 @@ def stage_report(cfg: PipelineConfig) -> dict[str, Any]:
             "wandb_offline_runs": runs}
 
 
+def quantized_target_dir(cfg: PipelineConfig) -> Path:
+    return Path(cfg.quantize.out_dir or Path(cfg.out_dir) / "nvfp4-target")
+
+
+def on_quantized_target(cfg: PipelineConfig) -> PipelineConfig:
+    """``cfg`` for the stages after ``quantize``: the target is the NVFP4 checkpoint, run emulated."""
+    return replace(cfg, target=replace(cfg.target, name_or_path=str(quantized_target_dir(cfg))))
+
+
+def stage_quantize(cfg: PipelineConfig) -> dict[str, Any]:
+    """Convert the target to NVFP4 (compressed-tensors, what vLLM loads), calibrated on the pools;
+    reused when already converted from the same target with the same settings."""
+    from transformers import AutoTokenizer
+
+    from eagle3.nvfp4 import REPORT_FILE, calibration_sequences, convert
+    from eagle3.target_source import resolve_target
+
+    q = cfg.quantize
+    out = quantized_target_dir(cfg)
+    source = resolve_target(cfg.target.name_or_path).location
+    calib_path = q.calibration or str(Path(cfg.pools.out_dir) / "train.jsonl")
+    settings = {"source": str(source), "mode": q.mode, "ignore": list(q.ignore), "calibration_file": calib_path,
+                "samples": q.samples, "max_tokens": q.max_tokens, "seed": cfg.seed}
+    report_path = out / REPORT_FILE
+    if report_path.is_file() and json.loads(report_path.read_text()).get("settings") == settings:
+        print(f"quantize: up to date in {out}")
+        report = json.loads(report_path.read_text())
+    else:
+        calib: list[list[int]] = []
+        if q.mode == "w4a4":
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            calib = calibration_sequences(calib_path, tokenizer, samples=q.samples, max_tokens=q.max_tokens,
+                                          seed=cfg.seed)
+        report = convert(cfg.target.name_or_path, out, mode=q.mode, calibration=calib, ignore=q.ignore,
+                         extra={"settings": settings})
+    return {"out_dir": str(out), "mode": report["mode"], "quantized_linears": report["quantized_linears"],
+            "calibration_tokens": report["calibration_tokens"],
+            "weight_relative_error_mean": round(report["weight_relative_error"]["mean"], 5)}
+
+
 def stage_plan(cfg: PipelineConfig) -> dict[str, Any]:
     """The draft's shape and trainable parameters, from the target's config alone (no weights)."""
     from eagle3.plan import plan_draft
@@ -240,9 +280,9 @@ def stage_plan(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 STAGES: dict[str, Callable[[PipelineConfig], dict[str, Any]]] = {
-    "plan": stage_plan, "target": stage_target, "pools": stage_pools, "regenerate": stage_regenerate,
-    "harvest": stage_harvest, "train": stage_train, "val": stage_val, "mine": stage_mine, "eval": stage_eval,
-    "report": stage_report,
+    "plan": stage_plan, "target": stage_target, "pools": stage_pools, "quantize": stage_quantize,
+    "regenerate": stage_regenerate, "harvest": stage_harvest, "train": stage_train, "val": stage_val,
+    "mine": stage_mine, "eval": stage_eval, "report": stage_report,
 }
 
 
@@ -255,8 +295,13 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
     results: dict[str, dict[str, Any]] = {}
-    for name in cfg.stages:
+    at = cfg.stages.index("quantize") if "quantize" in cfg.stages else None
+    if at is not None and "pools" in cfg.stages[at:] and not cfg.quantize.calibration:
+        raise ValueError("stages: quantize calibrates on the pools: put it after pools, or set quantize.calibration")
+    for i, name in enumerate(cfg.stages):
         log.info("stage %s", name)
+        if at is not None and i == at + 1:
+            cfg = on_quantized_target(cfg)  # every stage after quantize runs on the NVFP4 checkpoint
         results[name] = STAGES[name](cfg)
         atomic_write_text(out / f"{name}.json", json.dumps(results[name], indent=2) + "\n")
         print(json.dumps({"stage": name, **results[name]}), flush=True)

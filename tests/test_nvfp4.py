@@ -28,7 +28,8 @@ def ct_nvfp4_args():
 def test_rounding_by_hand_and_against_compressed_tensors() -> None:
     from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
 
-    x = torch.tensor([0.0, 0.2, 0.25, 0.26, 0.75, 1.25, 1.3, 1.75, 2.5, 2.6, 3.5, 4.9, 5.0, 5.1, 7.0, -0.75, -5.0, -9.0])
+    x = torch.tensor([0.0, 0.2, 0.25, 0.26, 0.75, 1.25, 1.3, 1.75, 2.5, 2.6, 3.5, 4.9, 5.0, 5.1, 7.0,
+                      -0.75, -5.0, -9.0])
     want = torch.tensor([0, 0, 0, 0.5, 1, 1, 1.5, 2, 2, 3, 4, 4, 4, 6, 6, -1, -4, -6])
     assert torch.equal(fp4.round_to_e2m1(x), want)
     grid = torch.arange(-800, 801) / 100.0  # every tie and both sides of each
@@ -311,3 +312,26 @@ def test_quality_report_figures(source_dir: Path, tmp_path: Path) -> None:
     start = int(cmp["start"])
     assert torch.allclose(cmp["kl"][start:], (p.exp() * (p - q)).sum(-1), atol=1e-5)
     assert torch.allclose(cmp["nll_q"][start:], -q[torch.arange(3), torch.tensor(continuation)], atol=1e-5)
+
+
+def test_pipeline_quantize_stage_runs_later_stages_on_the_nvfp4_target(source_dir: Path, tmp_path: Path) -> None:
+    from eagle3.config import PipelineConfig, QuantizeConfig, TargetConfig
+    from recipes.pipeline import run_pipeline
+
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}?"},
+                                                      {"role": "assistant", "content": f"answer {i}."}]}) + "\n"
+                             for i in range(3)))
+    cfg = PipelineConfig(target=TargetConfig(name_or_path=str(source_dir), dtype="float32", device="cpu"),
+                         quantize=QuantizeConfig(calibration=str(calib), samples=2), out_dir=str(tmp_path / "run"),
+                         stages=["quantize", "target"])
+    results = run_pipeline(cfg)
+    out = tmp_path / "run" / "nvfp4-target"
+    assert results["quantize"]["out_dir"] == str(out) and results["quantize"]["calibration_tokens"] > 0
+    assert results["target"]["target"] == str(out)  # the target stage loaded the NVFP4 checkpoint
+    assert max(results["target"]["capture_max_rel_error_vs_hf"].values()) < 1e-5
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    run_pipeline(cfg)  # same settings: reused, not rewritten
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match="put it after pools"):
+        run_pipeline(PipelineConfig(stages=["quantize", "pools"], out_dir=str(tmp_path / "x")))

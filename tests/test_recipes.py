@@ -68,8 +68,8 @@ def test_invalid_values_fail_with_the_field_named() -> None:
 def test_unknown_stage_is_named() -> None:
     from recipes.pipeline import run_pipeline
 
-    known = (r"known stages are \['plan', 'target', 'pools', 'regenerate', 'harvest', 'train', 'val', 'mine', "
-             r"'eval', 'report'\]")
+    known = (r"known stages are \['plan', 'target', 'pools', 'quantize', 'regenerate', 'harvest', 'train', 'val', "
+             r"'mine', 'eval', 'report'\]")
     with pytest.raises(ValueError, match=r"unknown \['harvst'\]; " + known):
         run_pipeline(PipelineConfig(stages=["target", "harvst"]))
 
