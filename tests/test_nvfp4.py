@@ -335,3 +335,9 @@ def test_pipeline_quantize_stage_runs_later_stages_on_the_nvfp4_target(source_di
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp
     with pytest.raises(ValueError, match="put it after pools"):
         run_pipeline(PipelineConfig(stages=["quantize", "pools"], out_dir=str(tmp_path / "x")))
+
+
+def test_vllm_preparation_leaves_other_checkpoints_alone(source_dir: Path) -> None:
+    """Only an NVFP4 checkpoint on a machine without CUDA changes vLLM's kernel list."""
+    assert nvfp4.prepare_vllm_on_cpu(source_dir) is False
+    assert nvfp4.nvfp4_quantization(source_dir) is None
