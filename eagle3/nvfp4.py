@@ -201,6 +201,10 @@ def convert(src: str, out: str | Path, *, mode: str = "w4a4", calibration: Seque
             continue  # written once, as the embedding
         state[key] = tensor.contiguous()
 
+    # matrices written as they were: embeddings, ignored Linears, and anything that is not an nn.Linear
+    # (e.g. MoE experts stored as one fused 3D parameter): the report names them
+    unquantized = {k: int(v.numel()) for k, v in model.state_dict().items()
+                   if v.dim() >= 2 and k.rpartition(".")[0] not in linears and not (tied and k == "lm_head.weight")}
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["quantization_config"] = quantization_config(mode, ignore)
@@ -208,6 +212,8 @@ def convert(src: str, out: str | Path, *, mode: str = "w4a4", calibration: Seque
         "source": str(folder), "mode": mode, "ignore": list(ignore),
         "calibration_tokens": calib.tokens if calibration else 0, "calibration_sequences": len(calibration),
         "quantized_linears": len(linears), "fused_groups": calib.fused,
+        "quantized_parameters": sum(m.weight.numel() for m in linears.values()),
+        "unquantized_matrices": unquantized,
         "weight_relative_error": {"mean": sum(errors.values()) / max(len(errors), 1),
                                   "max": max(errors.values(), default=0.0)},
         "per_linear": {n: {"weight_relative_error": errors[n], "input_amax": calib.input_amax[n]} for n in linears},
@@ -390,6 +396,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = {k: report[k] for k in ("mode", "quantized_linears", "calibration_sequences", "calibration_tokens",
                                       "weight_relative_error")}
     summary["fused_groups"] = len(report["fused_groups"])
+    summary["quantized_parameters"] = report["quantized_parameters"]
+    summary["unquantized_matrices"] = {"count": len(report["unquantized_matrices"]),
+                                       "parameters": sum(report["unquantized_matrices"].values())}
     print(json.dumps({"out": str(args.out), **summary}))
     return 0
 

@@ -141,6 +141,7 @@ def test_w4a4_emulation_equals_compressed_tensors_fake_quant(source_dir: Path, t
     out = tmp_path / "nvfp4"
     report = nvfp4.convert(str(source_dir), out, calibration=calib_ids())
     assert report["quantized_linears"] == 8 * 7 and report["calibration_tokens"] == 160
+    assert set(report["unquantized_matrices"]) == {"model.embed_tokens.weight", "lm_head.weight"}
     emulated = nvfp4.load_emulated(out)
     assert emulated.nvfp4_mode == "w4a4"
     ref = ct_reference_model(source_dir, out)
