@@ -105,14 +105,6 @@ def test_quantization_error_within_the_format_bounds() -> None:
 # --------------------------------------------------------------------------- conversion and emulation
 
 
-@pytest.fixture
-def source_dir(tmp_path: Path) -> Path:
-    folder = tmp_path / "src"
-    tiny_llama(vocab=TINY_VOCAB).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
-
-
 def calib_ids(n: int = 4, length: int = 40) -> list[list[int]]:
     gen = torch.Generator().manual_seed(1)
     return [torch.randint(6, TINY_VOCAB, (length,), generator=gen).tolist() for _ in range(n)]
@@ -137,14 +129,14 @@ def ct_reference_model(source: Path, checkpoint: Path):
     return ref
 
 
-def test_w4a4_emulation_equals_compressed_tensors_fake_quant(source_dir: Path, tmp_path: Path) -> None:
+def test_w4a4_emulation_equals_compressed_tensors_fake_quant(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "nvfp4"
-    report = nvfp4.convert(str(source_dir), out, calibration=calib_ids())
+    report = nvfp4.convert(str(tiny_model_dir), out, calibration=calib_ids())
     assert report["quantized_linears"] == 8 * 7 and report["calibration_tokens"] == 160
     assert set(report["unquantized_matrices"]) == {"model.embed_tokens.weight", "lm_head.weight"}
     emulated = nvfp4.load_emulated(out)
     assert emulated.nvfp4_mode == "w4a4"
-    ref = ct_reference_model(source_dir, out)
+    ref = ct_reference_model(tiny_model_dir, out)
     ids = torch.randint(6, TINY_VOCAB, (2, 30), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ours, theirs = emulated(ids).logits, ref(ids).logits
@@ -158,11 +150,11 @@ def test_w4a4_emulation_equals_compressed_tensors_fake_quant(source_dir: Path, t
     assert 0 < (weight_only - dense).abs().mean() < (ours - dense).abs().mean()
 
 
-def test_checkpoint_layout_is_what_vllm_reads(source_dir: Path, tmp_path: Path) -> None:
+def test_checkpoint_layout_is_what_vllm_reads(tiny_model_dir: Path, tmp_path: Path) -> None:
     from compressed_tensors.quantization import QuantizationConfig
 
     out = tmp_path / "nvfp4"
-    nvfp4.convert(str(source_dir), out, calibration=calib_ids())
+    nvfp4.convert(str(tiny_model_dir), out, calibration=calib_ids())
     config = json.loads((out / "config.json").read_text())
     qcfg = config["quantization_config"]
     assert qcfg["quant_method"] == "compressed-tensors" and qcfg["format"] == "nvfp4-pack-quantized"
@@ -187,10 +179,10 @@ def test_checkpoint_layout_is_what_vllm_reads(source_dir: Path, tmp_path: Path) 
     assert t[f"{q}.input_global_scale"].item() == pytest.approx(448 * 6 / amax, rel=1e-6)
 
 
-def test_calibration_records_the_largest_input(source_dir: Path) -> None:
+def test_calibration_records_the_largest_input(tiny_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     linears = nvfp4.quantizable_linears(model)
     assert "lm_head" not in linears and len(linears) == 56
     seen: dict[str, float] = {}
@@ -206,7 +198,7 @@ def test_calibration_records_the_largest_input(source_dir: Path) -> None:
         nvfp4.calibrate(model, linears, iter(()))
 
 
-def test_int4_compressed_tensors_source_converts(source_dir: Path, tmp_path: Path) -> None:
+def test_int4_compressed_tensors_source_converts(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Kimi K2.x ships INT4 pack-quantized (group 32): dequantised on load, then NVFP4."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
@@ -255,9 +247,9 @@ def test_int4_compressed_tensors_source_converts(source_dir: Path, tmp_path: Pat
         nvfp4.convert(str(out), tmp_path / "again", mode="w4a16")
 
 
-def test_load_target_runs_the_checkpoint_emulated(source_dir: Path, tmp_path: Path) -> None:
+def test_load_target_runs_the_checkpoint_emulated(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "nvfp4"
-    nvfp4.convert(str(source_dir), out, calibration=calib_ids())
+    nvfp4.convert(str(tiny_model_dir), out, calibration=calib_ids())
     target = load_target(str(out), dtype="float32", device="cpu", aux_layer_ids=[1, 4, 6])
     assert target.model.nvfp4_mode == "w4a4" and target.model.name_or_path == str(out)
     ids = torch.randint(6, TINY_VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -268,19 +260,19 @@ def test_load_target_runs_the_checkpoint_emulated(source_dir: Path, tmp_path: Pa
     weight_only = load_target(str(out), dtype="float32", device="cpu", nvfp4_mode="w4a16")
     assert weight_only.model.nvfp4_mode == "w4a16"
     a16 = tmp_path / "a16"
-    nvfp4.convert(str(source_dir), a16, mode="w4a16")
+    nvfp4.convert(str(tiny_model_dir), a16, mode="w4a16")
     with pytest.raises(Exception, match="no input_global_scale"):
         load_target(str(a16), dtype="float32", device="cpu", nvfp4_mode="w4a4")
 
 
-def test_bad_requests_are_refused(source_dir: Path, tmp_path: Path) -> None:
+def test_bad_requests_are_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(nvfp4.NVFP4Error, match="calibration"):
-        nvfp4.convert(str(source_dir), tmp_path / "x", mode="w4a4")
+        nvfp4.convert(str(tiny_model_dir), tmp_path / "x", mode="w4a4")
     with pytest.raises(nvfp4.NVFP4Error, match="mode"):
-        nvfp4.convert(str(source_dir), tmp_path / "x", mode="w8a8")
+        nvfp4.convert(str(tiny_model_dir), tmp_path / "x", mode="w8a8")
     assert not (tmp_path / "x").exists()
     with pytest.raises(nvfp4.NVFP4Error, match="no nvfp4-pack-quantized"):
-        nvfp4.load_emulated(source_dir)
+        nvfp4.load_emulated(tiny_model_dir)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     odd = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=40, intermediate_size=80, num_hidden_layers=1,
@@ -289,12 +281,12 @@ def test_bad_requests_are_refused(source_dir: Path, tmp_path: Path) -> None:
         nvfp4.quantizable_linears(odd)
 
 
-def test_quality_report_figures(source_dir: Path, tmp_path: Path) -> None:
+def test_quality_report_figures(tiny_model_dir: Path, tmp_path: Path) -> None:
     from serve_eval.quant_report import compare_on, run
 
     out = tmp_path / "nvfp4"
-    nvfp4.convert(str(source_dir), out, calibration=calib_ids())
-    reference = load_target(str(source_dir), dtype="float32", device="cpu")
+    nvfp4.convert(str(tiny_model_dir), out, calibration=calib_ids())
+    reference = load_target(str(tiny_model_dir), dtype="float32", device="cpu")
     quantized = load_target(str(out), dtype="float32", device="cpu")
     gen = torch.Generator().manual_seed(5)
     prompts = {"a": [torch.randint(6, TINY_VOCAB, (9,), generator=gen).tolist() for _ in range(3)]}
@@ -315,7 +307,7 @@ def test_quality_report_figures(source_dir: Path, tmp_path: Path) -> None:
     assert torch.allclose(cmp["nll_q"][start:], -q[torch.arange(3), torch.tensor(continuation)], atol=1e-5)
 
 
-def test_pipeline_quantize_stage_runs_later_stages_on_the_nvfp4_target(source_dir: Path, tmp_path: Path) -> None:
+def test_pipeline_quantize_stage_runs_later_stages_on_the_nvfp4_target(tiny_model_dir: Path, tmp_path: Path) -> None:
     from eagle3.config import PipelineConfig, QuantizeConfig, TargetConfig
     from recipes.pipeline import run_pipeline
 
@@ -323,7 +315,7 @@ def test_pipeline_quantize_stage_runs_later_stages_on_the_nvfp4_target(source_di
     calib.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}?"},
                                                       {"role": "assistant", "content": f"answer {i}."}]}) + "\n"
                              for i in range(3)))
-    cfg = PipelineConfig(target=TargetConfig(name_or_path=str(source_dir), dtype="float32", device="cpu"),
+    cfg = PipelineConfig(target=TargetConfig(name_or_path=str(tiny_model_dir), dtype="float32", device="cpu"),
                          quantize=QuantizeConfig(calibration=str(calib), samples=2), out_dir=str(tmp_path / "run"),
                          stages=["quantize", "target"])
     results = run_pipeline(cfg)
@@ -338,7 +330,7 @@ def test_pipeline_quantize_stage_runs_later_stages_on_the_nvfp4_target(source_di
         run_pipeline(PipelineConfig(stages=["quantize", "pools"], out_dir=str(tmp_path / "x")))
 
 
-def test_vllm_preparation_leaves_other_checkpoints_alone(source_dir: Path) -> None:
+def test_vllm_preparation_leaves_other_checkpoints_alone(tiny_model_dir: Path) -> None:
     """Only an NVFP4 checkpoint on a machine without CUDA changes vLLM's kernel list."""
-    assert nvfp4.prepare_vllm_on_cpu(source_dir) is False
-    assert nvfp4.nvfp4_quantization(source_dir) is None
+    assert nvfp4.prepare_vllm_on_cpu(tiny_model_dir) is False
+    assert nvfp4.nvfp4_quantization(tiny_model_dir) is None
