@@ -659,7 +659,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         "stage": "train", "out": str(out_dir), "steps": state["step"], "resumed_from_step": resumed_step,
         "world_size": rt.world_size, "zero_stage": cfg.zero_stage, "precision": cfg.precision,
         "device": str(rt.device), "train_samples": len(train_idx), "eval_samples": len(eval_idx),
-        "draft_vocab_size": vocab.size, "trainable_parameters": trainable_parameter_count(draft_config),
+        "draft_vocab_size": vocab.size, "trainable_parameters": trainable_parameter_count(draft_config)
+        - (draft_config.draft_vocab_size * draft_config.hidden_size if cfg.freeze_lm_head else 0),
         "first_loss": first_loss, "last_loss": last_loss,
         "tokens_per_s": round(tokens_total / train_seconds, 1) if train_seconds else None,
         "eval_first": state["first_eval"], "eval_last": ({k: v for k, v in state["last_eval"].items()

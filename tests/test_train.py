@@ -323,11 +323,13 @@ def test_extra_stores_and_sample_weights(tiny: dict, tmp_path: Path) -> None:
 
 def test_a_frozen_target_lm_head_stays_the_targets(tiny: dict, tmp_path: Path) -> None:
     out = tmp_path / "frozen"
-    train(_cfg(tiny, out, steps=3, eval_every=0, save_every=0, lm_head_init="target", freeze_lm_head=True),
-          target=tiny["target"])
+    summary = train(_cfg(tiny, out, steps=3, eval_every=0, save_every=0, lm_head_init="target",
+                         freeze_lm_head=True), target=tiny["target"])
     final = load_file(str(out / "final" / "model.safetensors"))
     rows = tiny["target"].lm_head.weight.detach()[torch.arange(64) + final["d2t"]]
     assert torch.equal(final["lm_head.weight"], rows)
+    trainable = sum(v.numel() for k, v in final.items() if k not in ("d2t", "t2d", "lm_head.weight"))
+    assert summary["trainable_parameters"] == trainable  # the frozen head is not counted
 
 
 def test_topk_store_and_a_held_out_store(tiny: dict, tmp_path: Path) -> None:
