@@ -256,9 +256,9 @@ def stage_quantize(cfg: PipelineConfig) -> dict[str, Any]:
     settings = {"source": str(source), "mode": q.mode, "ignore": list(q.ignore), "calibration_file": calib_path,
                 "samples": q.samples, "max_tokens": q.max_tokens, "seed": cfg.seed}
     report_path = out / REPORT_FILE
-    if report_path.is_file() and json.loads(report_path.read_text()).get("settings") == settings:
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    if report.get("settings") == settings:
         print(f"quantize: up to date in {out}")
-        report = json.loads(report_path.read_text())
     else:
         calib: list[list[int]] = []
         if q.mode == "w4a4":
