@@ -171,6 +171,8 @@ class TargetHead(nn.Module):
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
         self.requires_grad_(False)
+        self._split: tuple[Any, ...] | None = None
+        self._split_pays = True  # turned off when most rows need the full product anyway
 
     @torch.no_grad()
     def targets(self, batch: dict[str, Tensor], t2d: Tensor, chunk_tokens: int = 1024) -> TTTTargets:
@@ -194,10 +196,66 @@ class TargetHead(nn.Module):
         probs = torch.zeros(b * s, vd, dtype=torch.float32, device=last.device)  # [B*S, Vd]
         argmax = torch.full((b * s,), -1, dtype=torch.long, device=last.device)  # [B*S]
         for i in range(0, len(rows), chunk_tokens):
-            part = prepare_targets(self.lm_head(self.norm(flat[i:i + chunk_tokens])), t2d)
+            x = self.norm(flat[i:i + chunk_tokens])
+            split = (self._split_pays and self.lm_head.weight.dtype == torch.float32
+                     and getattr(self.lm_head, "bias", None) is None)
+            part = self._split_targets(x, t2d) if split else prepare_targets(self.lm_head(x), t2d)
             probs[rows[i:i + chunk_tokens]] = part.probs
             argmax[rows[i:i + chunk_tokens]] = part.argmax
         return TTTTargets(probs=probs.view(b, s, vd), argmax=argmax.view(b, s))
+
+    def _split_targets(self, x: Tensor, t2d: Tensor, groups: int = 16) -> TTTTargets:
+        """:func:`prepare_targets` of ``lm_head(x)`` (fp32) without most of the full-vocab product.
+
+        The distribution needs only the draft-vocab rows of the head, computed in fp32 as
+        before. The argmax needs the rest only to learn whether some token outside the draft
+        vocab beats the best one inside: those logits are computed in bf16 (several times
+        faster on CPUs with bf16 units) with a rigorous bound on their error,
+        ``|bf16 - fp32| <= c * |x| * |w_j|`` (bf16 rounding of both operands and of the
+        result, fp32 accumulation, Cauchy-Schwarz), taken per group of outside rows of similar
+        norm; only the rows the bound cannot settle (~7% on the default target) get their
+        outside logits recomputed in fp32. The result equals ``prepare_targets``'s, ties
+        included (the lower token id wins, as in ``argmax``).
+        """
+        w = self.lm_head.weight  # [V, H]
+        if self._split is None or self._split[0].shape != t2d.shape or not torch.equal(self._split[0], t2d):
+            inside = t2d.to(w.device)
+            outside = (~inside).nonzero().squeeze(1)  # [Vo] target ids
+            norms = w[outside].norm(dim=-1)
+            order = norms.argsort(descending=True)  # groups of similar norm: a tighter bound per group
+            outside, norms = outside[order], norms[order]
+            w_out = w[outside].contiguous()  # [Vo, H]
+            edges = torch.linspace(0, len(outside), groups + 1).long().tolist()
+            cuts = [(lo, hi) for lo, hi in zip(edges[:-1], edges[1:], strict=True) if hi > lo]
+            group_norm = torch.stack([norms[lo:hi].max() for lo, hi in cuts]) if cuts else norms[:0]
+            self._split = (t2d.clone(), inside.nonzero().squeeze(1), outside, w[inside].contiguous(), w_out,
+                           w_out.bfloat16(), group_norm, cuts)
+        _, in_ids, out_ids, w_in, w_out, w_out_bf16, group_norm, cuts = self._split
+        logits_in = x @ w_in.T  # [N, Vd] fp32
+        probs = torch.nan_to_num(torch.softmax(logits_in, dim=-1), nan=0.0)
+        best_in, arg_in = logits_in.max(-1)  # [N]: the first maximum, i.e. the lowest id
+        id_in = in_ids[arg_in]
+        if len(out_ids) == 0:
+            return TTTTargets(probs=probs, argmax=id_in)
+        u, n = 2.0**-8, x.shape[-1]  # bf16's unit roundoff; fp32 accumulation adds n * 2^-24 twice
+        c = 4 * u + 2 * n * 2.0**-24
+        rough = x.bfloat16() @ w_out_bf16.T  # [N, Vo] bf16
+        group_max = torch.stack([rough[:, lo:hi].amax(-1) for lo, hi in cuts], dim=-1).float()  # [N, G]
+        bound = c * x.norm(dim=-1, keepdim=True) * group_norm  # [N, G]
+        unsettled = ((group_max + bound).amax(-1) >= best_in).nonzero().squeeze(1)
+        if len(x) >= 256 and len(unsettled) > len(x) // 2:  # e.g. a tiny draft vocab: most argmaxes outside
+            self._split_pays = False
+        # Settled rows: every outside logit is below the best inside one, whatever their argmax.
+        argmax = id_in.clone()
+        if len(unsettled):
+            exact = x[unsettled] @ w_out.T  # [M, Vo] fp32, as the full product
+            best_out = exact.amax(-1)
+            # Among equal maxima argmax takes the lowest id; out_ids is sorted by norm, not id.
+            id_out = torch.where(exact == best_out.unsqueeze(1), out_ids, out_ids.max() + 1).amin(-1)
+            b_in, i_in = best_in[unsettled], id_in[unsettled]
+            wins_in = (b_in > best_out) | ((b_in == best_out) & (i_in < id_out))
+            argmax[unsettled] = torch.where(wins_in, i_in, id_out)
+        return TTTTargets(probs=probs, argmax=argmax)
 
 
 class TTTModel(nn.Module):
@@ -277,7 +335,14 @@ class AcceptanceTally:
 # ---------------------------------------------------------------- setup pieces
 
 
-def muon_param_groups(model: nn.Module, lr: float) -> list[dict[str, Any]]:
+def muon_ns_method(setting: str, device: torch.device | str) -> str:
+    """``auto`` -> DeepSpeed's Gram Newton-Schulz on CUDA, the original bf16 one elsewhere."""
+    if setting != "auto":
+        return setting
+    return "gram" if torch.device(device).type == "cuda" else "standard"
+
+
+def muon_param_groups(model: nn.Module, lr: float, ns_method: str = "gram") -> list[dict[str, Any]]:
     """Trainable parameters tagged for DeepSpeed's Muon, one group per Muon matrix.
 
     Muon takes the hidden 2-D matrices (fc, attention, MLP); lm_head (an output layer) and the
@@ -294,7 +359,8 @@ def muon_param_groups(model: nn.Module, lr: float) -> list[dict[str, Any]]:
             continue
         p.use_muon = p.ndim == 2 and "lm_head" not in name
         if p.use_muon:
-            groups.append({"params": [p], "lr": 0.2 * lr * math.sqrt(p.shape[1]), "name": name})
+            groups.append({"params": [p], "lr": 0.2 * lr * math.sqrt(p.shape[1]), "name": name,
+                           "ns_method": ns_method})
         else:
             adam.append(p)
     return [*groups, {"params": adam, "lr": lr, "name": "adamw"}]
@@ -509,7 +575,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "muon":  # DeepSpeed builds Muon + its auxiliary AdamW from the config
         engine, optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=muon_param_groups(model, cfg.lr),
+            model=model, model_parameters=muon_param_groups(model, cfg.lr, muon_ns_method(cfg.muon_ns_method, rt.device)),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
             config=deepspeed_config(cfg, rt.world_size))
     else:
