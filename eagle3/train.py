@@ -574,8 +574,9 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     schedule = warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "muon":  # DeepSpeed builds Muon + its auxiliary AdamW from the config
+        groups = muon_param_groups(model, cfg.lr, muon_ns_method(cfg.muon_ns_method, rt.device))
         engine, optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=muon_param_groups(model, cfg.lr, muon_ns_method(cfg.muon_ns_method, rt.device)),
+            model=model, model_parameters=groups,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
             config=deepspeed_config(cfg, rt.world_size))
     else:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 from safetensors.torch import load_file
+from torch import nn
 
 from data_gen.harvest import run as harvest
 from eagle3.checkpoint import LATEST, load_exported_draft, read_draft_vocab
