@@ -349,7 +349,8 @@ def muon_param_groups(model: nn.Module, lr: float, ns_method: str = "gram") -> l
     norms go to the auxiliary AdamW at ``lr``. DeepSpeed's orthogonalised step for a
     [out, in] matrix has an RMS of about 1/sqrt(in) per unit lr; each matrix's lr is set so that
     the step's RMS is 0.2 * lr, the RMS of an AdamW step (speculators' ``match_rms_adamw``), so
-    warmup and decay act on both halves alike.
+    warmup and decay act on both halves alike. ``ns_method`` is DeepSpeed's Newton-Schulz variant
+    for each Muon group (see :func:`muon_ns_method`).
     """
     groups: list[dict[str, Any]] = []
     adam: list[nn.Parameter] = []
