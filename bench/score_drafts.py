@@ -52,11 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_draft(folder)
         fit_to_target(loaded, target)
         scores = score_store(loaded.draft.float(), head, store, meta, ttt_steps=args.ttt_steps)
-        row: dict = {"figure": "tau_sim", "draft": name, "store": args.store,
-                     "overall": round(group_scores(scores, "all")["all"].tau_sim, 4)}
+        overall = group_scores(scores, "all")["all"]
+        row: dict = {"figure": "tau_sim", "draft": name, "store": args.store, "overall": round(overall.tau_sim, 4)}
         for key in ("domain", "language"):
             row[key] = {k: round(g.tau_sim, 4) for k, g in group_scores(scores, key).items()}
-        row["loss"] = round(group_scores(scores, "all")["all"].loss, 4)
+        row["loss"] = round(overall.loss, 4)
         print(json.dumps(row), flush=True)
     return 0
 
