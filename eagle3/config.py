@@ -307,6 +307,10 @@ class TrainConfig:
     """Training-time-test steps K unrolled per position."""
     step_decay: float = 0.8
     """Loss weight of TTT step k is step_decay**k (1.0 weighs the steps equally)."""
+    loss_on_oov: bool = False
+    """Also train positions whose target argmax lies outside the draft vocab, on the target's
+    distribution renormalised over the draft vocab (as speculators 0.9.0); by default they are
+    dropped (as EAGLE-3 and SpecForge): the draft cannot propose that token anyway."""
     draft_vocab_size: int = 32000
     """Target tokens the draft can propose: the most frequent loss-masked tokens of the training
     store (capped at the target's vocabulary)."""

@@ -262,9 +262,10 @@ class TTTModel(nn.Module):
     """The module the DeepSpeed engine wraps: the draft and its TTT unroll; returns tensors only."""
 
     def __init__(self, draft: Eagle3Draft, num_steps: int, step_decay: float,
-                 gradient_checkpointing: bool = False) -> None:
+                 gradient_checkpointing: bool = False, keep_oov: bool = False) -> None:
         super().__init__()
         self.draft = draft
+        self.keep_oov = keep_oov
         self.num_steps = num_steps
         self.weights = step_weights(num_steps, step_decay)
         self.gradient_checkpointing = gradient_checkpointing
@@ -273,7 +274,8 @@ class TTTModel(nn.Module):
                 loss_mask: Tensor, target_probs: Tensor, target_argmax: Tensor) -> tuple[Tensor, ...]:
         out = ttt_forward(self.draft, input_ids, aux, position_ids, document_ids, loss_mask,
                           TTTTargets(probs=target_probs, argmax=target_argmax), num_steps=self.num_steps,
-                          weights=self.weights, gradient_checkpointing=self.gradient_checkpointing and self.training)
+                          weights=self.weights, gradient_checkpointing=self.gradient_checkpointing and self.training,
+                          keep_oov=self.keep_oov)
         return out.loss, out.loss_sum, out.count, out.match, out.counted
 
 
@@ -571,7 +573,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     t2d = vocab.t2d.to(rt.device)
     target_name = spec.target
     del target  # only the head is needed from here on
-    model = TTTModel(draft, cfg.ttt_steps, cfg.step_decay, cfg.gradient_checkpointing).to(rt.device)
+    model = TTTModel(draft, cfg.ttt_steps, cfg.step_decay, cfg.gradient_checkpointing, cfg.loss_on_oov).to(rt.device)
     schedule = warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "muon":  # DeepSpeed builds Muon + its auxiliary AdamW from the config

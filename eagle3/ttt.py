@@ -22,7 +22,8 @@ begins. Step k (k = 0..K-1) at row t is the k-th draft token after t::
 
 A step counts at row t only if x[t+k+2] lies in t's document (a shift that leaves the document
 masks the position) and m[t+k+2] is set; the loss also drops positions whose target argmax is
-outside the draft vocab.
+outside the draft vocab (as EAGLE-3 and SpecForge), unless ``keep_oov`` trains them on the
+renormalised draft-vocab distribution too (as speculators 0.9.0).
 
 Attention. Step k at row t attends to
 
@@ -189,7 +190,7 @@ class TTTOutput:
     count: Tensor  # [K] loss positions per step
     match: Tensor  # [K, B, S] bool: draft argmax (as a target id) == target argmax
     counted: Tensor  # [K, B, S] bool: positions the metrics count (step_counted)
-    valid: Tensor  # [K, B, S] bool: loss positions (counted and target argmax in the draft vocab)
+    valid: Tensor  # [K, B, S] bool: loss positions (counted; target argmax in the draft vocab unless keep_oov)
     logits: list[Tensor] | None = None  # K x [B, S, Vd] with return_logits
 
 
@@ -211,6 +212,7 @@ def ttt_forward(
     weights: Sequence[float] | Tensor | None = None,
     gradient_checkpointing: bool = False,
     return_logits: bool = False,
+    keep_oov: bool = False,
 ) -> TTTOutput:
     """Unroll the draft ``num_steps`` steps over a packed batch; loss and per-step matches.
 
@@ -230,6 +232,8 @@ def ttt_forward(
     step0_kv: list[tuple[Tensor, Tensor]] = []  # per layer (k0, v0) [B, S, nkv, d]
     diagonal: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(num_layers)]  # per layer, steps 1..k-1
 
+    # keep_oov: every counted row whose target puts mass on the draft vocab (all, with full logits)
+    has_mass = targets.probs.sum(-1) > 0 if keep_oov else None  # [B, S]
     loss = hidden.new_zeros((), dtype=torch.float32)
     loss_sums, counts, matches, counted_all, valid_all, logits_all = [], [], [], [], [], []
     for k in range(num_steps):
@@ -237,7 +241,10 @@ def ttt_forward(
         pos_k = step_positions(position_ids, k)  # [B, S]
         counted = step_counted(loss_mask, document_ids, k)  # [B, S]
         target_argmax = shift_left(targets.argmax, k + 1, -1)  # [B, S] target's argmax at t+k+1
-        in_vocab = t2d[target_argmax.clamp_min(0)] & (target_argmax >= 0)
+        if has_mass is not None:
+            in_vocab = shift_left(has_mass, k + 1, False)
+        else:
+            in_vocab = t2d[target_argmax.clamp_min(0)] & (target_argmax >= 0)
         valid = counted & in_vocab  # [B, S]
 
         # A snapshot of the keys so far: a checkpointed step replays against exactly these.

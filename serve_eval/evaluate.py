@@ -38,20 +38,34 @@ TIE_MARGIN = 1e-4
 
 
 def read_prompts(pools: Path, name: str, per_set: int, chat: Any) -> list[list[int]]:
+    """The first user turn of ``per_set`` records of ``pools/eval/<name>.jsonl``, as prompt ids.
+
+    A set whose records name several languages (the multilingual one: 20 per language, one
+    language after another) is taken round-robin over its languages in file order, so that its
+    first prompts span them all instead of being the first language's.
+    """
     from eagle3.conversations import iter_jsonl
 
     path = pools / "eval" / f"{name}.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing (build the pools: python -m data_gen.pools --out {pools})")
-    out = []
+    by_language: dict[Any, list[tuple[str, dict]]] = {}
     for where, record in iter_jsonl(path):
         if isinstance(record, Exception):
             raise ValueError(f"{where}: {record}")
-        messages = record["messages"]
-        first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: not a JSON object")
+        by_language.setdefault(record.get("language"), []).append((where, record))
+    queues = list(by_language.values())
+    picked = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)][:per_set]
+    out = []
+    for where, record in picked:
+        messages = record.get("messages")
+        turns = messages if isinstance(messages, list) else []
+        first_user = next((i for i, m in enumerate(turns) if isinstance(m, dict) and m.get("role") == "user"), None)
+        if first_user is None:
+            raise ValueError(f"{where}: no user message in 'messages'")
         out.append(chat.prompt_ids(messages[: first_user + 1]))
-        if len(out) == per_set:
-            break
     return out
 
 

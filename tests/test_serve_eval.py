@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from eagle3.spec_decode import SpecConfig
 from eagle3.verify import SamplingParams
-from serve_eval.evaluate import evaluate, markdown, write_report
+from serve_eval.evaluate import evaluate, markdown, read_prompts, write_report
 from tests.test_spec_decode import PROMPTS, make_draft, make_target
 
 
@@ -43,3 +45,41 @@ def test_markdown_flags_divergences_that_are_not_ties() -> None:
                           "time_split": {"draft": 0.1, "verify": 0.8}, "equal": 0}}
     text = markdown(report)
     assert "NOT a near-tie" in text and "| x | 1 | 1.500 | 0.50 |" in text
+
+
+class _EchoChat:
+    """Prompt ids = the first user turn's text as code points (enough to tell prompts apart)."""
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return [ord(c) for c in messages[-1]["content"]]
+
+
+def _write_set(path: Path, rows: list) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+def test_read_prompts_spreads_a_set_over_its_languages(tmp_path: Path) -> None:
+    def row(lang: str, i: int) -> dict:
+        return {"language": lang, "messages": [{"role": "system", "content": "s"},
+                                               {"role": "user", "content": f"{lang}{i}"},
+                                               {"role": "assistant", "content": "a"}]}
+    rows = [row(lang, i) for lang, n in (("ar", 3), ("fr", 1), ("zh", 2)) for i in range(n)]
+    _write_set(tmp_path / "eval" / "ml.jsonl", rows)
+    got = ["".join(map(chr, ids)) for ids in read_prompts(tmp_path, "ml", 5, _EchoChat())]
+    assert got == ["ar0", "fr0", "zh0", "ar1", "zh1"]
+    assert len(read_prompts(tmp_path, "ml", 100, _EchoChat())) == 6
+    # one language (or none named): file order, as before
+    _write_set(tmp_path / "eval" / "en.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(4)])
+    assert ["".join(map(chr, ids)) for ids in read_prompts(tmp_path, "en", 3, _EchoChat())] == ["q0", "q1", "q2"]
+
+
+def test_read_prompts_names_the_bad_line(tmp_path: Path) -> None:
+    good = {"messages": [{"role": "user", "content": "q"}]}
+    for bad, why in (("{not json", "ml.jsonl:2"), ([1, 2], "ml.jsonl:2: not a JSON object"),
+                     ({"messages": [{"role": "assistant", "content": "a"}]}, "ml.jsonl:2: no user message")):
+        _write_set(tmp_path / "eval" / "ml.jsonl", [good, bad])
+        with pytest.raises(ValueError, match=why):
+            read_prompts(tmp_path, "ml", 2, _EchoChat())
+    with pytest.raises(FileNotFoundError, match="missing.jsonl: missing"):
+        read_prompts(tmp_path, "missing", 1, _EchoChat())

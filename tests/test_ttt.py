@@ -289,6 +289,30 @@ def test_loss_skips_positions_whose_target_argmax_is_outside_the_draft_vocab() -
     assert out.valid[0, 0, 3] and out.count.tolist() == [13, 12]
 
 
+def test_keep_oov_trains_those_positions_on_the_renormalised_draft_vocab() -> None:
+    draft = tiny_draft()
+    batch = packed_batch([[16]])
+    batch["loss_mask"][:] = True
+    batch["target_logits"][..., draft.t2d] += 100.0
+    outside = int((~draft.t2d).nonzero()[0])
+    batch["target_logits"][0, 5, outside] = 300.0  # argmax outside the draft vocab at position 5
+    targets = prepare_targets(batch["target_logits"], draft.t2d)
+    with torch.no_grad():
+        dropped = _batched(draft, batch, 2)
+        kept = _batched(draft, batch, 2, keep_oov=True)
+    assert kept.valid[0, 0, 4] and kept.valid[1, 0, 3] and kept.count.tolist() == [14, 13]
+    assert torch.equal(kept.match, dropped.match)  # the metrics are the same; only the loss differs
+    extra = soft_cross_entropy(kept.logits[0][0, 4], targets.probs[0, 5])  # step 0 at t=4 learns p[5]
+    torch.testing.assert_close(kept.loss_sum[0], dropped.loss_sum[0] + extra)
+    # a top-k target with no mass on the draft vocab stays out of the loss even so
+    no_mass = ttt.TTTTargets(probs=targets.probs.clone(), argmax=targets.argmax)
+    no_mass.probs[0, 5] = 0.0
+    with torch.no_grad():
+        out = ttt_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
+                          batch["loss_mask"], no_mass, num_steps=2, keep_oov=True)
+    assert not out.valid[0, 0, 4] and out.count.tolist() == [13, 12]
+
+
 def test_step_weights() -> None:
     torch.testing.assert_close(step_weights(3), torch.tensor([1.0, 0.8, 0.64], dtype=torch.float64))
     torch.testing.assert_close(step_weights(2, decay=1.0), torch.ones(2, dtype=torch.float64))
