@@ -166,6 +166,10 @@ def ttt_attention(q: Tensor, step0: tuple[Tensor, Tensor], diagonal: Sequence[tu
     k0, v0 = step0
     b, s, nh, d = q.shape
     nkv = k0.shape[2]
+    if not diagonal:  # step 0: plain masked attention, fused (every row sees itself, so none is empty)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2),
+                                             attn_mask=mask0.unsqueeze(1), enable_gqa=nkv != nh)
+        return out.transpose(1, 2)
     qg = _grouped(q, nkv) * d**-0.5  # [B, nkv, g, S, d]
     keys0 = k0.permute(0, 2, 1, 3).unsqueeze(2)  # [B, nkv, 1, S, d]
     values0 = v0.permute(0, 2, 1, 3).unsqueeze(2)  # [B, nkv, 1, S, d]

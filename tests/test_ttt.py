@@ -195,10 +195,11 @@ def test_gradient_checkpointing_gives_identical_gradients() -> None:
     assert all(g.abs().sum() > 0 for g in plain.values())
 
 
-def test_attention_equals_dense_masked_attention() -> None:
+@pytest.mark.parametrize("k", [0, 1, 2])  # 0: step 0 (its own fused path), then 1 and 2 diagonal keys
+def test_attention_equals_dense_masked_attention(k: int) -> None:
     """ttt_attention == softmax over explicitly listed keys (step 0 rows <= t same doc, then the diagonal)."""
     g = torch.Generator().manual_seed(0)
-    b, s, nh, nkv, d, k = 2, 6, 4, 2, 8, 2
+    b, s, nh, nkv, d = 2, 6, 4, 2, 8
     q = torch.randn(b, s, nh, d, generator=g)
     kv = [(torch.randn(b, s, nkv, d, generator=g), torch.randn(b, s, nkv, d, generator=g)) for _ in range(k + 1)]
     doc = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
