@@ -156,6 +156,42 @@ def _grouped(q: Tensor, num_kv: int) -> Tensor:
     return q.view(b, s, num_kv, nh // num_kv, d).permute(0, 2, 3, 1, 4)
 
 
+BLOCKED_ATTENTION_MIN_LEN = 256
+"""Rows at least this long take :func:`_blocked_attention` at steps >= 1 (2-2.5x faster than the
+explicit softmax here from 1000 tokens, ~1.3x at 256; slower at 128)."""
+
+
+def _blocked_attention(q: Tensor, step0: tuple[Tensor, Tensor], diagonal: Sequence[tuple[Tensor, Tensor]],
+                       mask0: Tensor, block: int) -> Tensor:
+    """:func:`ttt_attention` at steps >= 1 through fused SDPA, query rows in blocks of ``block``.
+
+    A diagonal key belongs to one query row only, so one SDPA over all keys would need S more
+    keys per step. Per block of query rows the keys are instead the whole step-0 window plus the
+    block's own diagonal keys (``block`` per step), masked ``mask0`` | identity: each row sees
+    exactly the keys of the explicit version, at (S + k * block) / S of step 0's cost.
+    """
+    k0, v0 = step0
+    b, s, nh, d = q.shape
+    nkv, k = k0.shape[2], len(diagonal)
+    nb = -(-s // block)
+    pad = nb * block - s
+
+    def blocks(x: Tensor) -> Tensor:  # [B, S, n, d] -> [B, nb, n, block, d]
+        return F.pad(x, (0, 0, 0, 0, 0, pad)).view(b, nb, block, x.shape[2], d).transpose(2, 3)
+
+    keys = torch.cat([k0.transpose(1, 2).unsqueeze(1).expand(b, nb, nkv, s, d),
+                      *[blocks(kj) for kj, _ in diagonal]], dim=3)  # [B, nb, nkv, S + k*block, d]
+    values = torch.cat([v0.transpose(1, 2).unsqueeze(1).expand(b, nb, nkv, s, d),
+                        *[blocks(vj) for _, vj in diagonal]], dim=3)
+    window = F.pad(mask0, (0, 0, 0, pad)).view(b, nb, block, s)  # padded query rows see no step-0 key
+    own = torch.eye(block, dtype=torch.bool, device=q.device).repeat(1, k).expand(b, nb, block, k * block)
+    mask = torch.cat([window, own], dim=-1)  # [B, nb, block, S + k*block]; every row sees its diagonal
+    out = F.scaled_dot_product_attention(blocks(q).reshape(b * nb, nh, block, d),
+                                         keys.reshape(b * nb, nkv, -1, d), values.reshape(b * nb, nkv, -1, d),
+                                         attn_mask=mask.reshape(b * nb, 1, block, -1), enable_gqa=nkv != nh)
+    return out.view(b, nb, nh, block, d).permute(0, 1, 3, 2, 4).reshape(b, nb * block, nh, d)[:, :s]
+
+
 def ttt_attention(q: Tensor, step0: tuple[Tensor, Tensor], diagonal: Sequence[tuple[Tensor, Tensor]],
                   mask0: Tensor) -> Tensor:
     """One step's attention (module docstring): step-0 keys under ``mask0`` plus the diagonal.
@@ -170,6 +206,8 @@ def ttt_attention(q: Tensor, step0: tuple[Tensor, Tensor], diagonal: Sequence[tu
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2),
                                              attn_mask=mask0.unsqueeze(1), enable_gqa=nkv != nh)
         return out.transpose(1, 2)
+    if s >= BLOCKED_ATTENTION_MIN_LEN:
+        return _blocked_attention(q, step0, diagonal, mask0, 64 if s < 1024 else 128)
     qg = _grouped(q, nkv) * d**-0.5  # [B, nkv, g, S, d]
     keys0 = k0.permute(0, 2, 1, 3).unsqueeze(2)  # [B, nkv, 1, S, d]
     values0 = v0.permute(0, 2, 1, 3).unsqueeze(2)  # [B, nkv, 1, S, d]

@@ -216,6 +216,40 @@ def test_attention_equals_dense_masked_attention(k: int) -> None:
                 torch.testing.assert_close(got[bi, t, h], w @ torch.stack(vals))
 
 
+@pytest.mark.parametrize(("s", "block", "k"), [(10, 4, 1), (10, 4, 2), (12, 4, 2), (300, 64, 2)])
+def test_blocked_attention_equals_the_explicit_softmax(monkeypatch: pytest.MonkeyPatch, s: int, block: int,
+                                                       k: int) -> None:
+    """The fused, query-blocked path (long rows, steps >= 1): same outputs and gradients."""
+    g = torch.Generator().manual_seed(1)
+    b, nh, nkv, d = 2, 4, 2, 8
+    leaves = [torch.randn(b, s, nh, d, generator=g)]
+    leaves += [torch.randn(b, s, nkv, d, generator=g) for _ in range(2 * k + 2)]
+    doc = torch.zeros(b, s, dtype=torch.long)
+    doc[0, s // 3:] = 1
+    doc[1, s - 3:] = 2
+    mask0 = step0_attention_mask(doc)
+    grad_out = torch.randn(b, s, nh, d, generator=g)
+
+    def run(fn) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        x = [t.clone().requires_grad_() for t in leaves]
+        out = fn(x[0], (x[1], x[2]), [(x[3 + 2 * j], x[4 + 2 * j]) for j in range(k)], mask0)
+        (out * grad_out).sum().backward()
+        return out.detach(), [t.grad for t in x]
+
+    monkeypatch.setattr(ttt, "BLOCKED_ATTENTION_MIN_LEN", 10**9)
+    want, want_grads = run(ttt_attention)  # the explicit softmax
+    got, got_grads = run(lambda *a: ttt._blocked_attention(*a, block))
+    torch.testing.assert_close(got, want)
+    for a, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, w)
+    if s >= 256:  # and ttt_attention takes that path by itself for long rows
+        monkeypatch.setattr(ttt, "BLOCKED_ATTENTION_MIN_LEN", 256)
+        calls, blocked = [], ttt._blocked_attention
+        monkeypatch.setattr(ttt, "_blocked_attention", lambda *a: calls.append(a[-1]) or blocked(*a))
+        torch.testing.assert_close(run(ttt_attention)[0], want)
+        assert calls == [64]
+
+
 # ---------------------------------------------------------------- shifts and masks by hand
 
 
