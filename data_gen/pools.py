@@ -34,6 +34,7 @@ from eagle3.conversations import (
     iter_user_conversations,
     make_record,
     prompt_key,
+    take_in_turn,
     user_turns,
 )
 from eagle3.language import detect_language
@@ -228,17 +229,8 @@ def format_counts(manifest: dict[str, Any]) -> str:
 def select_balanced(records: list[dict[str, Any]], n: int, domains: list[str], seed: int) -> list[dict[str, Any]]:
     """``n`` records taken in turn from each domain (seeded order within a domain); a domain
     that runs out leaves its turns to the others."""
-    queues = {d: iter(sorted((r for r in records if r["domain"] == d),
-                             key=lambda r: _rank(seed, "select:" + r["id"]))) for d in domains}
-    out: list[dict[str, Any]] = []
-    while len(out) < n and queues:
-        for domain in list(queues):
-            record = next(queues[domain], None)
-            if record is None:
-                del queues[domain]
-            elif len(out) < n:
-                out.append(record)
-    return out
+    return take_in_turn([sorted((r for r in records if r["domain"] == d),
+                                key=lambda r: _rank(seed, "select:" + r["id"])) for d in domains], n)
 
 
 def check_no_overlap(pool_dir: str | Path) -> dict[str, int]:

@@ -20,10 +20,10 @@ import hashlib
 import json
 import unicodedata
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROLE_ALIASES = {
     "system": "system",
@@ -151,6 +151,25 @@ def iter_user_conversations(path: str | Path, *, strict: bool = False,
             continue
         report.kept += 1
         yield where, messages
+
+
+T = TypeVar("T")
+
+
+def take_in_turn(queues: Iterable[Iterable[T]], n: int) -> list[T]:
+    """Up to ``n`` items, one from each queue in turn (queues in the given order, each in its own
+    order); a queue that runs out leaves its turns to the others."""
+    end = object()
+    live = [iter(q) for q in queues]
+    out: list[T] = []
+    while live and len(out) < n:
+        for it in list(live):
+            item = next(it, end)
+            if item is end:
+                live.remove(it)
+            elif len(out) < n:
+                out.append(item)  # type: ignore[arg-type]
+    return out
 
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[str, Any]]:

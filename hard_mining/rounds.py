@@ -44,7 +44,7 @@ import torch
 
 from eagle3.atomic import atomic_write_text
 from eagle3.config import HarvestConfig, MineConfig, RegenerateConfig, TargetConfig, TrainConfig
-from eagle3.conversations import iter_jsonl
+from eagle3.conversations import iter_jsonl, take_in_turn
 from eagle3.shards import HarvestStore, open_stores
 from hard_mining.score import (
     SampleScore,
@@ -99,13 +99,8 @@ def balanced_pick(records: Sequence[dict[str, Any]], n: int, seed: int) -> list[
     for name in sorted(by_domain):
         items = list(by_domain[name])
         rng.shuffle(items)
-        queues.append(items)
-    out: list[dict[str, Any]] = []
-    while len(out) < n and any(queues):
-        for q in queues:
-            if q and len(out) < n:
-                out.append(q.pop())
-    return out
+        queues.append(reversed(items))  # taken from the end, as the seeded order always was
+    return take_in_turn(queues, n)
 
 
 def load_scoring_draft(folder: str | Path, target: Any) -> Any:

@@ -44,7 +44,7 @@ def read_prompts(pools: Path, name: str, per_set: int, chat: Any) -> list[list[i
     language after another) is taken round-robin over its languages in file order, so that its
     first prompts span them all instead of being the first language's.
     """
-    from eagle3.conversations import iter_jsonl
+    from eagle3.conversations import iter_jsonl, take_in_turn
 
     path = pools / "eval" / f"{name}.jsonl"
     if not path.is_file():
@@ -56,10 +56,8 @@ def read_prompts(pools: Path, name: str, per_set: int, chat: Any) -> list[list[i
         if not isinstance(record, dict):
             raise ValueError(f"{where}: not a JSON object")
         by_language.setdefault(record.get("language"), []).append((where, record))
-    queues = list(by_language.values())
-    picked = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)][:per_set]
     out = []
-    for where, record in picked:
+    for where, record in take_in_turn(by_language.values(), per_set):
         messages = record.get("messages")
         turns = messages if isinstance(messages, list) else []
         first_user = next((i for i, m in enumerate(turns) if isinstance(m, dict) and m.get("role") == "user"), None)
