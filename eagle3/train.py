@@ -262,10 +262,10 @@ class TTTModel(nn.Module):
     """The module the DeepSpeed engine wraps: the draft and its TTT unroll; returns tensors only."""
 
     def __init__(self, draft: Eagle3Draft, num_steps: int, step_decay: float,
-                 gradient_checkpointing: bool = False, keep_oov: bool = False) -> None:
+                 gradient_checkpointing: bool = False, loss_on_oov: bool = False) -> None:
         super().__init__()
         self.draft = draft
-        self.keep_oov = keep_oov
+        self.loss_on_oov = loss_on_oov
         self.num_steps = num_steps
         self.weights = step_weights(num_steps, step_decay)
         self.gradient_checkpointing = gradient_checkpointing
@@ -275,7 +275,7 @@ class TTTModel(nn.Module):
         out = ttt_forward(self.draft, input_ids, aux, position_ids, document_ids, loss_mask,
                           TTTTargets(probs=target_probs, argmax=target_argmax), num_steps=self.num_steps,
                           weights=self.weights, gradient_checkpointing=self.gradient_checkpointing and self.training,
-                          keep_oov=self.keep_oov)
+                          loss_on_oov=self.loss_on_oov)
         return out.loss, out.loss_sum, out.count, out.match, out.counted
 
 

@@ -22,7 +22,7 @@ begins. Step k (k = 0..K-1) at row t is the k-th draft token after t::
 
 A step counts at row t only if x[t+k+2] lies in t's document (a shift that leaves the document
 masks the position) and m[t+k+2] is set; the loss also drops positions whose target argmax is
-outside the draft vocab (as EAGLE-3 and SpecForge), unless ``keep_oov`` trains them on the
+outside the draft vocab (as EAGLE-3 and SpecForge), unless ``loss_on_oov`` trains them on the
 renormalised draft-vocab distribution too (as speculators 0.9.0).
 
 Attention. Step k at row t attends to
@@ -232,7 +232,7 @@ class TTTOutput:
     count: Tensor  # [K] loss positions per step
     match: Tensor  # [K, B, S] bool: draft argmax (as a target id) == target argmax
     counted: Tensor  # [K, B, S] bool: positions the metrics count (step_counted)
-    valid: Tensor  # [K, B, S] bool: loss positions (counted; target argmax in the draft vocab unless keep_oov)
+    valid: Tensor  # [K, B, S] bool: loss positions (counted; target argmax in the draft vocab unless loss_on_oov)
     logits: list[Tensor] | None = None  # K x [B, S, Vd] with return_logits
 
 
@@ -254,7 +254,7 @@ def ttt_forward(
     weights: Sequence[float] | Tensor | None = None,
     gradient_checkpointing: bool = False,
     return_logits: bool = False,
-    keep_oov: bool = False,
+    loss_on_oov: bool = False,
 ) -> TTTOutput:
     """Unroll the draft ``num_steps`` steps over a packed batch; loss and per-step matches.
 
@@ -274,8 +274,8 @@ def ttt_forward(
     step0_kv: list[tuple[Tensor, Tensor]] = []  # per layer (k0, v0) [B, S, nkv, d]
     diagonal: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(num_layers)]  # per layer, steps 1..k-1
 
-    # keep_oov: every counted row whose target puts mass on the draft vocab (all, with full logits)
-    has_mass = targets.probs.sum(-1) > 0 if keep_oov else None  # [B, S]
+    # loss_on_oov: every counted row whose target puts mass on the draft vocab (all, with full logits)
+    has_mass = targets.probs.sum(-1) > 0 if loss_on_oov else None  # [B, S]
     loss = hidden.new_zeros((), dtype=torch.float32)
     loss_sums, counts, matches, counted_all, valid_all, logits_all = [], [], [], [], [], []
     for k in range(num_steps):

@@ -324,7 +324,7 @@ def test_loss_skips_positions_whose_target_argmax_is_outside_the_draft_vocab() -
     assert out.valid[0, 0, 3] and out.count.tolist() == [13, 12]
 
 
-def test_keep_oov_trains_those_positions_on_the_renormalised_draft_vocab() -> None:
+def test_loss_on_oov_trains_those_positions_on_the_renormalised_draft_vocab() -> None:
     draft = tiny_draft()
     batch = packed_batch([[16]])
     batch["loss_mask"][:] = True
@@ -334,7 +334,7 @@ def test_keep_oov_trains_those_positions_on_the_renormalised_draft_vocab() -> No
     targets = prepare_targets(batch["target_logits"], draft.t2d)
     with torch.no_grad():
         dropped = _batched(draft, batch, 2)
-        kept = _batched(draft, batch, 2, keep_oov=True)
+        kept = _batched(draft, batch, 2, loss_on_oov=True)
     assert kept.valid[0, 0, 4] and kept.valid[1, 0, 3] and kept.count.tolist() == [14, 13]
     assert torch.equal(kept.match, dropped.match)  # the metrics are the same; only the loss differs
     extra = soft_cross_entropy(kept.logits[0][0, 4], targets.probs[0, 5])  # step 0 at t=4 learns p[5]
@@ -344,7 +344,7 @@ def test_keep_oov_trains_those_positions_on_the_renormalised_draft_vocab() -> No
     no_mass.probs[0, 5] = 0.0
     with torch.no_grad():
         out = ttt_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
-                          batch["loss_mask"], no_mass, num_steps=2, keep_oov=True)
+                          batch["loss_mask"], no_mass, num_steps=2, loss_on_oov=True)
     assert not out.valid[0, 0, 4] and out.count.tolist() == [13, 12]
 
 
