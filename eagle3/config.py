@@ -289,8 +289,11 @@ class TrainConfig:
     the faster one on GPUs), standard (the original bf16 iteration), or auto: gram on CUDA,
     standard elsewhere (on this project's CPUs standard runs the step's 8 matrices 3.7x faster,
     same spectrum after 5 steps)."""
+    lr_schedule: str = "cosine"
+    """After warmup: cosine or linear decay to lr * min_lr_ratio at the last step (speculators'
+    default is linear), or constant."""
     min_lr_ratio: float = 0.0
-    """The cosine decays to lr * min_lr_ratio at the last step."""
+    """Where the decay ends, as a share of lr."""
     warmup_steps: int = 50
     """Linear warmup from lr / warmup_steps to lr."""
     weight_decay: float = 0.0
@@ -411,6 +414,8 @@ class TrainConfig:
             raise ValueError(f"train.muon_ns_method={self.muon_ns_method!r}: expected auto, gram or standard")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ValueError(f"train.muon_momentum={self.muon_momentum}: must be in [0, 1)")
+        if self.lr_schedule not in ("cosine", "linear", "constant"):
+            raise ValueError(f"train.lr_schedule={self.lr_schedule!r}: expected cosine, linear or constant")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         for name in ("weight_decay", "max_grad_norm"):

@@ -152,14 +152,21 @@ def _barrier() -> None:
 # ---------------------------------------------------------------- schedule, targets, the engine's module
 
 
-def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> Callable[[int], float]:
-    """LR factor of optimizer step s (0-based): (s+1)/warmup, then a cosine to ``min_lr_ratio``."""
+def warmup_decay(warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0,
+                 kind: str = "cosine") -> Callable[[int], float]:
+    """LR factor of optimizer step s (0-based): (s+1)/warmup, then ``kind`` (cosine or linear)
+    from 1 to ``min_lr_ratio`` at the last step, or constant 1."""
+    if kind not in ("cosine", "linear", "constant"):
+        raise ValueError(f"lr schedule {kind!r}: expected cosine, linear or constant")
 
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
+        if kind == "constant":
+            return 1.0
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
+        return min_lr_ratio + (1.0 - min_lr_ratio) * shape
 
     return factor
 
@@ -574,7 +581,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     target_name = spec.target
     del target  # only the head is needed from here on
     model = TTTModel(draft, cfg.ttt_steps, cfg.step_decay, cfg.gradient_checkpointing, cfg.loss_on_oov).to(rt.device)
-    schedule = warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+    schedule = warmup_decay(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio, cfg.lr_schedule)
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "muon":  # DeepSpeed builds Muon + its auxiliary AdamW from the config
         groups = muon_param_groups(model, cfg.lr, muon_ns_method(cfg.muon_ns_method, rt.device))

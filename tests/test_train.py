@@ -25,7 +25,7 @@ from eagle3.config import HarvestConfig, TargetConfig, TrainConfig
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab
 from eagle3.shards import HarvestStore
-from eagle3.train import AcceptanceTally, TargetHead, TrainError, main, muon_ns_method, train, warmup_cosine
+from eagle3.train import AcceptanceTally, TargetHead, TrainError, main, muon_ns_method, train, warmup_decay
 from eagle3.train_data import (
     collate,
     epoch_batches,
@@ -100,10 +100,18 @@ def _losses(out: Path) -> list[tuple[int, str, float]]:
 # ---------------------------------------------------------------- pure pieces
 
 
-def test_warmup_then_cosine() -> None:
-    f = warmup_cosine(warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+def test_warmup_then_decay() -> None:
+    f = warmup_decay(warmup_steps=4, total_steps=14, min_lr_ratio=0.1)  # cosine by default
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert f(4) == 1.0 and abs(f(9) - 0.55) < 1e-12 and abs(f(14) - 0.1) < 1e-12
+    lin = warmup_decay(4, 14, 0.1, "linear")  # 1 -> 0.1 in equal steps of 0.09 over steps 4..14
+    assert [lin(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lin(4) == 1.0 and abs(lin(6) - 0.82) < 1e-12 and abs(lin(9) - 0.55) < 1e-12 and abs(lin(14) - 0.1) < 1e-12
+    assert abs(f(6) - lin(6)) > 0.05  # the two shapes differ between the ends
+    const = warmup_decay(4, 14, 0.1, "constant")
+    assert const(1) == 0.5 and const(4) == const(14) == 1.0
+    with pytest.raises(ValueError, match="'step'"):
+        warmup_decay(4, 14, 0.1, "step")
 
 
 def test_split_and_rank_sharding_cover_every_batch_once() -> None:
@@ -284,9 +292,14 @@ def test_muon_orthogonalises_the_hidden_matrices_and_learns(tiny: dict, tmp_path
 
     out = tmp_path / "muon-bf16"
     train(_cfg(tiny, out, steps=24, eval_every=0, save_every=0, lr=1e-2, optimizer="muon", precision="bf16",
-               zero_stage=1), target=tiny["target"])
+               zero_stage=1, lr_schedule="linear"), target=tiny["target"])
     losses = [r["train/loss"] for r in read_metrics(out) if "train/loss" in r]
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5
+    lrs = [r["train/lr"] for r in read_metrics(out) if "train/lr" in r]  # after warmup: equal linear steps down
+    drops = {round(a - b, 12) for a, b in zip(lrs[2:], lrs[3:], strict=False)}
+    assert len(lrs) == 24 and lrs[2] == 1e-2 and drops == {round(1e-2 / 22, 12)}, (lrs, drops)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        _cfg(tiny, out, lr_schedule="step")
     with pytest.raises(ValueError, match="zero_stage >= 1"):
         _cfg(tiny, out, optimizer="muon", precision="bf16")
     with pytest.raises(ValueError, match="muon_ns_method"):
