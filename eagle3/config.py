@@ -248,6 +248,10 @@ _PRECISIONS = ("fp32", "bf16")
 _WANDB_MODES = ("offline", "online", "disabled")
 
 
+LR_SCHEDULES = ("cosine", "linear", "constant")
+"""What ``train.lr_schedule`` may name (see :func:`eagle3.train.warmup_decay`)."""
+
+
 @dataclass
 class TrainConfig:
     """The trainer (eagle3.train): an EAGLE-3 draft head on a harvest store, with DeepSpeed."""
@@ -414,8 +418,8 @@ class TrainConfig:
             raise ValueError(f"train.muon_ns_method={self.muon_ns_method!r}: expected auto, gram or standard")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ValueError(f"train.muon_momentum={self.muon_momentum}: must be in [0, 1)")
-        if self.lr_schedule not in ("cosine", "linear", "constant"):
-            raise ValueError(f"train.lr_schedule={self.lr_schedule!r}: expected cosine, linear or constant")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"train.lr_schedule={self.lr_schedule!r}: expected one of {', '.join(LR_SCHEDULES)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         for name in ("weight_decay", "max_grad_norm"):

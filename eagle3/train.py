@@ -63,7 +63,7 @@ from eagle3.checkpoint import (
     save_checkpoint,
     write_draft_vocab,
 )
-from eagle3.config import TargetConfig, TrainConfig
+from eagle3.config import LR_SCHEDULES, TargetConfig, TrainConfig
 from eagle3.draft import DraftConfig, Eagle3Draft, trainable_parameter_count
 from eagle3.draft_vocab import DraftVocab, select_draft_vocab
 from eagle3.home import eagle3_home
@@ -156,8 +156,8 @@ def warmup_decay(warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0,
                  kind: str = "cosine") -> Callable[[int], float]:
     """LR factor of optimizer step s (0-based): (s+1)/warmup, then ``kind`` (cosine or linear)
     from 1 to ``min_lr_ratio`` at the last step, or constant 1."""
-    if kind not in ("cosine", "linear", "constant"):
-        raise ValueError(f"lr schedule {kind!r}: expected cosine, linear or constant")
+    if kind not in LR_SCHEDULES:
+        raise ValueError(f"lr schedule {kind!r}: expected one of {', '.join(LR_SCHEDULES)}")
 
     def factor(step: int) -> float:
         if step < warmup_steps:
