@@ -15,16 +15,19 @@ Per token it returns
 from __future__ import annotations
 
 import functools
+import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import Tensor, nn
 
 from eagle3.nvfp4 import load_emulated, nvfp4_quantization
-from eagle3.target_source import TargetSourceError, resolve_target
+from eagle3.target_source import ResolvedTarget, TargetSourceError, resolve_target
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,6 +71,49 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a causal LM does to ``lm_head``'s output before returning its logits:
+    ``softcap * tanh(scale * z / softcap)``, or ``scale * z`` without a cap (Llama, Qwen,
+    DeepSeek: the identity). Increasing, so it never changes the argmax; the distribution it does."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.scale > 0 or (self.softcap is not None and not self.softcap > 0):
+            raise ValueError(f"logit scale {self.scale} / softcap {self.softcap}: both must be > 0")
+
+    @classmethod
+    def of(cls, config: Any) -> LogitTransform:
+        """The transform of a HF config (its text config for multimodal ones). Families whose
+        ``logits_scaling`` divides (Granite, MiniCPM3) or multiplies (HyperCLOVA X), Cohere's
+        ``logit_scale`` and Gemma-style ``final_logit_softcapping``; :func:`load_target` checks the
+        result against the model's own logits, so a family missing here fails at load."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        kind = str(getattr(text, "model_type", ""))
+        scale = 1.0
+        if kind.startswith("cohere"):
+            scale = float(getattr(text, "logit_scale", None) or 1.0)
+        elif kind.startswith("granite") or kind == "minicpm3":
+            scale = 1.0 / float(text.logits_scaling)
+        elif kind == "hyperclovax":
+            scale = float(text.logits_scaling)
+        cap = getattr(text, "final_logit_softcapping", None)
+        return cls(scale=scale, softcap=float(cap) if cap else None)
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
 @dataclass
 class TargetOutput:
     aux: Tensor  # [batch, seq, n_aux, hidden] inputs of the aux layers, ascending ids
@@ -84,17 +130,20 @@ class Target:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name
-        decoder = _find_decoder(model)
+        self.decoder = decoder = _find_decoder(model)
         self.layers: nn.ModuleList = decoder.layers
         self.norm: nn.Module = decoder.norm
         self.embed_tokens: nn.Module = decoder.embed_tokens
         self.lm_head: nn.Module = model.get_output_embeddings()
+        self.logit_transform = LogitTransform.of(model.config)
         self.num_layers = len(self.layers)
         self.aux_layer_ids = (
             default_aux_layer_ids(self.num_layers) if aux_layer_ids is None
             else check_aux_layer_ids(aux_layer_ids, self.num_layers)
         )
         self._captured: dict[int | str, Tensor] | None = None
+        self.head_only = False
+        """Set by :func:`load_target_head`: the decoder layers were never loaded."""
         for i in self.aux_layer_ids:
             self.layers[i].register_forward_pre_hook(functools.partial(self._keep_input, i), with_kwargs=True)
         self.norm.register_forward_pre_hook(functools.partial(self._keep_input, "last"), with_kwargs=True)
@@ -125,8 +174,8 @@ class Target:
 
     @torch.no_grad()
     def head(self, last: Tensor) -> Tensor:
-        """Logits from pre-norm last-layer states: the target's final norm, then lm_head."""
-        return self.lm_head(self.norm(last))
+        """Logits from pre-norm last-layer states: the target's final norm, lm_head and logit transform."""
+        return self.logit_transform(self.lm_head(self.norm(last)))
 
     @torch.no_grad()
     def forward(
@@ -146,6 +195,9 @@ class Target:
         exactly what it would alone. For tree verification pass a 4D bool ``attention_mask``
         [batch, 1, seq, past + seq] (True: may attend) with explicit ``position_ids``.
         """
+        if self.head_only:
+            raise RuntimeError(f"target {self.name}: loaded with load_target_head (embedding, final norm and "
+                               "lm_head only); use load_target to run it")
         batch, seq = input_ids.shape
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
         if position_ids is not None:
@@ -162,7 +214,7 @@ class Target:
             position_ids = torch.arange(past_len, past_len + seq, device=input_ids.device).expand(batch, seq)
         self._captured = {}
         try:
-            out = self.model.model(
+            out = self.decoder(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
@@ -173,7 +225,7 @@ class Target:
         finally:
             self._captured = None
         aux = torch.stack([captured[i] for i in self.aux_layer_ids], dim=2)  # [batch, seq, n_aux, hidden]
-        logits = self.lm_head(out.last_hidden_state) if return_logits else None
+        logits = self.logit_transform(self.lm_head(out.last_hidden_state)) if return_logits else None
         return TargetOutput(aux=aux, last=captured["last"], logits=logits,
                             past_key_values=out.past_key_values if use_cache else None)
 
@@ -197,43 +249,202 @@ def load_target(
     ``architecture``: config values the caller expects (a recipe's ``target.architecture``);
     a mismatch fails naming the key. An NVFP4 checkpoint (compressed-tensors
     ``nvfp4-pack-quantized``) runs emulated (:mod:`eagle3.nvfp4`): ``nvfp4_mode`` ``auto`` as its
-    checkpoint says (W4A4 with activation scales), or ``w4a16`` for weight-only."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    checkpoint says (W4A4 with activation scales), or ``w4a16`` for weight-only. A multimodal
+    checkpoint loads whole; only its text path is run. The capture is checked against the model's
+    own forward on a short probe (:func:`verify_capture`)."""
+    from transformers import AutoConfig
 
     resolved = resolve_target(name_or_path, home)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     where = resolved.location
-    if resolved.kind == "folder" and not any(Path(where).glob("*.safetensors")):
-        pickled = sorted(p.name for p in Path(where).glob("*.bin")) + sorted(p.name for p in Path(where).glob("*.pt"))
-        detail = f"only pickled weights ({', '.join(pickled)})" if pickled else "no weights"
-        raise TargetLoadError(
-            f"{where}: {detail}; targets load from safetensors only (pickles are never unpickled): "
-            "save the model with save_pretrained(..., safe_serialization=True) first"
-        )
+    _require_safetensors(resolved)
     try:
         if resolved.kind == "folder" and nvfp4_quantization(where) is not None:
             model = load_emulated(where, dtype=torch_dtype, mode=nvfp4_mode, attn_implementation=attn_implementation)
         else:
-            model = AutoModelForCausalLM.from_pretrained(
+            config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
+            model = _model_class(config).from_pretrained(
                 where, dtype=torch_dtype, use_safetensors=True, attn_implementation=attn_implementation,
                 trust_remote_code=trust_remote_code,
             )
     except (OSError, ValueError, KeyError, TypeError, ImportError) as err:
         raise TargetLoadError(f"{where}: cannot load as a causal LM ({type(err).__name__}: {err})") from err
+    tokenizer = _load_tokenizer(where, trust_remote_code)
+    if architecture:
+        check_architecture(model.config, architecture, str(where))
+    model.to(torch_device)
+    try:
+        target = Target(model, tokenizer, aux_layer_ids, name=resolved.spec)
+    except ValueError as err:
+        raise TargetLoadError(f"{where}: {err}") from err
+    verify_capture(target, str(where))
+    return target
+
+
+def load_target_head(
+    name_or_path: str,
+    *,
+    dtype: str = "auto",
+    aux_layer_ids: Sequence[int] | None = None,
+    trust_remote_code: bool = False,
+    home: Path | None = None,
+    architecture: dict[str, Any] | None = None,
+) -> Target:
+    """The target without its decoder layers, on CPU: config, tokenizer, and only the input
+    embedding, final norm and lm_head read from the checkpoint (what training needs: a few GB
+    for a 1T-parameter target, whose full load would not fit). The model is built on the meta
+    device and those three modules alone are filled, so their classes are the architecture's own
+    (Gemma's offset norm, Cohere's LayerNorm). ``forward`` is refused. Quantized checkpoints
+    (NVFP4, FP8, INT4) work when these three tensors are stored unquantized, as they are in
+    practice; otherwise the error names the tensor. A hub id downloads the config, tokenizer and
+    the shards holding those tensors only."""
+    from transformers import AutoConfig
+
+    resolved = resolve_target(name_or_path, home)
+    torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
+    where = _head_files(resolved.location) if resolved.kind == "hub" else resolved.location
+    _require_safetensors(resolved, where)
+    try:
+        config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
+        if hasattr(config, "quantization_config"):  # the head is read as stored; nothing to quantize
+            del config.quantization_config
+        with torch.device("meta"):
+            model = _model_class(config).from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError, ImportError) as err:
+        raise TargetLoadError(f"{where}: cannot build the model of {where}/config.json "
+                              f"({type(err).__name__}: {err})") from err
+    if architecture:
+        check_architecture(model.config, architecture, str(where))
+    try:
+        target = Target(model, _load_tokenizer(where, trust_remote_code), aux_layer_ids, name=resolved.spec)
+    except ValueError as err:
+        raise TargetLoadError(f"{where}: {err}") from err
+    tied = target.lm_head.weight is target.embed_tokens.weight
+    tensors = _checkpoint_tensors(Path(where))
+    names = {id(module): name for name, module in model.named_modules()}
+    for module in (target.embed_tokens, target.norm) if tied else (target.embed_tokens, target.norm, target.lm_head):
+        for pname, param in list(module.named_parameters(recurse=False)):  # buffers stay on meta: never read
+            key = _find_key(tensors, f"{names[id(module)]}.{pname}", where)
+            with safe_open(str(Path(where) / tensors[key]), framework="pt") as f:
+                value = f.get_tensor(key)
+            if value.shape != param.shape:
+                raise TargetLoadError(f"{where}: {key} has shape {tuple(value.shape)}, the config implies "
+                                      f"{tuple(param.shape)}")
+            setattr(module, pname, nn.Parameter(value.to(torch_dtype), requires_grad=False))
+    if tied:
+        target.lm_head.weight = target.embed_tokens.weight
+    target.head_only = True
+    return target
+
+
+def _model_class(config: Any) -> Any:
+    """The auto class that builds ``config``: causal LM, else image-text-to-text (multimodal
+    checkpoints such as Kimi-K2.5 or Qwen2.5-VL); the causal LM's error names an unknown one."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto_map = getattr(config, "auto_map", None) or {}
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        if auto.__name__ in auto_map or type(config) in auto._model_mapping:
+            return auto
+    return AutoModelForCausalLM
+
+
+def _require_safetensors(resolved: ResolvedTarget, where: str | None = None) -> None:
+    folder = Path(where or resolved.location)
+    if (resolved.kind == "folder" or where is not None) and not any(folder.glob("*.safetensors")):
+        pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+        detail = f"only pickled weights ({', '.join(pickled)})" if pickled else "no weights"
+        raise TargetLoadError(
+            f"{folder}: {detail}; targets load from safetensors only (pickles are never unpickled): "
+            "save the model with save_pretrained(..., safe_serialization=True) first"
+        )
+
+
+def _load_tokenizer(where: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise TargetLoadError(f"{where}: cannot load the tokenizer ({type(err).__name__}: {err})") from err
-    if architecture:
-        check_architecture(model.config, architecture, str(where))
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
-    model.to(torch_device)
-    try:
-        return Target(model, tokenizer, aux_layer_ids, name=resolved.spec)
-    except ValueError as err:
-        raise TargetLoadError(f"{where}: {err}") from err
+    return tokenizer
+
+
+_SMALL_FILES = ["*.json", "*.jinja", "*.model", "*.tiktoken", "*.txt", "tokenizer*"]
+
+
+def _head_files(repo_id: str) -> str:
+    """A local folder with a hub model's config, tokenizer and the shards of its embedding, final
+    norm and lm_head (all of them when the index cannot tell which)."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    folder = Path(snapshot_download(repo_id, allow_patterns=_SMALL_FILES))
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return snapshot_download(repo_id, allow_patterns=[*_SMALL_FILES, "*.safetensors"])
+    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    outside = [k for k in weight_map if not _LAYER_KEY.search(k)]  # a few tensors: embeddings, norms, heads
+    for shard in sorted({weight_map[k] for k in outside}):
+        hf_hub_download(repo_id, shard)
+    return str(folder)
+
+
+_LAYER_KEY = re.compile(r"\.(layers|h|blocks)\.\d+\.")
+
+
+def _checkpoint_tensors(folder: Path) -> dict[str, str]:
+    """Tensor name -> file (relative to ``folder``) of a safetensors checkpoint."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    tensors: dict[str, str] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            tensors.update(dict.fromkeys(f.keys(), file.name))
+    return tensors
+
+
+_LAYOUTS = (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."))
+"""Module-name prefixes and how checkpoints of other layouts name the same tensor (transformers
+renames these at load time: older multimodal checkpoints, Kimi-K2.5's among them)."""
+
+
+def _find_key(tensors: dict[str, str], name: str, where: str) -> str:
+    if name in tensors:
+        return name
+    for ours, theirs in _LAYOUTS:
+        if name.startswith(ours) and theirs + name[len(ours):] in tensors:
+            return theirs + name[len(ours):]
+    leaf = name.split(".")[-2:]
+    candidates = [k for k in tensors if k.split(".")[-2:] == leaf and not _LAYER_KEY.search(k)]
+    if len(candidates) == 1:
+        return candidates[0]
+    raise TargetLoadError(f"{where}: no tensor for {name} in the checkpoint"
+                          + (f" (candidates: {', '.join(sorted(candidates))})" if candidates else ""))
+
+
+CAPTURE_TOLERANCE = 1e-3
+"""Max relative error of :func:`verify_capture`: the capture reads the very tensors HF computes,
+so a supported architecture shows ~0 in any dtype."""
+
+
+def verify_capture(target: Target, where: str) -> None:
+    """Refuse a target whose capture or logits differ from the model's own on a short probe:
+    the harvest would otherwise store wrong states or a wrong distribution without a sign."""
+    vocab = min(target.vocab_size, target.embed_tokens.weight.shape[0])
+    ids = (torch.arange(1, 9, device=target.device) * 7919 % vocab).unsqueeze(0)  # [1, 8]
+    errors = check_capture(target, ids)
+    wrong = {key: value for key, value in errors.items() if key != "last_post_norm" and not value <= CAPTURE_TOLERANCE}
+    if wrong:
+        detail = ", ".join(f"{key} {value:.2e}" for key, value in wrong.items())
+        raise TargetLoadError(
+            f"{where}: {type(target.model).__name__} does not compute what the capture assumes (max relative "
+            f"error vs its own forward: {detail}; tolerance {CAPTURE_TOLERANCE:g}). The logits must be "
+            f"lm_head(norm(last layer output)) up to a known scale/softcap ({target.logit_transform}); "
+            "this architecture is not supported")
 
 
 def check_architecture(config: Any, expected: dict[str, Any], where: str, prefix: str = "") -> None:
@@ -248,14 +459,25 @@ def check_architecture(config: Any, expected: dict[str, Any], where: str, prefix
                                   f"has {got!r} (is the recipe for another model?)")
 
 
+_DECODER_PATHS = ("model", "model.language_model", "language_model.model", "language_model")
+"""Where causal LMs keep their text decoder: ``.model`` (Llama, Qwen, DeepSeek), the language model
+of a multimodal one (transformers' ``model.language_model``: Kimi-K2.5, Qwen2.5-VL, Gemma 3,
+Mistral 3; ``language_model.model`` in older layouts). Only its text path is ever run."""
+
+
 def _find_decoder(model: nn.Module) -> nn.Module:
-    """The decoder stack of a causal LM: needs ``layers``, ``norm`` and ``embed_tokens``."""
-    decoder = getattr(model, "model", None)
+    """The text decoder stack of a causal LM: needs ``layers``, ``norm`` and ``embed_tokens``."""
     arch = type(model).__name__
-    if decoder is None or not all(hasattr(decoder, a) for a in ("layers", "norm", "embed_tokens")):
+    for path in _DECODER_PATHS:
+        decoder = model
+        for part in path.split("."):
+            decoder = getattr(decoder, part, None)
+        if decoder is not None and all(hasattr(decoder, a) for a in ("layers", "norm", "embed_tokens")):
+            break
+    else:
         raise ValueError(
-            f"unsupported architecture {arch}: expected a decoder at .model with "
-            ".layers, .norm and .embed_tokens (Llama, Qwen, Mistral, DeepSeek style)"
+            f"unsupported architecture {arch}: expected a text decoder with .layers, .norm and .embed_tokens "
+            f"at one of {', '.join('.' + p for p in _DECODER_PATHS)} (Llama, Qwen, Mistral, DeepSeek style)"
         )
     if model.get_output_embeddings() is None:
         raise ValueError(f"unsupported architecture {arch}: no output embeddings (lm_head)")
@@ -279,11 +501,12 @@ def check_capture(target: Target, input_ids: Tensor) -> dict[str, float]:
               for k, i in enumerate(target.aux_layer_ids)}
     errors["last_post_norm"] = rel(target.norm(out.last), ref.hidden_states[-1])
     errors["logits"] = rel(out.logits, ref.logits)
+    errors["head_of_last"] = rel(target.head(out.last), ref.logits)  # what the harvest and trainer use
     return errors
 
 
 __all__ = [
-    "Target", "TargetLoadError", "TargetOutput", "TargetSourceError", "check_architecture", "check_aux_layer_ids",
-    "check_capture",
-    "default_aux_layer_ids", "load_target", "resolve_device", "resolve_dtype",
+    "CAPTURE_TOLERANCE", "LogitTransform", "Target", "TargetLoadError", "TargetOutput", "TargetSourceError",
+    "check_architecture", "check_aux_layer_ids", "check_capture", "verify_capture",
+    "default_aux_layer_ids", "load_target", "load_target_head", "resolve_device", "resolve_dtype",
 ]

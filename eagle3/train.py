@@ -68,7 +68,7 @@ from eagle3.draft import DraftConfig, Eagle3Draft, trainable_parameter_count
 from eagle3.draft_vocab import DraftVocab, select_draft_vocab
 from eagle3.home import eagle3_home
 from eagle3.shards import HarvestStore, StoreError, StoreUnion, open_stores
-from eagle3.target import Target, load_target
+from eagle3.target import LogitTransform, Target, load_target_head
 from eagle3.train_data import (
     epoch_batches,
     eval_batches_for_rank,
@@ -172,11 +172,12 @@ def warmup_decay(warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0,
 
 
 class TargetHead(nn.Module):
-    """The target's frozen final norm + lm_head: stored pre-norm states -> its distribution."""
+    """The target's frozen final norm + lm_head (+ logit transform): stored pre-norm states -> its distribution."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, transform: LogitTransform | None = None) -> None:
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
+        self.transform = transform or LogitTransform()
         self.requires_grad_(False)
         self._split: tuple[Any, ...] | None = None
         self._split_pays = True  # turned off when most rows need the full product anyway
@@ -206,10 +207,15 @@ class TargetHead(nn.Module):
             x = self.norm(flat[i:i + chunk_tokens])
             split = (self._split_pays and self.lm_head.weight.dtype == torch.float32
                      and getattr(self.lm_head, "bias", None) is None)
-            part = self._split_targets(x, t2d) if split else prepare_targets(self.lm_head(x), t2d)
+            part = self._split_targets(x, t2d) if split else prepare_targets(self.transform(self.lm_head(x)), t2d)
             probs[rows[i:i + chunk_tokens]] = part.probs
             argmax[rows[i:i + chunk_tokens]] = part.argmax
         return TTTTargets(probs=probs.view(b, s, vd), argmax=argmax.view(b, s))
+
+    @classmethod
+    def of_target(cls, target: Target) -> TargetHead:
+        """A copy of ``target``'s head (the target itself can then be freed)."""
+        return cls(copy.deepcopy(target.norm), copy.deepcopy(target.lm_head), target.logit_transform)
 
     def _split_targets(self, x: Tensor, t2d: Tensor, groups: int = 16) -> TTTTargets:
         """:func:`prepare_targets` of ``lm_head(x)`` (fp32) without most of the full-vocab product.
@@ -238,8 +244,8 @@ class TargetHead(nn.Module):
             self._split = (t2d.clone(), inside.nonzero().squeeze(1), outside, w[inside].contiguous(), w_out,
                            w_out.bfloat16(), group_norm, cuts)
         _, in_ids, out_ids, w_in, w_out, w_out_bf16, group_norm, cuts = self._split
-        logits_in = x @ w_in.T  # [N, Vd] fp32
-        probs = torch.nan_to_num(torch.softmax(logits_in, dim=-1), nan=0.0)
+        logits_in = x @ w_in.T  # [N, Vd] fp32, before the transform (increasing: the argmax logic holds)
+        probs = torch.nan_to_num(torch.softmax(self.transform(logits_in), dim=-1), nan=0.0)
         best_in, arg_in = logits_in.max(-1)  # [N]: the first maximum, i.e. the lowest id
         id_in = in_ids[arg_in]
         if len(out_ids) == 0:
@@ -453,10 +459,9 @@ def _load_target(target_cfg: TargetConfig, aux_layer_ids: Sequence[int]) -> Targ
     if target_cfg.aux_layer_ids is not None and sorted(target_cfg.aux_layer_ids) != sorted(aux_layer_ids):
         raise TrainError(f"target.aux_layer_ids={target_cfg.aux_layer_ids}, but the store was harvested with "
                          f"{list(aux_layer_ids)}")
-    return load_target(target_cfg.name_or_path, dtype=target_cfg.dtype, device="cpu", aux_layer_ids=aux_layer_ids,
-                       attn_implementation=target_cfg.attn_implementation,
-                       trust_remote_code=target_cfg.trust_remote_code, architecture=target_cfg.architecture,
-                       nvfp4_mode=target_cfg.nvfp4_mode)
+    # training reads only the target's embedding, final norm and lm_head (a few GB for a 1T model)
+    return load_target_head(target_cfg.name_or_path, dtype=target_cfg.dtype, aux_layer_ids=aux_layer_ids,
+                            trust_remote_code=target_cfg.trust_remote_code, architecture=target_cfg.architecture)
 
 
 def _initial_draft(folder: str, spec: Any, target: Target, embedding: Tensor) -> Eagle3Draft:
@@ -572,11 +577,12 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         draft = Eagle3Draft(draft_config, embedding)
     draft.set_draft_vocab(vocab.d2t, vocab.t2d)
     if cfg.lm_head_init == "target" and not cfg.init_draft:
-        draft.init_lm_head_from_target(target.lm_head.weight.detach().float().cpu(), vocab.d2t,
-                                       target.norm.weight.detach().float().cpu())
+        # the target's logit scale folded into the rows (a soft cap has no linear equivalent)
+        rows = target.lm_head.weight.detach().float().cpu() * target.logit_transform.scale
+        draft.init_lm_head_from_target(rows, vocab.d2t, target.norm.weight.detach().float().cpu())
     if cfg.freeze_lm_head:
         draft.lm_head.weight.requires_grad_(False)
-    head = TargetHead(copy.deepcopy(target.norm), copy.deepcopy(target.lm_head)).to(rt.device)
+    head = TargetHead.of_target(target).to(rt.device)
     t2d = vocab.t2d.to(rt.device)
     target_name = spec.target
     del target  # only the head is needed from here on

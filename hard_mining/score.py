@@ -15,7 +15,6 @@ not a mean of per-sample taus, so long samples weigh what they contain.
 
 from __future__ import annotations
 
-import copy
 import json
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -104,7 +103,7 @@ def target_head(target: Any) -> Any:
     """The trainer's frozen head (the target's final norm + lm_head, copied) for ``target``."""
     from eagle3.train import TargetHead
 
-    return TargetHead(copy.deepcopy(target.norm), copy.deepcopy(target.lm_head)).float().eval()
+    return TargetHead.of_target(target).float().eval()
 
 
 @torch.no_grad()

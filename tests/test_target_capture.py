@@ -1,12 +1,24 @@
-"""The one capture implementation, checked against HF's own outputs on a tiny random Llama."""
+"""The one capture implementation, checked against HF's own outputs on tiny random targets
+(Llama, and the families whose logits are not plain ``lm_head(norm(h))``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from eagle3.target import Target, check_aux_layer_ids, default_aux_layer_ids
-from tests.conftest import tiny_llama
+from eagle3.target import (
+    CAPTURE_TOLERANCE,
+    LogitTransform,
+    Target,
+    TargetLoadError,
+    check_aux_layer_ids,
+    check_capture,
+    default_aux_layer_ids,
+    load_target,
+    load_target_head,
+)
+from eagle3.train import TargetHead
+from tests.conftest import TINY_VOCAB, tiny_llama, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +122,148 @@ def test_capture_state_is_released(target: Target) -> None:
     # The model outside the wrapper is unaffected by the hooks.
     target.model(torch.ones(1, 3, dtype=torch.long))
     assert target._captured is None
+
+
+# Families whose logits are lm_head's output scaled and/or soft-capped; Qwen3 as a plain one.
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "final_logit_softcapping": 5.0}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 8.0, "embedding_multiplier": 12.0}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.0625}),
+}
+
+
+def family_model(name: str):
+    import transformers
+
+    config_class, model_class, extra = FAMILIES[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():  # sharper logits, so that a missing scale or cap shows
+        for name_, param in model.named_parameters():
+            if "norm" not in name_:
+                param.mul_(4.0)
+    return model
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_and_head_equal_the_models_own(family: str) -> None:
+    target = Target(family_model(family), tokenizer=None)
+    assert target.logit_transform.identity == (family == "qwen3")
+    errors = check_capture(target, torch.randint(3, TINY_VOCAB, (2, 13)))
+    assert all(value <= 1e-5 for value in errors.values()), errors
+    # Without the transform these families' logits are far off: the check can fail.
+    if family != "qwen3":
+        target.logit_transform = LogitTransform()
+        errors = check_capture(target, torch.randint(3, TINY_VOCAB, (2, 13)))
+        assert errors["logits"] > 10 * CAPTURE_TOLERANCE and errors["head_of_last"] > 10 * CAPTURE_TOLERANCE
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_trainer_head_gives_the_models_distribution(split: bool) -> None:
+    """The trainer's distribution over the draft vocab from stored pre-norm states, on a target
+    whose logits are scaled and soft-capped (Granite scale + a Gemma-style cap)."""
+    model = family_model("granite")
+    model.config.final_logit_softcapping = 3.0
+    target = Target(model, tokenizer=None)
+    assert target.logit_transform == LogitTransform(scale=1 / 8.0, softcap=3.0)
+    ids = torch.randint(3, TINY_VOCAB, (1, 12))
+    out = target(ids)
+    ref = model(ids).logits  # [1, 12, V] granite's own scaling, without the cap
+    ref = torch.tanh(ref / 3.0) * 3.0
+    t2d = torch.zeros(TINY_VOCAB, dtype=torch.bool)
+    t2d[::3] = True
+    head = TargetHead.of_target(target).float()
+    head._split_pays = split
+    batch = {"last": out.last, "loss_mask": torch.ones(1, 12, dtype=torch.long),
+             "document_ids": torch.zeros(1, 12, dtype=torch.long)}
+    got = head.targets(batch, t2d)
+    want = torch.softmax(ref[..., t2d], dim=-1)
+    torch.testing.assert_close(got.probs[:, :-1], want[:, :-1], rtol=1e-5, atol=1e-6)
+    assert torch.equal(got.argmax[:, :-1], ref.argmax(-1)[:, :-1])
+
+
+def test_load_refuses_logits_it_cannot_reproduce(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "granite"
+    family_model("granite").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    target = load_target(str(folder), dtype="float32", device="cpu")
+    assert target.logit_transform.scale == 1 / 8.0
+    # A family whose transform is unknown (simulated by forgetting Granite's) fails at load, naming it.
+    monkeypatch.setattr(LogitTransform, "of", classmethod(lambda cls, config: cls()))
+    with pytest.raises(TargetLoadError, match=r"granite: GraniteForCausalLM does not compute .*logits"):
+        load_target(str(folder), dtype="float32", device="cpu")
+
+
+def tiny_kimi_k25(folder):
+    """A tiny random Kimi-K2.5 (multimodal wrapper, DeepSeek-V3 text model: MLA + MoE), saved in
+    the checkpoint's own layout (``language_model.model.*``, ``language_model.lm_head``)."""
+    import transformers
+
+    text = dict(model_type="deepseek_v3", vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
+                kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                max_position_embeddings=256, tie_word_embeddings=False)
+    config = transformers.Kimi_K25Config(
+        text_config=text, projection_hidden_size=32, tie_word_embeddings=False,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+        image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+    torch.manual_seed(0)
+    transformers.AutoModelForImageTextToText.from_config(config).eval().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_multimodal_target_runs_its_text_path(tmp_path) -> None:
+    folder = tiny_kimi_k25(tmp_path / "kimi")
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert "language_model.model.norm.weight" in set(f.keys())  # the layout transformers renames
+    target = load_target(str(folder), dtype="float32", device="cpu")  # verify_capture ran at load
+    assert type(target.decoder).__name__ == "DeepseekV3Model" and target.num_layers == 8
+    errors = check_capture(target, torch.randint(3, TINY_VOCAB, (2, 9)))
+    assert max(errors.values()) <= 1e-6, errors
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama-tied", "kimi-k25"])
+def test_head_only_load_equals_the_full_load(tmp_path, kind: str) -> None:
+    folder = tmp_path / kind
+    if kind == "kimi-k25":
+        tiny_kimi_k25(folder)
+    else:
+        model = tiny_llama(vocab=TINY_VOCAB)
+        if kind == "llama-tied":
+            model.config.tie_word_embeddings = True
+            model.tie_weights()
+        model.save_pretrained(folder)
+        tiny_tokenizer().save_pretrained(folder)
+    full = load_target(str(folder), dtype="float32", device="cpu")
+    head = load_target_head(str(folder), dtype="float32")
+    assert (head.lm_head.weight is head.embed_tokens.weight) == (kind == "llama-tied")
+    for part in ("embed_tokens", "norm", "lm_head"):
+        assert torch.equal(getattr(head, part).weight, getattr(full, part).weight), part
+    assert (head.num_layers, head.hidden_size, head.vocab_size, head.aux_layer_ids) == (
+        full.num_layers, full.hidden_size, full.vocab_size, full.aux_layer_ids)
+    last = full(torch.randint(3, TINY_VOCAB, (1, 7))).last
+    assert torch.equal(head.head(last), full.head(last))
+    assert all(p.is_meta for p in head.layers.parameters())  # the decoder layers were never read
+    with pytest.raises(RuntimeError, match="load_target_head"):
+        head(torch.ones(1, 3, dtype=torch.long))
+
+
+def test_head_only_load_names_a_missing_tensor(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "llama"
+    tiny_llama(vocab=TINY_VOCAB).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    state = load_file(folder / "model.safetensors")
+    del state["model.norm.weight"]
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(TargetLoadError, match=r"llama: no tensor for model\.norm\.weight"):
+        load_target_head(str(folder), dtype="float32")
