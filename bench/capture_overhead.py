@@ -43,7 +43,7 @@ def main() -> None:
         # Interleave so that machine noise hits both alike.
         bare, capture = [], []
         for _ in range(3):
-            bare.append(_tokens_per_s(lambda: target.model.model(input_ids=ids), tokens, args.repeats))
+            bare.append(_tokens_per_s(lambda: target.decoder(input_ids=ids), tokens, args.repeats))
             capture.append(_tokens_per_s(lambda: target(ids, return_logits=False), tokens, args.repeats))
     common = {"target": args.target, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
               "threads": torch.get_num_threads()}

@@ -55,7 +55,7 @@ def main() -> None:
                 for r, i in enumerate(batch):
                     n = len(samples[i][1])
                     ids[r, :n], mask[r, :n] = torch.tensor(samples[i][1]), 1
-                target.model.model(input_ids=ids, attention_mask=mask)
+                target.decoder(input_ids=ids, attention_mask=mask)
         return tokens / (time.perf_counter() - t0)
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -129,7 +129,8 @@ def _spec_and_backend(cfg: HarvestConfig, target_cfg: TargetConfig,
                                  attn_implementation=target_cfg.attn_implementation,
                                  trust_remote_code=target_cfg.trust_remote_code, nvfp4_mode=target_cfg.nvfp4_mode,
                                  architecture=target_cfg.architecture)
-        tokenizer, config, layers = target.tokenizer, target.model.config, target.aux_layer_ids
+        tokenizer, layers = target.tokenizer, target.aux_layer_ids
+        shape = (target.num_layers, target.hidden_size, target.vocab_size)
         folder, generation_config = target.model.name_or_path, target.model.generation_config
         backend: Any = HFCapture(target, cfg.topk)
     else:
@@ -144,7 +145,9 @@ def _spec_and_backend(cfg: HarvestConfig, target_cfg: TargetConfig,
         config = AutoConfig.from_pretrained(folder, trust_remote_code=target_cfg.trust_remote_code)
         if target_cfg.architecture:
             check_architecture(config, target_cfg.architecture, str(folder))
-        n = config.get_text_config().num_hidden_layers
+        text = config.get_text_config()  # a multimodal checkpoint's language model
+        shape = (text.num_hidden_layers, text.hidden_size, text.vocab_size)
+        n = text.num_hidden_layers
         layers = (default_aux_layer_ids(n) if target_cfg.aux_layer_ids is None
                   else check_aux_layer_ids(target_cfg.aux_layer_ids, n))
         try:
@@ -156,7 +159,7 @@ def _spec_and_backend(cfg: HarvestConfig, target_cfg: TargetConfig,
     spec = HarvestSpec(
         target=target_cfg.name_or_path, weights_fingerprint=weights_fingerprint(folder),
         tokenizer_sha256=tokenizer_fingerprint(tokenizer), chat_template_sha256=chat.template_sha256,
-        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+        num_layers=shape[0], hidden_size=shape[1], vocab_size=shape[2],
         aux_layer_ids=tuple(layers), dtype=cfg.dtype, store=cfg.store, topk=cfg.topk, max_seq_len=cfg.max_seq_len,
     )
     return spec, chat, backend

@@ -71,6 +71,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+_UNHANDLED_LOGIT_KEYS = ("logits_mup_width_multiplier", "unpadded_vocab_size")
+"""Config keys of families whose logits are more than a scale and a cap of lm_head's output
+(Inkling's width multiplier on the hidden state and sliced vocabulary)."""
+
+
 @dataclass(frozen=True)
 class LogitTransform:
     """What a causal LM does to ``lm_head``'s output before returning its logits:
@@ -92,13 +97,19 @@ class LogitTransform:
         result against the model's own logits, so a family missing here fails at load."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         kind = str(getattr(text, "model_type", ""))
+        unknown = [key for key in _UNHANDLED_LOGIT_KEYS if getattr(text, key, None) is not None]
+        if unknown:
+            raise ValueError(f"model_type {kind!r}: its logits depend on {', '.join(unknown)}, which the capture "
+                             "does not reproduce; this architecture is not supported")
         scale = 1.0
-        if kind.startswith("cohere"):
+        if kind.startswith("cohere") and getattr(config, "model_type", "") != "cohere2_vision":  # that one skips it
             scale = float(getattr(text, "logit_scale", None) or 1.0)
         elif kind.startswith("granite") or kind == "minicpm3":
             scale = 1.0 / float(text.logits_scaling)
         elif kind == "hyperclovax":
             scale = float(text.logits_scaling)
+        elif kind.startswith("muse_"):
+            scale = float(getattr(text, "output_multiplier", None) or 1.0)
         cap = getattr(text, "final_logit_softcapping", None)
         return cls(scale=scale, softcap=float(cap) if cap else None)
 
@@ -303,7 +314,7 @@ def load_target_head(
 
     resolved = resolve_target(name_or_path, home)
     torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
-    where = _head_files(resolved.location) if resolved.kind == "hub" else resolved.location
+    where = _head_files(resolved.location, trust_remote_code) if resolved.kind == "hub" else resolved.location
     _require_safetensors(resolved, where)
     try:
         config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
@@ -326,8 +337,13 @@ def load_target_head(
     for module in (target.embed_tokens, target.norm) if tied else (target.embed_tokens, target.norm, target.lm_head):
         for pname, param in list(module.named_parameters(recurse=False)):  # buffers stay on meta: never read
             key = _find_key(tensors, f"{names[id(module)]}.{pname}", where)
+            scales = [k for k in (f"{key}_scale", f"{key}_scale_inv") if k in tensors]
             with safe_open(str(Path(where) / tensors[key]), framework="pt") as f:
                 value = f.get_tensor(key)
+            if scales or not value.dtype.is_floating_point or value.element_size() < 2:
+                raise TargetLoadError(f"{where}: {key} is stored quantized ({value.dtype}"
+                                      + (f", with {', '.join(scales)}" if scales else "")
+                                      + "); training needs the target's embedding, final norm and lm_head unquantized")
             if value.shape != param.shape:
                 raise TargetLoadError(f"{where}: {key} has shape {tuple(value.shape)}, the config implies "
                                       f"{tuple(param.shape)}")
@@ -343,11 +359,11 @@ def _model_class(config: Any) -> Any:
     checkpoints such as Kimi-K2.5 or Qwen2.5-VL); the causal LM's error names an unknown one."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    auto_map = getattr(config, "auto_map", None) or {}
     for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
-        if auto.__name__ in auto_map or type(config) in auto._model_mapping:
+        if type(config) in auto._model_mapping:
             return auto
-    return AutoModelForCausalLM
+    auto_map = getattr(config, "auto_map", None) or {}  # the checkpoint's own code (trust_remote_code)
+    return AutoModelForImageTextToText if "AutoModelForImageTextToText" in auto_map else AutoModelForCausalLM
 
 
 def _require_safetensors(resolved: ResolvedTarget, where: str | None = None) -> None:
@@ -376,22 +392,25 @@ def _load_tokenizer(where: str, trust_remote_code: bool) -> Any:
 _SMALL_FILES = ["*.json", "*.jinja", "*.model", "*.tiktoken", "*.txt", "tokenizer*"]
 
 
-def _head_files(repo_id: str) -> str:
-    """A local folder with a hub model's config, tokenizer and the shards of its embedding, final
-    norm and lm_head (all of them when the index cannot tell which)."""
+def _head_files(repo_id: str, trust_remote_code: bool) -> str:
+    """A local folder with a hub model's config, tokenizer (and code, with ``trust_remote_code``)
+    and the shards of its embedding, final norm and lm_head (all of them without an index)."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
-    folder = Path(snapshot_download(repo_id, allow_patterns=_SMALL_FILES))
-    index = folder / "model.safetensors.index.json"
-    if not index.is_file():
-        return snapshot_download(repo_id, allow_patterns=[*_SMALL_FILES, "*.safetensors"])
-    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    outside = [k for k in weight_map if not _LAYER_KEY.search(k)]  # a few tensors: embeddings, norms, heads
-    for shard in sorted({weight_map[k] for k in outside}):
-        hf_hub_download(repo_id, shard)
+    small = [*_SMALL_FILES, "*.py"] if trust_remote_code else _SMALL_FILES
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=small))
+        index = folder / "model.safetensors.index.json"
+        if not index.is_file():
+            return snapshot_download(repo_id, allow_patterns=[*small, "*.safetensors"])
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        outside = [k for k in weight_map if not _LAYER_KEY.search(k)]  # a few tensors: embeddings, norms, heads
+        for shard in sorted({weight_map[k] for k in outside}):
+            hf_hub_download(repo_id, shard)
+    except (OSError, ValueError, KeyError) as err:  # hub errors are OSErrors
+        raise TargetLoadError(f"{repo_id}: cannot fetch the config, tokenizer and head shards "
+                              f"({type(err).__name__}: {err})") from err
     return str(folder)
-
-
 _LAYER_KEY = re.compile(r"\.(layers|h|blocks)\.\d+\.")
 
 
@@ -427,8 +446,10 @@ def _find_key(tensors: dict[str, str], name: str, where: str) -> str:
 
 
 CAPTURE_TOLERANCE = 1e-3
-"""Max relative error of :func:`verify_capture`: the capture reads the very tensors HF computes,
-so a supported architecture shows ~0 in any dtype."""
+"""Max relative error of :func:`verify_capture` in fp32 (ten times it in bf16/fp16): the capture
+reads the very tensors HF computes, so a supported architecture shows ~0, except where a family
+scales the hidden state before lm_head and we scale the logits after it (MiniCPM3: ~6e-3 in
+bf16). A missing scale or cap shows as several percent."""
 
 
 def verify_capture(target: Target, where: str) -> None:
@@ -436,13 +457,19 @@ def verify_capture(target: Target, where: str) -> None:
     the harvest would otherwise store wrong states or a wrong distribution without a sign."""
     vocab = min(target.vocab_size, target.embed_tokens.weight.shape[0])
     ids = (torch.arange(1, 9, device=target.device) * 7919 % vocab).unsqueeze(0)  # [1, 8]
-    errors = check_capture(target, ids)
-    wrong = {key: value for key, value in errors.items() if key != "last_post_norm" and not value <= CAPTURE_TOLERANCE}
+    name = type(target.model).__name__
+    try:
+        errors = check_capture(target, ids)
+    except (RuntimeError, TypeError, ValueError, AttributeError) as err:  # e.g. logits of another width
+        raise TargetLoadError(f"{where}: {name}: the capture check failed ({type(err).__name__}: {err}); "
+                              "this architecture is not supported") from err
+    tolerance = CAPTURE_TOLERANCE * (1 if target.dtype == torch.float32 else 10)
+    wrong = {key: value for key, value in errors.items() if key != "last_post_norm" and not value <= tolerance}
     if wrong:
         detail = ", ".join(f"{key} {value:.2e}" for key, value in wrong.items())
         raise TargetLoadError(
-            f"{where}: {type(target.model).__name__} does not compute what the capture assumes (max relative "
-            f"error vs its own forward: {detail}; tolerance {CAPTURE_TOLERANCE:g}). The logits must be "
+            f"{where}: {name} does not compute what the capture assumes (max relative "
+            f"error vs its own forward: {detail}; tolerance {tolerance:g}). The logits must be "
             f"lm_head(norm(last layer output)) up to a known scale/softcap ({target.logit_transform}); "
             "this architecture is not supported")
 

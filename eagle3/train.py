@@ -214,8 +214,14 @@ class TargetHead(nn.Module):
 
     @classmethod
     def of_target(cls, target: Target) -> TargetHead:
-        """A copy of ``target``'s head (the target itself can then be freed)."""
-        return cls(copy.deepcopy(target.norm), copy.deepcopy(target.lm_head), target.logit_transform)
+        """A copy of ``target``'s head (the target itself can then be freed). The capture hook on
+        the target's norm is dropped: copying it would copy the whole target through the hook."""
+        memo = {id(target): target}
+        norm, lm_head = copy.deepcopy(target.norm, memo), copy.deepcopy(target.lm_head, memo)
+        for module in (norm, lm_head):
+            module._forward_pre_hooks.clear()
+            module._forward_pre_hooks_with_kwargs.clear()
+        return cls(norm, lm_head, target.logit_transform)
 
     def _split_targets(self, x: Tensor, t2d: Tensor, groups: int = 16) -> TTTTargets:
         """:func:`prepare_targets` of ``lm_head(x)`` (fp32) without most of the full-vocab product.
@@ -228,7 +234,9 @@ class TargetHead(nn.Module):
         result, fp32 accumulation, Cauchy-Schwarz), taken per group of outside rows of similar
         norm; only the rows the bound cannot settle (~7% on the default target) get their
         outside logits recomputed in fp32. The result equals ``prepare_targets``'s, ties
-        included (the lower token id wins, as in ``argmax``).
+        included (the lower token id wins, as in ``argmax``); the argmax is taken before the
+        target's logit transform (increasing), so only logits a soft cap rounds to equal
+        values could order differently.
         """
         w = self.lm_head.weight  # [V, H]
         if self._split is None or self._split[0].shape != t2d.shape or not torch.equal(self._split[0], t2d):

@@ -16,6 +16,7 @@ from eagle3.target import (
     default_aux_layer_ids,
     load_target,
     load_target_head,
+    verify_capture,
 )
 from eagle3.train import TargetHead
 from tests.conftest import TINY_VOCAB, tiny_llama, tiny_tokenizer
@@ -130,10 +131,13 @@ FAMILIES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "final_logit_softcapping": 5.0}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 8.0, "embedding_multiplier": 12.0}),
     "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.0625}),
+    "minicpm3": ("MiniCPM3Config", "MiniCPM3ForCausalLM", {"kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 8,
+                                                           "qk_rope_head_dim": 8, "dim_model_base": 6}),
+    "hyperclovax": ("HyperCLOVAXConfig", "HyperCLOVAXForCausalLM", {"logits_scaling": 4.0}),
 }
 
 
-def family_model(name: str):
+def family_model(name: str, dtype: torch.dtype = torch.float32):
     import transformers
 
     config_class, model_class, extra = FAMILIES[name]
@@ -146,7 +150,7 @@ def family_model(name: str):
         for name_, param in model.named_parameters():
             if "norm" not in name_:
                 param.mul_(4.0)
-    return model
+    return model.to(dtype)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -160,6 +164,13 @@ def test_logits_and_head_equal_the_models_own(family: str) -> None:
         target.logit_transform = LogitTransform()
         errors = check_capture(target, torch.randint(3, TINY_VOCAB, (2, 13)))
         assert errors["logits"] > 10 * CAPTURE_TOLERANCE and errors["head_of_last"] > 10 * CAPTURE_TOLERANCE
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bf16_targets_pass_the_load_check(family: str) -> None:
+    """On GPUs targets load in bf16: rounding must stay inside the check's bf16 tolerance (MiniCPM3
+    scales the hidden state before lm_head, we scale the logits after it)."""
+    verify_capture(Target(family_model(family, torch.bfloat16), tokenizer=None), family)
 
 
 @pytest.mark.parametrize("split", [True, False])
@@ -210,6 +221,9 @@ def tiny_kimi_k25(folder):
                 max_position_embeddings=256, tie_word_embeddings=False)
     config = transformers.Kimi_K25Config(
         text_config=text, projection_hidden_size=32, tie_word_embeddings=False,
+        # as the real checkpoint: its own code is offered for AutoModelForCausalLM (not trusted here)
+        auto_map={"AutoConfig": "configuration_kimi_k25.KimiK25Config",
+                  "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
         image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
     torch.manual_seed(0)
@@ -267,3 +281,46 @@ def test_head_only_load_names_a_missing_tensor(tmp_path) -> None:
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(TargetLoadError, match=r"llama: no tensor for model\.norm\.weight"):
         load_target_head(str(folder), dtype="float32")
+
+
+def test_trainer_head_copies_the_head_only() -> None:
+    """The norm carries the capture hook, bound to the Target: a plain deepcopy copied the whole model."""
+    target = Target(tiny_llama(num_layers=8), tokenizer=None)
+    head = TargetHead.of_target(target)
+    assert not head.norm._forward_pre_hooks and not head.norm._forward_pre_hooks_with_kwargs
+    assert sum(p.numel() for p in head.parameters()) == target.norm.weight.numel() + target.lm_head.weight.numel()
+    x = torch.randn(3, 64)
+    assert torch.equal(head.lm_head(head.norm(x)), target.head(x))
+    assert head.lm_head.weight.data_ptr() != target.lm_head.weight.data_ptr()  # a copy, not the target's own
+
+
+def test_head_only_load_reads_a_sharded_checkpoint(tmp_path) -> None:
+    folder = tmp_path / "llama"
+    model = tiny_llama(vocab=TINY_VOCAB)
+    model.save_pretrained(folder, max_shard_size="40KB")
+    tiny_tokenizer().save_pretrained(folder)
+    assert (folder / "model.safetensors.index.json").is_file() and len(list(folder.glob("*.safetensors"))) > 2
+    head = load_target_head(str(folder), dtype="float32")
+    assert torch.equal(head.lm_head.weight, model.lm_head.weight)
+    assert torch.equal(head.norm.weight, model.model.norm.weight)
+
+
+def test_head_only_load_refuses_a_quantized_head(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "llama"
+    tiny_llama(vocab=TINY_VOCAB).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    state = load_file(folder / "model.safetensors")
+    state["lm_head.weight"] = state["lm_head.weight"].to(torch.float8_e4m3fn)  # FP8 block style: weight + scale
+    state["lm_head.weight_scale_inv"] = torch.ones(1)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(TargetLoadError, match=r"lm_head\.weight is stored quantized .*weight_scale_inv"):
+        load_target_head(str(folder), dtype="float32")
+
+
+def test_a_logit_rule_the_capture_cannot_reproduce_is_refused() -> None:
+    model = tiny_llama()
+    model.config.unpadded_vocab_size = 100  # Inkling-style: the logits are sliced to this width
+    with pytest.raises(ValueError, match="unpadded_vocab_size"):
+        Target(model, tokenizer=None)

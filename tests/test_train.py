@@ -488,3 +488,22 @@ def test_split_head_equals_the_full_product_ties_included() -> None:
     assert torch.allclose(got.probs[:, :-1], ref.probs, atol=1e-6)
     outside_wins = ~t2d[ref.argmax]
     assert outside_wins[0, 1:40].any() and (~outside_wins[0, 1:40]).any() and ref.argmax[0, 0] == 7
+
+
+def test_a_multimodal_target_harvests_and_trains_from_its_head(tmp_path: Path) -> None:
+    """Kimi-K2.5's layout end to end: the harvest runs its text path (full load, checked at load),
+    the trainer reads only its embedding, final norm and lm_head, and the draft fits it."""
+    from tests.test_target_capture import tiny_kimi_k25
+
+    folder = tiny_kimi_k25(tmp_path / "kimi")
+    store = tmp_path / "store"
+    harvest(HarvestConfig(data=str(_data(tmp_path / "data.jsonl", 8, turns=2)), out_dir=str(store), dtype="float32"),
+            TargetConfig(name_or_path=str(folder)), progress=False)
+    spec = HarvestStore(store).spec
+    assert (spec.num_layers, spec.hidden_size, spec.aux_layer_ids) == (8, 64, (2, 4, 5))
+    out = tmp_path / "run"
+    main(["--store", str(store), "--target", str(folder), "--out", str(out), "--steps", "3",
+          "--micro-batch-tokens", "256", "--draft-vocab-size", "64", "--eval-fraction", "0",
+          "--wandb-mode", "disabled", "--no-progress", "--lm-head-init", "target"])
+    draft, meta = load_exported_draft(out / "final")
+    assert meta["step"] == 3 and meta["aux_layer_ids"] == [2, 4, 5] and draft.config.hidden_size == 64
