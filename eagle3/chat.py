@@ -23,15 +23,16 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}"
     "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
     "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n\n"
-    "{% else %}Assistant: {{ m['content'] }}{{ eos_token if eos_token else '' }}\n\n"
+    "{% else %}Assistant: {{ m['content'] | trim }}{{ eos_token if eos_token else '' }}\n\n"
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 """The template for tokenizers without one (base models): BOS, then ``User: ...`` /
 ``Assistant: ...`` paragraphs, each assistant turn closed by the EOS token; the generation
-prompt is ``Assistant:`` (the model continues with a space). A base model has never seen
-this format, so the EOS is its only stop token."""
+prompt is ``Assistant:`` (the model continues with a space, so a reply is rendered trimmed
+after ``Assistant: ``: the text the model saw and wrote). A base model has never seen this
+format, so the EOS is its only stop token."""
 
 _SENTINEL = "EAGLE3SENTINEL"
 
@@ -77,10 +78,15 @@ class ChatFormat:
         return hashlib.sha256(self.template.encode("utf-8")).hexdigest()
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(
-            [{"role": m["role"], "content": m["content"]} for m in messages],
-            chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt,
-        )
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                [{"role": m["role"], "content": m["content"]} for m in messages],
+                chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt,
+            )
+        except TemplateError as err:  # e.g. "System role not supported" (Gemma 2)
+            raise ChatFormatError(f"the chat template refuses this conversation: {err}") from err
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         """Token ids of ``messages`` followed by the generation prompt (the assistant header)."""
@@ -90,44 +96,60 @@ class ChatFormat:
         check_single_bos(ids, self.tokenizer.bos_token_id)
         return ids
 
-    def tokenize_conversation(self, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
+    def tokenize_conversation(self, messages: Sequence[Message],
+                              last_turn_only: bool = False) -> tuple[list[int], list[int]]:
         """Token ids of a whole conversation and its loss mask: 1 exactly on assistant tokens.
 
         Assistant tokens are each assistant message's content plus the template's
         end-of-turn token right after it (the draft must learn to propose the stop too);
         the role headers, system and user turns are 0. Content is located in the rendered
         text by character offsets, so any template works whose assistant content appears
-        verbatim (or stripped) after the preceding turns.
+        verbatim (or stripped) after the preceding turns; a token that overlaps the content
+        is masked (SentencePiece's ``▁word`` starts at the template's space before it).
+
+        ``last_turn_only``: only the final assistant message is masked, earlier ones are
+        context (a per-turn sample of :func:`eagle3.regenerate.per_turn_samples`: the template
+        may render earlier replies rewritten, and each turn is trained on in its own sample).
         """
         text = self.render(messages, add_generation_prompt=False)
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
         spans: list[tuple[int, int]] = []
+        cursor = 0
         for i, m in enumerate(messages):
-            if m["role"] != "assistant" or not m["content"]:
+            content = m["content"]
+            if not content:
+                continue
+            if m["role"] != "assistant":
+                # Move past the turns the template shows in order; a template may move or drop a
+                # system turn (Mistral renders it into the last user turn only), so it is not sought.
+                found = _locate(text, content, cursor) if m["role"] != "system" else None
+                cursor = found[1] if found else cursor
+                continue
+            if last_turn_only and i != last:
                 continue
             before = self.render(messages[:i], add_generation_prompt=False)
-            cursor = len(before) if text.startswith(before) else (spans[-1][1] if spans else 0)
-            for content in (m["content"], m["content"].strip()):
-                start = text.find(content, cursor)
-                if start >= 0:
-                    spans.append((start, start + len(content)))
-                    break
-            else:
+            if text.startswith(before):
+                cursor = max(cursor, len(before))
+            found = _locate(text, content, cursor)
+            if found is None:
                 raise ChatFormatError(f"assistant message {i} does not appear in the rendered conversation; "
                                       "the template rewrites it, so its tokens cannot be masked")
+            spans.append(found)
+            cursor = found[1]
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids: list[int] = enc["input_ids"]
         check_single_bos(ids, self.tokenizer.bos_token_id)
         mask = [0] * len(ids)
         end_of_turn = self.end_of_turn_id()
         for start, end in spans:
-            last = None
+            last_token = None
             for t, (a, b) in enumerate(enc["offset_mapping"]):
-                if b > a and start <= a < end:  # a token that begins inside the content
+                if b > a and a < end and b > start:  # a token that overlaps the content
                     mask[t] = 1
-                    last = t
-            if last is not None and last + 1 < len(ids) and ids[last + 1] in self.stop_ids | (
+                    last_token = t
+            if last_token is not None and last_token + 1 < len(ids) and ids[last_token + 1] in self.stop_ids | (
                     {end_of_turn} if end_of_turn is not None else set()):
-                mask[last + 1] = 1
+                mask[last_token + 1] = 1
         return ids, mask
 
     def rewrites_earlier_turns(self) -> bool:
@@ -159,6 +181,15 @@ class ChatFormat:
         if ids and ids[0] in set(self.tokenizer.all_special_ids) | set(_added_ids(self.tokenizer)):
             return int(ids[0])
         return None
+
+
+def _locate(text: str, content: str, cursor: int) -> tuple[int, int] | None:
+    """[start, end) of ``content`` (as given, else stripped) in ``text`` from ``cursor`` on."""
+    for piece in (content, content.strip()):
+        start = text.find(piece, cursor) if piece else -1
+        if start >= 0:
+            return start, start + len(piece)
+    return None
 
 
 def eos_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:

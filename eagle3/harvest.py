@@ -62,20 +62,34 @@ class HarvestError(RuntimeError):
 
 def tokenize_records(records: Sequence[dict[str, Any]], chat: ChatFormat, max_seq_len: int,
                      counts: Counter[str]) -> list[tuple[str, list[int], list[int]]]:
-    """(id, input_ids, loss_mask) per usable record, in order; truncations and skips counted."""
+    """(id, input_ids, loss_mask) per usable sample, in order; truncations and skips counted.
+
+    A record is one sample, except a multi-turn one under a template that rewrites earlier
+    replies (reasoning dropped, :meth:`ChatFormat.rewrites_earlier_turns`), which becomes one
+    sample per assistant turn (``<id>-t<k>``) as :func:`eagle3.regenerate.per_turn_samples`
+    does; in such samples (``generation.turn_index``) only the last reply is masked."""
     out = []
+    rewrites: bool | None = None
     for record in records:
-        try:
-            ids, mask = chat.tokenize_conversation(record["messages"])
-        except ChatFormatError as err:
-            raise HarvestError(f"sample {record['id']}: {err}") from err
-        if len(ids) > max_seq_len:
-            ids, mask = ids[:max_seq_len], mask[:max_seq_len]
-            counts["truncated"] += 1
-        if not any(mask):
-            counts["skipped_empty_loss_mask"] += 1
-            continue
-        out.append((str(record["id"]), ids, mask))
+        messages = record["messages"]
+        samples = [(str(record["id"]), messages, "turn_index" in (record.get("generation") or {}))]
+        ends = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if not samples[0][2] and len(ends) > 1:
+            rewrites = chat.rewrites_earlier_turns() if rewrites is None else rewrites
+            if rewrites:
+                samples = [(f"{record['id']}-t{k}", messages[: end + 1], True) for k, end in enumerate(ends)]
+        for sample_id, sample, last_turn_only in samples:
+            try:
+                ids, mask = chat.tokenize_conversation(sample, last_turn_only=last_turn_only)
+            except ChatFormatError as err:
+                raise HarvestError(f"sample {sample_id}: {err}") from err
+            if len(ids) > max_seq_len:
+                ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+                counts["truncated"] += 1
+            if not any(mask):
+                counts["skipped_empty_loss_mask"] += 1
+                continue
+            out.append((sample_id, ids, mask))
     return out
 
 

@@ -79,3 +79,85 @@ def test_prompt_must_end_with_a_user_turn() -> None:
     chat = ChatFormat.for_tokenizer(tiny_tokenizer())
     with pytest.raises(ChatFormatError, match="end with a user message"):
         chat.prompt_ids(CONVERSATION[:3])
+
+
+# Like Mistral v0.3: the system prompt is written into the *last* user turn, and only when the
+# conversation ends with that user turn, so a harvested conversation (ending in a reply) and its
+# rendering up to the reply differ before the reply.
+SYSTEM_IN_LAST_USER = (
+    "{{ bos_token }}{% set system = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
+    "{% for m in (messages[1:] if system else messages) %}"
+    "{% if m['role'] == 'user' %}[INST] {% if system and loop.last %}{{ system }}\n\n{% endif %}"
+    "{{ m['content'] }}[/INST]"
+    "{% else %} {{ m['content'] | trim }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def _masked_text(chat: ChatFormat, messages: list[dict[str, str]]) -> list[str]:
+    """The masked runs of tokens, decoded."""
+    ids, mask = chat.tokenize_conversation(messages)
+    runs, current = [], []
+    for token, bit in zip(ids, mask, strict=True):
+        if bit:
+            current.append(token)
+        elif current:
+            runs.append(chat.tokenizer.decode(current))
+            current = []
+    return runs + ([chat.tokenizer.decode(current)] if current else [])
+
+
+def test_a_reply_quoted_in_the_user_turn_is_masked_where_the_reply_is() -> None:
+    chat = ChatFormat.for_tokenizer(tiny_tokenizer(SYSTEM_IN_LAST_USER))
+    system = {"role": "system", "content": "Be brief."}
+    one = [system, {"role": "user", "content": "Reply with: Sure thing"},
+           {"role": "assistant", "content": "Sure thing"}]
+    assert _masked_text(chat, one) == ["Sure thing</s>"]
+    ids, mask = chat.tokenize_conversation(one)
+    assert mask[-len("Sure thing") - 1:] == [1] * (len("Sure thing") + 1)  # the reply at the end, not the quote
+    two = [system, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes"},
+           {"role": "user", "content": "Say Yes or No"}, {"role": "assistant", "content": "No"}]
+    text = chat.render(two, add_generation_prompt=False)
+    assert text == "<s>[INST] Hi[/INST] Yes</s>[INST] Say Yes or No[/INST] No</s>"
+    ids, mask = chat.tokenize_conversation(two)
+    assert _masked_text(chat, two) == ["Yes</s>", "No</s>"] and mask[-3:] == [1, 1, 1]
+
+
+def _metaspace_tokenizer(template: str):
+    """A SentencePiece-style tokenizer: words carry a leading '▁' that stands for the space before them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "▁Hi", "▁Hello", "▁world"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
+    core.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="never")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                  additional_special_tokens=["[INST]", "[/INST]"])
+    tok.chat_template = template
+    return tok
+
+
+def test_a_reply_token_that_starts_at_the_templates_space_is_masked() -> None:
+    chat = ChatFormat.for_tokenizer(_metaspace_tokenizer(SYSTEM_IN_LAST_USER))
+    ids, mask = chat.tokenize_conversation([{"role": "user", "content": "Hi"},
+                                            {"role": "assistant", "content": "Hello world"}])
+    tokens = chat.tokenizer.convert_ids_to_tokens(ids)
+    assert tokens == ["<s>", "[INST]", "▁Hi", "[/INST]", "▁Hello", "▁world", "</s>"]
+    assert mask == [0, 0, 0, 0, 1, 1, 1]  # '▁Hello' is the reply's first token, as the target wrote it
+
+
+def test_a_template_that_refuses_a_conversation_names_it() -> None:
+    refusing = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    chat = ChatFormat.for_tokenizer(tiny_tokenizer(refusing))
+    with pytest.raises(ChatFormatError, match="refuses this conversation: System role not supported"):
+        chat.prompt_ids(CONVERSATION)
+
+
+def test_fallback_history_is_the_generation_prompt_followed_by_the_reply() -> None:
+    """A base model continues 'Assistant:' with ' Yo' (decoded with its space): the harvested text
+    must be that prompt and that reply, not 'Assistant:  Yo'."""
+    chat = ChatFormat.for_tokenizer(tiny_tokenizer(chat_template=None))
+    prompt = chat.render(CONVERSATION[:2])
+    full = chat.render([*CONVERSATION[:2], {"role": "assistant", "content": " Yo"}], add_generation_prompt=False)
+    assert full.startswith(prompt + " Yo</s>")

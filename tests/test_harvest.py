@@ -176,3 +176,30 @@ def test_kill_9_at_three_points_then_resume_equals_an_uninterrupted_run(tmp_path
         assert (straight / name).read_bytes() == (killed / name).read_bytes(), name
     assert not [p for p in killed.iterdir() if p.name.endswith(".tmp")]
     assert verify_store(killed)["samples"] == 48
+
+
+def test_reasoning_templates_train_each_turn_once_in_the_context_the_target_saw() -> None:
+    """Under a template that drops earlier replies' <think> (Qwen3-like), a regenerated per-turn
+    sample masks only its own reply (the earlier ones are rendered rewritten, as the target saw
+    them), and a multi-turn record that did not come through regeneration is split the same way."""
+    from collections import Counter
+
+    from eagle3.regenerate import per_turn_samples
+    from tests.conftest import tiny_tokenizer
+    from tests.test_regenerate import THINK_DROPPING_TEMPLATE
+
+    chat = ChatFormat.for_tokenizer(tiny_tokenizer(THINK_DROPPING_TEMPLATE))
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>r</think>x"},
+                {"role": "user", "content": "b"}, {"role": "assistant", "content": "<think>s</think>y"}]
+    regenerated = per_turn_samples({"id": "r0", "messages": messages, "generation": {"turns": [{}, {}]}})
+    plain = {"id": "p0", "messages": messages}
+    counts: Counter[str] = Counter()
+    out = harvest.tokenize_records([*regenerated, plain], chat, 4096, counts)
+    assert [sample_id for sample_id, _, _ in out] == ["r0-t0", "r0-t1", "p0-t0", "p0-t1"]
+    decode = chat.tokenizer.decode
+    for (_, ids, mask), want_text, want_masked in zip(out, [
+            "<|user|>a</s><|assistant|><think>r</think>x</s>",
+            "<|user|>a</s><|assistant|>x</s><|user|>b</s><|assistant|><think>s</think>y</s>"] * 2,
+            ["<think>r</think>x</s>", "<think>s</think>y</s>"] * 2, strict=True):
+        assert decode(ids) == want_text
+        assert decode([t for t, m in zip(ids, mask, strict=True) if m]) == want_masked
