@@ -127,6 +127,17 @@ class ChatFormat:
                 continue
             if last_turn_only and i != last:
                 continue
+            if i == len(messages) - 1 and not spans:  # the one reply masked: exactly what the target saw
+                prompt = self.render(messages[:i], add_generation_prompt=True)
+                found = _locate(text, content, len(prompt)) if text.startswith(prompt) else None
+                if found is None or text[len(prompt):found[0]].strip():
+                    # The rendering is not the generation prompt followed by the reply: the template
+                    # rewrites the reply (DeepSeek-R1 drops its reasoning, Qwen3 adds an empty <think>
+                    # to a reply cut inside its reasoning). Train on the prompt and the reply as written.
+                    text = prompt + content + self.end_of_turn_text()
+                    found = (len(prompt), len(prompt) + len(content))
+                spans.append(found)
+                continue
             before = self.render(messages[:i], add_generation_prompt=False)
             if text.startswith(before):
                 cursor = max(cursor, len(before))
@@ -153,17 +164,38 @@ class ChatFormat:
         return ids, mask
 
     def rewrites_earlier_turns(self) -> bool:
-        """True when the template changes an assistant turn once a later turn follows it.
+        """True when rendering a whole conversation does not give, before each reply, the prompt
+        the target was given to write it.
 
-        Reasoning templates (e.g. Qwen3) drop the ``<think>`` block of earlier replies, so
-        the context the target saw while writing a turn is not a prefix of the full
-        conversation's rendering; such conversations are trained on one turn at a time.
+        Reasoning templates (e.g. Qwen3) drop the ``<think>`` block of earlier replies, and
+        Mistral's writes the system prompt into the last user turn only, so the context the
+        target saw while writing a turn is not a prefix of the full conversation's rendering;
+        such conversations are trained on one turn at a time.
         """
         reply = "<think>\nEAGLE3REASONING\n</think>\n\nEAGLE3ANSWER"
-        text = self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": reply},
-                            {"role": "user", "content": "again"}, {"role": "assistant", "content": "last"}],
-                           add_generation_prompt=False)
-        return reply not in text
+        messages = [{"role": "system", "content": "EAGLE3SYSTEM"}, {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": reply}, {"role": "user", "content": "again"},
+                    {"role": "assistant", "content": "last"}]
+        try:
+            text = self.render(messages, add_generation_prompt=False)
+        except ChatFormatError:  # no system role (Gemma 2): probe without one
+            messages = messages[1:]
+            text = self.render(messages, add_generation_prompt=False)
+        if reply not in text:
+            return True
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":
+                prompt = self.render(messages[:i], add_generation_prompt=True)
+                if not text.startswith(prompt) or text[len(prompt):].lstrip()[:len(m["content"])] != m["content"]:
+                    return True
+        return False
+
+    def end_of_turn_text(self) -> str:
+        """What closes a generated reply: the end-of-turn token, else EOS, as text ('' if neither)."""
+        end = self.end_of_turn_id()
+        if end is None:
+            end = self.tokenizer.eos_token_id
+        return "" if end is None else self.tokenizer.convert_ids_to_tokens(int(end))
 
     def end_of_turn_id(self) -> int | None:
         """The special token the template writes right after an assistant message, if any.

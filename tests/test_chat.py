@@ -161,3 +161,30 @@ def test_fallback_history_is_the_generation_prompt_followed_by_the_reply() -> No
     prompt = chat.render(CONVERSATION[:2])
     full = chat.render([*CONVERSATION[:2], {"role": "assistant", "content": " Yo"}], add_generation_prompt=False)
     assert full.startswith(prompt + " Yo</s>")
+
+
+# Like DeepSeek-R1: every reply, the last one included, is rendered without its reasoning.
+DROPS_ALL_REASONING = (
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m['role'] == 'assistant' %}{{ m['content'].split('</think>')[-1] }}{% else %}{{ m['content'] }}{% endif %}"
+    "</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_a_reply_the_template_rewrites_is_harvested_as_the_target_wrote_it() -> None:
+    chat = ChatFormat.for_tokenizer(tiny_tokenizer(DROPS_ALL_REASONING))
+    assert chat.rewrites_earlier_turns()
+    conversation = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>r</think>x"}]
+    ids, mask = chat.tokenize_conversation(conversation)
+    decode = chat.tokenizer.decode
+    assert decode(ids) == chat.render(conversation[:1]) + "<think>r</think>x</s>"  # prompt, reply, end of turn
+    assert decode([t for t, m in zip(ids, mask, strict=True) if m]) == "<think>r</think>x</s>"
+
+
+def test_templates_whose_history_is_not_the_generation_context_are_flagged() -> None:
+    assert ChatFormat.for_tokenizer(tiny_tokenizer(SYSTEM_IN_LAST_USER)).rewrites_earlier_turns()
+    assert not ChatFormat.for_tokenizer(tiny_tokenizer()).rewrites_earlier_turns()
+    no_system = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}"
+                 "<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+                 "{% endif %}")
+    assert not ChatFormat.for_tokenizer(tiny_tokenizer(no_system)).rewrites_earlier_turns()
