@@ -96,70 +96,106 @@ class ChatFormat:
         check_single_bos(ids, self.tokenizer.bos_token_id)
         return ids
 
+    def tokenize_reply(self, messages: Sequence[Message],
+                       turn: Mapping[str, Any] | None = None) -> tuple[list[int], list[int]]:
+        """A conversation whose last message is the one reply to train on, as the target saw and
+        wrote it: the generation prompt of the messages before it (:meth:`prompt_ids`, the very
+        ids regeneration fed the target), the reply's tokens, then the stop token it ended with.
+        Loss mask: 1 on the reply and its stop.
+
+        ``turn``: the reply's entry of a regenerated record's ``generation.turns``: its generated
+        ``token_ids`` are used when they decode to the reply (else the reply text is tokenized),
+        its ``stop_id`` is the stop, and a reply cut at ``max_new_tokens`` (``finish_reason``
+        ``"length"``) gets no stop. Without it: the text, and the end-of-turn token (else EOS).
+        Token level, so no template rewriting of the reply (DeepSeek-R1 dropping its reasoning)
+        and no merge of a reply's first characters with the header's can change what is trained.
+        """
+        if not messages or messages[-1]["role"] != "assistant":
+            raise ChatFormatError("a reply sample must end with an assistant message")
+        prompt = self.prompt_ids(messages[:-1])
+        content, turn = messages[-1]["content"], turn or {}
+        reply = turn.get("token_ids")
+        if reply is None or self.tokenizer.decode(reply, skip_special_tokens=False,
+                                                  clean_up_tokenization_spaces=False) != content:
+            reply = self.tokenizer(content, add_special_tokens=False)["input_ids"] if content else []
+        if turn.get("finish_reason") == "length":
+            stop: list[int] = []
+        elif turn.get("stop_id") is not None:
+            stop = [int(turn["stop_id"])]
+        else:
+            end = self.end_of_turn_id()
+            end = self.tokenizer.eos_token_id if end is None else end
+            stop = [] if end is None else [int(end)]
+        ids = [*prompt, *(int(t) for t in reply), *stop]
+        return ids, [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+
+    def history_is_context(self, messages: Sequence[Message]) -> bool:
+        """Whether rendering ``messages`` whole puts, before each reply, the generation prompt the
+        target was given to write it (followed by the reply): then the whole conversation is one
+        sample. Not so when the template rewrites earlier replies (Qwen3 drops their ``<think>``)
+        or moves a turn (Mistral writes the system prompt into the last user turn only)."""
+        text = self.render(messages, add_generation_prompt=False)
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":
+                prompt = self.render(messages[:i], add_generation_prompt=True)
+                if not text.startswith(prompt) or not text[len(prompt):].lstrip().startswith(m["content"].strip()):
+                    return False
+        return True
+
     def tokenize_conversation(self, messages: Sequence[Message],
-                              last_turn_only: bool = False) -> tuple[list[int], list[int]]:
+                              ended: Sequence[bool] | None = None) -> tuple[list[int], list[int]]:
         """Token ids of a whole conversation and its loss mask: 1 exactly on assistant tokens.
 
         Assistant tokens are each assistant message's content plus the template's
-        end-of-turn token right after it (the draft must learn to propose the stop too);
-        the role headers, system and user turns are 0. Content is located in the rendered
-        text by character offsets, so any template works whose assistant content appears
-        verbatim (or stripped) after the preceding turns; a token that overlaps the content
-        is masked (SentencePiece's ``▁word`` starts at the template's space before it).
-
-        ``last_turn_only``: only the final assistant message is masked, earlier ones are
-        context (a per-turn sample of :func:`eagle3.regenerate.per_turn_samples`: the template
-        may render earlier replies rewritten, and each turn is trained on in its own sample).
+        end-of-turn token right after it (the draft must learn to propose the stop too), unless
+        ``ended[k]`` is False for the k-th reply (cut at ``max_new_tokens``: the target never
+        wrote that stop); the role headers, system and user turns are 0. Each reply is located
+        in the rendered text after its generation prompt (else after the user text it answers),
+        verbatim or stripped; a token that overlaps it is masked (SentencePiece's ``▁word``
+        starts at the template's space before it). For a conversation whose history is not the
+        generation context (:meth:`history_is_context`) use :meth:`tokenize_reply` per turn.
         """
         text = self.render(messages, add_generation_prompt=False)
-        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-        spans: list[tuple[int, int]] = []
-        cursor = 0
+        spans: list[tuple[int, int, bool]] = []  # [start, end) of each reply, and whether its stop counts
+        cursor, k = 0, -1  # k: index of the current reply among the assistant messages
         for i, m in enumerate(messages):
             content = m["content"]
-            if not content:
-                continue
             if m["role"] != "assistant":
                 # Move past the turns the template shows in order; a template may move or drop a
                 # system turn (Mistral renders it into the last user turn only), so it is not sought.
-                found = _locate(text, content, cursor) if m["role"] != "system" else None
+                found = _locate(text, content, cursor) if m["role"] != "system" and content else None
                 cursor = found[1] if found else cursor
                 continue
-            if last_turn_only and i != last:
+            k += 1
+            prompt = self.render(messages[:i], add_generation_prompt=True)
+            if text.startswith(prompt):  # past the assistant header: a short reply cannot match it
+                cursor = max(cursor, len(prompt))
+            if not content:
                 continue
-            if i == len(messages) - 1 and not spans:  # the one reply masked: exactly what the target saw
-                prompt = self.render(messages[:i], add_generation_prompt=True)
-                found = _locate(text, content, len(prompt)) if text.startswith(prompt) else None
-                if found is None or text[len(prompt):found[0]].strip():
-                    # The rendering is not the generation prompt followed by the reply: the template
-                    # rewrites the reply (DeepSeek-R1 drops its reasoning, Qwen3 adds an empty <think>
-                    # to a reply cut inside its reasoning). Train on the prompt and the reply as written.
-                    text = prompt + content + self.end_of_turn_text()
-                    found = (len(prompt), len(prompt) + len(content))
-                spans.append(found)
-                continue
-            before = self.render(messages[:i], add_generation_prompt=False)
-            if text.startswith(before):
-                cursor = max(cursor, len(before))
             found = _locate(text, content, cursor)
             if found is None:
                 raise ChatFormatError(f"assistant message {i} does not appear in the rendered conversation; "
                                       "the template rewrites it, so its tokens cannot be masked")
-            spans.append(found)
+            spans.append((*found, ended is None or k >= len(ended) or bool(ended[k])))
             cursor = found[1]
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids: list[int] = enc["input_ids"]
         check_single_bos(ids, self.tokenizer.bos_token_id)
         mask = [0] * len(ids)
         end_of_turn = self.end_of_turn_id()
-        for start, end in spans:
+        stops = self.stop_ids | ({end_of_turn} if end_of_turn is not None else set())
+        offsets = enc["offset_mapping"]
+        t = 0
+        for start, end, counts_stop in spans:  # spans and tokens both ascend: one pass
+            while t < len(ids) and offsets[t][1] <= start:
+                t += 1
             last_token = None
-            for t, (a, b) in enumerate(enc["offset_mapping"]):
-                if b > a and a < end and b > start:  # a token that overlaps the content
+            while t < len(ids) and offsets[t][0] < end:
+                if offsets[t][1] > offsets[t][0]:  # a token that overlaps the content
                     mask[t] = 1
                     last_token = t
-            if last_token is not None and last_token + 1 < len(ids) and ids[last_token + 1] in self.stop_ids | (
-                    {end_of_turn} if end_of_turn is not None else set()):
+                t += 1
+            if counts_stop and last_token is not None and last_token + 1 < len(ids) and ids[last_token + 1] in stops:
                 mask[last_token + 1] = 1
         return ids, mask
 
@@ -177,25 +213,9 @@ class ChatFormat:
                     {"role": "assistant", "content": reply}, {"role": "user", "content": "again"},
                     {"role": "assistant", "content": "last"}]
         try:
-            text = self.render(messages, add_generation_prompt=False)
+            return not self.history_is_context(messages)
         except ChatFormatError:  # no system role (Gemma 2): probe without one
-            messages = messages[1:]
-            text = self.render(messages, add_generation_prompt=False)
-        if reply not in text:
-            return True
-        for i, m in enumerate(messages):
-            if m["role"] == "assistant":
-                prompt = self.render(messages[:i], add_generation_prompt=True)
-                if not text.startswith(prompt) or text[len(prompt):].lstrip()[:len(m["content"])] != m["content"]:
-                    return True
-        return False
-
-    def end_of_turn_text(self) -> str:
-        """What closes a generated reply: the end-of-turn token, else EOS, as text ('' if neither)."""
-        end = self.end_of_turn_id()
-        if end is None:
-            end = self.tokenizer.eos_token_id
-        return "" if end is None else self.tokenizer.convert_ids_to_tokens(int(end))
+            return not self.history_is_context(messages[1:])
 
     def end_of_turn_id(self) -> int | None:
         """The special token the template writes right after an assistant message, if any.

@@ -7,7 +7,7 @@ regenerated conversations into a shard store.
     python -m data_gen.harvest compare runs/harvest-hf runs/harvest-vllm     # max relative error per state
 
 Every conversation is tokenised with the target's chat template and loss-masked on exactly
-the assistant tokens (:meth:`eagle3.chat.ChatFormat.tokenize_conversation`); over-long ones
+the assistant tokens, each reply as the target saw and wrote it (:func:`tokenize_records`); over-long ones
 are truncated, ones left without an assistant token skipped (both counted). The samples are
 cut into shards of bounded size by a plan that depends only on the token counts, so every
 worker (``--shard i/n`` takes shards ``j % n == i``) and every rerun agrees on it. Each shard
@@ -64,32 +64,42 @@ def tokenize_records(records: Sequence[dict[str, Any]], chat: ChatFormat, max_se
                      counts: Counter[str]) -> list[tuple[str, list[int], list[int]]]:
     """(id, input_ids, loss_mask) per usable sample, in order; truncations and skips counted.
 
-    A record is one sample, except a multi-turn one under a template that rewrites earlier
-    replies (reasoning dropped, :meth:`ChatFormat.rewrites_earlier_turns`), which becomes one
-    sample per assistant turn (``<id>-t<k>``) as :func:`eagle3.regenerate.per_turn_samples`
-    does; in such samples (``generation.turn_index``) only the last reply is masked."""
+    A one-reply record, and a per-turn sample of regeneration (``generation.turn_index``), is
+    the reply as the target saw and wrote it (:meth:`ChatFormat.tokenize_reply`: its generation
+    prompt, its generated ids, its stop). A multi-turn record is one sample when the template
+    renders its history as the target saw it (:meth:`ChatFormat.history_is_context`), else one
+    sample per reply (``<id>-t<k>``, as :func:`eagle3.regenerate.per_turn_samples`). User turns
+    after the last reply are dropped (nothing in them is trained)."""
     out = []
-    rewrites: bool | None = None
     for record in records:
-        messages = record["messages"]
-        samples = [(str(record["id"]), messages, "turn_index" in (record.get("generation") or {}))]
+        messages, generation = record["messages"], record.get("generation") or {}
         ends = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        if not samples[0][2] and len(ends) > 1:
-            rewrites = chat.rewrites_earlier_turns() if rewrites is None else rewrites
-            if rewrites:
-                samples = [(f"{record['id']}-t{k}", messages[: end + 1], True) for k, end in enumerate(ends)]
-        for sample_id, sample, last_turn_only in samples:
-            try:
-                ids, mask = chat.tokenize_conversation(sample, last_turn_only=last_turn_only)
-            except ChatFormatError as err:
-                raise HarvestError(f"sample {sample_id}: {err}") from err
+        given = generation.get("turns") or []
+        turns = given if len(given) == len(ends) else [{}] * len(ends)  # regenerated: one entry per reply
+        if ends:
+            messages = messages[: ends[-1] + 1]
+        sample_id = str(record["id"])
+        try:
+            if "turn_index" in generation:  # a per-turn sample: its one entry is its last reply's
+                samples = [(sample_id, *chat.tokenize_reply(messages, given[-1] if given else None))]
+            elif len(ends) == 1:
+                samples = [(sample_id, *chat.tokenize_reply(messages, turns[0]))]
+            elif ends and not chat.history_is_context(messages):
+                samples = [(f"{sample_id}-t{k}", *chat.tokenize_reply(messages[: end + 1], turns[k]))
+                           for k, end in enumerate(ends)]
+            else:
+                ended = [turn.get("finish_reason") != "length" for turn in turns]
+                samples = [(sample_id, *chat.tokenize_conversation(messages, ended))]
+        except ChatFormatError as err:
+            raise HarvestError(f"sample {sample_id}: {err}") from err
+        for name, ids, mask in samples:
             if len(ids) > max_seq_len:
                 ids, mask = ids[:max_seq_len], mask[:max_seq_len]
                 counts["truncated"] += 1
             if not any(mask):
                 counts["skipped_empty_loss_mask"] += 1
                 continue
-            out.append((sample_id, ids, mask))
+            out.append((name, ids, mask))
     return out
 
 

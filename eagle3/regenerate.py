@@ -25,7 +25,8 @@ Output folder::
 A record of the store is the input record with ``messages`` replaced by the regenerated
 conversation, plus ``generation``: ``target``, ``max_new_tokens``, ``temperature``,
 ``top_p``, ``top_k``, ``seed``, ``turns`` (per assistant turn: ``finish_reason`` ``"stop"``
-or ``"length"``, ``new_tokens`` without the stop token) and ``dropped_turns`` (user turns
+or ``"length"``, ``new_tokens`` without the stop token, the generated ``token_ids`` and the
+``stop_id`` that ended them, which the harvest trains on as they are) and ``dropped_turns`` (user turns
 cut because their prompt exceeded ``max_prompt_tokens``; the conversation then ends
 before that turn). Records whose first prompt is already too long are skipped (counted in
 the summary). Read the store with ``datasets.load_dataset("json", data_files=...)``.
@@ -171,7 +172,8 @@ def output_record(record: dict[str, Any], result: RegeneratedConversation, cfg: 
     generation = {
         "target": target_name, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
         "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed,
-        "turns": [{"finish_reason": t.finish_reason, "new_tokens": len(t.token_ids)} for t in result.turns],
+        "turns": [{"finish_reason": t.finish_reason, "new_tokens": len(t.token_ids), "token_ids": t.token_ids,
+                   "stop_id": t.stop_id} for t in result.turns],
         "dropped_turns": result.dropped_turns,
     }
     return {**record, "messages": result.messages, "generation": generation}

@@ -95,7 +95,10 @@ SYSTEM_IN_LAST_USER = (
 
 def _masked_text(chat: ChatFormat, messages: list[dict[str, str]]) -> list[str]:
     """The masked runs of tokens, decoded."""
-    ids, mask = chat.tokenize_conversation(messages)
+    return _runs(chat, *chat.tokenize_conversation(messages))
+
+
+def _runs(chat: ChatFormat, ids: list[int], mask: list[int]) -> list[str]:
     runs, current = [], []
     for token, bit in zip(ids, mask, strict=True):
         if bit:
@@ -175,10 +178,55 @@ def test_a_reply_the_template_rewrites_is_harvested_as_the_target_wrote_it() -> 
     chat = ChatFormat.for_tokenizer(tiny_tokenizer(DROPS_ALL_REASONING))
     assert chat.rewrites_earlier_turns()
     conversation = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>r</think>x"}]
-    ids, mask = chat.tokenize_conversation(conversation)
+    with pytest.raises(ChatFormatError, match="rewrites it"):  # the rendering has lost the reasoning
+        chat.tokenize_conversation(conversation)
+    ids, mask = chat.tokenize_reply(conversation)
     decode = chat.tokenizer.decode
+    assert ids[:-len("<think>r</think>x") - 1] == chat.prompt_ids(conversation[:1])  # the generation prompt's ids
     assert decode(ids) == chat.render(conversation[:1]) + "<think>r</think>x</s>"  # prompt, reply, end of turn
     assert decode([t for t, m in zip(ids, mask, strict=True) if m]) == "<think>r</think>x</s>"
+
+
+def test_a_reply_is_its_generated_ids_and_the_stop_it_ended_with() -> None:
+    tok = tiny_tokenizer()
+    chat = ChatFormat.for_tokenizer(tok)
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    prompt = chat.prompt_ids(conversation[:1])
+    y, o = tok.convert_tokens_to_ids(["y", "o"])
+    # generated ids that decode to the reply are kept as they are, and the stop is the one it wrote
+    ids, mask = chat.tokenize_reply(conversation, {"token_ids": [y, o], "stop_id": 0, "finish_reason": "stop"})
+    assert ids == [*prompt, y, o, 0] and mask == [0] * len(prompt) + [1, 1, 1]
+    # cut at max_new_tokens: the target never wrote a stop, so none is trained
+    ids, mask = chat.tokenize_reply(conversation, {"token_ids": [y, o], "stop_id": None, "finish_reason": "length"})
+    assert ids == [*prompt, y, o] and mask == [0] * len(prompt) + [1, 1]
+    # ids that do not decode to the reply (an edited record) give way to the text
+    ids, _ = chat.tokenize_reply(conversation, {"token_ids": [o], "stop_id": 2, "finish_reason": "stop"})
+    assert ids == [*prompt, y, o, 2]
+    # an empty reply: the target stopped at once, and that stop is what is trained
+    ids, mask = chat.tokenize_reply([conversation[0], {"role": "assistant", "content": ""}])
+    assert ids == [*prompt, 2] and mask == [0] * len(prompt) + [1]
+
+
+def test_whole_conversations_mask_short_replies_and_only_the_stops_written() -> None:
+    # plain-text role headers: a reply that is the header's own word is found after the header
+    chat = ChatFormat.for_tokenizer(tiny_tokenizer(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"))
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "assistant"},
+                    {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]
+    assert _masked_text(chat, conversation) == ["assistant</s>", "c</s>"]
+    ids, mask = chat.tokenize_conversation(conversation)
+    assert chat.tokenizer.decode(ids[:mask.index(1)]) == "user: hi</s>assistant: "
+    ids, mask = chat.tokenize_conversation(conversation, ended=[False, True])  # the first reply was cut
+    assert _runs(chat, ids, mask) == ["assistant", "c</s>"]
+
+
+def test_history_is_context_per_conversation() -> None:
+    chat = ChatFormat.for_tokenizer(tiny_tokenizer(SYSTEM_IN_LAST_USER))
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes"},
+             {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "No"}]
+    assert chat.history_is_context(turns)  # without a system prompt the rendering is the context
+    assert not chat.history_is_context([{"role": "system", "content": "Be brief."}, *turns])
 
 
 def test_templates_whose_history_is_not_the_generation_context_are_flagged() -> None:

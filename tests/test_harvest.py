@@ -203,3 +203,32 @@ def test_reasoning_templates_train_each_turn_once_in_the_context_the_target_saw(
             ["<think>r</think>x</s>", "<think>s</think>y</s>"] * 2, strict=True):
         assert decode(ids) == want_text
         assert decode([t for t, m in zip(ids, mask, strict=True) if m]) == want_masked
+
+
+def test_records_become_the_samples_the_target_saw() -> None:
+    """One-reply records are the generation prompt + the generated ids + their stop; a trailing
+    user turn is dropped; multi-turn records split per reply only where the rendering is not the
+    context (a Mistral-like template: the system prompt moves into the last user turn)."""
+    from collections import Counter
+
+    from tests.conftest import tiny_tokenizer
+    from tests.test_chat import SYSTEM_IN_LAST_USER
+
+    chat = ChatFormat.for_tokenizer(tiny_tokenizer(SYSTEM_IN_LAST_USER))
+    tok = chat.tokenizer
+    hi = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    generated = [tok.convert_tokens_to_ids("Y"), tok.convert_tokens_to_ids("o")]
+    regenerated = {"id": "g", "messages": [*hi, {"role": "user", "content": "more?"}],
+                   "generation": {"turns": [{"token_ids": generated, "stop_id": 0, "finish_reason": "stop"}]}}
+    system = {"role": "system", "content": "Be brief."}
+    two = [*hi, {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "No"}]
+    records = [regenerated, {"id": "plain", "messages": two}, {"id": "sys", "messages": [system, *two]}]
+    out = {name: (ids, mask) for name, ids, mask in harvest.tokenize_records(records, chat, 4096, Counter())}
+    assert list(out) == ["g", "plain", "sys-t0", "sys-t1"]
+    ids, mask = out["g"]
+    assert ids == [*chat.prompt_ids(hi[:1]), *generated, 0] and sum(mask) == 3  # its own stop (id 0), no 'more?'
+    assert tok.decode(out["plain"][0]) == "<s>[INST] Hi[/INST] Yo</s>[INST] Bye[/INST] No</s>"
+    for name, upto in (("sys-t0", 2), ("sys-t1", 4)):  # the system prompt in the last user turn, as generated
+        ids, mask = out[name]
+        assert ids[: mask.index(1)] == chat.prompt_ids([system, *two][:upto])
+        assert tok.decode([t for t, m in zip(ids, mask, strict=True) if m]) == two[upto - 1]["content"] + "</s>"
