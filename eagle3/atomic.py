@@ -7,6 +7,7 @@ same directory, fsync, then rename over the final name (atomic on POSIX).
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import os
 import shutil
@@ -90,3 +91,26 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def remove_leftovers(folder: str | os.PathLike[str], names: list[str]) -> list[str]:
+    """Undo what a kill left of the writers above for each of ``names`` in ``folder``: their
+    temporaries are deleted, and a folder killed between ``atomic_dir``'s two renames gets its
+    previous version back. Returns the names of the entries removed or restored."""
+    folder = Path(folder)
+    touched = []
+    for name in names:
+        for tmp in sorted(folder.glob(f".{glob.escape(name)}.*.tmp")):
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+            touched.append(tmp.name)
+        old = folder / f".{name}.old"
+        if old.is_dir():
+            if (folder / name).exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(old, folder / name)
+            touched.append(old.name)
+    return touched

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from eagle3.atomic import atomic_write_text
+from eagle3.atomic import atomic_write_text, remove_leftovers
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab
 from eagle3.export import export_draft_folder, load_draft
@@ -88,12 +88,14 @@ def latest_tag(root: str | os.PathLike[str]) -> str | None:
 
 
 def remove_partial(root: str | os.PathLike[str]) -> list[str]:
-    """Delete saves that a kill interrupted (hidden ``.tmp`` folders); rank 0 only."""
+    """Delete what a kill interrupted, rank 0 only: saves in progress (hidden ``.tmp`` folders)
+    and an unfinished rewrite of ``latest`` (its hidden temporary file)."""
+    root = Path(root)
     removed = []
-    for path in sorted(Path(root).glob(".step-*.tmp")):
+    for path in sorted(root.glob(".step-*.tmp")):
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path.name)
-    return removed
+    return removed + remove_leftovers(root, [LATEST])
 
 
 def _barrier() -> None:

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from eagle3.atomic import sha256_file
+from eagle3.atomic import remove_leftovers, sha256_file
 from eagle3.checkpoint import (
     export_draft,
     latest_tag,
@@ -615,6 +615,9 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     # -- resume
     state: dict[str, Any] = {"step": 0, "epoch": 0, "batch_index": 0, "best_tau": None, "best_step": None,
                              "first_eval": None, "last_eval": None, "pinned": pinned}
+    if rt.rank == 0:  # what a kill left half-written
+        remove_leftovers(out_dir, ["best", "final", "summary.json", "metrics.jsonl", "wandb_run_id",
+                                   vocab_file.name])
     if rt.rank == 0 and resume_tag is None:  # starting over: no stale checkpoint or export survives
         for old in (ckpt_root, out_dir / "best", out_dir / "final"):
             shutil.rmtree(old, ignore_errors=True)

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from data_gen.harvest import run as harvest
+from eagle3.atomic import atomic_dir, remove_leftovers
 from eagle3.checkpoint import LATEST, load_exported_draft, read_draft_vocab
 from eagle3.config import HarvestConfig, TargetConfig, TrainConfig
 from eagle3.draft import DraftConfig, Eagle3Draft
@@ -383,6 +384,8 @@ def test_kill_9_mid_training_then_resume_gives_the_same_losses(tiny: dict, tmp_p
         proc.wait()
         assert not (killed / "summary.json").exists(), "the run finished before it was killed"
     (killed / "checkpoints" / ".step-00000099.tmp").mkdir()  # what a kill during a save leaves
+    (killed / "checkpoints" / f".{LATEST}.x1y2z3.tmp").write_text("step-")  # ... or during `latest`'s rewrite
+    (killed / ".best.q1w2e3.tmp").mkdir()  # ... or during an export of the best draft
     done = subprocess.run([*cli, *_cli(tiny, killed)], cwd=REPO, env=_env(), check=True, capture_output=True,
                           text=True)
     resumed = json.loads(done.stdout.strip().splitlines()[-1])["resumed_from_step"]
@@ -391,8 +394,26 @@ def test_kill_9_mid_training_then_resume_gives_the_same_losses(tiny: dict, tmp_p
     for name in ("final", "best"):
         weights = name + "/model.safetensors"
         assert (killed / weights).read_bytes() == (straight / weights).read_bytes()
-    assert not list((killed / "checkpoints").glob(".*tmp"))
+    assert not list((killed / "checkpoints").glob(".*tmp")) and not list(killed.glob(".*tmp"))
     assert len(list((killed / "checkpoints").glob("step-*"))) == 2  # keep_checkpoints
+
+
+def test_leftovers_of_a_kill_are_removed_and_a_half_replaced_folder_gets_its_old_version(tmp_path: Path) -> None:
+    for name in ("best", "final"):
+        with atomic_dir(tmp_path / name) as tmp:
+            (tmp / "w").write_text(f"old {name}")
+    # killed inside a second atomic_dir: `best` between its two renames, `final` after both
+    (tmp_path / "best").rename(tmp_path / ".best.old")
+    (tmp_path / ".final.old").mkdir()
+    for leftover in (".best.a1.tmp", ".final.b2.tmp"):
+        (tmp_path / leftover).mkdir()
+    (tmp_path / ".summary.json.c3.tmp").write_text("{")
+    (tmp_path / ".unrelated.d4.tmp").write_text("not ours")
+    touched = remove_leftovers(tmp_path, ["best", "final", "summary.json"])
+    assert sorted(touched) == [".best.a1.tmp", ".best.old", ".final.b2.tmp", ".final.old", ".summary.json.c3.tmp"]
+    assert (tmp_path / "best" / "w").read_text() == "old best"
+    assert (tmp_path / "final" / "w").read_text() == "old final"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".unrelated.d4.tmp", "best", "final"]
 
 
 def _two_processes(tiny: dict, out: Path, *extra: str) -> None:
