@@ -199,24 +199,6 @@ class ChatFormat:
                 mask[last_token + 1] = 1
         return ids, mask
 
-    def rewrites_earlier_turns(self) -> bool:
-        """True when rendering a whole conversation does not give, before each reply, the prompt
-        the target was given to write it.
-
-        Reasoning templates (e.g. Qwen3) drop the ``<think>`` block of earlier replies, and
-        Mistral's writes the system prompt into the last user turn only, so the context the
-        target saw while writing a turn is not a prefix of the full conversation's rendering;
-        such conversations are trained on one turn at a time.
-        """
-        reply = "<think>\nEAGLE3REASONING\n</think>\n\nEAGLE3ANSWER"
-        messages = [{"role": "system", "content": "EAGLE3SYSTEM"}, {"role": "user", "content": "hi"},
-                    {"role": "assistant", "content": reply}, {"role": "user", "content": "again"},
-                    {"role": "assistant", "content": "last"}]
-        try:
-            return not self.history_is_context(messages)
-        except ChatFormatError:  # no system role (Gemma 2): probe without one
-            return not self.history_is_context(messages[1:])
-
     def end_of_turn_id(self) -> int | None:
         """The special token the template writes right after an assistant message, if any.
 

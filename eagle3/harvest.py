@@ -64,12 +64,12 @@ def tokenize_records(records: Sequence[dict[str, Any]], chat: ChatFormat, max_se
                      counts: Counter[str]) -> list[tuple[str, list[int], list[int]]]:
     """(id, input_ids, loss_mask) per usable sample, in order; truncations and skips counted.
 
-    A one-reply record, and a per-turn sample of regeneration (``generation.turn_index``), is
-    the reply as the target saw and wrote it (:meth:`ChatFormat.tokenize_reply`: its generation
-    prompt, its generated ids, its stop). A multi-turn record is one sample when the template
-    renders its history as the target saw it (:meth:`ChatFormat.history_is_context`), else one
-    sample per reply (``<id>-t<k>``, as :func:`eagle3.regenerate.per_turn_samples`). User turns
-    after the last reply are dropped (nothing in them is trained)."""
+    A one-reply record is the reply as the target saw and wrote it (:meth:`ChatFormat.tokenize_reply`:
+    its generation prompt, its generated ids, its stop). A multi-turn record is one sample when the
+    template renders its history as the target saw it (:meth:`ChatFormat.tokenize_conversation`),
+    else one sample per reply, ``<id>-t<k>``, each built like a one-reply record. User turns after
+    the last reply are dropped (nothing in them is trained). A per-turn sample that an earlier
+    version's regeneration wrote (``generation.turn_index``) is its last reply's sample."""
     out = []
     for record in records:
         messages, generation = record["messages"], record.get("generation") or {}

@@ -201,28 +201,12 @@ def _iter_parts(out_dir: Path, batches: int) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
 
 
-def per_turn_samples(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """One sample per assistant turn: the conversation up to and including that turn.
-
-    For chat templates that rewrite earlier assistant turns when a later one follows
-    (e.g. dropping their reasoning blocks), the tokens the target saw while writing turn k
-    are those of the conversation cut after turn k, so each turn is trained on alone.
-    """
-    messages, turns = record["messages"], record["generation"]["turns"]
-    ends = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if len(ends) <= 1:
-        return [record]
-    return [{**record, "id": f"{record['id']}-t{k}", "messages": messages[: end + 1],
-             "generation": {**record["generation"], "turns": [turns[k]], "turn_index": k}}
-            for k, end in enumerate(ends)]
-
-
-def assemble(out_dir: Path, batches: int, per_turn: bool = False) -> dict[str, int]:
+def assemble(out_dir: Path, batches: int) -> dict[str, int]:
     """Write ``DIR/dataset/regenerated.jsonl`` from the parts, atomically; returns the counts.
 
-    With ``per_turn``, multi-turn records become one sample per assistant turn (:func:`per_turn_samples`).
-    """
-    counts = {"records": 0, "samples": 0, "skipped_records": 0, "truncated_records": 0, "dropped_turns": 0,
+    Records stay whole: the harvest decides, per record, whether a multi-turn conversation is one
+    sample or one per reply (:func:`eagle3.harvest.tokenize_records`)."""
+    counts = {"records": 0, "skipped_records": 0, "truncated_records": 0, "dropped_turns": 0,
               "turns": 0, "finish_stop": 0, "finish_length": 0, "new_tokens": 0}
     with atomic_dir(out_dir / DATASET) as tmp, open(tmp / STORE, "w", encoding="utf-8") as store:
         for record in _iter_parts(out_dir, batches):
@@ -237,9 +221,7 @@ def assemble(out_dir: Path, batches: int, per_turn: bool = False) -> dict[str, i
             for turn in gen["turns"]:
                 counts[f"finish_{turn['finish_reason']}"] += 1
                 counts["new_tokens"] += turn["new_tokens"]
-            for sample in per_turn_samples(record) if per_turn else [record]:
-                counts["samples"] += 1
-                store.write(_dumps(sample) + "\n")
+            store.write(_dumps(record) + "\n")
     return counts
 
 
@@ -272,8 +254,7 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
         todo = [b for b in range(batches) if not part_path(out_dir, b).exists()]
         generator, chat, dtype = make_backend(cfg, target_cfg, target)
         settings |= {"dtype": dtype, "chat_template_sha256": chat.template_sha256,
-                     "chat_template_source": chat.template_source,
-                     "per_turn_samples": chat.rewrites_earlier_turns()}
+                     "chat_template_source": chat.template_source}
         check_manifest(out_dir, settings)
         write_manifest(out_dir, settings, len(records), batches)
         sampling = cfg.sampling
@@ -295,7 +276,7 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
                 atomic_write_text(part_path(out_dir, b), "".join(line + "\n" for line in lines))
                 bar.set_postfix_str(f"{generated / gen_seconds:.1f} tok/s")
                 bar.update(1)
-        counts = assemble(out_dir, batches, per_turn=settings["per_turn_samples"])
+        counts = assemble(out_dir, batches)
         summary = {
             "stage": "regenerate", "out": str(out_dir / DATASET / STORE), "target": target_cfg.name_or_path,
             "pool_records": len(records), "batches": batches, "batches_run": len(todo), **counts,

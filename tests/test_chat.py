@@ -176,8 +176,8 @@ DROPS_ALL_REASONING = (
 
 def test_a_reply_the_template_rewrites_is_harvested_as_the_target_wrote_it() -> None:
     chat = ChatFormat.for_tokenizer(tiny_tokenizer(DROPS_ALL_REASONING))
-    assert chat.rewrites_earlier_turns()
     conversation = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>r</think>x"}]
+    assert not chat.history_is_context(conversation)
     with pytest.raises(ChatFormatError, match="rewrites it"):  # the rendering has lost the reasoning
         chat.tokenize_conversation(conversation)
     ids, mask = chat.tokenize_reply(conversation)
@@ -227,12 +227,5 @@ def test_history_is_context_per_conversation() -> None:
              {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "No"}]
     assert chat.history_is_context(turns)  # without a system prompt the rendering is the context
     assert not chat.history_is_context([{"role": "system", "content": "Be brief."}, *turns])
-
-
-def test_templates_whose_history_is_not_the_generation_context_are_flagged() -> None:
-    assert ChatFormat.for_tokenizer(tiny_tokenizer(SYSTEM_IN_LAST_USER)).rewrites_earlier_turns()
-    assert not ChatFormat.for_tokenizer(tiny_tokenizer()).rewrites_earlier_turns()
-    no_system = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}"
-                 "<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>"
-                 "{% endif %}")
-    assert not ChatFormat.for_tokenizer(tiny_tokenizer(no_system)).rewrites_earlier_turns()
+    assert ChatFormat.for_tokenizer(tiny_tokenizer()).history_is_context(
+        [{"role": "system", "content": "Be brief."}, *turns])

@@ -184,14 +184,14 @@ def test_reasoning_templates_train_each_turn_once_in_the_context_the_target_saw(
     them), and a multi-turn record that did not come through regeneration is split the same way."""
     from collections import Counter
 
-    from eagle3.regenerate import per_turn_samples
     from tests.conftest import tiny_tokenizer
     from tests.test_regenerate import THINK_DROPPING_TEMPLATE
 
     chat = ChatFormat.for_tokenizer(tiny_tokenizer(THINK_DROPPING_TEMPLATE))
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>r</think>x"},
                 {"role": "user", "content": "b"}, {"role": "assistant", "content": "<think>s</think>y"}]
-    regenerated = per_turn_samples({"id": "r0", "messages": messages, "generation": {"turns": [{}, {}]}})
+    regenerated = [{"id": f"r0-t{k}", "messages": messages[: 2 * k + 2], "generation": {"turns": [{}], "turn_index": k}}
+                   for k in range(2)]  # as an earlier version's regeneration split it
     plain = {"id": "p0", "messages": messages}
     counts: Counter[str] = Counter()
     out = harvest.tokenize_records([*regenerated, plain], chat, 4096, counts)

@@ -236,22 +236,32 @@ THINK_DROPPING_TEMPLATE = (  # like reasoning templates: earlier replies lose th
 )
 
 
-def test_templates_that_rewrite_earlier_turns_give_one_sample_per_turn(tmp_path: Path) -> None:
-    plain = lively_target()
-    assert not ChatFormat.for_tokenizer(plain.tokenizer).rewrites_earlier_turns()
-    thinking = lively_target(chat_template=THINK_DROPPING_TEMPLATE)
-    assert ChatFormat.for_tokenizer(thinking.tokenizer).rewrites_earlier_turns()
+def test_records_stay_whole_and_the_harvest_splits_those_the_template_rewrites(tmp_path: Path) -> None:
+    from collections import Counter
 
+    from eagle3.harvest import tokenize_records
+
+    thinking = lively_target(chat_template=THINK_DROPPING_TEMPLATE)
     pool = _write_pool(tmp_path / "pool.jsonl", [[_user("a"), _assistant("x"), _user("b")], [_user("solo")]])
     cfg = RegenerateConfig(pool=str(pool), out_dir=str(tmp_path / "out"), batch_size=2, max_new_tokens=5)
     summary = run(cfg, TargetConfig(name_or_path="thinking"), progress=False, target=thinking)
     rows = [json.loads(line) for line in (tmp_path / "out/dataset/regenerated.jsonl").read_text().splitlines()]
-    assert (summary["records"], summary["samples"]) == (2, 3)
-    assert [r["id"] for r in rows] == ["r0-t0", "r0-t1", "r1"]
-    assert [m["role"] for m in rows[0]["messages"]] == ["user", "assistant"]
-    assert rows[1]["messages"][:2] == rows[0]["messages"]  # turn 2's sample starts with turn 1 as generated
-    assert [r["generation"].get("turn_index") for r in rows] == [0, 1, None]
-    assert json.loads((tmp_path / "out/manifest.json").read_text())["settings"]["per_turn_samples"] is True
+    assert summary["records"] == 2 and [r["id"] for r in rows] == ["r0", "r1"]
+    assert [m["role"] for m in rows[0]["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert len(rows[0]["generation"]["turns"]) == 2
+    chat = ChatFormat.for_tokenizer(thinking.tokenizer)
+    # the decision is the harvest's, per record: replies without reasoning render as they were seen ...
+    plain = [r for r in rows if "</think>" not in json.dumps(r["messages"])]
+    assert [name for name, _, _ in tokenize_records(plain, chat, 4096, Counter())] == [r["id"] for r in plain]
+    # ... and a first reply with reasoning is rewritten once a later one follows: one sample per reply
+    messages = [dict(m) for m in rows[0]["messages"]]
+    messages[1]["content"] = "<think>q</think>" + messages[1]["content"]
+    reasoned = {**rows[0], "messages": messages}
+    samples = tokenize_records([reasoned], chat, 4096, Counter())
+    assert [name for name, _, _ in samples] == ["r0-t0", "r0-t1"]
+    ids, mask = samples[1][1], samples[1][2]
+    assert "<think>" not in thinking.tokenizer.decode(ids)  # turn 2 in the context the target saw: no old reasoning
+    assert sum(mask) > 0 and not any(mask[: len(chat.prompt_ids(reasoned["messages"][:3]))])
 
 
 def test_pool_rows_are_validated_with_file_and_line(target: Target, tmp_path: Path) -> None:
