@@ -27,7 +27,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from eagle3.nvfp4 import load_emulated, nvfp4_quantization
-from eagle3.target_source import ResolvedTarget, TargetSourceError, resolve_target
+from eagle3.target_source import TargetSourceError, resolve_target
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -269,7 +269,8 @@ def load_target(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     where = resolved.location
-    _require_safetensors(resolved)
+    if resolved.kind == "folder":  # the embedded and GGUF targets are converted to safetensors; the hub's
+        _require_safetensors(Path(where))  # are asked for with use_safetensors=True
     try:
         if resolved.kind == "folder" and nvfp4_quantization(where) is not None:
             model = load_emulated(where, dtype=torch_dtype, mode=nvfp4_mode, attn_implementation=attn_implementation)
@@ -315,7 +316,7 @@ def load_target_head(
     resolved = resolve_target(name_or_path, home)
     torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
     where = _head_files(resolved.location, trust_remote_code) if resolved.kind == "hub" else resolved.location
-    _require_safetensors(resolved, where)
+    _require_safetensors(Path(where))
     try:
         config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
         if hasattr(config, "quantization_config"):  # the head is read as stored; nothing to quantize
@@ -366,9 +367,8 @@ def _model_class(config: Any) -> Any:
     return AutoModelForImageTextToText if "AutoModelForImageTextToText" in auto_map else AutoModelForCausalLM
 
 
-def _require_safetensors(resolved: ResolvedTarget, where: str | None = None) -> None:
-    folder = Path(where or resolved.location)
-    if (resolved.kind == "folder" or where is not None) and not any(folder.glob("*.safetensors")):
+def _require_safetensors(folder: Path) -> None:
+    if not any(folder.glob("*.safetensors")):
         pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
         detail = f"only pickled weights ({', '.join(pickled)})" if pickled else "no weights"
         raise TargetLoadError(
