@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from filelock import FileLock, Timeout
 
-from eagle3.atomic import atomic_write_text, sha256_file
+from eagle3.atomic import atomic_write_text, remove_leftovers, sha256_file
 from eagle3.chat import ChatFormat, ChatFormatError
 from eagle3.config import HarvestConfig, TargetConfig
 from eagle3.fingerprint import tokenizer_fingerprint, weights_fingerprint
@@ -194,6 +194,7 @@ def _check_plan(out_dir: Path, plan: dict[str, Any]) -> None:
     if not path.is_file():
         atomic_write_text(path, json.dumps(plan, indent=2) + "\n")
         return
+    remove_leftovers(out_dir, [PLAN])  # of a run killed while writing it (once it exists, no one writes it)
     saved = json.loads(path.read_text())
     for section in ("spec", "settings", "data_sha256"):
         old, new = saved.get(section), plan[section]
@@ -308,6 +309,7 @@ def finalize(out_dir: Path, spec: HarvestSpec, plan: list[tuple[int, int]], leng
     with FileLock(str(out_dir / ".manifest.lock")):
         if (out_dir / "manifest.json").is_file():
             return read_manifest(out_dir)
+        remove_leftovers(out_dir, ["manifest.json"])  # of a run killed while writing it
         shards = []
         for j, (a, b) in enumerate(plan):
             path = out_dir / shard_name(j)
