@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from data_gen.sources import SOURCES, Prompt, read_source, wheel_of
-from eagle3.atomic import atomic_dir, sha256_file
+from eagle3.atomic import atomic_dir, check_replaceable, holds_only, sha256_file
 from eagle3.config import PoolsConfig
 from eagle3.conversations import (
     ConversationError,
@@ -96,8 +96,12 @@ def _user_file_prompts(cfg: PoolsConfig, skips: Counter[str]) -> Iterable[Prompt
             print(f"skipped {line}")
 
 
+_EARLIER_POOL = holds_only("train.jsonl", "val.jsonl", "eval", "manifest.json")
+
+
 def build_pools(cfg: PoolsConfig) -> dict[str, Any]:
     started = time.perf_counter()
+    check_replaceable(cfg.out_dir, _EARLIER_POOL)
     skips: Counter[str] = Counter()
     options: dict[str, dict[str, Any]] = {
         "sharegpt": {"max_user_turns": cfg.max_user_turns},
@@ -170,7 +174,7 @@ def build_pools(cfg: PoolsConfig) -> dict[str, Any]:
         "seconds": round(time.perf_counter() - started, 1),
     }
     out = Path(cfg.out_dir)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, replaces=_EARLIER_POOL) as tmp:
         _write_jsonl(tmp / "train.jsonl", train)
         _write_jsonl(tmp / "val.jsonl", val)
         for name, records in eval_sets.items():
@@ -183,7 +187,10 @@ def pools_config_of(where: PoolsConfig | str | Path) -> dict[str, Any] | None:
     """The config a pool is built from, as plain data: of a config, or of a built pool folder
     (None when the folder holds no complete pool)."""
     if isinstance(where, PoolsConfig):
-        return json.loads(json.dumps(dataclasses.asdict(where)))
+        config = json.loads(json.dumps(dataclasses.asdict(where)))
+        for spec in config["user_files"]:  # an edited user file makes another pool
+            spec["sha256"] = sha256_file(spec["path"]) if Path(spec["path"]).is_file() else None
+        return config
     manifest = Path(where) / "manifest.json"
     return json.loads(manifest.read_text())["config"] if manifest.is_file() else None
 
@@ -253,7 +260,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--per-generator", type=int, default=PoolsConfig.per_generator)
     args = parser.parse_args(argv)
-    manifest = build_pools(PoolsConfig(out_dir=args.out, seed=args.seed, per_generator=args.per_generator))
+    if args.per_generator < 1:
+        parser.error(f"--per-generator must be >= 1, got {args.per_generator}")
+    try:
+        manifest = build_pools(PoolsConfig(out_dir=args.out, seed=args.seed, per_generator=args.per_generator))
+    except FileExistsError as err:
+        parser.error(str(err))
     print(format_counts(manifest))
     print(f"written to {args.out}")
 

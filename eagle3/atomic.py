@@ -12,7 +12,7 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -63,13 +63,17 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
+def atomic_dir(path: str | os.PathLike[str], *,
+               replaces: Callable[[Path], bool] | None = None) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it is renamed to ``path``.
 
     On any error the temporary folder is removed and ``path`` is left untouched. An
-    existing ``path`` is replaced only after the new folder is complete.
+    existing ``path`` is replaced only after the new folder is complete. ``replaces``: for
+    folders a user names (an ``--out``), see :func:`check_replaceable`.
     """
     path = Path(path)
+    if replaces is not None:
+        check_replaceable(path, replaces)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the final folder gets the usual mode
@@ -114,3 +118,20 @@ def remove_leftovers(folder: str | os.PathLike[str], names: list[str]) -> list[s
                 os.replace(old, folder / name)
             touched.append(old.name)
     return touched
+
+
+def check_replaceable(path: str | os.PathLike[str], replaces: Callable[[Path], bool]) -> None:
+    """Raise FileExistsError unless ``path`` is absent, an empty folder, or a folder that
+    ``replaces`` says is an earlier output of the same writer: a mistyped ``--out`` must never
+    delete a user's file or folder. Writers call it again before their work, to fail early."""
+    path = Path(path)
+    if not (path.exists() or path.is_symlink()):
+        return
+    if not path.is_dir() or path.is_symlink() or (any(path.iterdir()) and not replaces(path)):
+        raise FileExistsError(f"{path} exists and is not an earlier output of this command; "
+                              "choose another output path, or delete it first")
+
+
+def holds_only(*names: str) -> Callable[[Path], bool]:
+    """A ``replaces`` test for :func:`atomic_dir`: the folder holds nothing but these names."""
+    return lambda folder: all(child.name in names for child in folder.iterdir())

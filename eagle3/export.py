@@ -47,7 +47,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from eagle3.atomic import atomic_dir
+from eagle3.atomic import atomic_dir, holds_only
 from eagle3.draft import DraftConfig, Eagle3Draft
 
 FORMATS = ("vllm", "speculators", "sglang")
@@ -242,7 +242,7 @@ def export_draft_folder(out: str | os.PathLike[str], state: dict[str, Tensor], c
                                  verifier_architectures=verifier_architectures,
                                  speculative_tokens=speculative_tokens, torch_dtype=dtype)
     tensors = engine_tensors(state, fmt, DTYPES[dtype])
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, replaces=holds_only("model.safetensors", "config.json", OUR_META)) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         if meta is not None:

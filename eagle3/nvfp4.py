@@ -30,11 +30,15 @@ import torch
 from torch import Tensor, nn
 
 from eagle3 import fp4
-from eagle3.atomic import atomic_dir
+from eagle3.atomic import atomic_dir, check_replaceable
 
 FORMAT = "nvfp4-pack-quantized"
 MODES = ("w4a4", "w4a16")
 REPORT_FILE = "eagle3_nvfp4.json"
+
+
+def _is_earlier_conversion(folder: Path) -> bool:
+    return (folder / REPORT_FILE).is_file()
 
 
 class NVFP4Error(ValueError):
@@ -176,6 +180,7 @@ def convert(src: str, out: str | Path, *, mode: str = "w4a4", calibration: Seque
         raise NVFP4Error(f"mode={mode!r}: expected one of {', '.join(MODES)}")
     if mode == "w4a4" and not calibration:
         raise NVFP4Error("w4a4 needs calibration conversations for the activation scales")
+    check_replaceable(out, _is_earlier_conversion)
     model, tokenizer, folder = load_source(src, dtype)
     linears = quantizable_linears(model, ignore)
     # w4a16 needs no activation ranges, but one forward still shows which Linears share an input
@@ -220,7 +225,7 @@ def convert(src: str, out: str | Path, *, mode: str = "w4a4", calibration: Seque
         **(extra or {}),
     }
     out = Path(out)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, replaces=_is_earlier_conversion) as tmp:
         split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_bytes)
         for filename, keys in split.filename_to_tensors.items():
             save_file({k: state[k] for k in keys}, tmp / filename, metadata={"format": "pt"})

@@ -218,6 +218,25 @@ def test_conversion_cli_chains_formats(tmp_path: Path) -> None:
     assert propose(back.draft, embedding) == propose(draft, embedding)
 
 
+def test_an_out_path_that_is_not_an_earlier_export_is_never_replaced(tmp_path: Path, capsys) -> None:
+    draft = make_draft()
+    earlier = export_draft_folder(tmp_path / "d", draft.state_dict(), draft.config, AUX, meta={"step": 1})
+    export_draft_folder(earlier, draft.state_dict(), draft.config, AUX, meta={"step": 2})  # its own: replaced
+    assert json.loads((earlier / "draft.json").read_text())["step"] == 2
+    run = tmp_path / "run"  # a training run's folder, given as --out by mistake
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for out in (run, afile):
+        with pytest.raises(FileExistsError, match="not an earlier output"):
+            export_draft_folder(out, draft.state_dict(), draft.config, AUX)
+        assert main(["--draft", str(earlier), "--out", str(out)]) != 0
+        assert str(out) in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl"]
+    assert afile.read_text() == "mine" and not list(tmp_path.glob(".*"))
+
+
 def test_bad_folders_fail_naming_the_file_or_key(tmp_path: Path) -> None:
     draft = make_draft()
     good = export_draft_folder(tmp_path / "good", draft.state_dict(), draft.config, AUX)

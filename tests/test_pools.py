@@ -112,6 +112,20 @@ def test_user_files_join_the_pool(tmp_path: Path, fake: None) -> None:
     train = read_jsonl(tmp_path / "p" / "train.jsonl") + read_jsonl(tmp_path / "p" / "val.jsonl")
     assert [r["domain"] for r in train if r["source"] == "user:mine.jsonl"] == ["coding"]
     assert manifest["skipped"][f"user file {mine}: malformed JSON"] == 1
+    assert pools.pools_config_of(tmp_path / "p") == pools.pools_config_of(cfg)  # up to date ...
+    with mine.open("a", encoding="utf-8") as f:
+        f.write('{"messages": [{"role": "user", "content": "And in C++?"}]}\n')
+    assert pools.pools_config_of(tmp_path / "p") != pools.pools_config_of(cfg)  # ... until the file changes
+
+
+def test_an_out_folder_that_is_not_a_pool_is_refused_before_any_work(tmp_path: Path, fake: None) -> None:
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="not an earlier output"):
+        build_pools(_cfg(tmp_path / "mine"))
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+    build_pools(_cfg(tmp_path / "pool"))
+    build_pools(_cfg(tmp_path / "pool"))  # an earlier pool is replaced
 
 
 @pytest.mark.integration
