@@ -38,6 +38,10 @@ from eagle3.draft_vocab import DraftVocab
 from eagle3.export import export_draft_folder, load_draft
 
 LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be resumed from; the message names the file."""
 EXPORT_FORMAT = "eagle3-draft-2"
 
 
@@ -82,7 +86,7 @@ def latest_tag(root: str | os.PathLike[str]) -> str | None:
         return None
     tag = path.read_text().strip()
     if not tag or not (Path(root) / tag).is_dir():
-        raise RuntimeError(f"{path} names {tag!r}, which is not a checkpoint folder; the checkpoint directory "
+        raise CheckpointError(f"{path} names {tag!r}, which is not a checkpoint folder; the checkpoint directory "
                            "was changed by hand (delete it to start over)")
     return tag
 
@@ -149,7 +153,13 @@ def save_checkpoint(engine: Any, root: str | os.PathLike[str], step: int, client
 def read_trainer_state(root: str | os.PathLike[str], tag: str) -> dict[str, Any]:
     """The ``readable`` part of a checkpoint (empty if it has none)."""
     path = Path(root) / tag / "trainer.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; this checkpoint is incomplete (delete {Path(root) / tag} to "
+                              "resume from an earlier one, or --no-resume to start over)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
 
 
 def _load_trainable(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
@@ -164,13 +174,20 @@ def _load_trainable(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
 
 def load_checkpoint(engine: Any, root: str | os.PathLike[str], tag: str, *, rank: int) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and this rank's RNG; returns the client state."""
-    path, client_state = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True, custom_load_fn=_load_trainable)
+    folder = Path(root) / tag
+    rng_file = folder / f"rng-rank{rank:05d}.pt"
+    if not rng_file.is_file():  # without it the resumed run would not be the uninterrupted one
+        raise CheckpointError(f"{rng_file}: missing; this checkpoint is incomplete (delete {folder} to resume "
+                              "from an earlier one, or --no-resume to start over)")
+    try:
+        path, client_state = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+                                                    load_lr_scheduler_states=True, custom_load_fn=_load_trainable)
+    except (AssertionError, OSError, KeyError, ValueError) as err:  # DeepSpeed's own checks are asserts
+        raise CheckpointError(f"{folder}: DeepSpeed could not load this checkpoint ({type(err).__name__}: "
+                              f"{err or 'a file is missing'}); delete it to resume from an earlier one") from err
     if path is None:
-        raise RuntimeError(f"{Path(root) / tag}: DeepSpeed could not load this checkpoint")
-    rng_file = Path(root) / tag / f"rng-rank{rank:05d}.pt"
-    if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=True))
+        raise CheckpointError(f"{folder}: DeepSpeed could not load this checkpoint")
+    set_rng_state(torch.load(rng_file, weights_only=True))
     return client_state
 
 
@@ -220,7 +237,7 @@ def write_draft_vocab(path: str | os.PathLike[str], vocab: DraftVocab) -> None:
 
 
 __all__ = [
-    "EXPORT_FORMAT", "LATEST", "export_draft", "latest_tag", "load_checkpoint", "load_exported_draft",
-    "read_draft_vocab", "read_trainer_state", "remove_partial", "rng_state", "save_checkpoint", "set_rng_state",
-    "tag_of", "write_draft_vocab",
+    "EXPORT_FORMAT", "LATEST", "CheckpointError", "export_draft", "latest_tag", "load_checkpoint",
+    "load_exported_draft", "read_draft_vocab", "read_trainer_state", "remove_partial", "rng_state", "save_checkpoint",
+    "set_rng_state", "tag_of", "write_draft_vocab",
 ]

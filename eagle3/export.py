@@ -283,18 +283,26 @@ def detect_format(cfg: dict[str, Any], path: Path) -> str:
 
 
 def _aux_ids(cfg: dict[str, Any], fmt: str, path: Path) -> tuple[int, ...] | None:
-    """The aux ids in our terms (input of layer i), from where the format keeps them."""
-    marker = cfg.get(MARKER)
-    if isinstance(marker, dict) and marker.get("aux_layer_ids"):
-        return tuple(sorted(int(i) for i in marker["aux_layer_ids"]))
+    """The aux ids in our terms (input of layer i), from where the format keeps them; places
+    that disagree are refused (an engine would feed whichever one it reads)."""
+    shift = 1 if fmt == "sglang" else 0  # SGLang adds 1 to the ids it is given
     eagle = cfg.get("eagle_config") or {}
-    if fmt == "sglang":
-        ids = eagle.get("eagle_aux_hidden_state_layer_ids") or cfg.get("eagle_aux_hidden_state_layer_ids")
-        return None if not ids else tuple(sorted(int(i) + 1 for i in ids))
-    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
-    if ids is not None and not isinstance(ids, list):
-        raise DraftFormatError(f"{path}: eagle_aux_hidden_state_layer_ids={ids!r} is not a list")
-    return None if not ids else tuple(sorted(int(i) for i in ids))
+    marker = cfg.get(MARKER)
+    places = {"eagle_aux_hidden_state_layer_ids": (cfg.get("eagle_aux_hidden_state_layer_ids"), shift),
+              "eagle_config.eagle_aux_hidden_state_layer_ids": (eagle.get("eagle_aux_hidden_state_layer_ids"), shift),
+              f"{MARKER}.aux_layer_ids": (marker.get("aux_layer_ids") if isinstance(marker, dict) else None, 0)}
+    found: dict[str, tuple[int, ...]] = {}
+    for key, (ids, add) in places.items():
+        if ids is None or ids == []:
+            continue
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise DraftFormatError(f"{path}: {key}={ids!r} is not a list of integers")
+        found[key] = tuple(sorted(i + add for i in ids))
+    if len(set(found.values())) > 1:
+        raise DraftFormatError(f"{path}: the aux layer ids disagree ("
+                               + ", ".join(f"{key}={list(ids)}" for key, ids in found.items())
+                               + (" in our terms, SGLang's +1 undone" if shift else "") + "); fix config.json")
+    return next(iter(found.values()), None)
 
 
 def draft_config_from_json(cfg: dict[str, Any], fmt: str, path: Path, num_aux_layers: int | None) -> DraftConfig:
@@ -463,11 +471,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated ids, for a draft folder that names none (engine defaults)")
     parser.add_argument("--speculative-tokens", type=int, default=3)
     args = parser.parse_args(argv)
+    if args.speculative_tokens < 1:
+        parser.error(f"--speculative-tokens must be >= 1, got {args.speculative_tokens}")
     try:
         loaded = load_draft(args.draft, args.from_format)
         ids = loaded.aux_layer_ids
         if args.aux_layer_ids:
-            ids = tuple(int(i) for i in args.aux_layer_ids.split(","))
+            try:
+                given = tuple(int(i) for i in args.aux_layer_ids.split(","))
+            except ValueError:
+                parser.error(f"--aux-layer-ids={args.aux_layer_ids!r}: expected comma-separated integers")
+            if ids is not None and given != ids:  # relabelling would make the engine feed other layers
+                raise DraftFormatError(f"{args.draft}: trained on aux layers {list(ids)}; --aux-layer-ids "
+                                       f"{list(given)} is only for a folder that names none")
+            ids = given
         if ids is None:
             raise DraftFormatError(f"{args.draft}: names no aux layer ids; pass --aux-layer-ids (the target's "
                                    "default is 2,N//2,N-3 for N decoder layers)")

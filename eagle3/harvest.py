@@ -228,6 +228,9 @@ def run(cfg: HarvestConfig, target_cfg: TargetConfig, *, target: Target | None =
     spec, chat, backend = _spec_and_backend(cfg, target_cfg, target)
     counts: Counter[str] = Counter(records=len(records))
     samples = tokenize_records(records, chat, cfg.max_seq_len, counts)
+    if not samples:
+        raise HarvestError(f"{data}: no sample to harvest ({len(records)} records, {dict(counts)}); a record needs an "
+                           "assistant reply to train on (regenerate the pool first)")
     lengths = [len(ids) for _, ids, _ in samples]
     plan = shard_plan(lengths, bytes_per_token(spec), int(cfg.max_shard_mb * 2**20))
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("data", "out_dir", "shard", "threads")}
@@ -308,7 +311,13 @@ def finalize(out_dir: Path, spec: HarvestSpec, plan: list[tuple[int, int]], leng
         return None
     with FileLock(str(out_dir / ".manifest.lock")):
         if (out_dir / "manifest.json").is_file():
-            return read_manifest(out_dir)
+            manifest = read_manifest(out_dir)
+            for entry in manifest["shards"]:  # a cheap look; `harvest verify` checks every byte
+                path = out_dir / entry["file"]
+                if not path.is_file() or path.stat().st_size != entry["bytes"]:
+                    raise HarvestError(f"{path}: missing or not the size the manifest records (changed since the "
+                                       "harvest); delete it and manifest.json, then rerun to harvest it again")
+            return manifest
         remove_leftovers(out_dir, ["manifest.json"])  # of a run killed while writing it
         shards = []
         for j, (a, b) in enumerate(plan):

@@ -369,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from eagle3.target import resolve_dtype
-    from eagle3.target_source import resolve_target
+    from eagle3.target_source import TargetSourceError, resolve_target
 
     parser = argparse.ArgumentParser(
         prog="python -m data_gen.nvfp4",
@@ -395,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = convert(args.target, args.out, mode=args.mode, calibration=calib,
                          ignore=[i for i in args.ignore.split(",") if i],
                          dtype=resolve_dtype(args.dtype, torch.device("cpu")))
-    except (NVFP4Error, OSError, ValueError) as err:
+    except (NVFP4Error, TargetSourceError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     summary = {k: report[k] for k in ("mode", "quantized_linears", "calibration_sequences", "calibration_tokens",

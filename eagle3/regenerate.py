@@ -194,6 +194,20 @@ def _dumps(record: dict[str, Any]) -> str:
     return json.dumps(record, ensure_ascii=False)
 
 
+def _part_complete(out_dir: Path, batch: int, records: int) -> bool:
+    """Whether batch ``batch``'s part is there with one line per record (written atomically, so
+    anything else was changed by hand, and that batch is generated again)."""
+    path = part_path(out_dir, batch)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    complete = lines[-1] == b"" and len(lines) - 1 == records and all(line.strip() for line in lines[:-1])
+    if not complete:
+        print(f"regenerate: {path} does not hold its {records} records; generating that batch again", file=sys.stderr)
+    return complete
+
+
 def _iter_parts(out_dir: Path, batches: int) -> Iterator[dict[str, Any]]:
     for b in range(batches):
         with open(part_path(out_dir, b), encoding="utf-8") as f:
@@ -240,6 +254,8 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
     pool, out_dir = Path(cfg.pool), Path(cfg.out_dir)
     pool_sha256 = sha256_file(pool)
     records = read_pool(pool, cfg.limit)
+    if not records:
+        raise RegenerateError(f"{pool}: no records to regenerate")
     batches = -(-len(records) // cfg.batch_size)
     settings = manifest_settings(cfg, target_cfg, pool_sha256)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -251,7 +267,8 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
     try:
         check_manifest(out_dir, settings)  # fail fast, before loading the target
         _remove_stale_temps(out_dir)
-        todo = [b for b in range(batches) if not part_path(out_dir, b).exists()]
+        size = cfg.batch_size
+        todo = [b for b in range(batches) if not _part_complete(out_dir, b, len(records[b * size:(b + 1) * size]))]
         generator, chat, dtype = make_backend(cfg, target_cfg, target)
         settings |= {"dtype": dtype, "chat_template_sha256": chat.template_sha256,
                      "chat_template_source": chat.template_source}

@@ -181,6 +181,8 @@ def write_manifest(root: Path, spec: HarvestSpec, shards: list[dict[str, Any]], 
 
 def read_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(root) / MANIFEST
+    if not Path(root).is_dir():
+        raise StoreError(f"{root}: no such store (a folder written by the harvest)")
     if not path.is_file():
         raise StoreError(f"{path}: missing; the harvest has not finished (rerun it to complete the store)")
     try:

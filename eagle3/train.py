@@ -54,6 +54,7 @@ from torch import Tensor, nn
 
 from eagle3.atomic import remove_leftovers, sha256_file
 from eagle3.checkpoint import (
+    CheckpointError,
     export_draft,
     latest_tag,
     load_checkpoint,
@@ -68,7 +69,8 @@ from eagle3.draft import DraftConfig, Eagle3Draft, trainable_parameter_count
 from eagle3.draft_vocab import DraftVocab, select_draft_vocab
 from eagle3.home import eagle3_home
 from eagle3.shards import HarvestStore, StoreError, StoreUnion, open_stores
-from eagle3.target import LogitTransform, Target, load_target_head
+from eagle3.target import LogitTransform, Target, TargetLoadError, load_target_head
+from eagle3.target_source import TargetSourceError
 from eagle3.train_data import (
     epoch_batches,
     eval_batches_for_rank,
@@ -434,7 +436,8 @@ def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore | Sto
     keys = ("batching", "micro_batch_tokens", "gradient_accumulation", "seed", "eval_fraction", "ttt_steps",
             "init_draft", "num_layers", "draft_intermediate_size", "draft_num_attention_heads",
             "draft_num_key_value_heads", "draft_head_dim", "draft_rope", "draft_variant", "zero_stage", "precision",
-            "freeze_lm_head", "optimizer", "muon_momentum", "lm_head_init", "step_decay")
+            "freeze_lm_head", "optimizer", "muon_momentum", "lm_head_init", "step_decay", "draft_vocab_size",
+            "draft_vocab")
     pinned = {f"train.{k}": getattr(cfg, k) for k in keys}
     weights = sha256_file(Path(cfg.sample_weights)) if cfg.sample_weights else None
     return {**pinned, "world_size": world_size, "store.samples": len(store),
@@ -470,6 +473,20 @@ def _load_target(target_cfg: TargetConfig, aux_layer_ids: Sequence[int]) -> Targ
     # training reads only the target's embedding, final norm and lm_head (a few GB for a 1T model)
     return load_target_head(target_cfg.name_or_path, dtype=target_cfg.dtype, aux_layer_ids=aux_layer_ids,
                             trust_remote_code=target_cfg.trust_remote_code, architecture=target_cfg.architecture)
+
+
+def _check_weights(target_cfg: TargetConfig, spec: Any) -> None:
+    """The store's states must come from these weights: a sibling checkpoint with the same
+    tokenizer and shapes (base and instruct, BF16 and NVFP4) passes every other check."""
+    from eagle3.fingerprint import weights_fingerprint
+    from eagle3.target_source import resolve_target
+
+    unknown = ("in-memory", "no-local-weights")
+    mine = weights_fingerprint(resolve_target(target_cfg.name_or_path).location)
+    if mine not in unknown and spec.weights_fingerprint not in unknown and mine != spec.weights_fingerprint:
+        raise TrainError(f"target.name_or_path={target_cfg.name_or_path}: not the weights the store was harvested "
+                         f"from (the store names {spec.target}, weights fingerprint {spec.weights_fingerprint[:12]}, "
+                         f"these {mine[:12]}); train with the target that harvested it")
 
 
 def _initial_draft(folder: str, spec: Any, target: Target, embedding: Tensor) -> Eagle3Draft:
@@ -532,14 +549,30 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     try:
         store = open_stores([cfg.store, *cfg.extra_stores])
     except StoreError as err:
-        raise TrainError(f"train.extra_stores: {err}") from None
+        raise TrainError(f"train.{'extra_stores' if cfg.extra_stores else 'store'}: {err}") from None
+    if len(set(map(os.path.realpath, [cfg.store, *cfg.extra_stores]))) <= len(cfg.extra_stores):
+        raise TrainError(f"train.extra_stores={list(cfg.extra_stores)}: a store is named twice (train.store="
+                         f"{cfg.store}); its samples would count double")
     spec = store.spec
     weights_by_id = _read_sample_weights(cfg.sample_weights)
     if target is None:
         target = _load_target(target_cfg, spec.aux_layer_ids)
+        _check_weights(target_cfg, spec)
     store.check_target(target)
+    if weights_by_id and not set(weights_by_id) & set(store.sample_ids):
+        raise TrainError(f"train.sample_weights={cfg.sample_weights}: none of its ids is a sample of the training "
+                         f"store (e.g. {next(iter(weights_by_id))!r}; the store's: {store.sample_ids[0]!r})")
+    if weights_by_id and not any(weights_by_id.get(i, 1.0) > 0 for i in store.sample_ids):  # unlisted: 1
+        raise TrainError(f"train.sample_weights={cfg.sample_weights}: every sample's weight is 0; nothing to train on")
+    if unknown := len(set(weights_by_id) - set(store.sample_ids)):
+        print0(f"train.sample_weights: {unknown} of {len(weights_by_id)} ids are not samples of the training store")
     if cfg.eval_store:
-        eval_store: HarvestStore | None = HarvestStore(Path(cfg.eval_store))
+        try:
+            eval_store: HarvestStore | None = HarvestStore(Path(cfg.eval_store))
+        except StoreError as err:
+            raise TrainError(f"train.eval_store: {err}") from None
+        if not len(eval_store):
+            raise TrainError(f"train.eval_store={cfg.eval_store}: holds no sample; nothing to evaluate on")
         eval_store.check_target(target)
         if eval_store.spec.aux_layer_ids != spec.aux_layer_ids:
             raise TrainError(f"train.eval_store={cfg.eval_store}: aux_layer_ids {list(eval_store.spec.aux_layer_ids)}"
@@ -816,7 +849,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(err))
     try:
         summary = train(cfg, target_cfg)
-    except (TrainError, StoreError, ValueError, OSError) as err:
+    except (TrainError, StoreError, CheckpointError, TargetLoadError, TargetSourceError, ValueError, OSError) as err:
         print(f"train: error: {err}", file=sys.stderr)
         return 2
     print0(json.dumps(summary))

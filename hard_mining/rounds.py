@@ -45,7 +45,7 @@ import torch
 from eagle3.atomic import atomic_write_text
 from eagle3.config import HarvestConfig, MineConfig, RegenerateConfig, TargetConfig, TrainConfig
 from eagle3.conversations import iter_jsonl, take_in_turn
-from eagle3.shards import HarvestStore, open_stores
+from eagle3.shards import HarvestStore, StoreError, open_stores
 from hard_mining.score import (
     SampleScore,
     group_scores,
@@ -80,8 +80,19 @@ def read_records(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
         for where, record in iter_jsonl(Path(path)):
             if isinstance(record, Exception):
                 raise MineError(f"{where}: {record}")
+            if not isinstance(record, dict) or "id" not in record:
+                raise MineError(f"{where}: a record must be a JSON object with an \"id\"")
             out.append(record)
     return out
+
+
+def check_records_describe(store: HarvestStore, ids: set[str], key: str) -> None:
+    """Every sample of ``store`` must have its record (per-turn samples ``<id>-t<k>``, their
+    record's): else its domain is unknown and the per-domain figures mean nothing."""
+    missing = [i for i in store.sample_ids if i not in ids and i.rsplit("-t", 1)[0] not in ids]
+    if missing:
+        raise MineError(f"{key}: {len(missing)} of {len(store)} samples of {store.root} have no record there "
+                        f"(e.g. {missing[0]!r}); give the regenerated records that store was harvested from")
 
 
 def write_records(path: Path, records: Sequence[dict[str, Any]]) -> None:
@@ -183,6 +194,8 @@ def run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig
     head = target_head(target)
     records = read_records(cfg.records)
     eval_records = read_records(cfg.eval_records)
+    check_records_describe(base, {str(x["id"]) for x in records}, "mine.records")
+    check_records_describe(eval_store, {str(x["id"]) for x in eval_records}, "mine.eval_records")
     eval_sets = read_records(sorted(Path(cfg.eval_sets).glob("*.jsonl"))) if cfg.eval_sets else []
     pool = read_records([cfg.pool]) if cfg.pool else []
     run = _wandb(cfg, out)
@@ -363,6 +376,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    from eagle3.checkpoint import CheckpointError
+    from eagle3.harvest import HarvestError
+    from eagle3.target import TargetLoadError
+    from eagle3.target_source import TargetSourceError
+    from eagle3.train import TrainError
     torch.set_num_threads(args.threads)
     try:
         cfg = MineConfig(draft=args.draft, store=args.store, records=args.records, eval_store=args.eval_store,
@@ -375,7 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 batching="buckets", precision=args.precision, eval_every=0, save_every=0,
                                 progress=not args.no_progress, threads=args.threads)
         manifest = run_rounds(cfg, train_cfg, TargetConfig(name_or_path=args.target), progress=not args.no_progress)
-    except (MineError, ValueError, OSError) as err:
+    except (MineError, StoreError, TrainError, CheckpointError, HarvestError, TargetLoadError, TargetSourceError,
+            ValueError, OSError) as err:
         print(f"hard_mining: error: {err}", file=sys.stderr)
         return 2
     for entry in manifest["rounds"]:

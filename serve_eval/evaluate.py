@@ -286,11 +286,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--wandb-mode", choices=("offline", "online", "disabled"), default="offline")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    for flag in ("per_set", "max_new_tokens", "k", "topk", "budget", "threads"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        parser.error(f"--out {args.out}: exists and is not a folder")
     torch.set_num_threads(args.threads)
 
     from eagle3.chat import ChatFormat
     from eagle3.export import DraftFormatError
     from eagle3.target import TargetLoadError
+    from eagle3.target_source import TargetSourceError
 
     try:
         config = SpecConfig(args.mode, args.k, args.topk, args.budget)
@@ -298,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         target, draft = load_pair(args.draft, args.target, args.target_dtype)
         chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
         prompts = {name: read_prompts(Path(args.pools), name, args.per_set, chat) for name in args.sets.split(",")}
-    except (DraftFormatError, TargetLoadError, ValueError, OSError) as err:
+    except (DraftFormatError, TargetLoadError, TargetSourceError, ValueError, OSError) as err:
         print(f"serve_eval: error: {err}", file=sys.stderr)
         return 2
     report = evaluate(target, draft, prompts, config=config, params=params, max_new_tokens=args.max_new_tokens,

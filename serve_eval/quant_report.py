@@ -122,14 +122,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    for flag in ("per_set", "max_new_tokens", "threads"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     torch.set_num_threads(args.threads)
 
     from eagle3.chat import ChatFormat
     from eagle3.fingerprint import tokenizer_fingerprint
-    from eagle3.target import load_target
+    from eagle3.target import TargetLoadError, load_target
+    from eagle3.target_source import TargetSourceError
 
-    reference = load_target(args.reference, dtype="float32", device="cpu")
-    quantized = load_target(args.quantized, dtype="float32", device="cpu", nvfp4_mode=args.quantized_mode)
+    try:
+        reference = load_target(args.reference, dtype="float32", device="cpu")
+        quantized = load_target(args.quantized, dtype="float32", device="cpu", nvfp4_mode=args.quantized_mode)
+    except (TargetLoadError, TargetSourceError) as err:
+        print(f"serve_eval.quant_report: error: {err}", file=sys.stderr)
+        return 2
     if tokenizer_fingerprint(reference.tokenizer) != tokenizer_fingerprint(quantized.tokenizer):
         print(f"error: {args.quantized} and {args.reference} have different tokenizers", file=sys.stderr)
         return 2

@@ -627,6 +627,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-queue", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
+    for flag, value, low in (("--k", args.k, 1), ("--topk", args.topk, 1), ("--budget", args.budget, 1),
+                             ("--default-max-tokens", args.default_max_tokens, 1), ("--max-queue", args.max_queue, 1),
+                             ("--threads", args.threads, 1), ("--port", args.port, 0)):
+        if value < low:
+            parser.error(f"{flag} must be >= {low}, got {value}")
+    if args.port > 65535:
+        parser.error(f"--port must be <= 65535, got {args.port}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        parser.error(f"--max-model-len must be >= 2 (or left unset for the target's), got {args.max_model_len}")
     torch.set_num_threads(args.threads)
 
     import uvicorn

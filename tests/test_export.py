@@ -210,6 +210,9 @@ def test_conversion_cli_chains_formats(tmp_path: Path) -> None:
                  "--dtype", "float32"]) == 0
     spec = json.loads((tmp_path / "b" / "config.json").read_text())
     assert spec["speculators_config"]["verifier"]["name_or_path"] == "/models/t"  # from draft.json
+    relabel = ",".join(str(i + 1) for i in AUX)  # the draft names its layers: relabelling them is refused
+    assert main(["--draft", str(tmp_path / "a"), "--out", str(tmp_path / "r"), "--aux-layer-ids", relabel]) == 2
+    assert not (tmp_path / "r").exists()
     assert main(["--draft", str(tmp_path / "b"), "--out", str(tmp_path / "c"), "--format", "sglang",
                  "--dtype", "float32"]) == 0
     assert main(["--draft", str(tmp_path / "c"), "--out", str(tmp_path / "d"), "--dtype", "float32"]) == 0
@@ -266,6 +269,8 @@ def test_bad_folders_fail_naming_the_file_or_key(tmp_path: Path) -> None:
         load_draft(variant("wide", intermediate_size=256))
     with pytest.raises(DraftFormatError, match="not an EAGLE-3 draft"):
         load_draft(variant("arch", architectures=["LlamaForCausalLM"], eagle3_forge=None))
+    with pytest.raises(DraftFormatError, match=r"ids disagree \(eagle_aux_hidden_state_layer_ids=\[2, 3, 4\]"):
+        load_draft(variant("disagree", eagle_aux_hidden_state_layer_ids=[2, 3, 4]))
     (tmp_path / "badjson").mkdir()
     (tmp_path / "badjson" / "config.json").write_text("{nope")
     with pytest.raises(DraftFormatError, match="badjson/config.json: not valid JSON"):

@@ -126,6 +126,12 @@ def test_bad_input_is_counted_or_named(target: Target, tmp_path: Path, monkeypat
     # "long" loses its reply to truncation and is then skipped too: its loss mask is empty.
     assert (summary["truncated"], summary["skipped_empty_loss_mask"], summary["samples"]) == (1, 2, 1)
 
+    unanswered = tmp_path / "unanswered.jsonl"  # a pool that was never regenerated: nothing to train on
+    unanswered.write_text(json.dumps(rows[1]) + "\n")
+    with pytest.raises(HarvestError, match="unanswered.jsonl: no sample to harvest"):
+        run(HarvestConfig(data=str(unanswered), out_dir=str(tmp_path / "u")), TargetConfig(name_or_path="lively"),
+            target=target, progress=False)
+
     changed = HarvestConfig(data=str(data), out_dir=str(tmp_path / "h"), max_seq_len=40, dtype="float8_e4m3fn")
     with pytest.raises(HarvestError, match=r"harvested with spec.dtype='bfloat16', this run has 'float8_e4m3fn'"):
         run(changed, TargetConfig(name_or_path="lively"), target=target, progress=False)

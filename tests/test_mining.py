@@ -176,6 +176,10 @@ def test_one_mining_round_end_to_end(world: dict, tmp_path: Path) -> None:
         run_rounds(MineConfig(**{**cfg.__dict__, "steps": 3}), world["train"], lively, target=target, progress=False)
     with pytest.raises(ValueError, match="mine.strategies"):
         MineConfig(strategies=["magic"])
+    # records that are not the eval store's: its per-domain figures would all be "unknown"
+    other = MineConfig(**{**cfg.__dict__, "eval_records": [str(world["data"])], "out_dir": str(tmp_path / "m2")})
+    with pytest.raises(MineError, match="mine.eval_records: .* have no record there"):
+        run_rounds(other, world["train"], lively, target=target, progress=False)
 
 
 def test_dashboard_panels_name_metrics_the_runs_log(world: dict) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import eagle3.generate as generation
-from data_gen.regenerate import ManifestMismatchError, main, part_path, run
+from data_gen.regenerate import ManifestMismatchError, RegenerateError, main, part_path, run
 from eagle3.chat import ChatFormat
 from eagle3.config import RegenerateConfig, TargetConfig
 from eagle3.generate import SamplingConfig, generate, regenerate_conversations
@@ -147,6 +147,15 @@ def test_rerun_only_regenerates_missing_batches(target: Target, tmp_path: Path, 
     again = run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)
     assert again["batches_run"] == 1
     assert (out / "dataset/regenerated.jsonl").read_bytes() == store
+    cut = part_path(out, 0)  # a part changed by hand (one of its two records gone) is generated again
+    cut.write_text(cut.read_text().splitlines(keepends=True)[0])
+    assert run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)["batches_run"] == 1
+    assert (out / "dataset/regenerated.jsonl").read_bytes() == store
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(RegenerateError, match="empty.jsonl: no records"):
+        run(RegenerateConfig(pool=str(empty), out_dir=str(tmp_path / "e")), TargetConfig(name_or_path="lively"),
+            progress=False, target=target)
 
 
 def test_rerun_with_other_settings_fails_naming_the_key(target: Target, tmp_path: Path, capsys) -> None:

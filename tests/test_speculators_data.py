@@ -121,7 +121,7 @@ def test_bad_input_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert str(wrong) in capsys.readouterr().err
 
     assert speculators_data.main(["--store", str(tmp_path / "nowhere"), "--out", str(out)]) == 2
-    assert "manifest.json" in capsys.readouterr().err
+    assert "nowhere: no such store" in capsys.readouterr().err
 
     topk = _store(tmp_path / "topk", store="topk")
     assert speculators_data.main(["--store", str(topk), "--out", str(out)]) == 2

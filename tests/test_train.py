@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ from torch import nn
 
 from data_gen.harvest import run as harvest
 from eagle3.atomic import atomic_dir, remove_leftovers
-from eagle3.checkpoint import LATEST, load_exported_draft, read_draft_vocab
+from eagle3.checkpoint import LATEST, CheckpointError, load_exported_draft, read_draft_vocab
 from eagle3.config import HarvestConfig, TargetConfig, TrainConfig
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab
@@ -256,6 +257,35 @@ def test_rerun_resumes_and_other_settings_fail_naming_the_key(tiny: dict, tmp_pa
                  target=tiny["target"])["resumed_from_step"] is None
 
 
+def test_inputs_that_do_not_fit_the_run_fail_naming_the_key_or_file(tiny: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    train(_cfg(tiny, out, steps=2, eval_every=0, save_every=2), target=tiny["target"])
+    with pytest.raises(TrainError, match="trained with train.draft_vocab_size=64, this run has 32"):
+        train(_cfg(tiny, out, steps=4, draft_vocab_size=32), target=tiny["target"])
+    (out / "checkpoints" / "step-00000002" / "rng-rank00000.pt").unlink()
+    with pytest.raises(CheckpointError, match="rng-rank00000.pt: missing"):  # the resume would not be exact
+        train(_cfg(tiny, out, steps=4, eval_every=0, save_every=2), target=tiny["target"])
+
+    weights = tmp_path / "weights.json"
+    weights.write_text('{"nosuchid": 2.0}')
+    with pytest.raises(TrainError, match="sample_weights=.*none of its ids"):
+        train(_cfg(tiny, tmp_path / "w", sample_weights=str(weights)), target=tiny["target"])
+    with pytest.raises(TrainError, match="named twice"):
+        train(_cfg(tiny, tmp_path / "twice", extra_stores=[str(tiny["store"]) + "/"]), target=tiny["target"])
+    with pytest.raises(TrainError, match="train.store: .*nowhere: no such store"):
+        train(_cfg(tiny, tmp_path / "none", store=str(tmp_path / "nowhere")), target=tiny["target"])
+
+    # a sibling checkpoint (same tokenizer and shapes, other weights) is not the target the store came from
+    model, sibling = tiny["model"], save_lively(tmp_path / "sibling", seed=1)
+    store = tmp_path / "from-folder"
+    harvest(HarvestConfig(data=str(_data(tmp_path / "d.jsonl", 4)), out_dir=str(store), dtype="float32"),
+            TargetConfig(name_or_path=str(model)), progress=False)
+    cfg = _cfg(tiny, tmp_path / "sib", store=str(store), steps=1, eval_fraction=0.0, eval_every=0, save_every=0)
+    with pytest.raises(TrainError, match="not the weights the store was harvested from"):
+        train(cfg, TargetConfig(name_or_path=str(sibling)))
+    assert train(cfg, TargetConfig(name_or_path=str(model)))["steps"] == 1
+
+
 def test_bf16_and_gradient_checkpointing_track_fp32(tiny: dict, tmp_path: Path) -> None:
     def losses(name: str, **kw) -> list[float]:
         train(_cfg(tiny, tmp_path / name, steps=4, eval_every=0, save_every=0, **kw), target=tiny["target"])
@@ -334,8 +364,9 @@ def test_extra_stores_and_sample_weights(tiny: dict, tmp_path: Path) -> None:
         StoreUnion([tiny["store"], tiny["topk"]])
     weights = tmp_path / "weights.json"
     weights.write_text(json.dumps({sid: 3.0 for sid in single.sample_ids[:5]}))
+    copy = shutil.copytree(tiny["store"], tmp_path / "copy")  # the same store twice in the trainer is refused
     summary = train(_cfg(tiny, tmp_path / "run", steps=3, eval_every=0, save_every=0,
-                         extra_stores=[str(tiny["store"])], sample_weights=str(weights)), target=tiny["target"])
+                         extra_stores=[str(copy)], sample_weights=str(weights)), target=tiny["target"])
     assert summary["train_samples"] + summary["eval_samples"] == 2 * len(single)
     weights.write_text("[1, 2]")
     with pytest.raises(TrainError, match="sample id -> finite weight"):
@@ -453,6 +484,7 @@ def test_deepspeed_two_gloo_processes_match_one_process(tiny: dict, tmp_path: Pa
 
 
 def test_training_continues_from_an_exported_draft_in_another_format(tiny: dict, tmp_path: Path) -> None:
+    from eagle3.export import export_draft_folder, load_draft
     from eagle3.export import main as export_main
 
     first = tmp_path / "first"
@@ -469,9 +501,9 @@ def test_training_continues_from_an_exported_draft_in_another_format(tiny: dict,
     trained = load_file(str(first / "final" / "model.safetensors"))
     continued = load_file(str(again / "final" / "model.safetensors"))
     torch.testing.assert_close(continued["fc.weight"], trained["fc.weight"], rtol=0, atol=1e-6)
+    loaded = load_draft(first / "final")  # the same draft, said to read other layers
+    bad = export_draft_folder(tmp_path / "bad", loaded.draft.state_dict(), loaded.draft.config, (1, 3, 5))
     with pytest.raises(TrainError, match="aux layer ids"):
-        bad = tmp_path / "bad"
-        export_main(["--draft", str(first / "final"), "--out", str(bad), "--aux-layer-ids", "1,3,5"])
         train(_cfg(tiny, tmp_path / "x", steps=1, init_draft=str(bad)), target=tiny["target"])
 
 
