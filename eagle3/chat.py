@@ -115,6 +115,8 @@ class ChatFormat:
         prompt = self.prompt_ids(messages[:-1])
         content, turn = messages[-1]["content"], turn or {}
         reply = turn.get("token_ids")
+        if not isinstance(reply, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in reply):
+            reply = None  # absent, or not ids (a record edited by hand): the text decides
         if reply is None or self.tokenizer.decode(reply, skip_special_tokens=False,
                                                   clean_up_tokenization_spaces=False) != content:
             reply = self.tokenizer(content, add_special_tokens=False)["input_ids"] if content else []

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -376,7 +377,10 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
         raise DraftFormatError(f"{folder}: no .safetensors weights{hint}")
     tensors: dict[str, Tensor] = {}
     for path in weights:
-        tensors.update(_our_names(load_file(str(path))))
+        try:
+            tensors.update(_our_names(load_file(str(path))))
+        except (SafetensorError, OSError) as err:
+            raise DraftFormatError(f"{path}: not a readable safetensors file ({err}); truncated or corrupt?") from None
     ids = _aux_ids(cfg, fmt, folder / "config.json")
     config = draft_config_from_json(cfg, fmt, folder / "config.json", len(ids) if ids else None)
     if "fc.weight" in tensors:  # the checkpoint decides how many aux states fc reads

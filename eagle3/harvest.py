@@ -375,7 +375,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = HarvestConfig(data=args.data, out_dir=args.out, dtype=args.dtype, store=args.store, topk=args.topk,
                             max_seq_len=args.max_seq_len, batch_size=args.batch_size, max_shard_mb=args.max_shard_mb,
                             shard=args.shard, backend=args.backend, threads=args.threads)
-        layers = None if args.aux_layer_ids is None else [int(x) for x in args.aux_layer_ids.split(",")]
+        try:
+            layers = None if args.aux_layer_ids is None else [int(x) for x in args.aux_layer_ids.split(",")]
+        except ValueError:
+            parser.error(f"--aux-layer-ids={args.aux_layer_ids!r}: expected comma-separated integers")
         target_cfg = TargetConfig(name_or_path=args.target, dtype=args.target_dtype, aux_layer_ids=layers)
     except ValueError as err:
         parser.error(str(err))

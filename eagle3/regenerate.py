@@ -141,12 +141,22 @@ def make_backend(cfg: RegenerateConfig, target_cfg: TargetConfig,
     return generator, chat, dtype
 
 
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RegenerateError(f"{path}: not valid JSON ({err}); delete the folder to start over") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("settings"), dict):
+        raise RegenerateError(f"{path}: no \"settings\" object; delete the folder to start over")
+    return saved
+
+
 def check_manifest(out_dir: Path, settings: dict[str, Any]) -> None:
     """Raise if ``out_dir`` has a manifest whose settings differ from ``settings`` (keys present there)."""
     path = out_dir / MANIFEST
     if not path.exists():
         return
-    saved = json.loads(path.read_text(encoding="utf-8"))["settings"]
+    saved = _read_manifest(path)["settings"]
     for key, value in settings.items():
         if key in saved and saved[key] != value:
             raise ManifestMismatchError(
@@ -158,7 +168,7 @@ def check_manifest(out_dir: Path, settings: dict[str, Any]) -> None:
 def write_manifest(out_dir: Path, settings: dict[str, Any], records: int, batches: int) -> None:
     path = out_dir / MANIFEST
     if path.exists():
-        saved = json.loads(path.read_text(encoding="utf-8"))
+        saved = _read_manifest(path)
         if saved["settings"] == settings:
             return
         missing = sorted(set(saved["settings"]) ^ set(settings))
@@ -202,10 +212,17 @@ def _part_complete(out_dir: Path, batch: int, records: int) -> bool:
         return False
     with open(path, "rb") as f:
         lines = f.read().split(b"\n")
-    complete = lines[-1] == b"" and len(lines) - 1 == records and all(line.strip() for line in lines[:-1])
+    complete = lines[-1] == b"" and len(lines) - 1 == records and all(map(_is_record, lines[:-1]))
     if not complete:
         print(f"regenerate: {path} does not hold its {records} records; generating that batch again", file=sys.stderr)
     return complete
+
+
+def _is_record(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
 
 
 def _iter_parts(out_dir: Path, batches: int) -> Iterator[dict[str, Any]]:

@@ -202,6 +202,8 @@ def test_a_reply_is_its_generated_ids_and_the_stop_it_ended_with() -> None:
     # ids that do not decode to the reply (an edited record) give way to the text
     ids, _ = chat.tokenize_reply(conversation, {"token_ids": [o], "stop_id": 2, "finish_reason": "stop"})
     assert ids == [*prompt, y, o, 2]
+    for not_ids in ("yo", [y, "o"], [y, True]):  # ... as do "ids" that are not token ids
+        assert chat.tokenize_reply(conversation, {"token_ids": not_ids, "stop_id": 2})[0] == [*prompt, y, o, 2]
     # an empty reply: the target stopped at once, and that stop is what is trained
     ids, mask = chat.tokenize_reply([conversation[0], {"role": "assistant", "content": ""}])
     assert ids == [*prompt, 2] and mask == [0] * len(prompt) + [1]

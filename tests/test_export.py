@@ -271,6 +271,10 @@ def test_bad_folders_fail_naming_the_file_or_key(tmp_path: Path) -> None:
         load_draft(variant("arch", architectures=["LlamaForCausalLM"], eagle3_forge=None))
     with pytest.raises(DraftFormatError, match=r"ids disagree \(eagle_aux_hidden_state_layer_ids=\[2, 3, 4\]"):
         load_draft(variant("disagree", eagle_aux_hidden_state_layer_ids=[2, 3, 4]))
+    cut = variant("cut")
+    (cut / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(DraftFormatError, match="cut/model.safetensors: not a readable safetensors file"):
+        load_draft(cut)
     (tmp_path / "badjson").mkdir()
     (tmp_path / "badjson" / "config.json").write_text("{nope")
     with pytest.raises(DraftFormatError, match="badjson/config.json: not valid JSON"):

@@ -147,10 +147,15 @@ def test_rerun_only_regenerates_missing_batches(target: Target, tmp_path: Path, 
     again = run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)
     assert again["batches_run"] == 1
     assert (out / "dataset/regenerated.jsonl").read_bytes() == store
-    cut = part_path(out, 0)  # a part changed by hand (one of its two records gone) is generated again
+    cut = part_path(out, 0)  # parts changed by hand (a record gone, a record garbled) are generated again
     cut.write_text(cut.read_text().splitlines(keepends=True)[0])
-    assert run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)["batches_run"] == 1
+    garbled = part_path(out, 2)
+    garbled.write_text(garbled.read_text()[:-5] + "\n")
+    assert run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)["batches_run"] == 2
     assert (out / "dataset/regenerated.jsonl").read_bytes() == store
+    (out / "manifest.json").write_text("{")
+    with pytest.raises(RegenerateError, match="manifest.json: not valid JSON"):
+        run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(RegenerateError, match="empty.jsonl: no records"):
