@@ -23,6 +23,10 @@ from eagle3.target import check_capture, load_target
 
 log = logging.getLogger(__name__)
 
+
+class PipelineError(ValueError):
+    """The recipe cannot run as composed; the message names the key."""
+
 _PROBE_MESSAGES = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
 
 
@@ -289,7 +293,7 @@ STAGES: dict[str, Callable[[PipelineConfig], dict[str, Any]]] = {
 def run_pipeline(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
     unknown = [s for s in cfg.stages if s not in STAGES]
     if unknown:
-        raise ValueError(f"stages: unknown {unknown}; known stages are {list(STAGES)}")
+        raise PipelineError(f"stages: unknown {unknown}; known stages are {list(STAGES)}")
     torch.manual_seed(cfg.seed)
     if not torch.cuda.is_available():
         torch.set_num_threads(cfg.threads)
@@ -297,7 +301,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     at = cfg.stages.index("quantize") if "quantize" in cfg.stages else None
     if at is not None and "pools" in cfg.stages[at:] and not cfg.quantize.calibration:
-        raise ValueError("stages: quantize calibrates on the pools: put it after pools, or set quantize.calibration")
+        raise PipelineError("stages: quantize calibrates on the pools: put it after pools, or set quantize.calibration")
     for i, name in enumerate(cfg.stages):
         log.info("stage %s", name)
         if at is not None and i == at + 1:
