@@ -96,12 +96,19 @@ def _user_file_prompts(cfg: PoolsConfig, skips: Counter[str]) -> Iterable[Prompt
             print(f"skipped {line}")
 
 
-_EARLIER_POOL = holds_only("train.jsonl", "val.jsonl", "eval", "manifest.json")
+def _is_earlier_pool(folder: Path) -> bool:
+    """Only a pool's files, and its manifest among them (a user's data folder may hold a train.jsonl)."""
+    if not holds_only("train.jsonl", "val.jsonl", "eval", "manifest.json")(folder):
+        return False
+    try:
+        return isinstance(json.loads((folder / "manifest.json").read_text())["config"], dict)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def build_pools(cfg: PoolsConfig) -> dict[str, Any]:
     started = time.perf_counter()
-    check_replaceable(cfg.out_dir, _EARLIER_POOL)
+    check_replaceable(cfg.out_dir, _is_earlier_pool)
     skips: Counter[str] = Counter()
     options: dict[str, dict[str, Any]] = {
         "sharegpt": {"max_user_turns": cfg.max_user_turns},
@@ -174,7 +181,7 @@ def build_pools(cfg: PoolsConfig) -> dict[str, Any]:
         "seconds": round(time.perf_counter() - started, 1),
     }
     out = Path(cfg.out_dir)
-    with atomic_dir(out, replaces=_EARLIER_POOL) as tmp:
+    with atomic_dir(out, replaces=_is_earlier_pool) as tmp:
         _write_jsonl(tmp / "train.jsonl", train)
         _write_jsonl(tmp / "val.jsonl", val)
         for name, records in eval_sets.items():

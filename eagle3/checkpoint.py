@@ -172,13 +172,15 @@ def _load_trainable(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
                            f"unexpected {sorted(result.unexpected_keys)}")
 
 
-def load_checkpoint(engine: Any, root: str | os.PathLike[str], tag: str, *, rank: int) -> dict[str, Any]:
+def load_checkpoint(engine: Any, root: str | os.PathLike[str], tag: str, *, rank: int,
+                    world_size: int = 1) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and this rank's RNG; returns the client state."""
     folder = Path(root) / tag
     rng_file = folder / f"rng-rank{rank:05d}.pt"
-    if not rng_file.is_file():  # without it the resumed run would not be the uninterrupted one
-        raise CheckpointError(f"{rng_file}: missing; this checkpoint is incomplete (delete {folder} to resume "
-                              "from an earlier one, or --no-resume to start over)")
+    for r in range(world_size):  # every rank looks at every rank's: all refuse together, none waits in a collective
+        if not (folder / f"rng-rank{r:05d}.pt").is_file():  # without it the resume would not be exact
+            raise CheckpointError(f"{folder / f'rng-rank{r:05d}.pt'}: missing; this checkpoint is incomplete (delete "
+                                  f"{folder} to resume from an earlier one, or --no-resume to start over)")
     try:
         path, client_state = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                                     load_lr_scheduler_states=True, custom_load_fn=_load_trainable)

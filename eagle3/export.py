@@ -218,6 +218,18 @@ def _our_names(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 # ---------------------------------------------------------------- export
 
 
+def _is_earlier_export(folder: Path) -> bool:
+    """Only our files, and our mark on them (a downloaded draft has the same two file names)."""
+    if not holds_only("model.safetensors", "config.json", OUR_META)(folder):
+        return False
+    if (folder / OUR_META).is_file():
+        return True
+    try:
+        return MARKER in json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def export_draft_folder(out: str | os.PathLike[str], state: dict[str, Tensor], config: DraftConfig,
                         aux_layer_ids: Sequence[int], fmt: str = "vllm", *, dtype: str = "bfloat16",
                         verifier: str | None = None, verifier_architectures: Sequence[str] = (),
@@ -243,7 +255,7 @@ def export_draft_folder(out: str | os.PathLike[str], state: dict[str, Tensor], c
                                  verifier_architectures=verifier_architectures,
                                  speculative_tokens=speculative_tokens, torch_dtype=dtype)
     tensors = engine_tensors(state, fmt, DTYPES[dtype])
-    with atomic_dir(out, replaces=holds_only("model.safetensors", "config.json", OUR_META)) as tmp:
+    with atomic_dir(out, replaces=_is_earlier_export) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         if meta is not None:
@@ -485,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 given = tuple(int(i) for i in args.aux_layer_ids.split(","))
             except ValueError:
                 parser.error(f"--aux-layer-ids={args.aux_layer_ids!r}: expected comma-separated integers")
-            if ids is not None and given != ids:  # relabelling would make the engine feed other layers
+            if ids is not None and tuple(sorted(given)) != ids:  # relabelling: the engine would feed other layers
                 raise DraftFormatError(f"{args.draft}: trained on aux layers {list(ids)}; --aux-layer-ids "
                                        f"{list(given)} is only for a folder that names none")
             ids = given

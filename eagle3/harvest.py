@@ -60,6 +60,10 @@ class HarvestError(RuntimeError):
     """The harvest cannot proceed; the message names the file, sample or setting."""
 
 
+class NothingToHarvestError(HarvestError):
+    """No record of the data gives a sample with a loss (none has a reply, or every reply was cut off)."""
+
+
 def tokenize_records(records: Sequence[dict[str, Any]], chat: ChatFormat, max_seq_len: int,
                      counts: Counter[str]) -> list[tuple[str, list[int], list[int]]]:
     """(id, input_ids, loss_mask) per usable sample, in order; truncations and skips counted.
@@ -191,11 +195,12 @@ def _spec_and_backend(cfg: HarvestConfig, target_cfg: TargetConfig,
 
 def _check_plan(out_dir: Path, plan: dict[str, Any]) -> None:
     path = out_dir / PLAN
-    if not path.is_file():
-        atomic_write_text(path, json.dumps(plan, indent=2) + "\n")
-        return
-    remove_leftovers(out_dir, [PLAN])  # of a run killed while writing it (once it exists, no one writes it)
-    saved = json.loads(path.read_text())
+    with FileLock(str(out_dir / ".manifest.lock")):  # workers starting together: one writes, none meets a temporary
+        remove_leftovers(out_dir, [PLAN])  # of a run killed while writing it
+        if not path.is_file():
+            atomic_write_text(path, json.dumps(plan, indent=2) + "\n")
+            return
+        saved = json.loads(path.read_text())
     for section in ("spec", "settings", "data_sha256"):
         old, new = saved.get(section), plan[section]
         if old == new:
@@ -224,13 +229,16 @@ def run(cfg: HarvestConfig, target_cfg: TargetConfig, *, target: Target | None =
     out_dir, data = Path(cfg.out_dir), Path(cfg.data)
     if not data.is_file():
         raise HarvestError(f"{data}: no such file (regenerate first)")
-    records = read_pool(data)
+    try:
+        records = read_pool(data)
+    except ValueError as err:  # a bad row, named file:line
+        raise HarvestError(str(err)) from None
     spec, chat, backend = _spec_and_backend(cfg, target_cfg, target)
     counts: Counter[str] = Counter(records=len(records))
     samples = tokenize_records(records, chat, cfg.max_seq_len, counts)
     if not samples:
-        raise HarvestError(f"{data}: no sample to harvest ({len(records)} records, {dict(counts)}); a record needs an "
-                           "assistant reply to train on (regenerate the pool first)")
+        raise NothingToHarvestError(f"{data}: no sample to harvest ({len(records)} records, {dict(counts)}); a "
+                                    "record needs an assistant reply to train on (regenerate the pool first)")
     lengths = [len(ids) for _, ids, _ in samples]
     plan = shard_plan(lengths, bytes_per_token(spec), int(cfg.max_shard_mb * 2**20))
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("data", "out_dir", "shard", "threads")}

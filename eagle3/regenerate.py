@@ -148,6 +148,9 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         raise RegenerateError(f"{path}: not valid JSON ({err}); delete the folder to start over") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("settings"), dict):
         raise RegenerateError(f"{path}: no \"settings\" object; delete the folder to start over")
+    if saved["settings"].pop("per_turn_samples", False):  # earlier versions split records per reply here
+        raise RegenerateError(f"{path}: written by an earlier version that split records per reply (now the harvest "
+                              "decides, per record); regenerate into another --out, or delete this one")
     return saved
 
 
@@ -270,7 +273,10 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
         torch.set_num_threads(cfg.threads)
     pool, out_dir = Path(cfg.pool), Path(cfg.out_dir)
     pool_sha256 = sha256_file(pool)
-    records = read_pool(pool, cfg.limit)
+    try:
+        records = read_pool(pool, cfg.limit)
+    except ValueError as err:  # a bad row, named file:line
+        raise RegenerateError(str(err)) from None
     if not records:
         raise RegenerateError(f"{pool}: no records to regenerate")
     batches = -(-len(records) // cfg.batch_size)

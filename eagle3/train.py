@@ -458,7 +458,8 @@ def _read_sample_weights(path: str | None) -> dict[str, float]:
 
 
 def check_pinned(saved: dict[str, Any], now: dict[str, Any], out_dir: Path) -> None:
-    for key in sorted(set(saved) | set(now)):
+    """Keys one side lacks (pinned by an earlier or later version) are not compared."""
+    for key in sorted(set(saved) & set(now)):
         if saved.get(key) != now.get(key):
             shown = (lambda v: f"{str(v)[:60]}...") if key == "store.shards" else repr
             raise TrainError(f"{out_dir} was trained with {key}={shown(saved.get(key))}, this run has "
@@ -549,7 +550,9 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     try:
         store = open_stores([cfg.store, *cfg.extra_stores])
     except StoreError as err:
-        raise TrainError(f"train.{'extra_stores' if cfg.extra_stores else 'store'}: {err}") from None
+        base_ok = (Path(cfg.store) / "manifest.json").is_file()
+        key = "train.extra_stores" if cfg.extra_stores and base_ok else "train.store"
+        raise TrainError(f"{key}: {err}") from None
     if len(set(map(os.path.realpath, [cfg.store, *cfg.extra_stores]))) <= len(cfg.extra_stores):
         raise TrainError(f"train.extra_stores={list(cfg.extra_stores)}: a store is named twice (train.store="
                          f"{cfg.store}); its samples would count double")
@@ -561,7 +564,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     store.check_target(target)
     if weights_by_id and not set(weights_by_id) & set(store.sample_ids):
         raise TrainError(f"train.sample_weights={cfg.sample_weights}: none of its ids is a sample of the training "
-                         f"store (e.g. {next(iter(weights_by_id))!r}; the store's: {store.sample_ids[0]!r})")
+                         f"store (e.g. {next(iter(weights_by_id))!r}; the store's: {store.sample_ids[:1]})")
     if weights_by_id and not any(weights_by_id.get(i, 1.0) > 0 for i in store.sample_ids):  # unlisted: 1
         raise TrainError(f"train.sample_weights={cfg.sample_weights}: every sample's weight is 0; nothing to train on")
     if unknown := len(set(weights_by_id) - set(store.sample_ids)):
@@ -658,7 +661,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         remove_partial(ckpt_root)
     _barrier()
     if resume_tag is not None:
-        client = load_checkpoint(engine, ckpt_root, resume_tag, rank=rt.rank)
+        client = load_checkpoint(engine, ckpt_root, resume_tag, rank=rt.rank, world_size=rt.world_size)
         state.update(client["trainer"])
         print0(f"train: resumed from {ckpt_root / resume_tag} (step {state['step']})")
     resumed_step = state["step"] if resume_tag is not None else None

@@ -134,6 +134,7 @@ class Harvester:
     def __call__(self, name: str, records: Sequence[dict[str, Any]], max_new_tokens: int,
                  temperature: float = 0.0) -> tuple[Path, Path] | None:
         """-> (store folder, regenerated records file), or None when there is nothing to harvest."""
+        from eagle3.harvest import NothingToHarvestError
         from eagle3.harvest import run as harvest
         from eagle3.regenerate import run as regenerate
 
@@ -147,9 +148,12 @@ class Harvester:
         data = work / "regen" / "dataset" / "regenerated.jsonl"
         if not any(True for _ in iter_jsonl(data)):
             return None
-        harvest(HarvestConfig(data=str(data), out_dir=str(work / "store"), dtype=self.dtype,
-                              max_seq_len=self.max_seq_len), self.target_cfg, target=self.target,
-                progress=self.progress)
+        try:
+            harvest(HarvestConfig(data=str(data), out_dir=str(work / "store"), dtype=self.dtype,
+                                  max_seq_len=self.max_seq_len), self.target_cfg, target=self.target,
+                    progress=self.progress)
+        except NothingToHarvestError:  # every reply cut off by max_seq_len: nothing mined this time
+            return None
         return work / "store", data
 
 
@@ -247,6 +251,7 @@ def run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig
                 cand_scores = score_store(draft, head, HarvestStore(got[0]), cand_meta, ttt_steps=train_cfg.ttt_steps)
                 write_scores(rdir / "scores_candidates.jsonl", cand_scores)
                 ids = set(pick_hardest(cand_scores, cfg.keep_fraction))
+                ids |= {i.rsplit("-t", 1)[0] for i in ids}  # a multi-turn candidate's samples are <id>-t<k>
                 keep = [x for x in cands if str(x["id"]) in ids]
             new_records += keep
             added["hardest"] = {"candidates": len(cands), "kept": len(keep), "dropped": dropped}

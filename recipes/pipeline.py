@@ -85,7 +85,7 @@ def stage_regenerate(cfg: PipelineConfig) -> dict[str, Any]:
 
     pool = Path(cfg.pools.out_dir) / f"{cfg.select.split}.jsonl"
     if not pool.is_file():
-        raise FileNotFoundError(f"{pool}: no prompt pool; run the pools stage first")
+        raise PipelineError(f"{pool}: no prompt pool; run the pools stage first")
     chosen = select_balanced(read_jsonl(pool), cfg.select.num_prompts, cfg.select.domains, cfg.select.seed)
     # Similar lengths side by side: less padding in each (fixed) batch.
     chosen.sort(key=lambda r: (sum(m["role"] == "user" for m in r["messages"]),
@@ -124,7 +124,7 @@ def stage_val(cfg: PipelineConfig) -> dict[str, Any]:
 
     pool = Path(cfg.pools.out_dir) / f"{cfg.val.split}.jsonl"
     if not pool.is_file():
-        raise FileNotFoundError(f"{pool}: no prompt pool; run the pools stage first")
+        raise PipelineError(f"{pool}: no prompt pool; run the pools stage first")
     chosen = select_balanced(read_jsonl(pool), cfg.val.num_prompts, cfg.val.domains, cfg.val.seed)
     root = Path(cfg.out_dir) / "val"
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chosen)

@@ -19,6 +19,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from eagle3.checkpoint import CheckpointError
     from eagle3.export import DraftFormatError
     from eagle3.harvest import HarvestError
+    from eagle3.nvfp4 import NVFP4Error
     from eagle3.regenerate import RegenerateError
     from eagle3.shards import StoreError
     from eagle3.target import TargetLoadError
@@ -27,7 +28,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from hard_mining.rounds import MineError
     from recipes.pipeline import PipelineError
 
-    return (PipelineError, CheckpointError, DraftFormatError, HarvestError, RegenerateError, StoreError,
+    return (PipelineError, CheckpointError, DraftFormatError, HarvestError, NVFP4Error, RegenerateError, StoreError,
             TargetLoadError, TargetSourceError, TrainError, MineError, FileExistsError)
 
 

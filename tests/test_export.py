@@ -231,12 +231,19 @@ def test_an_out_path_that_is_not_an_earlier_export_is_never_replaced(tmp_path: P
     (run / "metrics.jsonl").write_text("{}\n")
     afile = tmp_path / "afile"
     afile.write_text("mine")
-    for out in (run, afile):
+    downloaded = tmp_path / "downloaded"  # a public draft: the same two file names, without our mark
+    downloaded.mkdir()
+    (downloaded / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
+    (downloaded / "model.safetensors").write_bytes(b"theirs")
+    for out in (run, afile, downloaded):
         with pytest.raises(FileExistsError, match="not an earlier output"):
             export_draft_folder(out, draft.state_dict(), draft.config, AUX)
         assert main(["--draft", str(earlier), "--out", str(out)]) != 0
         assert str(out) in capsys.readouterr().err
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl"]
+    assert (downloaded / "model.safetensors").read_bytes() == b"theirs"
+    rotated = ",".join(str(i) for i in reversed(AUX))  # the draft's own ids in another order are its ids
+    assert main(["--draft", str(earlier), "--out", str(tmp_path / "again"), "--aux-layer-ids", rotated]) == 0
     assert afile.read_text() == "mine" and not list(tmp_path.glob(".*"))
 
 

@@ -121,9 +121,13 @@ def test_user_files_join_the_pool(tmp_path: Path, fake: None) -> None:
 def test_an_out_folder_that_is_not_a_pool_is_refused_before_any_work(tmp_path: Path, fake: None) -> None:
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
-    with pytest.raises(FileExistsError, match="not an earlier output"):
-        build_pools(_cfg(tmp_path / "mine"))
+    (tmp_path / "data").mkdir()  # a user's data folder with a pool's file name in it
+    (tmp_path / "data" / "train.jsonl").write_text("{}\n")
+    for folder in ("mine", "data"):
+        with pytest.raises(FileExistsError, match="not an earlier output"):
+            build_pools(_cfg(tmp_path / folder))
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+    assert (tmp_path / "data" / "train.jsonl").read_text() == "{}\n"
     build_pools(_cfg(tmp_path / "pool"))
     build_pools(_cfg(tmp_path / "pool"))  # an earlier pool is replaced
 

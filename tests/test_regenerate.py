@@ -153,6 +153,15 @@ def test_rerun_only_regenerates_missing_batches(target: Target, tmp_path: Path, 
     garbled.write_text(garbled.read_text()[:-5] + "\n")
     assert run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)["batches_run"] == 2
     assert (out / "dataset/regenerated.jsonl").read_bytes() == store
+    manifest = json.loads((out / "manifest.json").read_text())
+    for legacy, resumes in ((False, True), (True, False)):  # earlier versions pinned per_turn_samples
+        (out / "manifest.json").write_text(json.dumps({**manifest, "settings": {**manifest["settings"],
+                                                                                "per_turn_samples": legacy}}))
+        if resumes:
+            assert run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)["batches_run"] == 0
+        else:
+            with pytest.raises(RegenerateError, match="split records per reply"):
+                run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)
     (out / "manifest.json").write_text("{")
     with pytest.raises(RegenerateError, match="manifest.json: not valid JSON"):
         run(cfg, TargetConfig(name_or_path="lively"), progress=False, target=target)

@@ -27,7 +27,16 @@ from eagle3.config import HarvestConfig, TargetConfig, TrainConfig
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab
 from eagle3.shards import HarvestStore
-from eagle3.train import AcceptanceTally, TargetHead, TrainError, main, muon_ns_method, train, warmup_decay
+from eagle3.train import (
+    AcceptanceTally,
+    TargetHead,
+    TrainError,
+    check_pinned,
+    main,
+    muon_ns_method,
+    train,
+    warmup_decay,
+)
 from eagle3.train_data import (
     collate,
     epoch_batches,
@@ -255,6 +264,12 @@ def test_rerun_resumes_and_other_settings_fail_naming_the_key(tiny: dict, tmp_pa
         train(_cfg(tiny, out, steps=4, micro_batch_tokens=128), target=tiny["target"])
     assert train(_cfg(tiny, out, steps=1, micro_batch_tokens=128, resume=False),
                  target=tiny["target"])["resumed_from_step"] is None
+
+
+def test_settings_pinned_by_one_version_only_are_not_compared(tmp_path: Path) -> None:
+    check_pinned({"train.seed": 0}, {"train.seed": 0, "train.draft_vocab_size": 64}, tmp_path)  # an earlier run's
+    with pytest.raises(TrainError, match="train.seed=0, this run has 1"):
+        check_pinned({"train.seed": 0}, {"train.seed": 1, "train.draft_vocab_size": 64}, tmp_path)
 
 
 def test_inputs_that_do_not_fit_the_run_fail_naming_the_key_or_file(tiny: dict, tmp_path: Path) -> None:
