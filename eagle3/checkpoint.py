@@ -38,11 +38,11 @@ from eagle3.draft_vocab import DraftVocab
 from eagle3.export import export_draft_folder, load_draft
 
 LATEST = "latest"
+EXPORT_FORMAT = "eagle3-draft-2"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be resumed from; the message names the file."""
-EXPORT_FORMAT = "eagle3-draft-2"
 
 
 def tag_of(step: int) -> str:
@@ -87,7 +87,7 @@ def latest_tag(root: str | os.PathLike[str]) -> str | None:
     tag = path.read_text().strip()
     if not tag or not (Path(root) / tag).is_dir():
         raise CheckpointError(f"{path} names {tag!r}, which is not a checkpoint folder; the checkpoint directory "
-                           "was changed by hand (delete it to start over)")
+                              "was changed by hand (delete it to start over)")
     return tag
 
 
@@ -151,7 +151,7 @@ def save_checkpoint(engine: Any, root: str | os.PathLike[str], step: int, client
 
 
 def read_trainer_state(root: str | os.PathLike[str], tag: str) -> dict[str, Any]:
-    """The ``readable`` part of a checkpoint (empty if it has none)."""
+    """The ``readable`` part of a checkpoint (``trainer.json``, which every save writes)."""
     path = Path(root) / tag / "trainer.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: missing; this checkpoint is incomplete (delete {Path(root) / tag} to "

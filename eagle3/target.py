@@ -141,6 +141,7 @@ class Target:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name
+        self.location: str | None = None  # where the loaders found it: a folder, or a hub id
         self.decoder = decoder = _find_decoder(model)
         self.layers: nn.ModuleList = decoder.layers
         self.norm: nn.Module = decoder.norm
@@ -290,6 +291,7 @@ def load_target(
         target = Target(model, tokenizer, aux_layer_ids, name=resolved.spec)
     except ValueError as err:
         raise TargetLoadError(f"{where}: {err}") from err
+    target.location = str(resolved.location)
     verify_capture(target, str(where))
     return target
 
@@ -332,6 +334,7 @@ def load_target_head(
         target = Target(model, _load_tokenizer(where, trust_remote_code), aux_layer_ids, name=resolved.spec)
     except ValueError as err:
         raise TargetLoadError(f"{where}: {err}") from err
+    target.location = str(resolved.location)  # not the head-only download: the checkpoint the store names
     tied = target.lm_head.weight is target.embed_tokens.weight
     tensors = _checkpoint_tensors(Path(where))
     names = {id(module): name for name, module in model.named_modules()}

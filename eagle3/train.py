@@ -476,16 +476,15 @@ def _load_target(target_cfg: TargetConfig, aux_layer_ids: Sequence[int]) -> Targ
                             trust_remote_code=target_cfg.trust_remote_code, architecture=target_cfg.architecture)
 
 
-def _check_weights(target_cfg: TargetConfig, spec: Any) -> None:
+def _check_weights(target: Target, spec: Any) -> None:
     """The store's states must come from these weights: a sibling checkpoint with the same
     tokenizer and shapes (base and instruct, BF16 and NVFP4) passes every other check."""
     from eagle3.fingerprint import weights_fingerprint
-    from eagle3.target_source import resolve_target
 
     unknown = ("in-memory", "no-local-weights")
-    mine = weights_fingerprint(resolve_target(target_cfg.name_or_path).location)
+    mine = weights_fingerprint(target.location)
     if mine not in unknown and spec.weights_fingerprint not in unknown and mine != spec.weights_fingerprint:
-        raise TrainError(f"target.name_or_path={target_cfg.name_or_path}: not the weights the store was harvested "
+        raise TrainError(f"target.name_or_path={target.name}: not the weights the store was harvested "
                          f"from (the store names {spec.target}, weights fingerprint {spec.weights_fingerprint[:12]}, "
                          f"these {mine[:12]}); train with the target that harvested it")
 
@@ -560,14 +559,15 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     weights_by_id = _read_sample_weights(cfg.sample_weights)
     if target is None:
         target = _load_target(target_cfg, spec.aux_layer_ids)
-        _check_weights(target_cfg, spec)
+    _check_weights(target, spec)
     store.check_target(target)
-    if weights_by_id and not set(weights_by_id) & set(store.sample_ids):
+    sample_ids = set(store.sample_ids)
+    if weights_by_id and not set(weights_by_id) & sample_ids:
         raise TrainError(f"train.sample_weights={cfg.sample_weights}: none of its ids is a sample of the training "
                          f"store (e.g. {next(iter(weights_by_id))!r}; the store's: {store.sample_ids[:1]})")
-    if weights_by_id and not any(weights_by_id.get(i, 1.0) > 0 for i in store.sample_ids):  # unlisted: 1
+    if weights_by_id and not any(weights_by_id.get(i, 1.0) > 0 for i in sample_ids):  # unlisted: 1
         raise TrainError(f"train.sample_weights={cfg.sample_weights}: every sample's weight is 0; nothing to train on")
-    if unknown := len(set(weights_by_id) - set(store.sample_ids)):
+    if unknown := len(set(weights_by_id) - sample_ids):
         print0(f"train.sample_weights: {unknown} of {len(weights_by_id)} ids are not samples of the training store")
     if cfg.eval_store:
         try:
