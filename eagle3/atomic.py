@@ -135,3 +135,19 @@ def check_replaceable(path: str | os.PathLike[str], replaces: Callable[[Path], b
 def holds_only(*names: str) -> Callable[[Path], bool]:
     """A ``replaces`` test for :func:`atomic_dir`: the folder holds nothing but these names."""
     return lambda folder: all(child.name in names for child in folder.iterdir())
+
+
+@contextlib.contextmanager
+def output_dir(path: str | os.PathLike[str], *, scratch: tuple[str, ...] = ()) -> Iterator[Path]:
+    """Create ``path`` (with its parents) for a run's output; if the run fails and the folder
+    is one this call created that holds nothing but ``scratch`` entries (lock files), remove it
+    again: a failed first run leaves no empty output behind that looks like a result."""
+    path = Path(path)
+    created = not path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    except BaseException:
+        if created and path.is_dir() and all(child.name in scratch for child in path.iterdir()):
+            shutil.rmtree(path, ignore_errors=True)
+        raise

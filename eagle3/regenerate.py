@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from eagle3.atomic import atomic_dir, atomic_write_text, sha256_file
+from eagle3.atomic import atomic_dir, atomic_write_text, output_dir, sha256_file
 from eagle3.chat import ChatFormat
 from eagle3.config import RegenerateConfig, TargetConfig
 from eagle3.conversations import ConversationError, check_messages, iter_jsonl, messages_of, record_id
@@ -281,53 +281,53 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
         raise RegenerateError(f"{pool}: no records to regenerate")
     batches = -(-len(records) // cfg.batch_size)
     settings = manifest_settings(cfg, target_cfg, pool_sha256)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(out_dir / ".lock"))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout as err:
-        raise RegenerateError(f"{out_dir} is being written by another regeneration run") from err
-    try:
-        check_manifest(out_dir, settings)  # fail fast, before loading the target
-        _remove_stale_temps(out_dir)
-        size = cfg.batch_size
-        todo = [b for b in range(batches) if not _part_complete(out_dir, b, len(records[b * size:(b + 1) * size]))]
-        generator, chat, dtype = make_backend(cfg, target_cfg, target)
-        settings |= {"dtype": dtype, "chat_template_sha256": chat.template_sha256,
-                     "chat_template_source": chat.template_source}
-        check_manifest(out_dir, settings)
-        write_manifest(out_dir, settings, len(records), batches)
-        sampling = cfg.sampling
-        generated, gen_seconds = 0, 0.0
-        bar = tqdm(total=batches, initial=batches - len(todo), unit="batch", desc="regenerate",
-                   disable=not progress, file=sys.stderr, dynamic_ncols=True)
-        with bar:
-            for b in todo:
-                chunk = records[b * cfg.batch_size:(b + 1) * cfg.batch_size]
-                t0 = time.perf_counter()
-                results = regenerate_conversations(
-                    generator, chat, [r["messages"] for r in chunk], sampling,
-                    seed=derive_seed(cfg.seed, b), max_prompt_tokens=cfg.max_prompt_tokens,
-                )
-                gen_seconds += time.perf_counter() - t0
-                generated += sum(t.num_generated for r in results for t in r.turns)
-                lines = [_dumps(output_record(rec, res, cfg, target_cfg.name_or_path))
-                         for rec, res in zip(chunk, results, strict=True)]
-                atomic_write_text(part_path(out_dir, b), "".join(line + "\n" for line in lines))
-                bar.set_postfix_str(f"{generated / gen_seconds:.1f} tok/s")
-                bar.update(1)
-        counts = assemble(out_dir, batches)
-        summary = {
-            "stage": "regenerate", "out": str(out_dir / DATASET / STORE), "target": target_cfg.name_or_path,
-            "pool_records": len(records), "batches": batches, "batches_run": len(todo), **counts,
-            "generated_tokens_this_run": generated, "generation_seconds": round(gen_seconds, 3),
-            "generated_tokens_per_s": round(generated / gen_seconds, 2) if gen_seconds else None,
-            "wall_seconds": round(time.perf_counter() - started, 3), "threads": torch.get_num_threads(),
-        }
-        atomic_write_text(out_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
-        return summary
-    finally:
-        lock.release()
+    with output_dir(out_dir, scratch=(".lock",)):  # a failed first run leaves no empty folder
+        lock = FileLock(str(out_dir / ".lock"))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout as err:
+            raise RegenerateError(f"{out_dir} is being written by another regeneration run") from err
+        try:
+            check_manifest(out_dir, settings)  # fail fast, before loading the target
+            _remove_stale_temps(out_dir)
+            size = cfg.batch_size
+            todo = [b for b in range(batches) if not _part_complete(out_dir, b, len(records[b * size:(b + 1) * size]))]
+            generator, chat, dtype = make_backend(cfg, target_cfg, target)
+            settings |= {"dtype": dtype, "chat_template_sha256": chat.template_sha256,
+                         "chat_template_source": chat.template_source}
+            check_manifest(out_dir, settings)
+            write_manifest(out_dir, settings, len(records), batches)
+            sampling = cfg.sampling
+            generated, gen_seconds = 0, 0.0
+            bar = tqdm(total=batches, initial=batches - len(todo), unit="batch", desc="regenerate",
+                       disable=not progress, file=sys.stderr, dynamic_ncols=True)
+            with bar:
+                for b in todo:
+                    chunk = records[b * cfg.batch_size:(b + 1) * cfg.batch_size]
+                    t0 = time.perf_counter()
+                    results = regenerate_conversations(
+                        generator, chat, [r["messages"] for r in chunk], sampling,
+                        seed=derive_seed(cfg.seed, b), max_prompt_tokens=cfg.max_prompt_tokens,
+                    )
+                    gen_seconds += time.perf_counter() - t0
+                    generated += sum(t.num_generated for r in results for t in r.turns)
+                    lines = [_dumps(output_record(rec, res, cfg, target_cfg.name_or_path))
+                             for rec, res in zip(chunk, results, strict=True)]
+                    atomic_write_text(part_path(out_dir, b), "".join(line + "\n" for line in lines))
+                    bar.set_postfix_str(f"{generated / gen_seconds:.1f} tok/s")
+                    bar.update(1)
+            counts = assemble(out_dir, batches)
+            summary = {
+                "stage": "regenerate", "out": str(out_dir / DATASET / STORE), "target": target_cfg.name_or_path,
+                "pool_records": len(records), "batches": batches, "batches_run": len(todo), **counts,
+                "generated_tokens_this_run": generated, "generation_seconds": round(gen_seconds, 3),
+                "generated_tokens_per_s": round(generated / gen_seconds, 2) if gen_seconds else None,
+                "wall_seconds": round(time.perf_counter() - started, 3), "threads": torch.get_num_threads(),
+            }
+            atomic_write_text(out_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
+            return summary
+        finally:
+            lock.release()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[RegenerateConfig, TargetConfig, bool]:

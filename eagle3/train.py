@@ -425,7 +425,11 @@ def choose_draft_vocab(cfg: TrainConfig, store: HarvestStore | StoreUnion, train
         except ValueError as err:
             raise TrainError(f"train.init_draft: {err}") from None
     if cfg.draft_vocab:
-        return read_draft_vocab(cfg.draft_vocab, vocab_size)
+        vocab = read_draft_vocab(cfg.draft_vocab, vocab_size)
+        if vocab.size != min(cfg.draft_vocab_size, vocab_size):
+            print0(f"train.draft_vocab: {cfg.draft_vocab} holds {vocab.size} tokens; they replace "
+                   f"train.draft_vocab_size={cfg.draft_vocab_size}")
+        return vocab
     counts = loss_token_counts(store, train_idx, vocab_size)
     return select_draft_vocab(counts, min(cfg.draft_vocab_size, vocab_size), always_include)
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from eagle3.atomic import atomic_write_text
+from eagle3.atomic import atomic_write_text, output_dir
 from eagle3.config import HarvestConfig, MineConfig, RegenerateConfig, TargetConfig, TrainConfig
 from eagle3.conversations import iter_jsonl, take_in_turn
 from eagle3.shards import HarvestStore, StoreError, open_stores
@@ -167,17 +167,21 @@ def _groups(scores: Sequence[SampleScore]) -> dict[str, dict[str, Any]]:
 def run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig, *, target: Any = None,
                progress: bool = True) -> dict[str, Any]:
     """Run (or resume) ``cfg.rounds`` mining rounds; returns the manifest."""
-    from eagle3.target import load_target
-    from eagle3.train import train
-
     for name in ("draft", "store", "eval_store", "out_dir"):
         if not getattr(cfg, name):
             raise MineError(f"mine.{name} must be set")
     needs_pool = {"hardest", "uniform"} & set(cfg.strategies)
     if needs_pool and not cfg.pool:
         raise MineError(f"mine.pool must be set for strategies {sorted(needs_pool)}")
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with output_dir(cfg.out_dir) as out:  # bad inputs found below leave no empty out_dir
+        return _run_rounds(cfg, train_cfg, target_cfg, out, target, progress)
+
+
+def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig, out: Path, target: Any,
+                progress: bool) -> dict[str, Any]:
+    from eagle3.target import load_target
+    from eagle3.train import train
+
     manifest_path = out / MANIFEST
     manifest: dict[str, Any] = (json.loads(manifest_path.read_text()) if manifest_path.is_file()
                                 else {"config": asdict(cfg), "rounds": []})

@@ -180,6 +180,7 @@ def test_one_mining_round_end_to_end(world: dict, tmp_path: Path) -> None:
     other = MineConfig(**{**cfg.__dict__, "eval_records": [str(world["data"])], "out_dir": str(tmp_path / "m2")})
     with pytest.raises(MineError, match="mine.eval_records: .* have no record there"):
         run_rounds(other, world["train"], lively, target=target, progress=False)
+    assert not (tmp_path / "m2").exists(), "a run refused on its inputs left an empty out_dir"
 
 
 def test_dashboard_panels_name_metrics_the_runs_log(world: dict) -> None:

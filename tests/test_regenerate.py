@@ -170,6 +170,10 @@ def test_rerun_only_regenerates_missing_batches(target: Target, tmp_path: Path, 
     with pytest.raises(RegenerateError, match="empty.jsonl: no records"):
         run(RegenerateConfig(pool=str(empty), out_dir=str(tmp_path / "e")), TargetConfig(name_or_path="lively"),
             progress=False, target=target)
+    with pytest.raises(Exception, match="missing-target"):  # fails after creating out_dir: removed again
+        run(RegenerateConfig(pool=str(pool), out_dir=str(tmp_path / "m")),
+            TargetConfig(name_or_path=str(tmp_path / "missing-target")), progress=False)
+    assert not (tmp_path / "m").exists()
 
 
 def test_rerun_with_other_settings_fails_naming_the_key(target: Target, tmp_path: Path, capsys) -> None:

@@ -232,7 +232,8 @@ def test_a_few_steps_reduce_the_loss_and_export_the_draft(tiny: dict, tmp_path: 
     assert torch.equal(draft.d2t, vocab.d2t) and torch.equal(draft.t2d, vocab.t2d)
 
 
-def test_eval_keeps_the_best_tau_and_a_vocab_is_reused(tiny: dict, tmp_path: Path) -> None:
+def test_eval_keeps_the_best_tau_and_a_vocab_is_reused(tiny: dict, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
     train(_cfg(tiny, out, steps=12, eval_every=2, lr=2e-2, batching="buckets", save_every=0), target=tiny["target"])
     taus = [(r["eval/tau_sim"], r["step"]) for r in read_metrics(out) if "eval/tau_sim" in r and r["step"] > 0]
@@ -248,6 +249,7 @@ def test_eval_keeps_the_best_tau_and_a_vocab_is_reused(tiny: dict, tmp_path: Pat
     summary = train(_cfg(tiny, again, steps=1, draft_vocab=str(out / "best"), draft_vocab_size=32, save_every=0),
                     target=tiny["target"])
     assert summary["draft_vocab_size"] == 64
+    assert "holds 64 tokens; they replace train.draft_vocab_size=32" in capsys.readouterr().out
     assert (again / "draft_vocab.safetensors").read_bytes() == (out / "draft_vocab.safetensors").read_bytes()
 
 
