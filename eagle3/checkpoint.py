@@ -133,10 +133,12 @@ def save_checkpoint(engine: Any, root: str | os.PathLike[str], step: int, client
     engine.save_checkpoint(str(root), tag=tmp, client_state=client_state, save_latest=False,
                            exclude_frozen_parameters=True)
     torch.save(rng_state(), root / tmp / f"rng-rank{rank:05d}.pt")
-    if rank == 0 and readable is not None:
-        (root / tmp / "trainer.json").write_text(json.dumps(readable, indent=1) + "\n")
     _barrier()
     if rank == 0:
+        if readable is not None:  # with every rank's files and their sizes, checked by every rank on resume
+            files = {p.relative_to(root / tmp).as_posix(): p.stat().st_size
+                     for p in sorted((root / tmp).rglob("*")) if p.is_file()}
+            (root / tmp / "trainer.json").write_text(json.dumps({**readable, "files": files}, indent=1) + "\n")
         _fsync_tree(root / tmp)
         if (root / tag).exists():  # renamed by a save killed before it updated `latest`: unreferenced
             shutil.rmtree(root / tag)
@@ -177,6 +179,14 @@ def load_checkpoint(engine: Any, root: str | os.PathLike[str], tag: str, *, rank
     """Restore model, optimizer, scheduler and this rank's RNG; returns the client state."""
     folder = Path(root) / tag
     rng_file = folder / f"rng-rank{rank:05d}.pt"
+    saved = read_trainer_state(root, tag).get("files", {}) if (folder / "trainer.json").is_file() else {}
+    for name, size in saved.items():  # every rank checks every file: all refuse together, none waits in a collective
+        path = folder / name
+        found = path.stat().st_size if path.is_file() else None
+        if found != size:
+            raise CheckpointError(f"{path}: {'missing' if found is None else f'{found} bytes, saved with {size}'}; "
+                                  f"this checkpoint is incomplete (delete {folder} to resume from an earlier one, "
+                                  "or --no-resume to start over)")
     for r in range(world_size):  # every rank looks at every rank's: all refuse together, none waits in a collective
         if not (folder / f"rng-rank{r:05d}.pt").is_file():  # without it the resume would not be exact
             raise CheckpointError(f"{folder / f'rng-rank{r:05d}.pt'}: missing; this checkpoint is incomplete (delete "

@@ -279,7 +279,17 @@ def test_inputs_that_do_not_fit_the_run_fail_naming_the_key_or_file(tiny: dict, 
     train(_cfg(tiny, out, steps=2, eval_every=0, save_every=2), target=tiny["target"])
     with pytest.raises(TrainError, match="trained with train.draft_vocab_size=64, this run has 32"):
         train(_cfg(tiny, out, steps=4, draft_vocab_size=32), target=tiny["target"])
-    (out / "checkpoints" / "step-00000002" / "rng-rank00000.pt").unlink()
+    saved = out / "checkpoints" / "step-00000002"
+    listed = json.loads((saved / "trainer.json").read_text())["files"]
+    assert "rng-rank00000.pt" in listed and any(name.endswith("model_states.pt") for name in listed)
+    cut = next(saved.rglob("*_states.pt"))  # a DeepSpeed file cut short: refused before DeepSpeed reads it
+    size = listed[cut.relative_to(saved).as_posix()]
+    cut.write_bytes(cut.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=f"{cut.name}: 100 bytes, saved with {size}"):
+        train(_cfg(tiny, out, steps=4, eval_every=0, save_every=2), target=tiny["target"])
+    trainer = json.loads((saved / "trainer.json").read_text())
+    (saved / "trainer.json").write_text(json.dumps({k: v for k, v in trainer.items() if k != "files"}))
+    (saved / "rng-rank00000.pt").unlink()  # a checkpoint of the earlier version, listing no files
     with pytest.raises(CheckpointError, match="rng-rank00000.pt: missing"):  # the resume would not be exact
         train(_cfg(tiny, out, steps=4, eval_every=0, save_every=2), target=tiny["target"])
 
