@@ -318,6 +318,11 @@ class TrainConfig:
     """Also train positions whose target argmax lies outside the draft vocab, on the target's
     distribution renormalised over the draft vocab (as speculators 0.9.0); by default they are
     dropped (as EAGLE-3 and SpecForge): the draft cannot propose that token anyway."""
+    loss_positions: str = "assistant"
+    """assistant: train on the positions the store's loss mask marks (the replies, as EAGLE-3,
+    SpecForge and speculators); all: on every position of each conversation (prompts and template
+    tokens too: the store holds the target's distribution everywhere, so the same samples teach
+    more). Evaluation always counts the replies only."""
     draft_vocab_size: int = 32000
     """Target tokens the draft can propose: the most frequent loss-masked tokens of the training
     store (capped at the target's vocabulary)."""
@@ -446,6 +451,8 @@ class TrainConfig:
             raise ValueError(f"train.draft_variant={self.draft_variant!r}: expected eagle3 or speculators")
         if self.draft_rope not in ("target", "plain"):
             raise ValueError(f"train.draft_rope={self.draft_rope!r}: expected target or plain")
+        if self.loss_positions not in ("assistant", "all"):
+            raise ValueError(f"train.loss_positions={self.loss_positions!r}: expected assistant or all")
         if self.lm_head_init not in ("target", "random"):
             raise ValueError(f"train.lm_head_init={self.lm_head_init!r}: expected target or random")
         if self.freeze_lm_head and self.lm_head_init != "target" and not self.init_draft:

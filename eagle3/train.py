@@ -749,6 +749,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
             for micro in range(cfg.gradient_accumulation):
                 idx = plan[rank_batch_index(step_in_epoch, micro, rt.rank, rt.world_size, cfg.gradient_accumulation)]
                 batch = load_batch(store, idx, cfg.batching)
+                if cfg.loss_positions == "all":
+                    batch["loss_mask"] = batch["document_ids"] >= 0  # [B, S] every token, padding excepted
                 out = _run(engine, head, batch, t2d, dtype, rt.device)
                 engine.backward(out.loss)
                 if micro == cfg.gradient_accumulation - 1 and cfg.zero_stage == 0 and dtype == torch.float32:

@@ -587,3 +587,18 @@ def test_a_multimodal_target_harvests_and_trains_from_its_head(tmp_path: Path) -
           "--wandb-mode", "disabled", "--no-progress", "--lm-head-init", "target"])
     draft, meta = load_exported_draft(out / "final")
     assert meta["step"] == 3 and meta["aux_layer_ids"] == [2, 4, 5] and draft.config.hidden_size == 64
+
+
+def test_loss_positions_all_trains_on_prompts_too_and_still_evaluates_replies(tiny: dict, tmp_path: Path) -> None:
+    runs = {}
+    for where in ("assistant", "all"):
+        train(_cfg(tiny, tmp_path / where, steps=2, eval_every=1, save_every=0, loss_positions=where),
+              target=tiny["target"])
+        runs[where] = read_metrics(tmp_path / where)
+    first = {where: next(r for r in rows if "train/positions" in r) for where, rows in runs.items()}
+    assert first["all"]["train/positions"] > first["assistant"]["train/positions"] > 0
+    evals = {where: [r["eval/positions"] for r in rows if "eval/positions" in r] for where, rows in runs.items()}
+    assert evals["all"] == evals["assistant"] and len(evals["all"]) == 3  # before step 1, after 1 and 2
+    assert runs["all"][0]["eval/tau_sim"] == runs["assistant"][0]["eval/tau_sim"]  # the same untrained draft
+    with pytest.raises(ValueError, match="train.loss_positions='prompt'"):
+        TrainConfig(loss_positions="prompt")
