@@ -186,9 +186,10 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
     manifest: dict[str, Any] = (json.loads(manifest_path.read_text()) if manifest_path.is_file()
                                 else {"config": asdict(cfg), "rounds": []})
     loose = ("rounds", "wandb_mode", "wandb_project")  # more rounds extend a finished run
-    pinned = {k: v for k, v in asdict(cfg).items() if k not in loose}
-    if {k: v for k, v in manifest["config"].items() if k not in loose} != pinned:
-        changed = sorted(k for k in pinned if manifest["config"].get(k) != pinned[k])
+    # settings an earlier version did not write are not compared: its runs resume
+    pinned = {k: v for k, v in asdict(cfg).items() if k not in loose and k in manifest["config"]}
+    changed = sorted(k for k in pinned if manifest["config"][k] != pinned[k])
+    if changed:
         raise MineError(f"{manifest_path}: written with other settings ({', '.join('mine.' + k for k in changed)}); "
                         "use a new out_dir")
 
@@ -294,6 +295,7 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
 
         summary = train(replace(train_cfg, store=cfg.store, extra_stores=round_stores, sample_weights=weights_file,
                                 init_draft=str(draft_dir), steps=cfg.steps,
+                                lr=cfg.lr if cfg.lr is not None else train_cfg.lr / 4,
                                 out_dir=str(rdir / "train"), eval_store=cfg.eval_store, eval_fraction=0.0,
                                 seed=train_cfg.seed + r, resume=True, wandb_mode="disabled"),
                         target_cfg, target=target)
@@ -379,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--wandb-mode", default="offline")
     # the continued training's settings
     parser.add_argument("--ttt-steps", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-3, help="each round's peak learning rate")
     parser.add_argument("--micro-batch-tokens", type=int, default=2048)
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--threads", type=int, default=1)
@@ -396,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          eval_records=args.eval_records, pool=args.pool, eval_sets=args.eval_sets, out_dir=args.out,
                          rounds=args.rounds, strategies=args.strategies, steps=args.steps,
                          candidates=args.candidates, keep_fraction=args.keep_fraction, uniform=args.uniform,
-                         seed=args.seed, wandb_mode=args.wandb_mode)
+                         seed=args.seed, wandb_mode=args.wandb_mode, lr=args.lr)
         train_cfg = TrainConfig(store=args.store, out_dir=args.out, ttt_steps=args.ttt_steps, lr=args.lr,
                                 warmup_steps=max(1, args.steps // 20), micro_batch_tokens=args.micro_batch_tokens,
                                 batching="buckets", precision=args.precision, eval_every=0, save_every=0,

@@ -12,6 +12,7 @@ from eagle3.config import HarvestConfig, MineConfig, TargetConfig, TrainConfig
 from eagle3.harvest import run as harvest
 from eagle3.shards import HarvestStore
 from eagle3.train import train
+from eagle3.train_log import read_metrics
 from hard_mining.rounds import MineError, balanced_pick, run_rounds
 from hard_mining.score import (
     GroupScore,
@@ -167,11 +168,16 @@ def test_one_mining_round_end_to_end(world: dict, tmp_path: Path) -> None:
     assert len(entry["added_ids"]) >= 4 + 2  # 4 kept candidates + procedural math and code
     assert set(entry["before"]["domain"]) == set(DOMAINS) and entry["after"]["all"]["all"]["positions"] > 0
     assert entry["train"]["steps"] == 2 and (Path(entry["draft"]) / "model.safetensors").is_file()
+    lrs = [r["train/lr"] for r in read_metrics(tmp_path / "mine" / "round-1" / "train") if "train/lr" in r]
+    assert max(lrs) == pytest.approx(world["train"].lr / 4)  # mine.lr=None: a quarter of the draft's own run
     weights = json.loads(Path(entry["sample_weights"]).read_text())
     assert len(weights) == 32
     assert list((tmp_path / "mine" / "wandb").glob("offline-run-*")), "no offline wandb run"
     # a rerun finds the round done; other settings fail naming the key
     assert run_rounds(cfg, world["train"], lively, target=target, progress=False) == manifest
+    path = tmp_path / "mine" / "manifest.json"  # written by the version before mine.lr: still resumes
+    path.write_text(json.dumps({**manifest, "config": {k: v for k, v in manifest["config"].items() if k != "lr"}}))
+    assert run_rounds(cfg, world["train"], lively, target=target, progress=False)["rounds"] == manifest["rounds"]
     with pytest.raises(MineError, match="mine.steps"):
         run_rounds(MineConfig(**{**cfg.__dict__, "steps": 3}), world["train"], lively, target=target, progress=False)
     with pytest.raises(ValueError, match="mine.strategies"):
