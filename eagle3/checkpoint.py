@@ -187,7 +187,7 @@ def load_checkpoint(engine: Any, root: str | os.PathLike[str], tag: str, *, rank
             raise CheckpointError(f"{path}: {'missing' if found is None else f'{found} bytes, saved with {size}'}; "
                                   f"this checkpoint is incomplete (delete {folder} to resume from an earlier one, "
                                   "or --no-resume to start over)")
-    for r in range(world_size):  # every rank looks at every rank's: all refuse together, none waits in a collective
+    for r in range(0 if saved else world_size):  # an earlier version's checkpoint lists no files: its RNG states
         if not (folder / f"rng-rank{r:05d}.pt").is_file():  # without it the resume would not be exact
             raise CheckpointError(f"{folder / f'rng-rank{r:05d}.pt'}: missing; this checkpoint is incomplete (delete "
                                   f"{folder} to resume from an earlier one, or --no-resume to start over)")

@@ -19,6 +19,7 @@ from eagle3.chat import ChatFormat
 from eagle3.config import RegenerateConfig, TargetConfig
 from eagle3.generate import SamplingConfig, generate, regenerate_conversations
 from eagle3.target import Target
+from eagle3.target_source import TargetSourceError
 from tests.tiny_targets import lively_target, save_lively
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,7 +171,7 @@ def test_rerun_only_regenerates_missing_batches(target: Target, tmp_path: Path, 
     with pytest.raises(RegenerateError, match="empty.jsonl: no records"):
         run(RegenerateConfig(pool=str(empty), out_dir=str(tmp_path / "e")), TargetConfig(name_or_path="lively"),
             progress=False, target=target)
-    with pytest.raises(Exception, match="missing-target"):  # fails after creating out_dir: removed again
+    with pytest.raises(TargetSourceError, match="missing-target"):  # fails after creating out_dir: removed again
         run(RegenerateConfig(pool=str(pool), out_dir=str(tmp_path / "m")),
             TargetConfig(name_or_path=str(tmp_path / "missing-target")), progress=False)
     assert not (tmp_path / "m").exists()
