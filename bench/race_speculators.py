@@ -3,7 +3,7 @@ judged by real vLLM in one run.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/race_speculators.py --store runs/race/harvest-bf16 \\
         --pools runs/pools --out runs/race/bench --steps 180 [--extra fp8=runs/race/harvest-fp8] \\
-        [--extra ids=runs/race/harvest-ids]
+        [--extra ids=runs/race/harvest-ids] [--variant "replies=--optimizer muon ..."]
 
 Needs the three venvs: ``.venv`` (ours), ``.venv-speculators`` (scripts/setup_speculators_env.sh)
 and ``.venv-vllm`` (scripts/setup_vllm_env.sh). Steps, one after the other so that neither trainer
@@ -14,7 +14,8 @@ shares the CPU with the other:
 2. speculators: the same store converted by ``bench/speculators_data.py`` (the same held-out
    split, our draft vocab as its d2t/t2d), trained by ``bench/speculators_train.py`` on CPU;
 3. both drafts (and every ``--extra`` draft: ours on another store, e.g. fp8-stored states or
-   other aux layer ids, same settings) served by vLLM through ``bench/vllm_judge.py``.
+   other aux layer ids, same settings; and every ``--variant`` draft: ours on the same store with
+   other training arguments, e.g. one setting ablated) served by vLLM through ``bench/vllm_judge.py``.
 
 Equal for both: samples, TTT steps (3), draft vocab, sequence length per step (2048 tokens:
 speculators packs rows of that length, ours fills length buckets of at most that many tokens),
@@ -96,6 +97,8 @@ def train_speculators(args: argparse.Namespace, vocab: Path) -> dict[str, Any]:
     cmd = [str(ROOT / ".venv-speculators/bin/python"), "bench/speculators_train.py", "--data", str(data),
            "--target", str(resolve_target(args.target).location), "--out", str(out), "--steps", str(args.steps),
            "--ttt-steps", str(args.ttt_steps), "--seq-len", str(args.seq_len), "--dtype", "bfloat16"]
+    if args.speculators_lr is not None:
+        cmd += ["--lr", str(args.speculators_lr)]
     return last_json(run(cmd, Path(args.out) / "speculators.log"))
 
 
@@ -104,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--store", required=True, help="harvest store both trainers read")
     parser.add_argument("--extra", action="append", default=[],
                         help="NAME=STORE: also train ours on another store (same settings) and judge it")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME=ARGS: also train ours on --store with these eagle3.train arguments in place of "
+                             "--ours-args (same vocab, steps and lr) and judge it, e.g. an ablation of one setting")
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--pools", default="runs/pools")
     parser.add_argument("--out", default="runs/race/bench")
@@ -113,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
     parser.add_argument("--draft-vocab", default=None, help="reuse this draft vocab (else chosen by our run)")
     parser.add_argument("--lr", type=float, default=2e-3, help="ours (speculators keeps its default)")
+    parser.add_argument("--speculators-lr", type=float, default=None, help="speculators' (default: its own, 1e-3)")
     parser.add_argument("--eval-fraction", type=float, default=0.1)
     parser.add_argument("--per-set", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -132,6 +139,10 @@ def main(argv: list[str] | None = None) -> None:
         name, _, store = item.partition("=")
         same_vocab = argparse.Namespace(**{**vars(args), "draft_vocab": str(vocab)})
         extras[name] = train_ours(f"ours-{name}", store, same_vocab)
+    for item in args.variant:
+        name, _, ours_args = item.partition("=")
+        variant = argparse.Namespace(**{**vars(args), "draft_vocab": str(vocab), "ours_args": ours_args})
+        extras[name] = train_ours(f"ours-{name}", args.store, variant)
 
     rows = [("ours", ours["tokens_per_s"]), ("speculators", spec["tokens_per_s"])]
     for name, value in rows:

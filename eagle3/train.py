@@ -69,7 +69,7 @@ from eagle3.draft import DraftConfig, Eagle3Draft, trainable_parameter_count
 from eagle3.draft_vocab import DraftVocab, select_draft_vocab
 from eagle3.home import eagle3_home
 from eagle3.shards import HarvestStore, StoreError, StoreUnion, open_stores
-from eagle3.target import LogitTransform, Target, TargetLoadError, load_target_head
+from eagle3.target import LogitTransform, Target, TargetLoadError, bf16_matmul_speedup, load_target_head
 from eagle3.target_source import TargetSourceError
 from eagle3.train_data import (
     epoch_batches,
@@ -208,7 +208,8 @@ class TargetHead(nn.Module):
         for i in range(0, len(rows), chunk_tokens):
             x = self.norm(flat[i:i + chunk_tokens])
             split = (self._split_pays and self.lm_head.weight.dtype == torch.float32
-                     and getattr(self.lm_head, "bias", None) is None)
+                     and getattr(self.lm_head, "bias", None) is None
+                     and bf16_matmul_speedup(x.device.type) > 1.0)  # its rough pass is bf16
             part = self._split_targets(x, t2d) if split else prepare_targets(self.transform(self.lm_head(x)), t2d)
             probs[rows[i:i + chunk_tokens]] = part.probs
             argmax[rows[i:i + chunk_tokens]] = part.argmax
@@ -231,7 +232,8 @@ class TargetHead(nn.Module):
         The distribution needs only the draft-vocab rows of the head, computed in fp32 as
         before. The argmax needs the rest only to learn whether some token outside the draft
         vocab beats the best one inside: those logits are computed in bf16 (several times
-        faster on CPUs with bf16 units) with a rigorous bound on their error,
+        faster on CPUs with bf16 units; used only where bf16 is measured faster, see
+        :func:`eagle3.target.bf16_matmul_speedup`) with a rigorous bound on their error,
         ``|bf16 - fp32| <= c * |x| * |w_j|`` (bf16 rounding of both operands and of the
         result, fp32 accumulation, Cauchy-Schwarz), taken per group of outside rows of similar
         norm; only the rows the bound cannot settle (~7% on the default target) get their
@@ -365,6 +367,23 @@ def muon_ns_method(setting: str, device: torch.device | str) -> str:
     if setting != "auto":
         return setting
     return "gram" if torch.device(device).type == "cuda" else "standard"
+
+
+def muon_ns_in_fp32_where_bf16_is_slow(device: torch.device | str) -> bool:
+    """On a CPU without bf16 units, make DeepSpeed's Newton-Schulz run in fp32; True if it did.
+
+    DeepSpeed runs the iteration in bf16 (fp16 for ``gram``) whenever its accelerator reports
+    support, which its CPU accelerator always does; on an AVX2-only CPU those products ran
+    ~170x slower than fp32 and Muon took most of each step. Its iteration reads
+    ``original_muon.ns_compute_dtype`` at every call, so this replaces that lookup (process-wide)
+    with fp32, which is only more precise.
+    """
+    if torch.device(device).type != "cpu" or bf16_matmul_speedup("cpu") >= 1.0:
+        return False
+    from deepspeed.runtime.zero.muon import original_muon
+
+    original_muon.ns_compute_dtype = lambda ns_method="gram": torch.float32
+    return True
 
 
 def muon_param_groups(model: nn.Module, lr: float, ns_method: str = "gram") -> list[dict[str, Any]]:
@@ -630,6 +649,9 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         draft.init_lm_head_from_target(rows, vocab.d2t, target.norm.weight.detach().float().cpu())
     if cfg.freeze_lm_head:
         draft.lm_head.weight.requires_grad_(False)
+    if cfg.precision == "bf16" and rt.device.type == "cpu" and (speedup := bf16_matmul_speedup("cpu")) < 1.0:
+        print0(f"train.precision=bf16: this CPU runs bf16 matmuls {1 / speedup:.0f}x slower than fp32 (no bf16 "
+               f"units, measured); train.precision=fp32 will be much faster here")
     head = TargetHead.of_target(target).to(rt.device)
     t2d = vocab.t2d.to(rt.device)
     target_name = spec.target
@@ -638,6 +660,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     schedule = warmup_decay(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio, cfg.lr_schedule)
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "muon":  # DeepSpeed builds Muon + its auxiliary AdamW from the config
+        muon_ns_in_fp32_where_bf16_is_slow(rt.device)
         groups = muon_param_groups(model, cfg.lr, muon_ns_method(cfg.muon_ns_method, rt.device))
         engine, optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=groups,

@@ -33,6 +33,7 @@ from eagle3.train import (
     TrainError,
     check_pinned,
     main,
+    muon_ns_in_fp32_where_bf16_is_slow,
     muon_ns_method,
     train,
     warmup_decay,
@@ -366,6 +367,31 @@ def test_muon_orthogonalises_the_hidden_matrices_and_learns(tiny: dict, tmp_path
     assert muon_ns_method("gram", "cpu") == "gram"
 
 
+def test_muon_iterates_in_fp32_on_a_cpu_without_bf16_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepspeed.runtime.zero.muon import original_muon
+
+    # DeepSpeed's choice on CPUs (an earlier training test in this process may have replaced it already)
+    monkeypatch.setattr(original_muon, "ns_compute_dtype", lambda ns_method="gram": torch.bfloat16)
+    monkeypatch.setattr("eagle3.train.bf16_matmul_speedup", lambda device_type: 3.0)
+    assert not muon_ns_in_fp32_where_bf16_is_slow("cpu")
+    assert original_muon.ns_compute_dtype("standard") == torch.bfloat16
+    monkeypatch.setattr("eagle3.train.bf16_matmul_speedup", lambda device_type: 0.01)
+    assert not muon_ns_in_fp32_where_bf16_is_slow("cuda:0")
+    assert muon_ns_in_fp32_where_bf16_is_slow("cpu")
+    assert original_muon.ns_compute_dtype("standard") == original_muon.ns_compute_dtype("gram") == torch.float32
+    g = torch.randn(24, 40)
+    x = original_muon.zeropower_via_newtonschulz5(g, 5)
+    assert x.dtype == torch.float32 and torch.linalg.matrix_norm(x, ord=2) < 1.6  # orthogonalised, as in bf16
+
+
+def test_bf16_matmul_speedup_is_measured_on_cpus() -> None:
+    from eagle3.target import bf16_matmul_speedup
+
+    assert bf16_matmul_speedup("cuda") == 2.0
+    speedup = bf16_matmul_speedup("cpu")
+    assert speedup > 0 and bf16_matmul_speedup("cpu") == speedup  # measured once per process
+
+
 def test_weighted_indices_by_hand() -> None:
     from eagle3.train_data import weighted_indices
 
@@ -534,7 +560,7 @@ def test_training_continues_from_an_exported_draft_in_another_format(tiny: dict,
         train(_cfg(tiny, tmp_path / "x", steps=1, init_draft=str(bad)), target=tiny["target"])
 
 
-def test_split_head_equals_the_full_product_ties_included() -> None:
+def test_split_head_equals_the_full_product_ties_included(monkeypatch: pytest.MonkeyPatch) -> None:
     """TargetHead's fp32 path computes the outside-vocab logits in bf16 under an error bound;
     its targets must equal prepare_targets on the full product, including rows where an outside
     token wins by less than bf16 can resolve and exact ties (the lower id wins)."""
@@ -560,9 +586,16 @@ def test_split_head_equals_the_full_product_ties_included() -> None:
         lm_head.weight[7] = lm_head.weight[200] = e / e.norm() * 50  # an exact tie: outside 7, inside 200
         x[0, 0] = e
     batch = {"last": x, "loss_mask": torch.ones(1, 400, dtype=torch.long), "document_ids": torch.zeros(1, 400)}
+    ref = prepare_targets(lm_head(norm(x[:, :-1])), t2d)
+    # where bf16 is slower than fp32 (a CPU without bf16 units) the head takes the full fp32 product
+    monkeypatch.setattr("eagle3.train.bf16_matmul_speedup", lambda device_type: 0.01)
+    full = TargetHead(norm, lm_head)
+    got = full.targets(batch, t2d)
+    assert full._split is None
+    assert torch.equal(got.argmax[:, :-1], ref.argmax) and torch.allclose(got.probs[:, :-1], ref.probs, atol=1e-6)
+    monkeypatch.setattr("eagle3.train.bf16_matmul_speedup", lambda device_type: 2.0)
     head = TargetHead(norm, lm_head)
     got = head.targets(batch, t2d)
-    ref = prepare_targets(lm_head(norm(x[:, :-1])), t2d)
     assert head._split is not None  # the split path ran
     assert torch.equal(got.argmax[:, :-1], ref.argmax)
     assert torch.allclose(got.probs[:, :-1], ref.probs, atol=1e-6)
