@@ -22,8 +22,9 @@ speculators packs rows of that length, ours fills length buckets of at most that
 optimizer steps. Each keeps its own optimizer, learning rate, schedule, loss weights and lm_head
 init (speculators: Muon + AdamW at 1e-3, linear decay, step weights 1.0, lm_head copied from the
 target and frozen, norm_before_fc / norm_output variant; ours: AdamW, cosine, 0.8^k, fresh
-lm_head): those are what is being compared. Each runs at its own default CPU precision (bf16
-autocast for speculators, bf16 for ours).
+lm_head): those are what is being compared. Both run in bf16 on CPUs with bf16 units (autocast
+for speculators, DeepSpeed's bf16 for ours) and in fp32 on CPUs without them (AVX2 only), where
+bf16 matmuls are far slower than fp32.
 
 Printed (one JSON line each): every trainer's tokens/s (training tokens / training-loop seconds)
 and the ratio; every judged draft's vLLM tau per eval set and overall, and the ratio of ours to
@@ -69,7 +70,7 @@ def train_ours(name: str, store: str, args: argparse.Namespace) -> dict[str, Any
         return json.loads((out / "summary.json").read_text())
     cmd = [str(ROOT / ".venv/bin/python"), "-m", "eagle3.train", "--store", store, "--target", args.target,
            "--out", str(out), "--steps", str(args.steps), "--ttt-steps", str(args.ttt_steps),
-           "--micro-batch-tokens", str(args.seq_len), "--batching", "buckets", "--precision", "bf16",
+           "--micro-batch-tokens", str(args.seq_len), "--batching", "buckets", "--precision", "auto",
            "--lr", str(args.lr), "--warmup-steps", str(max(1, args.steps // 50)),
            "--eval-fraction", str(args.eval_fraction), "--eval-every", "0", "--no-eval-at-start",
            "--save-every", "0", "--wandb-mode", "disabled", "--no-progress", "--no-resume"]
@@ -79,6 +80,14 @@ def train_ours(name: str, store: str, args: argparse.Namespace) -> dict[str, Any
         cmd += ["--draft-vocab-size", str(args.draft_vocab_size)]
     cmd += shlex.split(args.ours_args)
     return last_json(run(cmd, Path(args.out) / f"{name}.log"))
+
+
+def cpu_dtype() -> str:
+    """bfloat16 where this CPU's bf16 matmuls beat fp32 (AMX, AVX512-BF16), float32 on CPUs without
+    bf16 units, where bf16 ran ~170x slower: what ``--precision auto`` picks for ours."""
+    from eagle3.target import bf16_matmul_speedup
+
+    return "bfloat16" if bf16_matmul_speedup("cpu") > 1.0 else "float32"
 
 
 def train_speculators(args: argparse.Namespace, vocab: Path) -> dict[str, Any]:
@@ -96,7 +105,7 @@ def train_speculators(args: argparse.Namespace, vocab: Path) -> dict[str, Any]:
     shutil.rmtree(out, ignore_errors=True)
     cmd = [str(ROOT / ".venv-speculators/bin/python"), "bench/speculators_train.py", "--data", str(data),
            "--target", str(resolve_target(args.target).location), "--out", str(out), "--steps", str(args.steps),
-           "--ttt-steps", str(args.ttt_steps), "--seq-len", str(args.seq_len), "--dtype", "bfloat16"]
+           "--ttt-steps", str(args.ttt_steps), "--seq-len", str(args.seq_len), "--dtype", cpu_dtype()]
     if args.speculators_lr is not None:
         cmd += ["--lr", str(args.speculators_lr)]
     return last_json(run(cmd, Path(args.out) / "speculators.log"))

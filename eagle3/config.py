@@ -244,7 +244,7 @@ class HarvestConfig:
         return i, n
 
 
-_PRECISIONS = ("fp32", "bf16")
+_PRECISIONS = ("fp32", "bf16", "auto")
 _WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -307,7 +307,9 @@ class TrainConfig:
     max_grad_norm: float = 0.5
     """Gradient clipping by global norm; 0 disables it."""
     precision: str = "fp32"
-    """fp32, or bf16 (DeepSpeed keeps fp32 master weights)."""
+    """fp32, bf16 (DeepSpeed keeps fp32 master weights), or auto: bf16 where bf16 matmuls are the
+    faster ones (CUDA; a CPU with bf16 units, measured at start) and the optimizer allows it
+    (Muon on bf16 needs zero_stage >= 1), else fp32."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage 0-3."""
     ttt_steps: int = 7

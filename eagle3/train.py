@@ -1,7 +1,7 @@
 """The trainer: an EAGLE-3 draft head on a harvest store, with the DeepSpeed engine.
 
     python -m eagle3.train --store runs/harvest --target smollm2-135m --out runs/train \\
-        [--eval-store DIR | --eval-fraction 0.1] [--steps N] [--zero-stage 0..3] [--precision fp32|bf16] ...
+        [--eval-store DIR | --eval-fraction 0.1] [--steps N] [--zero-stage 0..3] [--precision fp32|bf16|auto] ...
     torchrun --nproc_per_node 2 -m eagle3.train ...          # or: deepspeed --num_gpus 2 eagle3/train.py ...
 
 What it wraps around the library (the draft and TTT code know nothing of this):
@@ -45,7 +45,7 @@ import time
 import types
 import typing
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -369,6 +369,14 @@ def muon_ns_method(setting: str, device: torch.device | str) -> str:
     return "gram" if torch.device(device).type == "cuda" else "standard"
 
 
+def resolve_precision(cfg: TrainConfig, device: torch.device) -> str:
+    """``train.precision``, with ``auto`` made fp32 or bf16 for this device (see TrainConfig)."""
+    if cfg.precision != "auto":
+        return cfg.precision
+    fast = device.type == "cuda" or (device.type == "cpu" and bf16_matmul_speedup("cpu") > 1.0)
+    return "bf16" if fast and not (cfg.optimizer == "muon" and cfg.zero_stage == 0) else "fp32"
+
+
 def muon_ns_in_fp32_where_bf16_is_slow(device: torch.device | str) -> bool:
     """On a CPU without bf16 units, make DeepSpeed's Newton-Schulz run in fp32; True if it did.
 
@@ -565,6 +573,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     rt = init_runtime(cfg.device)
     if rt.device.type == "cpu":
         torch.set_num_threads(cfg.threads)
+    cfg = replace(cfg, precision=resolve_precision(cfg, rt.device))
     out_dir = Path(cfg.out_dir)
     ckpt_root = out_dir / "checkpoints"
 

@@ -383,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ttt-steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-3, help="each round's peak learning rate")
     parser.add_argument("--micro-batch-tokens", type=int, default=2048)
-    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--precision", default="auto", help="fp32, bf16 or auto (bf16 where it is the faster)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)

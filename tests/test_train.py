@@ -35,6 +35,7 @@ from eagle3.train import (
     main,
     muon_ns_in_fp32_where_bf16_is_slow,
     muon_ns_method,
+    resolve_precision,
     train,
     warmup_decay,
 )
@@ -323,6 +324,23 @@ def test_bf16_and_gradient_checkpointing_track_fp32(tiny: dict, tmp_path: Path) 
     assert losses("ckpt", gradient_checkpointing=True) == pytest.approx(fp32, rel=1e-5)
     assert losses("bf16", precision="bf16") == pytest.approx(fp32, rel=2e-2)
     assert load_file(str(tmp_path / "bf16" / "final" / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
+
+
+def test_auto_precision_is_bf16_only_where_bf16_is_faster(tiny: dict, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    auto = _cfg(tiny, tmp_path / "a", precision="auto")
+    assert resolve_precision(auto, torch.device("cuda")) == "bf16"
+    assert resolve_precision(_cfg(tiny, tmp_path / "a", precision="fp32"), torch.device("cuda")) == "fp32"
+    muon0 = _cfg(tiny, tmp_path / "a", precision="auto", optimizer="muon", zero_stage=0)
+    assert resolve_precision(muon0, torch.device("cuda")) == "fp32"  # DeepSpeed's Muon needs ZeRO for bf16
+    monkeypatch.setattr("eagle3.train.bf16_matmul_speedup", lambda device_type: 0.01)  # an AVX2-only CPU
+    assert resolve_precision(auto, torch.device("cpu")) == "fp32"
+    assert resolve_precision(_cfg(tiny, tmp_path / "a", precision="bf16"), torch.device("cpu")) == "bf16"
+    summary = train(_cfg(tiny, tmp_path / "run", precision="auto", steps=2, eval_every=0, save_every=0),
+                    target=tiny["target"])
+    assert summary["precision"] == "fp32"
+    monkeypatch.setattr("eagle3.train.bf16_matmul_speedup", lambda device_type: 3.0)  # a CPU with AMX
+    assert resolve_precision(auto, torch.device("cpu")) == "bf16"
 
 
 def test_muon_orthogonalises_the_hidden_matrices_and_learns(tiny: dict, tmp_path: Path) -> None:
