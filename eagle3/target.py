@@ -75,12 +75,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def bf16_matmul_speedup(device_type: str) -> float:
     """How many times faster a bf16 matmul runs than an fp32 one on this kind of device.
 
-    CUDA GPUs: taken as fast (2.0) without measuring. CPUs differ by orders of magnitude: with
-    AMX or AVX512-BF16 units bf16 is the faster one, but on an AVX2-only CPU (AMD EPYC, torch
-    2.13) a bf16 matmul ran ~170x slower than fp32. So a CPU is measured once per process on a
-    small product (best of three each, ~1 ms where bf16 is fast, ~0.3 s where it is not).
+    Accelerators (CUDA and others): taken as fast (2.0) without measuring. CPUs differ by orders
+    of magnitude: with AMX or AVX512-BF16 units bf16 is the faster one, but on an AVX2-only CPU
+    (AMD EPYC, torch 2.13) a bf16 matmul ran ~170x slower than fp32. So a CPU is measured once
+    per process on a small product (best of three each, ~1 ms where bf16 is fast, ~0.3 s where
+    it is not).
     """
-    if device_type == "cuda":
+    if device_type != "cpu":
         return 2.0
     import time
 

@@ -386,7 +386,7 @@ def muon_ns_in_fp32_where_bf16_is_slow(device: torch.device | str) -> bool:
     ``original_muon.ns_compute_dtype`` at every call, so this replaces that lookup (process-wide)
     with fp32, which is only more precise.
     """
-    if torch.device(device).type != "cpu" or bf16_matmul_speedup("cpu") >= 1.0:
+    if torch.device(device).type != "cpu" or bf16_matmul_speedup("cpu") > 1.0:
         return False
     from deepspeed.runtime.zero.muon import original_muon
 
