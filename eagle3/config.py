@@ -355,6 +355,11 @@ class TrainConfig:
     lm_head_init: str = "random"
     """random: fresh init (as EAGLE/SpecForge; learnt faster in short CPU runs); target: lm_head rows
     (and the final norm) copied from the target's (as speculators)."""
+    layer_init: str = "random"
+    """random: fresh init; readout: ``fc`` passes the deepest aux state through and the decoder
+    layers' output projections start at zero, so the untrained draft reads the target's state at
+    that depth (with ``lm_head_init=target``: the target's logit lens there), as Medusa starts its
+    heads from the target's prediction. Needs the draft's hidden size equal to the target's."""
     freeze_lm_head: bool = False
     """Keep lm_head fixed during training (speculators 0.9.0 freezes its target-initialised one): with
     ``lm_head_init=target`` the draft must produce states in the target's own output space."""
@@ -457,6 +462,8 @@ class TrainConfig:
             raise ValueError(f"train.loss_positions={self.loss_positions!r}: expected assistant or all")
         if self.lm_head_init not in ("target", "random"):
             raise ValueError(f"train.lm_head_init={self.lm_head_init!r}: expected target or random")
+        if self.layer_init not in ("random", "readout"):
+            raise ValueError(f"train.layer_init={self.layer_init!r}: expected random or readout")
         if self.freeze_lm_head and self.lm_head_init != "target" and not self.init_draft:
             raise ValueError("train.freeze_lm_head=true needs train.lm_head_init=target (or an init_draft): a frozen "
                              "random lm_head cannot be learnt around")

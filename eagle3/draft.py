@@ -395,6 +395,29 @@ class Eagle3Draft(nn.Module):
             if target_norm_weight is not None:
                 self.norm.weight.copy_(target_norm_weight)
 
+    def init_as_readout(self) -> None:
+        """Start as the target's own readout of its deepest aux state: ``fc`` passes that state
+        through (identity on its slice, zeros elsewhere) and every decoder layer's output
+        projections (``o_proj``, ``down_proj``) start at zero and the norms on that path at one, so the
+        untrained draft's pre-norm output at position t is the target's state entering its deepest aux
+        layer there (up to scale). With
+        :meth:`init_lm_head_from_target` the first logits are the target's logit lens at that depth
+        (as Medusa starts its heads from the target's prediction)."""
+        c = self.config
+        if c.target_hidden_size != c.hidden_size:
+            raise ValueError(f"a readout init needs target_hidden_size ({c.target_hidden_size}) == hidden_size "
+                             f"({c.hidden_size})")
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, -c.target_hidden_size:].copy_(torch.eye(c.hidden_size))
+            for norm in (getattr(self, "input_norm", None), self.midlayer.hidden_norm,
+                         *getattr(self, "fc_norm", ())):  # the norms on that path scale nothing
+                if norm is not None:
+                    norm.weight.fill_(1.0)
+            for layer in self.decoder_layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+
     # -- pieces of the forward, shared by serving and the TTT unroll
 
     @property

@@ -467,8 +467,8 @@ def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore | Sto
     keys = ("batching", "micro_batch_tokens", "gradient_accumulation", "seed", "eval_fraction", "ttt_steps",
             "init_draft", "num_layers", "draft_intermediate_size", "draft_num_attention_heads",
             "draft_num_key_value_heads", "draft_head_dim", "draft_rope", "draft_variant", "zero_stage", "precision",
-            "freeze_lm_head", "optimizer", "muon_momentum", "lm_head_init", "step_decay", "draft_vocab_size",
-            "draft_vocab")
+            "freeze_lm_head", "optimizer", "muon_momentum", "lm_head_init", "layer_init", "step_decay",
+            "draft_vocab_size", "draft_vocab")
     pinned = {f"train.{k}": getattr(cfg, k) for k in keys}
     weights = sha256_file(Path(cfg.sample_weights)) if cfg.sample_weights else None
     return {**pinned, "world_size": world_size, "store.samples": len(store),
@@ -656,6 +656,11 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         # the target's logit scale folded into the rows (a soft cap has no linear equivalent)
         rows = target.lm_head.weight.detach().float().cpu() * target.logit_transform.scale
         draft.init_lm_head_from_target(rows, vocab.d2t, target.norm.weight.detach().float().cpu())
+    if cfg.layer_init == "readout" and not cfg.init_draft:
+        try:
+            draft.init_as_readout()
+        except ValueError as err:
+            raise TrainError(f"train.layer_init=readout: {err}") from None
     if cfg.freeze_lm_head:
         draft.lm_head.weight.requires_grad_(False)
     if cfg.precision == "bf16" and rt.device.type == "cpu" and (speedup := bf16_matmul_speedup("cpu")) < 1.0:

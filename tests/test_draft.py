@@ -191,6 +191,28 @@ def test_from_target_config_and_weights_from_the_target() -> None:
     assert draft.draft_to_target_ids(torch.tensor([0, 1, 15])).tolist() == [0, 8, 120]
 
 
+@pytest.mark.parametrize("variant", [{}, {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}])
+def test_readout_init_starts_as_the_targets_logit_lens_at_the_deepest_aux_state(variant: dict) -> None:
+    target = Target(tiny_llama(), tiny_tokenizer())
+    config = DraftConfig.from_target_config(target.config, draft_vocab_size=16, **variant)
+    vocab = DraftVocab.from_target_ids(torch.arange(0, 128, 8), 128)
+    draft = randomised(Eagle3Draft(config, embed_tokens_weight=target.embed_tokens.weight), seed=3)
+    draft.set_draft_vocab(vocab.d2t, vocab.t2d)
+    draft.init_lm_head_from_target(target.lm_head.weight, vocab.d2t, target_norm_weight=target.norm.weight)
+    aux = torch.randn(2, 5, 3, 64)  # [B, S, A, H_t]
+    ids, positions = torch.randint(0, 128, (2, 5)), torch.arange(5).expand(2, 5)
+    with torch.no_grad():
+        before = draft(ids, draft.combine_aux(aux), positions)[1]
+        draft.init_as_readout()
+        after = draft(ids, draft.combine_aux(aux), positions)[1]
+        lens = to_draft_logits(target.head(aux[:, :, -1]), vocab.t2d)
+    assert not torch.allclose(before, lens, atol=1e-2)
+    torch.testing.assert_close(after, lens, atol=1e-4, rtol=1e-4)
+    assert not draft.midlayer.self_attn.o_proj.weight.any() and not draft.midlayer.mlp.down_proj.weight.any()
+    with pytest.raises(ValueError, match="target_hidden_size"):
+        Eagle3Draft(small_config()).init_as_readout()
+
+
 def test_bad_configs_and_vocab_fail_naming_the_field() -> None:
     with pytest.raises(ValueError, match="num_key_value_heads"):
         small_config(num_key_value_heads=3)

@@ -130,3 +130,22 @@ def test_bad_input_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[
     (out).mkdir()
     assert speculators_data.main(["--store", str(store_dir), "--out", str(out)]) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_speculators_muon_in_fp32_orthogonalises_like_torchs_bf16_iteration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race's fp32 stand-in for torch.optim.Muon's bf16 Newton-Schulz (CPUs without bf16 units)."""
+    import speculators_train
+    import torch.optim._muon as muon_mod
+
+    monkeypatch.setattr(muon_mod, "_zeropower_via_newtonschulz", muon_mod._zeropower_via_newtonschulz)
+    bf16 = muon_mod._zeropower_via_newtonschulz
+    speculators_train.muon_in_fp32()
+    fp32 = muon_mod._zeropower_via_newtonschulz
+    assert fp32 is not bf16
+    for shape in ((48, 96), (96, 48)):  # wide and tall
+        grad = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        want, got = bf16(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7), fp32(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+        assert got.dtype == torch.float32 and want.dtype == torch.bfloat16 and got.shape == grad.shape
+        torch.testing.assert_close(got, want.float(), atol=0.03, rtol=0.05)
+        singular = torch.linalg.svdvals(got)
+        assert singular.min() > 0.3 and singular.max() < 1.5  # near-orthogonal, as the quintic leaves it

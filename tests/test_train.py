@@ -197,7 +197,8 @@ def test_config_errors_name_the_key(tmp_path: Path, capsys: pytest.CaptureFixtur
                     ({"precision": "fp16"}, "train.precision='fp16'"), ({"batching": "rows"}, "train.batching='rows'"),
                     ({"eval_fraction": 1.0}, "train.eval_fraction=1.0"), ({"step_decay": 0.0}, "train.step_decay=0.0"),
                     ({"eval_store": "x", "eval_fraction": 0.1}, "train.eval_fraction=0.1"),
-                    ({"wandb_mode": "cloud"}, "train.wandb_mode='cloud'"), ({"device": "tpu"}, "train.device='tpu'")]:
+                    ({"wandb_mode": "cloud"}, "train.wandb_mode='cloud'"), ({"device": "tpu"}, "train.device='tpu'"),
+                    ({"layer_init": "target"}, "train.layer_init='target'")]:
         with pytest.raises(ValueError, match=key.replace("(", r"\(").replace(".", r"\.")):
             TrainConfig(**kw)
     with pytest.raises(ValueError, match="freeze_lm_head=true needs train.lm_head_init=target"):
@@ -453,6 +454,20 @@ def test_a_frozen_target_lm_head_stays_the_targets(tiny: dict, tmp_path: Path) -
     assert torch.equal(final["lm_head.weight"], rows)
     trainable = sum(v.numel() for k, v in final.items() if k not in ("d2t", "t2d", "lm_head.weight"))
     assert summary["trainable_parameters"] == trainable  # the frozen head is not counted
+
+
+def test_readout_init_is_what_training_starts_from(tiny: dict, tmp_path: Path) -> None:
+    """layer_init=readout reaches the draft: after one step at a tiny lr, fc still passes the deepest
+    aux state through and the layer's output projections are still ~zero (the random init's are not)."""
+    for init in ("random", "readout"):
+        out = tmp_path / init
+        train(_cfg(tiny, out, steps=1, lr=1e-7, eval_every=0, save_every=0, lm_head_init="target", layer_init=init),
+              target=tiny["target"])
+        final = load_file(str(out / "final" / "model.safetensors"))
+        passes = torch.cat([torch.zeros(64, 128), torch.eye(64)], dim=1)
+        readout = torch.allclose(final["fc.weight"], passes, atol=1e-4) and all(
+            final[f"midlayer.{name}.weight"].abs().max() < 1e-4 for name in ("self_attn.o_proj", "mlp.down_proj"))
+        assert readout == (init == "readout")
 
 
 def test_topk_store_and_a_held_out_store(tiny: dict, tmp_path: Path) -> None:
