@@ -305,7 +305,9 @@ class TrainConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     max_grad_norm: float = 0.5
-    """Gradient clipping by global norm; 0 disables it."""
+    """Gradient clipping by global norm; 0 disables it. Not applied to Muon runs under DeepSpeed's
+    ZeRO optimizer (zero_stage >= 1, except bf16 at stage 1), which would clip Muon's
+    orthogonalised updates instead of the gradients (see ``unclip_muon_updates_under_zero``)."""
     precision: str = "fp32"
     """fp32, bf16 (DeepSpeed keeps fp32 master weights), or auto: bf16 where bf16 matmuls are the
     faster ones (CUDA; a CPU with bf16 units, measured at start) and the optimizer allows it

@@ -394,6 +394,27 @@ def muon_ns_in_fp32_where_bf16_is_slow(device: torch.device | str) -> bool:
     return True
 
 
+def unclip_muon_updates_under_zero(engine: Any) -> bool:
+    """Stop DeepSpeed's ZeRO optimizer from clipping Muon's updates; True if it would have.
+
+    Under ZeRO (stages 1-2, except bf16 at stage 1, which takes DeepSpeed's BF16 optimizer, and
+    stage 3) DeepSpeed orthogonalises each Muon matrix's gradient while it reduces it and then
+    clips by the global norm of what it holds: the orthogonalised updates, whose norm is ~20-60
+    for any gradient. With ``max_grad_norm=0.5`` every Muon step shrank ~40-100x (measured:
+    SmolLM2 drafts trained at ZeRO 1 in fp32 learnt far less than at ZeRO 0 or in bf16, whose
+    losses match each other). Those updates are normalised already, so nothing of value is lost
+    without that clip; the auxiliary AdamW's gradients are not clipped either in this set-up.
+    """
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    zero = engine.optimizer
+    if not isinstance(zero, DeepSpeedZeroOptimizer | DeepSpeedZeroOptimizer_Stage3) or not zero.clip_grad:
+        return False
+    zero.clip_grad = 0.0
+    return True
+
+
 def muon_param_groups(model: nn.Module, lr: float, ns_method: str = "gram") -> list[dict[str, Any]]:
     """Trainable parameters tagged for DeepSpeed's Muon, one group per Muon matrix.
 
@@ -680,6 +701,10 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
             model=model, model_parameters=groups,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
             config=deepspeed_config(cfg, rt.world_size))
+        if unclip_muon_updates_under_zero(engine):
+            print0(f"train.max_grad_norm={cfg.max_grad_norm} is not applied: DeepSpeed's ZeRO optimizer would clip "
+                   "Muon's orthogonalised updates instead of the gradients (train.zero_stage=0, or bf16 at stage 1, "
+                   "clips the gradients)")
     else:
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                       eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
@@ -703,6 +728,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     _barrier()
     if resume_tag is not None:
         client = load_checkpoint(engine, ckpt_root, resume_tag, rank=rt.rank, world_size=rt.world_size)
+        if cfg.optimizer == "muon":  # DeepSpeed restores the saved clip (one written before that fix)
+            unclip_muon_updates_under_zero(engine)
         state.update(client["trainer"])
         print0(f"train: resumed from {ckpt_root / resume_tag} (step {state['step']})")
     resumed_step = state["step"] if resume_tag is not None else None
