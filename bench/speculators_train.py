@@ -109,7 +109,7 @@ def install_cpu_patches(stats: dict[str, Any]) -> None:
 
 def muon_in_fp32() -> None:
     """torch.optim.Muon (speculators' default optimizer) runs its Newton-Schulz iteration in bf16 on
-    every device; on a CPU without bf16 units that made each step ~30 s instead of ~5 (measured).
+    every device; on a CPU without bf16 units that made each race step ~32 s instead of ~9 (measured).
     Where the race trains in float32 (``--dtype float32``, chosen because bf16 is the slower there),
     the same quintic iteration runs in float32 instead, as ours does in DeepSpeed's Muon."""
     import torch.optim._muon as muon_mod

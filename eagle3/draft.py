@@ -397,12 +397,11 @@ class Eagle3Draft(nn.Module):
 
     def init_as_readout(self) -> None:
         """Start as the target's own readout of its deepest aux state: ``fc`` passes that state
-        through (identity on its slice, zeros elsewhere) and every decoder layer's output
-        projections (``o_proj``, ``down_proj``) start at zero and the norms on that path at one, so the
-        untrained draft's pre-norm output at position t is the target's state entering its deepest aux
-        layer there (up to scale). With
-        :meth:`init_lm_head_from_target` the first logits are the target's logit lens at that depth
-        (as Medusa starts its heads from the target's prediction)."""
+        through (identity on its slice, zeros elsewhere), every decoder layer's output projections
+        (``o_proj``, ``down_proj``) start at zero and the norms on that path at one, so the untrained
+        draft's pre-norm output at position t is the target's state entering its deepest aux layer
+        there (up to scale). With :meth:`init_lm_head_from_target` the first logits are the target's
+        logit lens at that depth (as Medusa starts its heads from the target's prediction)."""
         c = self.config
         if c.target_hidden_size != c.hidden_size:
             raise ValueError(f"a readout init needs target_hidden_size ({c.target_hidden_size}) == hidden_size "

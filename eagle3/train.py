@@ -397,8 +397,9 @@ def muon_ns_in_fp32_where_bf16_is_slow(device: torch.device | str) -> bool:
 def unclip_muon_updates_under_zero(engine: Any) -> bool:
     """Stop DeepSpeed's ZeRO optimizer from clipping Muon's updates; True if it would have.
 
-    Under ZeRO (stages 1-2, except bf16 at stage 1, which takes DeepSpeed's BF16 optimizer, and
-    stage 3) DeepSpeed orthogonalises each Muon matrix's gradient while it reduces it and then
+    Under ZeRO (stages 1-2, except bf16 at stage 1, which takes DeepSpeed's BF16 optimizer; stage 3
+    keeps the same clip and is treated alike, but Muon at stage 3 fails in this trainer before any
+    step, not investigated) DeepSpeed orthogonalises each Muon matrix's gradient while it reduces it and then
     clips by the global norm of what it holds: the orthogonalised updates, whose norm is ~20-60
     for any gradient. With ``max_grad_norm=0.5`` every Muon step shrank ~40-100x (measured:
     SmolLM2 drafts trained at ZeRO 1 in fp32 learnt far less than at ZeRO 0 or in bf16, whose
