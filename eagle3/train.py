@@ -397,13 +397,12 @@ def muon_ns_in_fp32_where_bf16_is_slow(device: torch.device | str) -> bool:
 def unclip_muon_updates_under_zero(engine: Any) -> bool:
     """Stop DeepSpeed's ZeRO optimizer from clipping Muon's updates; True if it would have.
 
-    Under ZeRO (stages 1-2, except bf16 at stage 1, which takes DeepSpeed's BF16 optimizer; stage 3
-    keeps the same clip and is treated alike, but Muon at stage 3 fails in this trainer before any
-    step, not investigated) DeepSpeed orthogonalises each Muon matrix's gradient while it reduces it and then
+    Under ZeRO (stages 1-3, except bf16 at stage 1, which takes DeepSpeed's BF16 optimizer)
+    DeepSpeed orthogonalises each Muon matrix's gradient while it reduces it and then
     clips by the global norm of what it holds: the orthogonalised updates, whose norm is ~20-60
     for any gradient. With ``max_grad_norm=0.5`` every Muon step shrank ~40-100x (measured:
-    SmolLM2 drafts trained at ZeRO 1 in fp32 learnt far less than at ZeRO 0 or in bf16, whose
-    losses match each other). Those updates are normalised already, so nothing of value is lost
+    SmolLM2 drafts trained at ZeRO 1 in fp32 learnt far less than at ZeRO 0 or in bf16 at ZeRO 1,
+    whose losses match each other). Those updates are normalised already, so nothing of value is lost
     without that clip; the auxiliary AdamW's gradients are not clipped either in this set-up.
     """
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -443,7 +442,9 @@ def muon_param_groups(model: nn.Module, lr: float, ns_method: str = "gram") -> l
 
 def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
     optimizer: dict[str, Any] = {}
+    zero: dict[str, Any] = {"stage": cfg.zero_stage}
     if cfg.optimizer == "muon":
+        zero["reduce_scatter"] = False  # DeepSpeed's Muon needs each matrix's whole gradient (it refuses otherwise)
         optimizer = {
             "optimizer": {"type": "Muon", "params": {
                 "lr": cfg.lr, "momentum": cfg.muon_momentum, "betas": [cfg.adam_beta1, cfg.adam_beta2],
@@ -456,7 +457,7 @@ def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
         "gradient_accumulation_steps": cfg.gradient_accumulation,
         "train_batch_size": cfg.gradient_accumulation * world_size,
         "gradient_clipping": cfg.max_grad_norm,
-        "zero_optimization": {"stage": cfg.zero_stage},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # a torch AdamW: nothing JIT-compiled
         "bf16": {"enabled": cfg.precision == "bf16"},
         "steps_per_print": 10**12,
