@@ -395,7 +395,7 @@ def muon_ns_in_fp32_where_bf16_is_slow(device: torch.device | str) -> bool:
 
 
 def unclip_muon_updates_under_zero(engine: Any) -> bool:
-    """Stop DeepSpeed's ZeRO optimizer from clipping Muon's updates; True if it would have.
+    """Stop DeepSpeed's ZeRO optimizer from clipping Muon's updates; True if the engine has one.
 
     Under ZeRO (stages 1-3, except bf16 at stage 1, which takes DeepSpeed's BF16 optimizer)
     DeepSpeed orthogonalises each Muon matrix's gradient while it reduces it and then
@@ -409,7 +409,7 @@ def unclip_muon_updates_under_zero(engine: Any) -> bool:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     zero = engine.optimizer
-    if not isinstance(zero, DeepSpeedZeroOptimizer | DeepSpeedZeroOptimizer_Stage3) or not zero.clip_grad:
+    if not isinstance(zero, DeepSpeedZeroOptimizer | DeepSpeedZeroOptimizer_Stage3):
         return False
     zero.clip_grad = 0.0
     return True
@@ -703,10 +703,6 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
             model=model, model_parameters=groups,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
             config=deepspeed_config(cfg, rt.world_size))
-        if unclip_muon_updates_under_zero(engine):
-            print0(f"train.max_grad_norm={cfg.max_grad_norm} is not applied: DeepSpeed's ZeRO optimizer would clip "
-                   "Muon's orthogonalised updates instead of the gradients (train.zero_stage=0, or bf16 at stage 1, "
-                   "clips the gradients)")
     else:
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                       eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
@@ -730,10 +726,13 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     _barrier()
     if resume_tag is not None:
         client = load_checkpoint(engine, ckpt_root, resume_tag, rank=rt.rank, world_size=rt.world_size)
-        if cfg.optimizer == "muon":  # DeepSpeed restores the saved clip (one written before that fix)
-            unclip_muon_updates_under_zero(engine)
         state.update(client["trainer"])
         print0(f"train: resumed from {ckpt_root / resume_tag} (step {state['step']})")
+    # after any resume: DeepSpeed restores the clip a checkpoint saved
+    if cfg.optimizer == "muon" and unclip_muon_updates_under_zero(engine) and cfg.max_grad_norm:
+        print0(f"train.max_grad_norm={cfg.max_grad_norm} is not applied: DeepSpeed's ZeRO optimizer would clip "
+               "Muon's orthogonalised updates instead of the gradients (train.zero_stage=0, or bf16 at stage 1, "
+               "clips the gradients)")
     resumed_step = state["step"] if resume_tag is not None else None
 
     sink = (RunSink(out_dir, wandb_mode=cfg.wandb_mode, project=cfg.wandb_project, run_name=cfg.wandb_run_name,
