@@ -165,61 +165,62 @@ def _blocked_attention(q: Tensor, step0: tuple[Tensor, Tensor], diagonal: Sequen
                        mask0: Tensor, block: int) -> Tensor:
     """:func:`ttt_attention` at steps >= 1 through fused SDPA, query rows in blocks of ``block``.
 
-    A diagonal key belongs to one query row only, so one SDPA over all keys would need S more
-    keys per step. Per block of query rows the keys are instead the whole step-0 window plus the
-    block's own diagonal keys (``block`` per step), masked ``mask0`` | identity: each row sees
-    exactly the keys of the explicit version, at (S + k * block) / S of step 0's cost.
+    A diagonal key belongs to one query row only, so one SDPA over all keys would need one more
+    key per query row and step. Per block of query rows the keys are instead the whole step-0
+    window plus the block's own diagonal keys (``block`` per step), masked ``mask0`` | identity:
+    each row sees exactly the keys of the explicit version, at (S + k * block) / S of step 0's cost.
     """
     k0, v0 = step0
-    b, s, nh, d = q.shape
-    nkv, k = k0.shape[2], len(diagonal)
-    nb = -(-s // block)
-    pad = nb * block - s
+    b, sq, nh, d = q.shape
+    sk, nkv, k = k0.shape[1], k0.shape[2], len(diagonal)
+    nb = -(-sq // block)
+    pad = nb * block - sq
 
-    def blocks(x: Tensor) -> Tensor:  # [B, S, n, d] -> [B, nb, n, block, d]
+    def blocks(x: Tensor) -> Tensor:  # [B, Sq, n, d] -> [B, nb, n, block, d]
         return F.pad(x, (0, 0, 0, 0, 0, pad)).view(b, nb, block, x.shape[2], d).transpose(2, 3)
 
-    keys = torch.cat([k0.transpose(1, 2).unsqueeze(1).expand(b, nb, nkv, s, d),
-                      *[blocks(kj) for kj, _ in diagonal]], dim=3)  # [B, nb, nkv, S + k*block, d]
-    values = torch.cat([v0.transpose(1, 2).unsqueeze(1).expand(b, nb, nkv, s, d),
+    keys = torch.cat([k0.transpose(1, 2).unsqueeze(1).expand(b, nb, nkv, sk, d),
+                      *[blocks(kj) for kj, _ in diagonal]], dim=3)  # [B, nb, nkv, Sk + k*block, d]
+    values = torch.cat([v0.transpose(1, 2).unsqueeze(1).expand(b, nb, nkv, sk, d),
                         *[blocks(vj) for _, vj in diagonal]], dim=3)
-    window = F.pad(mask0, (0, 0, 0, pad)).view(b, nb, block, s)  # padded query rows see no step-0 key
+    window = F.pad(mask0, (0, 0, 0, pad)).view(b, nb, block, sk)  # padded query rows see no step-0 key
     own = torch.eye(block, dtype=torch.bool, device=q.device).repeat(1, k).expand(b, nb, block, k * block)
-    mask = torch.cat([window, own], dim=-1)  # [B, nb, block, S + k*block]; every row sees its diagonal
+    mask = torch.cat([window, own], dim=-1)  # [B, nb, block, Sk + k*block]; every row sees its diagonal
     out = F.scaled_dot_product_attention(blocks(q).reshape(b * nb, nh, block, d),
                                          keys.reshape(b * nb, nkv, -1, d), values.reshape(b * nb, nkv, -1, d),
                                          attn_mask=mask.reshape(b * nb, 1, block, -1), enable_gqa=nkv != nh)
-    return out.view(b, nb, nh, block, d).permute(0, 1, 3, 2, 4).reshape(b, nb * block, nh, d)[:, :s]
+    return out.view(b, nb, nh, block, d).permute(0, 1, 3, 2, 4).reshape(b, nb * block, nh, d)[:, :sq]
 
 
 def ttt_attention(q: Tensor, step0: tuple[Tensor, Tensor], diagonal: Sequence[tuple[Tensor, Tensor]],
                   mask0: Tensor) -> Tensor:
     """One step's attention (module docstring): step-0 keys under ``mask0`` plus the diagonal.
 
-    q [B, S, nh, d] (rotated); step0 = (k0, v0) [B, S, nkv, d]; diagonal: (k_j, v_j) of steps
-    1..k at the same rows, [B, S, nkv, d] each; mask0 [B, S, S]. Returns [B, S, nh, d].
+    q [B, Sq, nh, d] (rotated); step0 = (k0, v0) [B, S, nkv, d]; diagonal: (k_j, v_j) of steps
+    1..k at the query rows, [B, Sq, nkv, d] each; mask0 [B, Sq, S]. Returns [B, Sq, nh, d].
+    The query rows are all S rows, or at steps >= 1 a subset of them (``mask0``'s rows for it).
     """
     k0, v0 = step0
-    b, s, nh, d = q.shape
-    nkv = k0.shape[2]
+    b, sq, nh, d = q.shape
+    s, nkv = k0.shape[1], k0.shape[2]
     if not diagonal:  # step 0: plain masked attention, fused (every row sees itself, so none is empty)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2),
                                              attn_mask=mask0.unsqueeze(1), enable_gqa=nkv != nh)
         return out.transpose(1, 2)
     if s >= BLOCKED_ATTENTION_MIN_LEN:
         return _blocked_attention(q, step0, diagonal, mask0, 64 if s < 1024 else 128)
-    qg = _grouped(q, nkv) * d**-0.5  # [B, nkv, g, S, d]
+    qg = _grouped(q, nkv) * d**-0.5  # [B, nkv, g, Sq, d]
     keys0 = k0.permute(0, 2, 1, 3).unsqueeze(2)  # [B, nkv, 1, S, d]
     values0 = v0.permute(0, 2, 1, 3).unsqueeze(2)  # [B, nkv, 1, S, d]
     scores = (qg @ keys0.transpose(-1, -2)).masked_fill(~mask0.unsqueeze(1).unsqueeze(1), float("-inf"))
-    diag_k = [kj.permute(0, 2, 1, 3).unsqueeze(2) for kj, _ in diagonal]  # [B, nkv, 1, S, d] each
+    diag_k = [kj.permute(0, 2, 1, 3).unsqueeze(2) for kj, _ in diagonal]  # [B, nkv, 1, Sq, d] each
     diag_v = [vj.permute(0, 2, 1, 3).unsqueeze(2) for _, vj in diagonal]
-    diag_scores = [(qg * kj).sum(-1, keepdim=True) for kj in diag_k]  # [B, nkv, g, S, 1] each
-    weights = torch.softmax(torch.cat([scores, *diag_scores], dim=-1).float(), dim=-1).to(q.dtype)  # [.., S, S+k]
-    out = weights[..., :s] @ values0  # [B, nkv, g, S, d]
+    diag_scores = [(qg * kj).sum(-1, keepdim=True) for kj in diag_k]  # [B, nkv, g, Sq, 1] each
+    weights = torch.softmax(torch.cat([scores, *diag_scores], dim=-1).float(), dim=-1).to(q.dtype)  # [.., Sq, S+k]
+    out = weights[..., :s] @ values0  # [B, nkv, g, Sq, d]
     for j, vj in enumerate(diag_v):
         out = out + weights[..., s + j : s + j + 1] * vj
-    return out.permute(0, 3, 1, 2, 4).reshape(b, s, nh, d)
+    return out.permute(0, 3, 1, 2, 4).reshape(b, sq, nh, d)
 
 
 # ---------------------------------------------------------------- the unroll
@@ -241,6 +242,31 @@ def soft_cross_entropy(logits: Tensor, target_probs: Tensor) -> Tensor:
     return -(target_probs * F.log_softmax(logits.float(), dim=-1)).sum(-1)
 
 
+def later_step_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int) -> tuple[Tensor, Tensor]:
+    """The rows steps >= 1 need: those where some step 1..K-1 counts (:func:`step_counted`).
+
+    No other row's output at steps >= 1 is ever read: step k at row t feeds only step k+1 at row t
+    (its hidden state and its diagonal key), and a row counted at a later step is counted by this
+    union too. Returns ``idx`` [B, M] (each batch row's needed rows, ascending, padded with row 0)
+    and ``live`` [B, M] bool (False on the padding); M is the largest count over the batch.
+    """
+    needed = torch.zeros_like(loss_mask, dtype=torch.bool)
+    for k in range(1, num_steps):
+        needed |= step_counted(loss_mask, document_ids, k)
+    m = max(int(needed.sum(1).max()), 1) if needed.numel() else 1
+    # a stable sort puts each row's needed positions first, in order
+    order = torch.sort((~needed).to(torch.int8), dim=1, stable=True).indices[:, :m]  # [B, M]
+    live = needed.gather(1, order)
+    return torch.where(live, order, 0), live
+
+
+def _rows(x: Tensor, idx: Tensor | None) -> Tensor:
+    """x [B, S, ...] at the rows ``idx`` [B, M] -> [B, M, ...] (all of x without idx)."""
+    if idx is None:
+        return x
+    return x.gather(1, idx.view(*idx.shape, *[1] * (x.dim() - 2)).expand(*idx.shape, *x.shape[2:]))
+
+
 def ttt_forward(
     draft: Eagle3Draft,
     input_ids: Tensor,  # [B, S]
@@ -255,12 +281,18 @@ def ttt_forward(
     gradient_checkpointing: bool = False,
     return_logits: bool = False,
     loss_on_oov: bool = False,
+    skip_unread_rows: bool = True,
 ) -> TTTOutput:
     """Unroll the draft ``num_steps`` steps over a packed batch; loss and per-step matches.
 
     ``weights`` defaults to ``step_weights(num_steps)`` (0.8**k). With ``gradient_checkpointing``
     each step's forward (logits and loss included) is recomputed in backward; steps are pure
     functions of their inputs, so replay appends nothing twice.
+
+    Step 0 runs over every row (its keys are every later step's window); with
+    ``skip_unread_rows`` (unless ``return_logits``) steps >= 1 run only over the rows some later
+    step counts (:func:`later_step_rows`; with a loss on the replies only, prompts drop out),
+    which changes no loss, match or gradient. Logits are computed only on each step's counted rows.
     """
     if num_steps < 1:
         raise ValueError(f"num_steps={num_steps}: must be >= 1")
@@ -273,14 +305,22 @@ def ttt_forward(
     num_layers = len(draft.decoder_layers)
     step0_kv: list[tuple[Tensor, Tensor]] = []  # per layer (k0, v0) [B, S, nkv, d]
     diagonal: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(num_layers)]  # per layer, steps 1..k-1
+    idx: Tensor | None = None  # [B, M]: the rows steps >= 1 run on (None: all)
+    live: Tensor | None = None
+    if skip_unread_rows and not return_logits and num_steps > 1:
+        idx, live = later_step_rows(loss_mask, document_ids, num_steps)
+        if idx.shape[1] >= input_ids.shape[1]:
+            idx = live = None
+    later_mask = _rows(mask0, idx)  # [B, M, S]: the step-0 window of those rows
 
     # loss_on_oov: every counted row whose target puts mass on the draft vocab (all, with full logits)
     has_mass = targets.probs.sum(-1) > 0 if loss_on_oov else None  # [B, S]
     loss = hidden.new_zeros((), dtype=torch.float32)
     loss_sums, counts, matches, counted_all, valid_all, logits_all = [], [], [], [], [], []
     for k in range(num_steps):
-        ids_k = step_input_ids(input_ids, k)  # [B, S]
-        pos_k = step_positions(position_ids, k)  # [B, S]
+        at = idx if k > 0 else None  # this step's rows
+        ids_k = _rows(step_input_ids(input_ids, k), at)  # [B, R]
+        pos_k = _rows(step_positions(position_ids, k), at)  # [B, R]
         counted = step_counted(loss_mask, document_ids, k)  # [B, S]
         target_argmax = shift_left(targets.argmax, k + 1, -1)  # [B, S] target's argmax at t+k+1
         if has_mass is not None:
@@ -288,12 +328,17 @@ def ttt_forward(
         else:
             in_vocab = t2d[target_argmax.clamp_min(0)] & (target_argmax >= 0)
         valid = counted & in_vocab  # [B, S]
+        counted_k, valid_k = _rows(counted, at), _rows(valid, at)  # [B, R]
+        if at is not None:
+            counted_k, valid_k = counted_k & live, valid_k & live
+        if k == 1 and idx is not None:
+            hidden = _rows(hidden, idx)  # [B, M, H]
 
         # A snapshot of the keys so far: a checkpointed step replays against exactly these.
         earlier = ([list(d) for d in diagonal], list(step0_kv))
 
         def run_step(hidden_prev: Tensor, k: int = k, ids_k: Tensor = ids_k, pos_k: Tensor = pos_k,
-                     valid: Tensor = valid, counted: Tensor = counted,
+                     valid: Tensor = valid_k, counted: Tensor = counted_k, at: Tensor | None = at,
                      earlier: tuple = earlier) -> tuple[Tensor, ...]:
             diag_before, window = earlier
             new_kv: list[tuple[Tensor, Tensor]] = []
@@ -303,11 +348,11 @@ def ttt_forward(
                     new_kv.append((key, value))
                     if k == 0:  # step 0's keys are the step-0 window itself
                         return ttt_attention(q, (key, value), [], mask0)
-                    return ttt_attention(q, window[layer], [*diag_before[layer], (key, value)], mask0)
+                    return ttt_attention(q, window[layer], [*diag_before[layer], (key, value)], later_mask)
                 return attend
 
             prenorm = draft.decode(hidden_prev, draft.embed(ids_k), pos_k,
-                                   [attend_for(i) for i in range(num_layers)])  # [B, S, H]
+                                   [attend_for(i) for i in range(num_layers)])  # [B, R, H]
             flat_kv = [t for kv in new_kv for t in kv]
             if return_logits:
                 logits = draft.compute_logits(prenorm)  # [B, S, Vd]
@@ -319,11 +364,12 @@ def ttt_forward(
             # Only the rows this step counts need logits (the lm_head is most of a step's compute,
             # and under half the rows are counted); every row's hidden state still goes on.
             rows, cols = counted.nonzero(as_tuple=True)  # [M] each
+            t = cols if at is None else at[rows, cols]  # start positions
             logits = draft.compute_logits(prenorm[rows, cols])  # [M, Vd]
-            ce = soft_cross_entropy(logits, targets.probs[rows, cols + k + 1])  # [M]: p[t+k+1]
+            ce = soft_cross_entropy(logits, targets.probs[rows, t + k + 1])  # [M]: p[t+k+1]
             loss_sum = torch.where(valid[rows, cols], ce, 0.0).sum()
-            draft_argmax = torch.full_like(ids_k, -2)  # [B, S]; uncounted rows never match
-            draft_argmax[rows, cols] = draft.draft_to_target_ids(logits.detach().argmax(-1))
+            draft_argmax = torch.full_like(input_ids, -2)  # [B, S]; uncounted rows never match
+            draft_argmax[rows, t] = draft.draft_to_target_ids(logits.detach().argmax(-1))
             return (draft.next_hidden(prenorm), loss_sum, draft_argmax, *flat_kv)
 
         if gradient_checkpointing and torch.is_grad_enabled():
@@ -385,7 +431,8 @@ def simulated_tau(match: Tensor, counted: Tensor) -> Tensor:
 
 
 __all__ = [
-    "TTTOutput", "TTTTargets", "conditional_acceptance", "prepare_targets", "prepare_targets_from_topk",
-    "shift_left", "simulated_tau", "soft_cross_entropy", "step0_attention_mask", "step_accuracy", "step_counted",
-    "step_input_ids", "step_positions", "step_weights", "ttt_attention", "ttt_forward",
+    "TTTOutput", "TTTTargets", "conditional_acceptance", "later_step_rows", "prepare_targets",
+    "prepare_targets_from_topk", "shift_left", "simulated_tau", "soft_cross_entropy", "step0_attention_mask",
+    "step_accuracy", "step_counted", "step_input_ids", "step_positions", "step_weights", "ttt_attention",
+    "ttt_forward",
 ]

@@ -404,3 +404,53 @@ def test_logits_on_counted_rows_only_change_nothing(variant: dict) -> None:
     assert not (fast.match & ~fast.counted).any()
     for name in g_full:
         torch.testing.assert_close(g_fast[name], g_full[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _prompt_reply_mask(doc_lengths: list[list[int]], prompt: float) -> torch.Tensor:
+    """Loss mask of packed conversations: each document's first ``prompt`` share unmasked."""
+    return torch.stack([torch.cat([torch.arange(n) >= int(prompt * n) for n in row]) for row in doc_lengths])
+
+
+def test_later_step_rows_by_hand() -> None:
+    doc = torch.tensor([[0, 0, 0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 0, 0, 0]])
+    mask = torch.tensor([[0, 0, 0, 0, 1, 0, 1, 1], [0, 0, 0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    # K=3: step 1 at t predicts x[t+3], step 2 x[t+4]; same document, masked (row 0: t=4 -> x7 leaves doc 0)
+    idx, live = ttt.later_step_rows(mask, doc, 3)
+    assert idx.tolist() == [[0, 1, 2, 3], [3, 4, 0, 0]] and live.tolist() == [[True] * 4, [True, True, False, False]]
+    idx, live = ttt.later_step_rows(mask, doc, 1)  # no later step: nothing needed
+    assert live.shape == (2, 1) and not live.any()
+
+
+@pytest.mark.parametrize(("doc_lengths", "num_layers", "variant", "checkpointing"), [
+    ([[9, 7, 8], [5, 11, 8]], 1, {}, False),
+    ([[9, 7, 8], [20, 4]], 2, SPECULATORS_VARIANT, True),
+    ([[150, 130], [280]], 1, SPECULATORS_VARIANT, False),  # 280 rows: the blocked attention
+])
+def test_skipping_unread_rows_changes_nothing(doc_lengths: list[list[int]], num_layers: int, variant: dict,
+                                              checkpointing: bool) -> None:
+    """Steps >= 1 only on the rows a later step counts (prompts drop out): the same loss, metrics
+    and gradients as every row, with fewer rows (and unequal counts per batch row: padding)."""
+    draft = tiny_draft(num_layers=num_layers, **variant).train()
+    batch = packed_batch(doc_lengths, seed=5, t2d=draft.t2d)
+    batch["loss_mask"] = _prompt_reply_mask(doc_lengths, 0.6)
+    idx, live = ttt.later_step_rows(batch["loss_mask"], batch["document_ids"], 4)
+    assert idx.shape[1] < 0.75 * batch["input_ids"].shape[1] and not live.all()
+
+    def run(skip: bool) -> tuple[ttt.TTTOutput, dict[str, torch.Tensor]]:
+        draft.zero_grad(set_to_none=True)
+        out = ttt_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
+                          batch["loss_mask"], prepare_targets(batch["target_logits"], draft.t2d), num_steps=4,
+                          gradient_checkpointing=checkpointing, skip_unread_rows=skip)
+        out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
+
+    (full, g_full), (fast, g_fast) = run(False), run(True)
+    assert (full.count[1:] > 0).all()
+    torch.testing.assert_close(fast.loss, full.loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fast.loss_sum, full.loss_sum, rtol=1e-6, atol=1e-5)
+    assert torch.equal(fast.count, full.count) and torch.equal(fast.counted, full.counted)
+    assert torch.equal(fast.valid, full.valid)
+    assert torch.equal(fast.match & fast.counted, full.match & full.counted)
+    assert not (fast.match & ~fast.counted).any()
+    for name in g_full:
+        torch.testing.assert_close(g_fast[name], g_full[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -1,0 +1,90 @@
+"""Training step of the TTT unroll with and without the rows no later step reads, side by side.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/ttt_rows.py --store runs/race/harvest-bf16 --batches 6
+
+Packs the store's samples into rows of ``--max-tokens`` (as training does), computes the
+target's distribution once per batch, then times forward + backward of a fresh draft (fp32,
+the race's shape: speculators' layer, K=3, the loss on the replies) over the same batches,
+alternating ``skip_unread_rows`` off and on, ``--rounds`` times. One JSON line per mode (tokens/s)
+and one with their ratio; the losses of the two modes are reported too (they agree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eagle3.draft import DraftConfig, Eagle3Draft  # noqa: E402
+from eagle3.draft_vocab import select_draft_vocab  # noqa: E402
+from eagle3.shards import HarvestStore  # noqa: E402
+from eagle3.target import load_target  # noqa: E402
+from eagle3.train_data import epoch_batches, load_batch, loss_token_counts  # noqa: E402
+from eagle3.ttt import ttt_forward  # noqa: E402
+from hard_mining.score import target_head  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--batches", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=2048)
+    parser.add_argument("--ttt-steps", type=int, default=3)
+    parser.add_argument("--draft-vocab-size", type=int, default=8192)
+    parser.add_argument("--loss-positions", choices=["assistant", "all"], default="assistant")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    store = HarvestStore(args.store)
+    target = load_target(store.spec.target, dtype="float32", device="cpu")
+    head = target_head(target)
+    indices = list(range(len(store)))
+    counts = loss_token_counts(store, indices, target.config.vocab_size)
+    vocab = select_draft_vocab(counts, args.draft_vocab_size)
+    config = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size, norm_before_residual=True,
+                                            norm_before_fc=True, norm_output=True)
+    draft = Eagle3Draft(config, target.embed_tokens.weight.detach().clone())
+    draft.set_draft_vocab(vocab.d2t, vocab.t2d)
+    draft.train()
+    rows = epoch_batches(store.lengths, indices, "pack", args.max_tokens, seed=0, epoch=0)[: args.batches]
+    batches = []
+    for row in rows:
+        batch = load_batch(store, row, "pack")
+        targets = head.targets(batch, vocab.t2d)
+        if args.loss_positions == "all":
+            batch["loss_mask"] = batch["document_ids"] >= 0
+        batches.append((batch, targets))
+    tokens = sum(int((b["document_ids"] >= 0).sum()) for b, _ in batches)
+
+    seconds = {False: 0.0, True: 0.0}
+    losses: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(args.rounds):
+        for skip in (False, True):
+            for batch, targets in batches:
+                draft.zero_grad(set_to_none=True)
+                start = time.perf_counter()
+                out = ttt_forward(draft, batch["input_ids"], batch["aux"].float(), batch["position_ids"],
+                                  batch["document_ids"], batch["loss_mask"], targets, num_steps=args.ttt_steps,
+                                  weights=torch.ones(args.ttt_steps), skip_unread_rows=skip)
+                out.loss.backward()
+                seconds[skip] += time.perf_counter() - start
+                if r == 0:
+                    losses[skip].append(round(float(out.loss), 5))
+    rate = {skip: args.rounds * tokens / seconds[skip] for skip in seconds}
+    for skip in (False, True):
+        print(json.dumps({"figure": "ttt_tokens_per_s", "skip_unread_rows": skip, "tokens_per_s": round(rate[skip], 1),
+                          "losses": losses[skip], "loss_positions": args.loss_positions}), flush=True)
+    print(json.dumps({"figure": "ttt_speedup", "ratio": round(rate[True] / rate[False], 3),
+                      "batches": len(batches), "tokens": tokens, "rounds": args.rounds}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
