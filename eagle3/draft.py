@@ -207,6 +207,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
 
 
+def gather_rows(x: Tensor, rows: Tensor) -> Tensor:
+    """x [B, S, ...] at the positions ``rows`` [B, M] of each batch row -> [B, M, ...]."""
+    return x.gather(1, rows.view(*rows.shape, *[1] * (x.dim() - 2)).expand(*rows.shape, *x.shape[2:]))
+
+
 class Attention(nn.Module):
     """q/k/v/o projections with RoPE; the attention pattern itself is the caller's ``attend``."""
 
@@ -219,13 +224,18 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend, rows: Tensor | None = None) -> Tensor:
+        """x [B, S, in] -> [B, S, H]; with ``rows`` [B, M] keys and values still come from every
+        row, queries (and the output) only from those rows: [B, M, H]."""
         b, s, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(b, s, self.num_heads, self.head_dim), cos, sin)  # [B, S, nh, d]
         k = apply_rope(self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim), cos, sin)  # [B, S, nkv, d]
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)  # [B, S, nkv, d]
-        out = attend(q, k, v)  # [B, S, nh, d]
-        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))  # [B, S, H]
+        if rows is not None:
+            x, cos, sin = gather_rows(x, rows), gather_rows(cos, rows), gather_rows(sin, rows)
+        m = x.shape[1]
+        q = apply_rope(self.q_proj(x).view(b, m, self.num_heads, self.head_dim), cos, sin)  # [B, M, nh, d]
+        out = attend(q, k, v)  # [B, M, nh, d]
+        return self.o_proj(out.reshape(b, m, self.num_heads * self.head_dim))  # [B, M, H]
 
 
 class MLP(nn.Module):
@@ -254,15 +264,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.mlp = MLP(h, config.intermediate_size)
 
-    def forward(self, hidden: Tensor, embeds: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
-        """hidden [B, S, H] (fc output or previous pre-norm state), embeds [B, S, H] -> pre-norm [B, S, H]."""
+    def forward(self, hidden: Tensor, embeds: Tensor, cos: Tensor, sin: Tensor, attend: Attend,
+                rows: Tensor | None = None) -> Tensor:
+        """hidden [B, S, H] (fc output or previous pre-norm state), embeds [B, S, H] -> pre-norm [B, S, H],
+        or with ``rows`` [B, M] the output at those rows only, [B, M, H] (keys from every row)."""
         if self.first:
             normed = self.hidden_norm(hidden)
             residual = normed if self.norm_before_residual else hidden
             x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, S, 2H] embedding first
         else:
             residual, x = hidden, self.input_layernorm(hidden)
-        h = residual + self.self_attn(x, cos, sin, attend)
+        if rows is not None:
+            residual = gather_rows(residual, rows)
+        h = residual + self.self_attn(x, cos, sin, attend, rows)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -445,15 +459,19 @@ class Eagle3Draft(nn.Module):
     def rope(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         return rope_cos_sin(self.config, position_ids, dtype)
 
-    def decode(self, hidden: Tensor, embeds: Tensor, position_ids: Tensor, attends: Sequence[Attend]) -> Tensor:
+    def decode(self, hidden: Tensor, embeds: Tensor, position_ids: Tensor, attends: Sequence[Attend],
+               rows: Tensor | None = None) -> Tensor:
         """hidden [B, S, H], embeds [B, S, H], position_ids [B, S] -> pre-norm output [B, S, H].
 
-        ``attends[i]`` is layer i's attention pattern over its rotated q/k/v.
+        ``attends[i]`` is layer i's attention pattern over its rotated q/k/v. With ``rows`` [B, M]
+        the output is wanted at those rows only ([B, M, H]): every layer still gives keys for all
+        rows, the last one computes queries, attention output and MLP only at ``rows``.
         """
         cos, sin = self.rope(position_ids, hidden.dtype)
         h = hidden
-        for layer, attend in zip(self.decoder_layers, attends, strict=True):
-            h = layer(h, embeds, cos, sin, attend)
+        layers = self.decoder_layers
+        for i, (layer, attend) in enumerate(zip(layers, attends, strict=True)):
+            h = layer(h, embeds, cos, sin, attend, rows if i == len(layers) - 1 else None)
         return h
 
     def compute_logits(self, prenorm: Tensor) -> Tensor:

@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from eagle3.draft import Attend, Eagle3Draft
+from eagle3.draft import Attend, Eagle3Draft, gather_rows
 
 # ---------------------------------------------------------------- shifts and masks
 
@@ -242,16 +242,18 @@ def soft_cross_entropy(logits: Tensor, target_probs: Tensor) -> Tensor:
     return -(target_probs * F.log_softmax(logits.float(), dim=-1)).sum(-1)
 
 
-def later_step_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int) -> tuple[Tensor, Tensor]:
-    """The rows steps >= 1 need: those where some step 1..K-1 counts (:func:`step_counted`).
+def read_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int) -> tuple[Tensor, Tensor]:
+    """The rows whose draft outputs the unroll reads: those where some step 0..K-1 counts
+    (:func:`step_counted`).
 
-    No other row's output at steps >= 1 is ever read: step k at row t feeds only step k+1 at row t
-    (its hidden state and its diagonal key), and a row counted at a later step is counted by this
-    union too. Returns ``idx`` [B, M] (each batch row's needed rows, ascending, padded with row 0)
-    and ``live`` [B, M] bool (False on the padding); M is the largest count over the batch.
+    Step k at row t feeds only step k+1 at row t (its hidden state and its diagonal key) and its
+    own logits, so no other row's output at any step is ever read; step 0's keys and values are
+    still needed at every row (every later query's window). Returns ``idx`` [B, M] (each batch
+    row's read rows, ascending, padded with row 0) and ``live`` [B, M] bool (False on the
+    padding); M is the largest count over the batch.
     """
     needed = torch.zeros_like(loss_mask, dtype=torch.bool)
-    for k in range(1, num_steps):
+    for k in range(num_steps):
         needed |= step_counted(loss_mask, document_ids, k)
     m = max(int(needed.sum(1).max()), 1) if needed.numel() else 1
     # a stable sort puts each row's needed positions first, in order
@@ -262,9 +264,7 @@ def later_step_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int) -> 
 
 def _rows(x: Tensor, idx: Tensor | None) -> Tensor:
     """x [B, S, ...] at the rows ``idx`` [B, M] -> [B, M, ...] (all of x without idx)."""
-    if idx is None:
-        return x
-    return x.gather(1, idx.view(*idx.shape, *[1] * (x.dim() - 2)).expand(*idx.shape, *x.shape[2:]))
+    return x if idx is None else gather_rows(x, idx)
 
 
 def ttt_forward(
@@ -289,10 +289,11 @@ def ttt_forward(
     each step's forward (logits and loss included) is recomputed in backward; steps are pure
     functions of their inputs, so replay appends nothing twice.
 
-    Step 0 runs over every row (its keys are every later step's window); with
-    ``skip_unread_rows`` (unless ``return_logits``) steps >= 1 run only over the rows some later
-    step counts (:func:`later_step_rows`; with a loss on the replies only, prompts drop out),
-    which changes no loss, match or gradient. Logits are computed only on each step's counted rows.
+    With ``skip_unread_rows`` (unless ``return_logits``) the unroll runs only over the rows some
+    step counts (:func:`read_rows`; with the loss on the replies, prompts drop out): step 0 still
+    computes keys and values at every row (the window of every later query), but queries,
+    attention output and MLP of its last layer, and all of steps >= 1, only at those rows. No
+    loss, match or gradient changes. Logits are computed only on each step's counted rows.
     """
     if num_steps < 1:
         raise ValueError(f"num_steps={num_steps}: must be >= 1")
@@ -307,20 +308,21 @@ def ttt_forward(
     diagonal: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(num_layers)]  # per layer, steps 1..k-1
     idx: Tensor | None = None  # [B, M]: the rows steps >= 1 run on (None: all)
     live: Tensor | None = None
-    if skip_unread_rows and not return_logits and num_steps > 1:
-        idx, live = later_step_rows(loss_mask, document_ids, num_steps)
+    if skip_unread_rows and not return_logits:
+        idx, live = read_rows(loss_mask, document_ids, num_steps)
         if idx.shape[1] >= input_ids.shape[1]:
             idx = live = None
-    later_mask = _rows(mask0, idx)  # [B, M, S]: the step-0 window of those rows
+    read_mask = _rows(mask0, idx)  # [B, M, S]: the step-0 window of those rows
 
     # loss_on_oov: every counted row whose target puts mass on the draft vocab (all, with full logits)
     has_mass = targets.probs.sum(-1) > 0 if loss_on_oov else None  # [B, S]
     loss = hidden.new_zeros((), dtype=torch.float32)
     loss_sums, counts, matches, counted_all, valid_all, logits_all = [], [], [], [], [], []
     for k in range(num_steps):
-        at = idx if k > 0 else None  # this step's rows
-        ids_k = _rows(step_input_ids(input_ids, k), at)  # [B, R]
-        pos_k = _rows(step_positions(position_ids, k), at)  # [B, R]
+        at = idx  # this step's output rows (None: all)
+        inputs_at = at if k > 0 else None  # step 0 reads every row (keys and values)
+        ids_k = _rows(step_input_ids(input_ids, k), inputs_at)  # [B, S] at step 0, else [B, R]
+        pos_k = _rows(step_positions(position_ids, k), inputs_at)
         counted = step_counted(loss_mask, document_ids, k)  # [B, S]
         target_argmax = shift_left(targets.argmax, k + 1, -1)  # [B, S] target's argmax at t+k+1
         if has_mass is not None:
@@ -331,8 +333,6 @@ def ttt_forward(
         counted_k, valid_k = _rows(counted, at), _rows(valid, at)  # [B, R]
         if at is not None:
             counted_k, valid_k = counted_k & live, valid_k & live
-        if k == 1 and idx is not None:
-            hidden = _rows(hidden, idx)  # [B, M, H]
 
         # A snapshot of the keys so far: a checkpointed step replays against exactly these.
         earlier = ([list(d) for d in diagonal], list(step0_kv))
@@ -346,13 +346,13 @@ def ttt_forward(
             def attend_for(layer: int) -> Attend:
                 def attend(q: Tensor, key: Tensor, value: Tensor) -> Tensor:
                     new_kv.append((key, value))
-                    if k == 0:  # step 0's keys are the step-0 window itself
-                        return ttt_attention(q, (key, value), [], mask0)
-                    return ttt_attention(q, window[layer], [*diag_before[layer], (key, value)], later_mask)
+                    if k == 0:  # step 0's keys are the step-0 window itself; the last layer's queries at `at`
+                        return ttt_attention(q, (key, value), [], read_mask if layer == num_layers - 1 else mask0)
+                    return ttt_attention(q, window[layer], [*diag_before[layer], (key, value)], read_mask)
                 return attend
 
-            prenorm = draft.decode(hidden_prev, draft.embed(ids_k), pos_k,
-                                   [attend_for(i) for i in range(num_layers)])  # [B, R, H]
+            prenorm = draft.decode(hidden_prev, draft.embed(ids_k), pos_k, [attend_for(i) for i in range(num_layers)],
+                                   at if k == 0 else None)  # [B, R, H]
             flat_kv = [t for kv in new_kv for t in kv]
             if return_logits:
                 logits = draft.compute_logits(prenorm)  # [B, S, Vd]
@@ -431,7 +431,7 @@ def simulated_tau(match: Tensor, counted: Tensor) -> Tensor:
 
 
 __all__ = [
-    "TTTOutput", "TTTTargets", "conditional_acceptance", "later_step_rows", "prepare_targets",
+    "TTTOutput", "TTTTargets", "conditional_acceptance", "read_rows", "prepare_targets",
     "prepare_targets_from_topk", "shift_left", "simulated_tau", "soft_cross_entropy", "step0_attention_mask",
     "step_accuracy", "step_counted", "step_input_ids", "step_positions", "step_weights", "ttt_attention",
     "ttt_forward",

@@ -411,30 +411,34 @@ def _prompt_reply_mask(doc_lengths: list[list[int]], prompt: float) -> torch.Ten
     return torch.stack([torch.cat([torch.arange(n) >= int(prompt * n) for n in row]) for row in doc_lengths])
 
 
-def test_later_step_rows_by_hand() -> None:
+def test_read_rows_by_hand() -> None:
     doc = torch.tensor([[0, 0, 0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 0, 0, 0]])
     mask = torch.tensor([[0, 0, 0, 0, 1, 0, 1, 1], [0, 0, 0, 0, 0, 0, 0, 1]], dtype=torch.bool)
-    # K=3: step 1 at t predicts x[t+3], step 2 x[t+4]; same document, masked (row 0: t=4 -> x7 leaves doc 0)
-    idx, live = ttt.later_step_rows(mask, doc, 3)
-    assert idx.tolist() == [[0, 1, 2, 3], [3, 4, 0, 0]] and live.tolist() == [[True] * 4, [True, True, False, False]]
-    idx, live = ttt.later_step_rows(mask, doc, 1)  # no later step: nothing needed
+    # K=3: step k at t predicts x[t+k+2], same document, masked (row 0: nothing reaches x7 in doc 1)
+    idx, live = ttt.read_rows(mask, doc, 3)
+    assert idx.tolist() == [[0, 1, 2, 3, 4], [3, 4, 5, 0, 0]]
+    assert live.tolist() == [[True] * 5, [True, True, True, False, False]]
+    idx, live = ttt.read_rows(mask, doc, 1)
+    assert idx.tolist() == [[2, 4], [5, 0]] and live.tolist() == [[True, True], [True, False]]
+    idx, live = ttt.read_rows(torch.zeros_like(mask), doc, 3)  # nothing counted: one padding row
     assert live.shape == (2, 1) and not live.any()
 
 
 @pytest.mark.parametrize(("doc_lengths", "num_layers", "variant", "checkpointing"), [
-    ([[9, 7, 8], [5, 11, 8]], 1, {}, False),
-    ([[9, 7, 8], [20, 4]], 2, SPECULATORS_VARIANT, True),
+    ([[30, 20, 30], [40, 40]], 1, {}, False),
+    ([[30, 30, 20], [60, 20]], 2, SPECULATORS_VARIANT, True),
     ([[150, 130], [280]], 1, SPECULATORS_VARIANT, False),  # 280 rows: the blocked attention
 ])
 def test_skipping_unread_rows_changes_nothing(doc_lengths: list[list[int]], num_layers: int, variant: dict,
                                               checkpointing: bool) -> None:
-    """Steps >= 1 only on the rows a later step counts (prompts drop out): the same loss, metrics
-    and gradients as every row, with fewer rows (and unequal counts per batch row: padding)."""
+    """The unroll only on the rows some step counts (prompts drop out; step 0 keeps every row's
+    keys): the same loss, metrics and gradients as every row, with fewer rows (and unequal counts
+    per batch row: padding)."""
     draft = tiny_draft(num_layers=num_layers, **variant).train()
     batch = packed_batch(doc_lengths, seed=5, t2d=draft.t2d)
     batch["loss_mask"] = _prompt_reply_mask(doc_lengths, 0.6)
-    idx, live = ttt.later_step_rows(batch["loss_mask"], batch["document_ids"], 4)
-    assert idx.shape[1] < 0.75 * batch["input_ids"].shape[1] and not live.all()
+    idx, live = ttt.read_rows(batch["loss_mask"], batch["document_ids"], 4)
+    assert idx.shape[1] < 0.6 * batch["input_ids"].shape[1] and not live.all()
 
     def run(skip: bool) -> tuple[ttt.TTTOutput, dict[str, torch.Tensor]]:
         draft.zero_grad(set_to_none=True)
