@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 out.loss.backward()
                 seconds[skip] += time.perf_counter() - start
                 if r == 0:
-                    losses[skip].append(round(float(out.loss), 5))
+                    losses[skip].append(round(out.loss.item(), 5))
     rate = {skip: args.rounds * tokens / seconds[skip] for skip in seconds}
     for skip in (False, True):
         print(json.dumps({"figure": "ttt_tokens_per_s", "skip_unread_rows": skip, "tokens_per_s": round(rate[skip], 1),
