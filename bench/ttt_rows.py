@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     batches = []
     for row in rows:
         batch = load_batch(store, row, "pack")
-        targets = head.targets(batch, vocab.t2d)
-        if args.loss_positions == "all":
+        if args.loss_positions == "all":  # before the targets: the head runs only on the rows the mask reads
             batch["loss_mask"] = batch["document_ids"] >= 0
+        targets = head.targets(batch, vocab.t2d)
         batches.append((batch, targets))
     tokens = sum(int((b["document_ids"] >= 0).sum()) for b, _ in batches)
 

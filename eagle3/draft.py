@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# attend(q [B,S,nh,d], k [B,S,nkv,d], v [B,S,nkv,d]) -> [B,S,nh,d]; q and k already rotated.
+# attend(q [B,M,nh,d], k [B,S,nkv,d], v [B,S,nkv,d]) -> [B,M,nh,d]; q and k already rotated. The query
+# rows are all S rows except in training's unroll (``rows``); serving's cached attend assumes M == S.
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 ROPE_TYPES = ("default", "linear", "llama3")

@@ -424,32 +424,37 @@ def test_read_rows_by_hand() -> None:
     assert live.shape == (2, 1) and not live.any()
 
 
-@pytest.mark.parametrize(("doc_lengths", "num_layers", "variant", "checkpointing"), [
-    ([[30, 20, 30], [40, 40]], 1, {}, False),
-    ([[30, 30, 20], [60, 20]], 2, SPECULATORS_VARIANT, True),
-    ([[150, 130], [280]], 1, SPECULATORS_VARIANT, False),  # 280 rows: the blocked attention
+@pytest.mark.parametrize(("doc_lengths", "num_layers", "variant", "checkpointing", "num_steps", "oov"), [
+    ([[30, 20, 30], [40, 40]], 1, {}, False, 4, False),
+    ([[30, 30, 20], [60, 20]], 2, SPECULATORS_VARIANT, True, 4, False),
+    ([[30, 30, 20], [60, 20]], 2, {}, False, 1, True),
+    ([[150, 130], [280]], 1, SPECULATORS_VARIANT, False, 4, False),  # 280 rows: the blocked attention
 ])
 def test_skipping_unread_rows_changes_nothing(doc_lengths: list[list[int]], num_layers: int, variant: dict,
-                                              checkpointing: bool) -> None:
+                                              checkpointing: bool, num_steps: int, oov: bool) -> None:
     """The unroll only on the rows some step counts (prompts drop out; step 0 keeps every row's
     keys): the same loss, metrics and gradients as every row, with fewer rows (and unequal counts
-    per batch row: padding)."""
+    per batch row: padding, in a batch row whose position 0 is read too)."""
     draft = tiny_draft(num_layers=num_layers, **variant).train()
     batch = packed_batch(doc_lengths, seed=5, t2d=draft.t2d)
-    batch["loss_mask"] = _prompt_reply_mask(doc_lengths, 0.6)
-    idx, live = ttt.read_rows(batch["loss_mask"], batch["document_ids"], 4)
+    batch["loss_mask"] = torch.cat([_prompt_reply_mask(doc_lengths[:1], 0.75),
+                                    _prompt_reply_mask(doc_lengths[1:], 0.5)])
+    batch["loss_mask"][0, :5] = True  # row 0 reads position 0 (steps predict x[2..]) and has the fewest rows
+    idx, live = ttt.read_rows(batch["loss_mask"], batch["document_ids"], num_steps)
     assert idx.shape[1] < 0.6 * batch["input_ids"].shape[1] and not live.all()
+    assert idx[0, 0] == 0 and live[0, 0] and not live[0].all()
 
     def run(skip: bool) -> tuple[ttt.TTTOutput, dict[str, torch.Tensor]]:
         draft.zero_grad(set_to_none=True)
         out = ttt_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
-                          batch["loss_mask"], prepare_targets(batch["target_logits"], draft.t2d), num_steps=4,
-                          gradient_checkpointing=checkpointing, skip_unread_rows=skip)
+                          batch["loss_mask"], prepare_targets(batch["target_logits"], draft.t2d),
+                          num_steps=num_steps, gradient_checkpointing=checkpointing, skip_unread_rows=skip,
+                          loss_on_oov=oov)
         out.loss.backward()
         return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
 
     (full, g_full), (fast, g_fast) = run(False), run(True)
-    assert (full.count[1:] > 0).all()
+    assert (full.count > 0).all()
     torch.testing.assert_close(fast.loss, full.loss, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(fast.loss_sum, full.loss_sum, rtol=1e-6, atol=1e-5)
     assert torch.equal(fast.count, full.count) and torch.equal(fast.counted, full.counted)
