@@ -198,7 +198,7 @@ def ttt_attention(q: Tensor, step0: tuple[Tensor, Tensor], diagonal: Sequence[tu
 
     q [B, Sq, nh, d] (rotated); step0 = (k0, v0) [B, S, nkv, d]; diagonal: (k_j, v_j) of steps
     1..k at the query rows, [B, Sq, nkv, d] each; mask0 [B, Sq, S]. Returns [B, Sq, nh, d].
-    The query rows are all S rows, or at steps >= 1 a subset of them (``mask0``'s rows for it).
+    The query rows are all S rows or a subset of them (:func:`read_rows`; ``mask0``'s rows for it).
     """
     k0, v0 = step0
     b, sq, nh, d = q.shape
@@ -249,7 +249,7 @@ def read_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int) -> tuple[
     Step k at row t feeds only step k+1 at row t (its hidden state and its diagonal key) and its
     own logits, so no other row's output at any step is ever read; step 0's keys and values are
     still needed at every row (every later query's window). Returns ``idx`` [B, M] (each batch
-    row's read rows, ascending, padded with row 0) and ``live`` [B, M] bool (False on the
+    row's read positions, ascending, padded with position 0) and ``live`` [B, M] bool (False on the
     padding); M is the largest count over the batch.
     """
     needed = torch.zeros_like(loss_mask, dtype=torch.bool)
