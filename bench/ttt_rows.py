@@ -1,4 +1,4 @@
-"""Training step of the TTT unroll with and without the rows no later step reads, side by side.
+"""Training step of the TTT unroll with and without the rows no step reads (`read_rows`), side by side.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/ttt_rows.py --store runs/race/harvest-bf16 --batches 6
 
