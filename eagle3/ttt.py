@@ -306,20 +306,17 @@ def ttt_forward(
     num_layers = len(draft.decoder_layers)
     step0_kv: list[tuple[Tensor, Tensor]] = []  # per layer (k0, v0) [B, S, nkv, d]
     diagonal: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(num_layers)]  # per layer, steps 1..k-1
-    idx: Tensor | None = None  # [B, M]: the rows steps >= 1 run on (None: all)
+    at: Tensor | None = None  # [B, M]: the output rows of every step (None: all); step 0 still reads all
     live: Tensor | None = None
     if skip_unread_rows and not return_logits:
-        idx, live = read_rows(loss_mask, document_ids, num_steps)
-        if idx.shape[1] >= input_ids.shape[1]:
-            idx = live = None
-    read_mask = _rows(mask0, idx)  # [B, M, S]: the step-0 window of those rows
+        at, live = read_rows(loss_mask, document_ids, num_steps)
+    read_mask = _rows(mask0, at)  # [B, M, S]: the step-0 window of those rows
 
     # loss_on_oov: every counted row whose target puts mass on the draft vocab (all, with full logits)
     has_mass = targets.probs.sum(-1) > 0 if loss_on_oov else None  # [B, S]
     loss = hidden.new_zeros((), dtype=torch.float32)
     loss_sums, counts, matches, counted_all, valid_all, logits_all = [], [], [], [], [], []
     for k in range(num_steps):
-        at = idx  # this step's output rows (None: all)
         inputs_at = at if k > 0 else None  # step 0 reads every row (keys and values)
         ids_k = _rows(step_input_ids(input_ids, k), inputs_at)  # [B, S] at step 0, else [B, R]
         pos_k = _rows(step_positions(position_ids, k), inputs_at)
