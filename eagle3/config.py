@@ -357,6 +357,11 @@ class TrainConfig:
     lm_head_init: str = "random"
     """random: fresh init (as EAGLE/SpecForge; learnt faster in short CPU runs); target: lm_head rows
     (and the final norm) copied from the target's (as speculators)."""
+    target_temperature: float = 1.0
+    """The distribution the draft learns from is the target's softmax(logits / T) over the draft
+    vocab: T < 1 sharpens it towards the target's argmax (what greedy verification accepts), T > 1
+    flattens it. The argmax, tau_sim and which positions count do not change; the loss figures
+    (train and eval) are against the tempered distribution."""
     layer_init: str = "random"
     """random: fresh init; readout: ``fc`` passes the deepest aux state through and the decoder
     layers' output projections start at zero, so the untrained draft reads the target's state at
@@ -444,6 +449,8 @@ class TrainConfig:
                 raise ValueError(f"train.{name}={getattr(self, name)}: must be in [0, 1)")
         if self.adam_eps <= 0:
             raise ValueError(f"train.adam_eps={self.adam_eps}: must be > 0")
+        if not self.target_temperature > 0:
+            raise ValueError(f"train.target_temperature={self.target_temperature}: must be > 0")
         if not 0.0 < self.step_decay <= 1.0:
             raise ValueError(f"train.step_decay={self.step_decay}: must be in (0, 1]")
         if self.batching not in ("pack", "buckets"):

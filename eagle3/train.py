@@ -176,10 +176,14 @@ def warmup_decay(warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0,
 class TargetHead(nn.Module):
     """The target's frozen final norm + lm_head (+ logit transform): stored pre-norm states -> its distribution."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, transform: LogitTransform | None = None) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, transform: LogitTransform | None = None,
+                 temperature: float = 1.0) -> None:
         super().__init__()
+        if not temperature > 0:
+            raise ValueError(f"target temperature {temperature}: must be > 0")
         self.norm, self.lm_head = norm, lm_head
         self.transform = transform or LogitTransform()
+        self.temperature = temperature  # divides the (transformed) logits of the distribution, not the argmax
         self.requires_grad_(False)
         self._split: tuple[Any, ...] | None = None
         self._split_pays = True  # turned off when most rows need the full product anyway
@@ -195,7 +199,7 @@ class TargetHead(nn.Module):
         probabilities and argmax -1 (never counted).
         """
         if "last" not in batch:
-            return prepare_targets_from_topk(batch["topk_ids"], batch["topk_logprobs"], t2d)
+            return prepare_targets_from_topk(batch["topk_ids"], batch["topk_logprobs"], t2d, self.temperature)
         last, mask, doc = batch["last"], batch["loss_mask"].bool(), batch["document_ids"]  # [B, S, H], [B, S]
         b, s, h = last.shape
         needed = torch.zeros_like(mask)  # [B, S]
@@ -210,13 +214,14 @@ class TargetHead(nn.Module):
             split = (self._split_pays and self.lm_head.weight.dtype == torch.float32
                      and getattr(self.lm_head, "bias", None) is None
                      and bf16_matmul_speedup(x.device.type) > 1.0)  # its rough pass is bf16
-            part = self._split_targets(x, t2d) if split else prepare_targets(self.transform(self.lm_head(x)), t2d)
+            part = (self._split_targets(x, t2d) if split
+                    else prepare_targets(self.transform(self.lm_head(x)), t2d, temperature=self.temperature))
             probs[rows[i:i + chunk_tokens]] = part.probs
             argmax[rows[i:i + chunk_tokens]] = part.argmax
         return TTTTargets(probs=probs.view(b, s, vd), argmax=argmax.view(b, s))
 
     @classmethod
-    def of_target(cls, target: Target) -> TargetHead:
+    def of_target(cls, target: Target, temperature: float = 1.0) -> TargetHead:
         """A copy of ``target``'s head (the target itself can then be freed). The capture hook on
         the target's norm is dropped: copying it would copy the whole target through the hook."""
         memo = {id(target): target}
@@ -224,7 +229,7 @@ class TargetHead(nn.Module):
         for module in (norm, lm_head):
             module._forward_pre_hooks.clear()
             module._forward_pre_hooks_with_kwargs.clear()
-        return cls(norm, lm_head, target.logit_transform)
+        return cls(norm, lm_head, target.logit_transform, temperature)
 
     def _split_targets(self, x: Tensor, t2d: Tensor, groups: int = 16) -> TTTTargets:
         """:func:`prepare_targets` of ``lm_head(x)`` (fp32) without most of the full-vocab product.
@@ -257,7 +262,7 @@ class TargetHead(nn.Module):
                            w_out.bfloat16(), group_norm, cuts)
         _, in_ids, out_ids, w_in, w_out, w_out_bf16, group_norm, cuts = self._split
         logits_in = x @ w_in.T  # [N, Vd] fp32, before the transform (increasing: the argmax logic holds)
-        probs = torch.nan_to_num(torch.softmax(self.transform(logits_in), dim=-1), nan=0.0)
+        probs = torch.nan_to_num(torch.softmax(self.transform(logits_in) / self.temperature, dim=-1), nan=0.0)
         best_in, arg_in = logits_in.max(-1)  # [N]: the first maximum, i.e. the lowest id
         id_in = in_ids[arg_in]
         if len(out_ids) == 0:
@@ -689,7 +694,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     if cfg.precision == "bf16" and rt.device.type == "cpu" and (speedup := bf16_matmul_speedup("cpu")) < 1.0:
         print0(f"train.precision=bf16: this CPU runs bf16 matmuls {1 / speedup:.0f}x slower than fp32 (no bf16 "
                f"units, measured); train.precision=fp32 will be much faster here")
-    head = TargetHead.of_target(target).to(rt.device)
+    head = TargetHead.of_target(target, cfg.target_temperature).to(rt.device)
     t2d = vocab.t2d.to(rt.device)
     target_name = spec.target
     del target  # only the head is needed from here on

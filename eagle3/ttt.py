@@ -118,22 +118,26 @@ class TTTTargets:
     argmax: Tensor  # [B, S] int64: the target's argmax at t (a target id)
 
 
-def prepare_targets(target: Tensor, t2d: Tensor, *, are_probs: bool = False) -> TTTTargets:
+def prepare_targets(target: Tensor, t2d: Tensor, *, are_probs: bool = False, temperature: float = 1.0) -> TTTTargets:
     """From the target's logits or log-probs (or, with ``are_probs``, probabilities) [B, S, V].
 
-    Callers with a large vocabulary can run this on slices of S and concatenate.
+    ``temperature`` divides the scores before the softmax (< 1 sharpens the distribution the
+    draft learns from; the argmax stays). Callers with a large vocabulary can run this on slices
+    of S and concatenate.
     """
     scores = target.float().log() if are_probs else target.float()  # [B, S, V]
     sub = scores[..., t2d.to(target.device)]  # [B, S, Vd]
-    probs = torch.nan_to_num(torch.softmax(sub, dim=-1), nan=0.0)  # a row with no draft-vocab mass -> 0
+    probs = torch.nan_to_num(torch.softmax(sub / temperature, dim=-1), nan=0.0)  # no draft-vocab mass -> 0
     return TTTTargets(probs=probs, argmax=target.argmax(-1))
 
 
-def prepare_targets_from_topk(topk_ids: Tensor, topk_logprobs: Tensor, t2d: Tensor) -> TTTTargets:
+def prepare_targets_from_topk(topk_ids: Tensor, topk_logprobs: Tensor, t2d: Tensor,
+                              temperature: float = 1.0) -> TTTTargets:
     """From a ``store=topk`` harvest: the target's top-K ids and log-probs [B, S, K].
 
-    The distribution is the top-K restricted to the draft vocab and renormalised; the argmax is
-    the top-1 id (outside the draft vocab -> masked, as with full logits).
+    The distribution is the top-K restricted to the draft vocab and renormalised (log-probs
+    divided by ``temperature`` first); the argmax is the top-1 id (outside the draft vocab ->
+    masked, as with full logits).
     """
     t2d = t2d.to(topk_ids.device)
     draft_id = torch.cumsum(t2d.long(), 0) - 1  # [V] draft id of each target id (where t2d)
@@ -142,7 +146,7 @@ def prepare_targets_from_topk(topk_ids: Tensor, topk_logprobs: Tensor, t2d: Tens
     # ids outside the draft vocab go to column 0 as -inf; amax keeps a real value there
     sub.scatter_reduce_(-1, torch.where(inside, draft_id[topk_ids], 0),
                         torch.where(inside, topk_logprobs.float(), float("-inf")), reduce="amax")
-    probs = torch.nan_to_num(torch.softmax(sub, dim=-1), nan=0.0)
+    probs = torch.nan_to_num(torch.softmax(sub / temperature, dim=-1), nan=0.0)
     best = topk_logprobs.argmax(-1, keepdim=True)  # [B, S, 1]
     return TTTTargets(probs=probs, argmax=topk_ids.gather(-1, best).squeeze(-1))
 

@@ -174,9 +174,12 @@ def test_bf16_targets_pass_the_load_check(family: str) -> None:
 
 
 @pytest.mark.parametrize("split", [True, False])
-def test_trainer_head_gives_the_models_distribution(split: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_trainer_head_gives_the_models_distribution(split: bool, temperature: float,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The trainer's distribution over the draft vocab from stored pre-norm states, on a target
-    whose logits are scaled and soft-capped (Granite scale + a Gemma-style cap)."""
+    whose logits are scaled and soft-capped (Granite scale + a Gemma-style cap), tempered after
+    the cap when asked."""
     model = family_model("granite")
     model.config.final_logit_softcapping = 3.0
     target = Target(model, tokenizer=None)
@@ -187,13 +190,13 @@ def test_trainer_head_gives_the_models_distribution(split: bool, monkeypatch: py
     ref = torch.tanh(ref / 3.0) * 3.0
     t2d = torch.zeros(TINY_VOCAB, dtype=torch.bool)
     t2d[::3] = True
-    head = TargetHead.of_target(target).float()
+    head = TargetHead.of_target(target, temperature).float()
     head._split_pays = split
     monkeypatch.setattr("eagle3.train.bf16_matmul_speedup", lambda device_type: 2.0)  # as on a CPU with bf16 units
     batch = {"last": out.last, "loss_mask": torch.ones(1, 12, dtype=torch.long),
              "document_ids": torch.zeros(1, 12, dtype=torch.long)}
     got = head.targets(batch, t2d)
-    want = torch.softmax(ref[..., t2d], dim=-1)
+    want = torch.softmax(ref[..., t2d] / temperature, dim=-1)
     torch.testing.assert_close(got.probs[:, :-1], want[:, :-1], rtol=1e-5, atol=1e-6)
     assert torch.equal(got.argmax[:, :-1], ref.argmax(-1)[:, :-1])
 

@@ -310,6 +310,27 @@ def test_targets_from_probs_and_from_topk_agree_with_logits() -> None:
     assert none.probs.abs().sum() == 0 and none.argmax.item() == 1
 
 
+@pytest.mark.parametrize("temperature", [0.25, 2.0])
+def test_a_target_temperature_tempers_the_distribution_not_the_argmax(temperature: float) -> None:
+    g = torch.Generator().manual_seed(1)
+    t2d = torch.zeros(12, dtype=torch.bool)
+    t2d[[0, 2, 3, 7, 11]] = True
+    logits = torch.randn(2, 5, 12, generator=g) * 3
+    plain = prepare_targets(logits, t2d)
+    tempered = prepare_targets(logits, t2d, temperature=temperature)
+    # p^(1/T) renormalised over the draft vocab, by hand
+    by_hand = plain.probs ** (1 / temperature)
+    torch.testing.assert_close(tempered.probs, by_hand / by_hand.sum(-1, keepdim=True))
+    assert torch.equal(tempered.argmax, plain.argmax)
+    assert not torch.allclose(tempered.probs, plain.probs)
+    # sharper below 1, flatter above: the entropy moves accordingly
+    entropy = [-(t.probs * t.probs.log()).sum(-1).mean() for t in (plain, tempered)]
+    assert (entropy[1] < entropy[0]) == (temperature < 1)
+    top = torch.log_softmax(logits, -1).topk(12, dim=-1)  # every id: top-k equals the full distribution
+    from_topk = prepare_targets_from_topk(top.indices, top.values, t2d, temperature)
+    torch.testing.assert_close(from_topk.probs, tempered.probs)
+
+
 def test_loss_skips_positions_whose_target_argmax_is_outside_the_draft_vocab() -> None:
     draft = tiny_draft()
     batch = packed_batch([[16]])
