@@ -362,6 +362,10 @@ class TrainConfig:
     vocab: T < 1 sharpens it towards the target's argmax (what greedy verification accepts), T > 1
     flattens it. The argmax, tau_sim and which positions count do not change; the loss figures
     (train and eval) are against the tempered distribution."""
+    feature_noise: float = 0.0
+    """Training only: Gaussian noise on every aux state the draft reads, its std this fraction of
+    the state's RMS at that position (a regulariser, as EAGLE-1's noise on the target's features;
+    evaluation reads the states as stored). 0: off."""
     layer_init: str = "random"
     """random: fresh init; readout: ``fc`` passes the deepest aux state through and the decoder
     layers' output projections start at zero, so the untrained draft reads the target's state at
@@ -449,6 +453,8 @@ class TrainConfig:
                 raise ValueError(f"train.{name}={getattr(self, name)}: must be in [0, 1)")
         if self.adam_eps <= 0:
             raise ValueError(f"train.adam_eps={self.adam_eps}: must be > 0")
+        if self.feature_noise < 0:
+            raise ValueError(f"train.feature_noise={self.feature_noise}: must be >= 0")
         if not self.target_temperature > 0:
             raise ValueError(f"train.target_temperature={self.target_temperature}: must be > 0")
         if not 0.0 < self.step_decay <= 1.0:

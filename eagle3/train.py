@@ -288,20 +288,33 @@ class TargetHead(nn.Module):
         return TTTTargets(probs=probs, argmax=argmax)
 
 
+def add_feature_noise(aux: Tensor, scale: float) -> Tensor:
+    """aux [.., A, H_t] plus Gaussian noise whose std is ``scale`` times each state's RMS (the
+    target's layers differ in scale by orders of magnitude, so an absolute noise would drown the
+    shallow states and miss the deep ones). Drawn from torch's global generator, which
+    checkpoints save and restore."""
+    x = aux.float()
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()  # [.., A, 1]
+    return (x + scale * rms * torch.randn_like(x)).to(aux.dtype)
+
+
 class TTTModel(nn.Module):
     """The module the DeepSpeed engine wraps: the draft and its TTT unroll; returns tensors only."""
 
     def __init__(self, draft: Eagle3Draft, num_steps: int, step_decay: float,
-                 gradient_checkpointing: bool = False, loss_on_oov: bool = False) -> None:
+                 gradient_checkpointing: bool = False, loss_on_oov: bool = False, feature_noise: float = 0.0) -> None:
         super().__init__()
         self.draft = draft
         self.loss_on_oov = loss_on_oov
+        self.feature_noise = feature_noise
         self.num_steps = num_steps
         self.weights = step_weights(num_steps, step_decay)
         self.gradient_checkpointing = gradient_checkpointing
 
     def forward(self, input_ids: Tensor, aux: Tensor, position_ids: Tensor, document_ids: Tensor,
                 loss_mask: Tensor, target_probs: Tensor, target_argmax: Tensor) -> tuple[Tensor, ...]:
+        if self.training and self.feature_noise > 0:
+            aux = add_feature_noise(aux, self.feature_noise)
         out = ttt_forward(self.draft, input_ids, aux, position_ids, document_ids, loss_mask,
                           TTTTargets(probs=target_probs, argmax=target_argmax), num_steps=self.num_steps,
                           weights=self.weights, gradient_checkpointing=self.gradient_checkpointing and self.training,
@@ -698,7 +711,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     t2d = vocab.t2d.to(rt.device)
     target_name = spec.target
     del target  # only the head is needed from here on
-    model = TTTModel(draft, cfg.ttt_steps, cfg.step_decay, cfg.gradient_checkpointing, cfg.loss_on_oov).to(rt.device)
+    model = TTTModel(draft, cfg.ttt_steps, cfg.step_decay, cfg.gradient_checkpointing, cfg.loss_on_oov,
+                     cfg.feature_noise).to(rt.device)
     schedule = warmup_decay(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio, cfg.lr_schedule)
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "muon":  # DeepSpeed builds Muon + its auxiliary AdamW from the config

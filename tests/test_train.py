@@ -31,6 +31,8 @@ from eagle3.train import (
     AcceptanceTally,
     TargetHead,
     TrainError,
+    TTTModel,
+    add_feature_noise,
     check_pinned,
     main,
     muon_ns_in_fp32_where_bf16_is_slow,
@@ -671,6 +673,30 @@ def test_a_multimodal_target_harvests_and_trains_from_its_head(tmp_path: Path) -
           "--wandb-mode", "disabled", "--no-progress", "--lm-head-init", "target"])
     draft, meta = load_exported_draft(out / "final")
     assert meta["step"] == 3 and meta["aux_layer_ids"] == [2, 4, 5] and draft.config.hidden_size == 64
+
+
+def test_feature_noise_scales_with_each_state_and_only_trains() -> None:
+    from tests.test_ttt import packed_batch, tiny_draft
+
+    torch.manual_seed(0)
+    aux = torch.randn(4, 500, 3, 64) * torch.tensor([0.01, 1.0, 300.0]).view(1, 1, 3, 1)  # layers far apart in scale
+    noise = add_feature_noise(aux, 0.1) - aux
+    rel = noise.pow(2).mean(-1).sqrt() / aux.pow(2).mean(-1).sqrt()  # [B, S, A]
+    torch.testing.assert_close(rel.mean((0, 1)), torch.full((3,), 0.1), rtol=0.03, atol=0)
+    assert (noise.mean((0, 1, 3)).abs() / aux.abs().mean((0, 1, 3)) < 0.01).all()
+    assert add_feature_noise(aux.bfloat16(), 0.1).dtype == torch.bfloat16
+    draft = tiny_draft()
+    batch = packed_batch([[24]], t2d=draft.t2d)
+    targets = prepare_targets(batch["target_logits"], draft.t2d)
+    args = (batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"], batch["loss_mask"],
+            targets.probs, targets.argmax)
+    plain, noisy = TTTModel(draft, 2, 0.8), TTTModel(draft, 2, 0.8, feature_noise=0.1)
+    with torch.no_grad():
+        assert torch.equal(noisy.eval()(*args)[0], plain.eval()(*args)[0])  # evaluation reads the states as stored
+        noisy.train(), plain.train()
+        first = noisy(*args)[0]
+        assert not torch.equal(first, noisy(*args)[0])  # fresh noise on every call
+        assert not torch.equal(first, plain(*args)[0])
 
 
 def test_loss_positions_all_trains_on_prompts_too_and_still_evaluates_replies(tiny: dict, tmp_path: Path) -> None:
