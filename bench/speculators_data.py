@@ -63,14 +63,16 @@ class ConvertError(RuntimeError):
 
 
 def read_draft_vocab_file(path: Path, vocab_size: int) -> DraftVocab:
-    """Our ``draft_vocab.safetensors`` (or an exported draft folder's ``model.safetensors``)."""
+    """Our ``draft_vocab.safetensors``, or a draft folder in any format ``eagle3.export`` reads."""
+    if path.is_dir() and not (path / "draft_vocab.safetensors").is_file():
+        from eagle3.checkpoint import read_draft_vocab
+
+        try:  # the draft's own mapping (none in a full-vocab draft: the identity)
+            return read_draft_vocab(path, vocab_size)
+        except ValueError as err:
+            raise ConvertError(str(err)) from None
     if path.is_dir():
-        for name in ("draft_vocab.safetensors", "model.safetensors"):
-            if (path / name).is_file():
-                path = path / name
-                break
-        else:
-            raise ConvertError(f"{path}: no draft_vocab.safetensors or model.safetensors in this folder")
+        path = path / "draft_vocab.safetensors"
     if not path.is_file():
         raise ConvertError(f"{path}: no such draft vocab file")
     try:

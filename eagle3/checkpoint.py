@@ -14,7 +14,8 @@ rewritten in place, so we keep our own and load by tag). A kill at any moment le
 ``latest`` at the previous complete checkpoint.
 
 Export (``best/``, ``final/``): a vLLM-format draft folder (:mod:`eagle3.export`: ``config.json``,
-``model.safetensors`` (the weights' dtype) with ``d2t``/``t2d``, no embedding) plus our ``draft.json`` with the
+``model.safetensors`` (the weights' dtype) with ``d2t``/``t2d`` unless the draft vocab is the whole
+target vocab, no embedding) plus our ``draft.json`` with the
 :class:`DraftConfig`, the target, the aux layer ids and the step/metrics it was taken at.
 """
 
@@ -224,11 +225,17 @@ def load_exported_draft(folder: str | os.PathLike[str],
 
 
 def read_draft_vocab(path: str | os.PathLike[str], vocab_size: int) -> DraftVocab:
-    """A draft vocab saved by a run (``draft_vocab.safetensors``) or an exported draft folder."""
+    """A draft vocab saved by a run (``draft_vocab.safetensors``) or a draft folder in any format
+    :func:`eagle3.export.load_draft` reads (a full-vocab draft carries no d2t: the identity)."""
     path = Path(path)
+    if path.is_dir() and not (path / "draft_vocab.safetensors").is_file():
+        draft = load_draft(path).draft
+        if draft.config.vocab_size != vocab_size:
+            raise ValueError(f"{path}: a draft vocab over {draft.config.vocab_size} target tokens, the target has "
+                             f"{vocab_size}")
+        return DraftVocab.from_d2t(draft.d2t, vocab_size)
     if path.is_dir():
-        path = path / ("draft_vocab.safetensors" if (path / "draft_vocab.safetensors").is_file()
-                       else "model.safetensors")
+        path = path / "draft_vocab.safetensors"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no draft vocab here (expected draft_vocab.safetensors or an exported "
                                 "draft's model.safetensors)")

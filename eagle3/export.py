@@ -4,7 +4,8 @@ Three on-disk formats, each a folder with ``config.json`` + ``model.safetensors`
 every engine uses the target's own)::
 
     vllm         Llama config with architectures ["LlamaForCausalLMEagle3"]; tensors fc.weight,
-                 midlayer.*, norm.weight, lm_head.weight [Vd, H], d2t (int64 offsets), t2d (bool).
+                 midlayer.*, norm.weight, lm_head.weight [Vd, H], d2t (int64 offsets), t2d (bool);
+                 no d2t/t2d when the draft vocab is the whole target vocab (vLLM refuses them then).
                  Aux ids under both keys vLLM reads: top-level eagle_aux_hidden_state_layer_ids
                  and eagle_config.eagle_aux_hidden_state_layer_ids. Our trainer's best/ and
                  final/ are this format (plus our draft.json).

@@ -493,7 +493,10 @@ def choose_draft_vocab(cfg: TrainConfig, store: HarvestStore | StoreUnion, train
         except ValueError as err:
             raise TrainError(f"train.init_draft: {err}") from None
     if cfg.draft_vocab:
-        vocab = read_draft_vocab(cfg.draft_vocab, vocab_size)
+        try:
+            vocab = read_draft_vocab(cfg.draft_vocab, vocab_size)
+        except (OSError, ValueError, KeyError) as err:  # DraftFormatError is a ValueError
+            raise TrainError(f"train.draft_vocab: {err}") from None
         if vocab.size != min(cfg.draft_vocab_size, vocab_size):
             print0(f"train.draft_vocab: {cfg.draft_vocab} holds {vocab.size} tokens; they replace "
                    f"train.draft_vocab_size={cfg.draft_vocab_size}")

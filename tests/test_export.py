@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3.checkpoint import read_draft_vocab
 from eagle3.draft import DraftConfig, Eagle3Draft, KVCache
 from eagle3.draft_vocab import DraftVocab
 from eagle3.export import (
@@ -221,6 +222,20 @@ def test_a_full_vocab_draft_is_written_without_the_mapping(fmt: str, tmp_path: P
     with pytest.raises(DraftFormatError, match="not the identity"):
         export_draft_folder(tmp_path / "bad", shuffled, draft.config, AUX, fmt, verifier="/models/target")
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.filterwarnings("ignore:aux layer ids")
+def test_a_draft_folder_in_any_format_gives_its_vocab(tmp_path: Path) -> None:
+    """``train.draft_vocab`` may name an exported draft: a full-vocab one has no d2t to read."""
+    for size in (32, 128):
+        draft = make_draft(draft_vocab_size=size)
+        for fmt in ("vllm", "speculators", "sglang"):
+            out = export_draft_folder(tmp_path / f"{fmt}-{size}", draft.state_dict(), draft.config, AUX, fmt,
+                                      dtype="float32", verifier="/models/target")
+            vocab = read_draft_vocab(out, 128)
+            assert torch.equal(vocab.d2t, draft.d2t) and torch.equal(vocab.t2d, draft.t2d)
+    with pytest.raises(ValueError, match="over 128 target tokens, the target has 129"):
+        read_draft_vocab(out, 129)
 
 
 @pytest.mark.filterwarnings("ignore:aux layer ids")

@@ -113,6 +113,10 @@ def test_bad_input_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[
     out = tmp_path / "spec"
     assert speculators_data.main(["--store", str(store_dir), "--out", str(out), "--draft-vocab", str(bad)]) == 2
     assert str(bad) in capsys.readouterr().err and not out.exists()
+    folder = tmp_path / "not-a-draft"  # a folder is read as a draft in any format
+    folder.mkdir()
+    assert speculators_data.main(["--store", str(store_dir), "--out", str(out), "--draft-vocab", str(folder)]) == 2
+    assert f"{folder / 'config.json'}: missing" in capsys.readouterr().err and not out.exists()
 
     wrong = tmp_path / "wrong.safetensors"
     save_file({"d2t": torch.zeros(3, dtype=torch.int64), "t2d": torch.zeros(VOCAB + 1, dtype=torch.bool)},

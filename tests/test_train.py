@@ -34,6 +34,7 @@ from eagle3.train import (
     TTTModel,
     add_feature_noise,
     check_pinned,
+    choose_draft_vocab,
     main,
     muon_ns_in_fp32_where_bf16_is_slow,
     muon_ns_method,
@@ -113,6 +114,14 @@ def _losses(out: Path) -> list[tuple[int, str, float]]:
 
 
 # ---------------------------------------------------------------- pure pieces
+
+
+def test_a_draft_vocab_that_cannot_be_read_names_the_key(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    for where, says in ((tmp_path / "empty", "config.json"), (tmp_path / "none", "no draft vocab here")):
+        cfg = TrainConfig(store="s", out_dir="o", draft_vocab=str(where))
+        with pytest.raises(TrainError, match=f"train.draft_vocab: .*{says}"):
+            choose_draft_vocab(cfg, None, [], 262, [])
 
 
 def test_warmup_then_decay() -> None:
