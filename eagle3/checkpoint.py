@@ -237,9 +237,10 @@ def read_draft_vocab(path: str | os.PathLike[str], vocab_size: int) -> DraftVoca
     if path.is_dir():
         path = path / "draft_vocab.safetensors"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no draft vocab here (expected draft_vocab.safetensors or an exported "
-                                "draft's model.safetensors)")
+        raise FileNotFoundError(f"{path}: no draft vocab here (expected a draft_vocab.safetensors or a draft folder)")
     tensors = load_file(str(path))
+    if "d2t" not in tensors or "t2d" not in tensors:
+        raise ValueError(f"{path}: no d2t/t2d tensors (a full-vocab draft has none: pass its folder)")
     vocab = DraftVocab.from_d2t(tensors["d2t"], vocab_size)
     if tensors["t2d"].shape[0] != vocab_size or not torch.equal(vocab.t2d, tensors["t2d"].bool()):
         raise ValueError(f"{path}: a draft vocab over {tensors['t2d'].shape[0]} target tokens, the target has "

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from data_gen.harvest import run as harvest
@@ -118,7 +118,9 @@ def _losses(out: Path) -> list[tuple[int, str, float]]:
 
 def test_a_draft_vocab_that_cannot_be_read_names_the_key(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
-    for where, says in ((tmp_path / "empty", "config.json"), (tmp_path / "none", "no draft vocab here")):
+    save_file({"fc.weight": torch.zeros(2, 2)}, str(tmp_path / "weights.safetensors"))
+    for where, says in ((tmp_path / "empty", "config.json"), (tmp_path / "none", "no draft vocab here"),
+                        (tmp_path / "weights.safetensors", "no d2t/t2d tensors")):
         cfg = TrainConfig(store="s", out_dir="o", draft_vocab=str(where))
         with pytest.raises(TrainError, match=f"train.draft_vocab: .*{says}"):
             choose_draft_vocab(cfg, None, [], 262, [])
