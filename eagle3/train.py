@@ -495,7 +495,7 @@ def choose_draft_vocab(cfg: TrainConfig, store: HarvestStore | StoreUnion, train
     if cfg.draft_vocab:
         try:
             vocab = read_draft_vocab(cfg.draft_vocab, vocab_size)
-        except (OSError, ValueError, KeyError) as err:  # DraftFormatError is a ValueError
+        except (OSError, ValueError) as err:  # DraftFormatError is a ValueError
             raise TrainError(f"train.draft_vocab: {err}") from None
         if vocab.size != min(cfg.draft_vocab_size, vocab_size):
             print0(f"train.draft_vocab: {cfg.draft_vocab} holds {vocab.size} tokens; they replace "
