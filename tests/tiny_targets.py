@@ -10,14 +10,19 @@ from eagle3.target import Target
 from tests.conftest import TINY_VOCAB, tiny_llama, tiny_tokenizer
 
 
-def lively_llama(num_layers: int = 8, seed: int = 0):
-    """tiny_llama with its weights (norms aside) scaled by 8: sharper, more varied next-token choices."""
-    model = tiny_llama(num_layers=num_layers, vocab=TINY_VOCAB, seed=seed)
+def sharpen(model: torch.nn.Module, factor: float = 8.0) -> torch.nn.Module:
+    """Scale a random model's weights (norms and MoE router gates aside) by ``factor``: sharper,
+    more varied next-token choices than the init's near-uniform ones."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.mul_(8.0)
+            if "norm" not in name and not name.endswith("mlp.gate.weight"):
+                param.mul_(factor)
     return model
+
+
+def lively_llama(num_layers: int = 8, seed: int = 0):
+    """tiny_llama with its weights (norms aside) scaled by 8: sharper, more varied next-token choices."""
+    return sharpen(tiny_llama(num_layers=num_layers, vocab=TINY_VOCAB, seed=seed))
 
 
 def lively_target(chat_template: str | None = None, **kwargs) -> Target:
