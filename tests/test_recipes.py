@@ -129,13 +129,18 @@ def test_draft_and_serve_groups_set_their_fields() -> None:
     with initialize_config_module(config_module="recipes", version_base="1.3"):
         default = OmegaConf.to_object(compose(config_name="pipeline"))
         frozen = OmegaConf.to_object(compose(config_name="pipeline", overrides=["draft=frozen-head", "serve=tree"]))
-        trained = OmegaConf.to_object(compose(config_name="pipeline", overrides=["draft=target-head"]))
-    assert (default.train.draft_variant, default.train.freeze_lm_head, default.eval.mode) == ("eagle3", False, "chain")
+        paper = OmegaConf.to_object(compose(config_name="pipeline", overrides=["draft=eagle3"]))
+        big = OmegaConf.to_object(compose(config_name="llama-3.1-8b"))
+    # the default is the target-head recipe (README, Training: "Draft recipes")
+    assert (default.train.draft_variant, default.train.lm_head_init, default.train.freeze_lm_head,
+            default.train.optimizer, default.train.lr, default.eval.mode) == \
+        ("speculators", "target", False, "muon", 2e-3, "chain")
     assert (frozen.train.draft_variant, frozen.train.lm_head_init, frozen.train.freeze_lm_head,
             frozen.train.step_decay) == ("speculators", "target", True, 1.0)
     assert (frozen.eval.mode, frozen.eval.k, frozen.eval.budget) == ("tree", 4, 16)
-    assert (default.train.optimizer, default.train.lr, frozen.train.optimizer, frozen.train.lr) == \
-        ("adamw", 2e-3, "muon", 1e-3)
-    assert (trained.train.draft_variant, trained.train.lm_head_init, trained.train.freeze_lm_head,
-            trained.train.optimizer, trained.train.lr) == ("speculators", "target", False, "muon", 2e-3)
-    assert frozen.train.steps == default.train.steps == trained.train.steps  # a group touches only its own fields
+    assert (paper.train.draft_variant, paper.train.lm_head_init, paper.train.step_decay, paper.train.optimizer,
+            paper.train.lr, frozen.train.optimizer, frozen.train.lr) == ("eagle3", "random", 0.8, "adamw", 2e-3,
+                                                                         "muon", 1e-3)
+    # the GPU recipes keep the paper's recipe with their own learning rate
+    assert (big.train.draft_variant, big.train.optimizer, big.train.lr) == ("eagle3", "adamw", 1e-4)
+    assert frozen.train.steps == default.train.steps == paper.train.steps  # a group touches only its own fields
