@@ -322,6 +322,10 @@ class TrainConfig:
     """Also train positions whose target argmax lies outside the draft vocab, on the target's
     distribution renormalised over the draft vocab (as speculators 0.9.0); by default they are
     dropped (as EAGLE-3 and SpecForge): the draft cannot propose that token anyway."""
+    gate_steps: bool = False
+    """TTT step k >= 1 trains a position only where steps 0..k-1 there matched the target's argmax
+    (where greedy verification reaches step k; GRIFFIN's token-alignment mask); the step's loss still
+    averages over all its positions, so broken chains add nothing. Metrics are unchanged."""
     loss_positions: str = "assistant"
     """assistant: train on the positions the store's loss mask marks (the replies, as EAGLE-3,
     SpecForge and speculators); all: on every position of each conversation (prompts and template

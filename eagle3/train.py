@@ -302,10 +302,12 @@ class TTTModel(nn.Module):
     """The module the DeepSpeed engine wraps: the draft and its TTT unroll; returns tensors only."""
 
     def __init__(self, draft: Eagle3Draft, num_steps: int, step_decay: float,
-                 gradient_checkpointing: bool = False, loss_on_oov: bool = False, feature_noise: float = 0.0) -> None:
+                 gradient_checkpointing: bool = False, loss_on_oov: bool = False, feature_noise: float = 0.0,
+                 gate_steps: bool = False) -> None:
         super().__init__()
         self.draft = draft
         self.loss_on_oov = loss_on_oov
+        self.gate_steps = gate_steps
         self.feature_noise = feature_noise
         self.num_steps = num_steps
         self.weights = step_weights(num_steps, step_decay)
@@ -318,7 +320,7 @@ class TTTModel(nn.Module):
         out = ttt_forward(self.draft, input_ids, aux, position_ids, document_ids, loss_mask,
                           TTTTargets(probs=target_probs, argmax=target_argmax), num_steps=self.num_steps,
                           weights=self.weights, gradient_checkpointing=self.gradient_checkpointing and self.training,
-                          loss_on_oov=self.loss_on_oov)
+                          loss_on_oov=self.loss_on_oov, gate_steps=self.gate_steps)
         return out.loss, out.loss_sum, out.count, out.match, out.counted
 
 
@@ -715,7 +717,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     target_name = spec.target
     del target  # only the head is needed from here on
     model = TTTModel(draft, cfg.ttt_steps, cfg.step_decay, cfg.gradient_checkpointing, cfg.loss_on_oov,
-                     cfg.feature_noise).to(rt.device)
+                     cfg.feature_noise, cfg.gate_steps).to(rt.device)
     schedule = warmup_decay(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio, cfg.lr_schedule)
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "muon":  # DeepSpeed builds Muon + its auxiliary AdamW from the config

@@ -286,6 +286,7 @@ def ttt_forward(
     return_logits: bool = False,
     loss_on_oov: bool = False,
     skip_unread_rows: bool = True,
+    gate_steps: bool = False,
 ) -> TTTOutput:
     """Unroll the draft ``num_steps`` steps over a packed batch; loss and per-step matches.
 
@@ -320,6 +321,7 @@ def ttt_forward(
     has_mass = targets.probs.sum(-1) > 0 if loss_on_oov else None  # [B, S]
     loss = hidden.new_zeros((), dtype=torch.float32)
     loss_sums, counts, matches, counted_all, valid_all, logits_all = [], [], [], [], [], []
+    reached = torch.ones_like(loss_mask, dtype=torch.bool)  # [B, S]: steps so far all matched
     for k in range(num_steps):
         inputs_at = at if k > 0 else None  # step 0 reads every row (keys and values)
         ids_k = _rows(step_input_ids(input_ids, k), inputs_at)  # [B, S] at step 0, else [B, R]
@@ -331,7 +333,8 @@ def ttt_forward(
         else:
             in_vocab = t2d[target_argmax.clamp_min(0)] & (target_argmax >= 0)
         valid = counted & in_vocab  # [B, S]
-        counted_k, valid_k = _rows(counted, at), _rows(valid, at)  # [B, R]
+        trained = valid & reached if gate_steps and k > 0 else valid  # [B, S]: the positions the loss sums
+        counted_k, valid_k = _rows(counted, at), _rows(trained, at)  # [B, R]
         if at is not None:
             counted_k, valid_k = counted_k & live, valid_k & live
 
@@ -392,6 +395,7 @@ def ttt_forward(
         loss_sums.append(loss_sum)
         counts.append(count)
         matches.append(draft_argmax == target_argmax)
+        reached = matches[-1] if k == 0 else reached & matches[-1]
         counted_all.append(counted)
         valid_all.append(valid)
 

@@ -710,6 +710,18 @@ def test_feature_noise_scales_with_each_state_and_only_trains() -> None:
         assert not torch.equal(first, plain(*args)[0])
 
 
+def test_gate_steps_reaches_the_loss_not_the_metrics(tiny: dict, tmp_path: Path) -> None:
+    runs = {}
+    for gate in (False, True):
+        train(_cfg(tiny, tmp_path / str(gate), steps=1, eval_every=1, save_every=0, gate_steps=gate),
+              target=tiny["target"])
+        runs[gate] = next(r for r in read_metrics(tmp_path / str(gate)) if "train/loss" in r)
+    # the same first batch and draft: equal step-0 matches, a smaller loss once later steps only
+    # count where the chain reaches them
+    assert runs[True]["train/tau_sim"] == runs[False]["train/tau_sim"]
+    assert runs[True]["train/loss"] < runs[False]["train/loss"]
+
+
 def test_loss_positions_all_trains_on_prompts_too_and_still_evaluates_replies(tiny: dict, tmp_path: Path) -> None:
     runs = {}
     for where in ("assistant", "all"):

@@ -369,6 +369,43 @@ def test_loss_on_oov_trains_those_positions_on_the_renormalised_draft_vocab() ->
     assert not out.valid[0, 0, 4] and out.count.tolist() == [13, 12]
 
 
+def test_gated_steps_train_only_where_the_chain_reaches_them() -> None:
+    draft = tiny_draft()
+    batch = packed_batch([[12, 20], [32]], t2d=None)
+    batch["loss_mask"][:] = True
+    plain = _batched(draft, batch, 3)
+    # make the target agree with the draft's step 0 at every other start position, so that
+    # some chains reach step 1 and some do not,
+    guess = draft.draft_to_target_ids(plain.logits[0].argmax(-1))  # [B, S] target ids
+    for b, t in (plain.counted[0] & (torch.arange(32) % 2 == 0)).nonzero().tolist():
+        batch["target_logits"][b, t + 1, guess[b, t]] += 100.0
+    # and with its step 1 at every fourth, so that some chains reach step 2 too
+    plain = _batched(draft, batch, 3)
+    guess = draft.draft_to_target_ids(plain.logits[1].argmax(-1))
+    for b, t in (plain.counted[1] & (torch.arange(32) % 4 == 0)).nonzero().tolist():
+        batch["target_logits"][b, t + 2, guess[b, t]] += 100.0
+    plain = _batched(draft, batch, 3)
+    gated = _batched(draft, batch, 3, gate_steps=True)
+    assert torch.equal(gated.match, plain.match) and torch.equal(gated.count, plain.count)
+    torch.testing.assert_close(gated.loss_sum[0], plain.loss_sum[0])
+    targets = prepare_targets(batch["target_logits"], draft.t2d)
+    reached = plain.match[0].clone()
+    for k in (1, 2):
+        trained = plain.valid[k] & reached
+        assert 0 < int(trained.sum()) < int(plain.valid[k].sum())  # the gate drops some, keeps some
+        ce = soft_cross_entropy(plain.logits[k], ttt.shift_left(targets.probs, k + 1, 0.0))
+        torch.testing.assert_close(gated.loss_sum[k], ce[trained].sum())
+        reached &= plain.match[k]
+    weights = step_weights(3)
+    torch.testing.assert_close(gated.loss, sum(float(weights[k]) * gated.loss_sum[k] / gated.count[k]
+                                               for k in range(3)).float())
+    # the training path (logits on counted rows only, unread rows skipped) gives the same loss
+    with torch.no_grad():
+        fast = ttt_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
+                           batch["loss_mask"], targets, num_steps=3, gate_steps=True)
+    torch.testing.assert_close(fast.loss_sum, gated.loss_sum)
+
+
 def test_step_weights() -> None:
     torch.testing.assert_close(step_weights(3), torch.tensor([1.0, 0.8, 0.64], dtype=torch.float64))
     torch.testing.assert_close(step_weights(2, decay=1.0), torch.ones(2, dtype=torch.float64))
