@@ -325,7 +325,8 @@ class TrainConfig:
     gate_steps: bool = False
     """TTT step k >= 1 trains a position only where steps 0..k-1 there matched the target's argmax
     (where greedy verification reaches step k; GRIFFIN's token-alignment mask); the step's loss still
-    averages over all its positions, so broken chains add nothing. Metrics are unchanged."""
+    averages over all its positions, so broken chains add nothing. The train and eval loss figures
+    are the gated ones; matches, accuracies and tau_sim are unchanged."""
     loss_positions: str = "assistant"
     """assistant: train on the positions the store's loss mask marks (the replies, as EAGLE-3,
     SpecForge and speculators); all: on every position of each conversation (prompts and template
