@@ -333,7 +333,7 @@ def ttt_forward(
         else:
             in_vocab = t2d[target_argmax.clamp_min(0)] & (target_argmax >= 0)
         valid = counted & in_vocab  # [B, S]
-        trained = valid & reached if gate_steps and k > 0 else valid  # [B, S]: the positions the loss sums
+        trained = valid & reached if gate_steps else valid  # [B, S]: the positions the loss sums
         counted_k, valid_k = _rows(counted, at), _rows(trained, at)  # [B, R]
         if at is not None:
             counted_k, valid_k = counted_k & live, valid_k & live
@@ -395,7 +395,7 @@ def ttt_forward(
         loss_sums.append(loss_sum)
         counts.append(count)
         matches.append(draft_argmax == target_argmax)
-        reached = matches[-1] if k == 0 else reached & matches[-1]
+        reached = reached & matches[-1]
         counted_all.append(counted)
         valid_all.append(valid)
 
