@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -64,36 +64,12 @@ class ConvertError(RuntimeError):
 
 def read_draft_vocab_file(path: Path, vocab_size: int) -> DraftVocab:
     """Our ``draft_vocab.safetensors``, or a draft folder in any format ``eagle3.export`` reads."""
-    if path.is_dir() and not (path / "draft_vocab.safetensors").is_file():
-        from eagle3.checkpoint import read_draft_vocab
+    from eagle3.checkpoint import read_draft_vocab
 
-        try:  # the draft's own mapping (none in a full-vocab draft: the identity)
-            return read_draft_vocab(path, vocab_size)
-        except ValueError as err:
-            raise ConvertError(str(err)) from None
-    if path.is_dir():
-        path = path / "draft_vocab.safetensors"
-    if not path.is_file():
-        raise ConvertError(f"{path}: no such draft vocab file")
     try:
-        tensors = load_file(str(path))
-    except Exception as err:  # safetensors raises its own error types
-        raise ConvertError(f"{path}: not a readable safetensors file ({err})") from err
-    missing = [k for k in ("d2t", "t2d") if k not in tensors]
-    if missing:
-        raise ConvertError(f"{path}: missing tensor(s) {missing}; expected d2t (int64 offsets) and t2d (bool mask)")
-    d2t, t2d = tensors["d2t"], tensors["t2d"]
-    if d2t.dim() != 1 or d2t.dtype not in (torch.int64, torch.int32):
-        raise ConvertError(f"{path}: d2t must be a 1-d integer tensor, got {d2t.dtype} {list(d2t.shape)}")
-    if t2d.dim() != 1 or t2d.shape[0] != vocab_size:
-        raise ConvertError(f"{path}: t2d covers {list(t2d.shape)} target tokens, the store's target has {vocab_size}")
-    try:
-        vocab = DraftVocab.from_d2t(d2t.long(), vocab_size)
-    except ValueError as err:
-        raise ConvertError(f"{path}: d2t does not map to valid target ids ({err})") from err
-    if not torch.equal(vocab.t2d, t2d.bool()):
-        raise ConvertError(f"{path}: t2d does not mark exactly the target ids that d2t maps to")
-    return vocab
+        return read_draft_vocab(path, vocab_size)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConvertError(str(err)) from None
 
 
 def _split(store: HarvestStore, eval_store: HarvestStore | None, eval_fraction: float

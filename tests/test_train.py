@@ -119,8 +119,19 @@ def _losses(out: Path) -> list[tuple[int, str, float]]:
 def test_a_draft_vocab_that_cannot_be_read_names_the_key(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     save_file({"fc.weight": torch.zeros(2, 2)}, str(tmp_path / "weights.safetensors"))
+    good = DraftVocab.from_target_ids(torch.tensor([0, 5, 9]), 262)
+    save_file({"d2t": good.d2t, "t2d": good.t2d[:200]}, str(tmp_path / "short.safetensors"))
+    wrong_mask = good.t2d.clone()
+    wrong_mask[7] = True
+    save_file({"d2t": good.d2t, "t2d": wrong_mask}, str(tmp_path / "mask.safetensors"))
+    save_file({"d2t": torch.tensor([0, 300]), "t2d": good.t2d}, str(tmp_path / "range.safetensors"))
+    (tmp_path / "cut.safetensors").write_bytes(b"\x10\x00")
     for where, says in ((tmp_path / "empty", "config.json"), (tmp_path / "none", "no draft vocab here"),
-                        (tmp_path / "weights.safetensors", "no d2t/t2d tensors")):
+                        (tmp_path / "weights.safetensors", r"missing tensor\(s\) \['d2t', 't2d'\]"),
+                        (tmp_path / "short.safetensors", "over \\[200\\] target tokens, the target has 262"),
+                        (tmp_path / "mask.safetensors", "t2d does not mark exactly"),
+                        (tmp_path / "range.safetensors", "d2t does not map to valid target ids"),
+                        (tmp_path / "cut.safetensors", "not a readable safetensors file")):
         cfg = TrainConfig(store="s", out_dir="o", draft_vocab=str(where))
         with pytest.raises(TrainError, match=f"train.draft_vocab: .*{says}"):
             choose_draft_vocab(cfg, None, [], 262, [])
