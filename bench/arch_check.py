@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +45,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from race_speculators import run  # noqa: E402  (this folder is on sys.path when run as a script)
 
 LAYERS = 8
 AUX_IDS = [1, 3, 6]  # vLLM's defaults for 8 layers are (2, 4, 5)
@@ -113,18 +114,6 @@ def build_target(arch: str, folder: Path) -> Path:
         model.save_pretrained(tmp)
         tiny_tokenizer().save_pretrained(tmp)
     return folder
-
-
-def run(cmd: list[str], log: Path) -> str:
-    """Run from the repository root; stderr and then stdout go to ``log``; returns stdout."""
-    print(f"# {' '.join(cmd)}", file=sys.stderr, flush=True)
-    with open(log, "w") as err:
-        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
-    with open(log, "a") as out:
-        out.write(done.stdout)
-    if done.returncode:
-        raise RuntimeError(f"failed ({done.returncode}): {' '.join(cmd)}; see {log}")
-    return done.stdout
 
 
 def check(arch: str, out: Path, steps: int, vllm: bool, per_set: int, max_new_tokens: int) -> dict[str, Any]:

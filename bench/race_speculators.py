@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -46,14 +45,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> str:
-    """Run a command, its stderr to ``log``; returns stdout (the last line is its JSON result)."""
+def run(cmd: list[str], log: Path) -> str:
+    """Run from the repository root; stderr and then stdout go to ``log``; returns stdout (its last
+    JSON line is the command's result)."""
     print(f"# {' '.join(cmd)}", file=sys.stderr, flush=True)
     with open(log, "w") as err:
-        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, **(env or {})},
-                              cwd=ROOT)
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
+    with open(log, "a") as out:
+        out.write(done.stdout)
     if done.returncode:
-        raise SystemExit(f"failed ({done.returncode}): {' '.join(cmd)}; see {log}")
+        raise RuntimeError(f"failed ({done.returncode}): {' '.join(cmd)}; see {log}")
     return done.stdout
 
 
