@@ -81,6 +81,8 @@ def atomic_dir(path: str | os.PathLike[str], *,
         yield tmp
         for child in tmp.rglob("*"):
             if child.is_file():
+                # the usual mode: some writers (safetensors' save_file) create their files 0600
+                os.chmod(child, 0o666 & ~_umask())
                 with open(child, "rb") as f:
                     os.fsync(f.fileno())
         if path.exists():

@@ -4,6 +4,7 @@ the entry point converts once, and nothing below it sees a ``DictConfig``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,8 @@ class TargetConfig:
             raise ValueError(f"target.dtype={self.dtype!r}: expected one of {', '.join(_DTYPES)}")
         if self.nvfp4_mode not in ("auto", "w4a4", "w4a16"):
             raise ValueError(f"target.nvfp4_mode={self.nvfp4_mode!r}: expected auto, w4a4 or w4a16")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"target.device={self.device!r}: expected auto, cpu, cuda or cuda:N")
 
 
 TRAIN_SOURCES = ["sharegpt", "codeio", "stdlib", "reasoning_gym", "mmath", "chatterbot", "dataset_build"]

@@ -264,6 +264,9 @@ def export_draft_folder(out: str | os.PathLike[str], state: dict[str, Tensor], c
                                  verifier_architectures=verifier_architectures,
                                  speculative_tokens=speculative_tokens, torch_dtype=dtype)
     tensors = engine_tensors(state, fmt, DTYPES[dtype])
+    nonfinite = [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if nonfinite:
+        raise DraftFormatError(f"{out}: not exported: NaN/Inf in {', '.join(nonfinite[:4])} (a diverged draft)")
     with atomic_dir(out, replaces=_is_earlier_export) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -346,29 +349,39 @@ def draft_config_from_json(cfg: dict[str, Any], fmt: str, path: Path, num_aux_la
     rope = dict(layer.get("rope_parameters") or layer.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", layer.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
+
+    def num(key: str, value: Any, cast: type = int) -> Any:
+        try:
+            return cast(value)
+        except (TypeError, ValueError):
+            raise DraftFormatError(f"{path}: {key}={value!r} is not a number") from None
+
     try:
-        hidden = int(layer["hidden_size"])
-        vocab = int(layer.get("vocab_size") or cfg["vocab_size"])
+        hidden = num("hidden_size", layer["hidden_size"])
+        heads = num("num_attention_heads", layer["num_attention_heads"])
+        vocab = num("vocab_size", layer.get("vocab_size") or cfg["vocab_size"])
         return DraftConfig(
             hidden_size=hidden,
-            intermediate_size=int(layer["intermediate_size"]),
-            num_attention_heads=int(layer["num_attention_heads"]),
-            num_key_value_heads=int(layer.get("num_key_value_heads") or layer["num_attention_heads"]),
-            head_dim=layer.get("head_dim") or hidden // int(layer["num_attention_heads"]),
+            intermediate_size=num("intermediate_size", layer["intermediate_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=num("num_key_value_heads", layer.get("num_key_value_heads") or heads),
+            head_dim=num("head_dim", layer.get("head_dim") or hidden // heads),
             vocab_size=vocab,
-            draft_vocab_size=int(cfg.get("draft_vocab_size") or layer.get("draft_vocab_size") or vocab),
-            target_hidden_size=int(cfg.get("target_hidden_size") or layer.get("target_hidden_size") or hidden),
-            num_aux_layers=num_aux_layers or int(cfg.get("num_aux_hidden_states") or 3),
-            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
+            draft_vocab_size=num("draft_vocab_size", cfg.get("draft_vocab_size") or layer.get("draft_vocab_size")
+                                 or vocab),
+            target_hidden_size=num("target_hidden_size", cfg.get("target_hidden_size")
+                                   or layer.get("target_hidden_size") or hidden),
+            num_aux_layers=num_aux_layers or num("num_aux_hidden_states", cfg.get("num_aux_hidden_states") or 3),
+            rms_norm_eps=num("rms_norm_eps", layer.get("rms_norm_eps", 1e-6), float),
+            rope_theta=num("rope_theta", theta, float),
             rope_scaling=None if kind == "default" else rope,
-            max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
-            num_layers=int(layer.get("num_hidden_layers", 1)),
+            max_position_embeddings=num("max_position_embeddings", layer.get("max_position_embeddings", 2048)),
+            num_layers=num("num_hidden_layers", layer.get("num_hidden_layers", 1)),
             **flags,
         )
     except KeyError as err:
         raise DraftFormatError(f"{path}: config key {err.args[0]!r} is missing") from None
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError) as err:  # DraftConfig's own checks
         raise DraftFormatError(f"{path}: {err}") from None
 
 
@@ -435,6 +448,9 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
     bad = [f"{k} {tuple(v.shape)} vs {tuple(want[k].shape)}" for k, v in tensors.items() if v.shape != want[k].shape]
     if bad:
         raise DraftFormatError(f"{folder}: tensor shapes differ from config.json: {'; '.join(bad[:4])}")
+    nonfinite = [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if nonfinite:
+        raise DraftFormatError(f"{folder}: NaN/Inf in {', '.join(nonfinite[:4])}: a diverged or corrupted draft")
     draft.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
     try:
         draft.set_draft_vocab(d2t, t2d)
@@ -498,6 +514,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.speculative_tokens < 1:
         parser.error(f"--speculative-tokens must be >= 1, got {args.speculative_tokens}")
+    if Path(args.out).resolve() == Path(args.draft).resolve():
+        parser.error(f"--out {args.out} is the --draft folder: an export would replace the draft it reads; "
+                     "pass another --out")
     try:
         loaded = load_draft(args.draft, args.from_format)
         ids = loaded.aux_layer_ids

@@ -52,6 +52,7 @@ from eagle3.shards import (
     write_shard,
 )
 from eagle3.target import Target, TargetLoadError, TargetSourceError, load_target
+from eagle3.target_source import target_identity
 
 PLAN = "plan.json"
 
@@ -185,7 +186,7 @@ def _spec_and_backend(cfg: HarvestConfig, target_cfg: TargetConfig,
         backend = VllmRows(VllmCapture(folder, layers, dtype="float32"))
     chat = ChatFormat.for_tokenizer(tokenizer, generation_config)
     spec = HarvestSpec(
-        target=target_cfg.name_or_path, weights_fingerprint=weights_fingerprint(folder),
+        target=target_identity(target_cfg.name_or_path), weights_fingerprint=weights_fingerprint(folder),
         tokenizer_sha256=tokenizer_fingerprint(tokenizer), chat_template_sha256=chat.template_sha256,
         num_layers=shape[0], hidden_size=shape[1], vocab_size=shape[2],
         aux_layer_ids=tuple(layers), dtype=cfg.dtype, store=cfg.store, topk=cfg.topk, max_seq_len=cfg.max_seq_len,
@@ -200,7 +201,13 @@ def _check_plan(out_dir: Path, plan: dict[str, Any]) -> None:
         if not path.is_file():
             atomic_write_text(path, json.dumps(plan, indent=2) + "\n")
             return
-        saved = json.loads(path.read_text())
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise HarvestError(f"{path}: not readable JSON ({err}); it records the settings this store was "
+                               "harvested with: restore it, or harvest into another --out") from None
+    if not isinstance(saved, dict):
+        raise HarvestError(f"{path}: expected a JSON object (the settings this store was harvested with)")
     for section in ("spec", "settings", "data_sha256"):
         old, new = saved.get(section), plan[section]
         if old == new:

@@ -56,6 +56,7 @@ from eagle3.generate import (
     regenerate_conversations,
 )
 from eagle3.target import Target, TargetLoadError, TargetSourceError, load_target
+from eagle3.target_source import target_identity
 
 MANIFEST = "manifest.json"
 PARTS = "parts"
@@ -104,7 +105,8 @@ def read_pool(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
 def manifest_settings(cfg: RegenerateConfig, target_cfg: TargetConfig, pool_sha256: str) -> dict[str, Any]:
     """The settings known before the target is loaded."""
     return {
-        "target": target_cfg.name_or_path, "backend": cfg.backend, "pool_sha256": pool_sha256, "limit": cfg.limit,
+        "target": target_identity(target_cfg.name_or_path), "backend": cfg.backend, "pool_sha256": pool_sha256,
+        "limit": cfg.limit,
         "batch_size": cfg.batch_size, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
         "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed, "max_prompt_tokens": cfg.max_prompt_tokens,
     }

@@ -24,6 +24,7 @@ The safetensors metadata holds the sample ids (key ``eagle3``: JSON with ``sampl
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -296,6 +297,17 @@ class HarvestStore:
         with safe_open(str(shard.path), framework="pt") as f:
             return f.get_slice("input_ids")[a:b].long(), f.get_slice("loss_mask")[a:b].bool()
 
+    def token_digests(self) -> list[bytes]:
+        """A digest of each sample's token ids, in store order: equal conversations, equal digests
+        (each shard's ``input_ids`` column is read once; no state is)."""
+        out = []
+        for shard in self._shards:
+            with safe_open(str(shard.path), framework="pt") as f:
+                ids = f.get_tensor("input_ids").to(torch.int64).numpy()
+            out += [hashlib.blake2b(ids[a:b].tobytes(), digest_size=16).digest()
+                    for a, b in zip(shard.offsets[:-1], shard.offsets[1:], strict=True)]
+        return out
+
     def check_target(self, target: Any) -> None:
         """Raise naming the key if this store was not harvested from ``target`` (an eagle3 Target)."""
         from eagle3.fingerprint import tokenizer_fingerprint
@@ -341,10 +353,12 @@ class StoreUnion:
         self.stores = [HarvestStore(Path(r)) for r in roots]
         self.root = self.stores[0].root
         self.spec = self.stores[0].spec
-        same = ("target", "weights_fingerprint", "tokenizer_sha256", "num_layers", "hidden_size", "vocab_size",
+        same = ("weights_fingerprint", "tokenizer_sha256", "num_layers", "hidden_size", "vocab_size",
                 "aux_layer_ids", "store", "topk")
         for other in self.stores[1:]:
-            for key in same:
+            # the weights' fingerprint names the target; the typed name only where no fingerprint was taken
+            unknown = self.spec.weights_fingerprint in ("in-memory", "no-local-weights")
+            for key in (("target",) if unknown else ()) + same:
                 if getattr(other.spec, key) != getattr(self.spec, key):
                     raise StoreError(f"{other.root / MANIFEST}: spec.{key}={getattr(other.spec, key)!r} differs from "
                                      f"{self.root / MANIFEST}'s {getattr(self.spec, key)!r}: stores cannot be combined")
@@ -363,6 +377,9 @@ class StoreUnion:
     def token_columns(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, j = self._where[i]
         return self.stores[k].token_columns(j)
+
+    def token_digests(self) -> list[bytes]:
+        return [d for st in self.stores for d in st.token_digests()]
 
     def check_target(self, target: Any) -> None:
         for st in self.stores:

@@ -58,9 +58,20 @@ def check_aux_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
 
 
 def resolve_device(device: str) -> torch.device:
+    """auto (CUDA when available, else CPU), cpu, cuda or cuda:N; CUDA that this torch cannot use fails
+    here, naming the setting, rather than inside torch."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"device {device!r}: expected auto, cpu, cuda or cuda:N ({err})") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: this torch has no usable CUDA device (use cpu or auto)")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return resolved
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -295,7 +306,10 @@ def load_target(
     from transformers import AutoConfig
 
     resolved = resolve_target(name_or_path, home)
-    torch_device = resolve_device(device)
+    try:
+        torch_device = resolve_device(device)
+    except ValueError as err:
+        raise TargetLoadError(f"target {name_or_path}: {err}") from None
     torch_dtype = resolve_dtype(dtype, torch_device)
     where = resolved.location
     if resolved.kind == "folder":  # the embedded and GGUF targets are converted to safetensors; the hub's

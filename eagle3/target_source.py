@@ -93,6 +93,14 @@ def resolve_target(spec: str, home: Path | None = None) -> ResolvedTarget:
     )
 
 
+def target_identity(spec: str) -> str:
+    """How manifests name a target: a local file or folder by its absolute path (``model``,
+    ``./model`` and ``/abs/model`` are one target), anything else (an embedded name, a hub id) as
+    given."""
+    path = Path(spec).expanduser()
+    return str(path.resolve()) if path.exists() else spec
+
+
 def ensure_embedded_target(name: str, home: Path | None = None) -> Path:
     """The converted folder of an embedded target, building it on first use."""
     home = home or eagle3_home()

@@ -658,7 +658,16 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         if eval_store.spec.aux_layer_ids != spec.aux_layer_ids:
             raise TrainError(f"train.eval_store={cfg.eval_store}: aux_layer_ids {list(eval_store.spec.aux_layer_ids)}"
                              f" differ from the training store's {list(spec.aux_layer_ids)}")
-        train_idx, eval_idx = list(range(len(store))), list(range(len(eval_store)))
+        seen = set(store.token_digests())
+        shared = [d in seen for d in eval_store.token_digests()]  # the same conversation (tokens) in both
+        if all(shared):
+            raise TrainError(f"train.eval_store={cfg.eval_store}: every one of its {len(eval_store)} samples is also "
+                             "a training sample (same tokens): its figures and the best/ draft would be measured on "
+                             "training data; evaluate on a store of other conversations")
+        train_idx, eval_idx = list(range(len(store))), [i for i, dup in enumerate(shared) if not dup]
+        if len(eval_idx) < len(eval_store):
+            print0(f"train.eval_store: {len(eval_store) - len(eval_idx)} of its {len(eval_store)} samples are also "
+                   f"training samples (same tokens); evaluating on the other {len(eval_idx)}")
     else:
         train_idx, eval_idx = split_by_id(store.sample_ids, cfg.eval_fraction)
         eval_store = store if eval_idx else None
@@ -853,6 +862,9 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
             state["step"] += 1
             state["batch_index"] += per_step
             loss = float(sums[0]) / per_step
+            if not math.isfinite(loss):  # every rank sees the same reduced loss
+                raise TrainError(f"step {state['step']}: the loss is {loss}; stopping before a non-finite draft is "
+                                 "saved or exported (check the store's states, train.init_draft and train.lr)")
             grad_norm = grad_norm if grad_norm is not None else _grad_norm(engine, params)
             first_loss = loss if first_loss is None else first_loss
             last_loss = loss

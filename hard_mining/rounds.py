@@ -164,6 +164,19 @@ def _groups(scores: Sequence[SampleScore]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _eval_set_files(folder: str) -> list[Path]:
+    """The eval sets' prompt files that mined prompts are decontaminated against: a folder that is
+    missing or holds none would silently let eval prompts into training, so it fails instead."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise MineError(f"mine.eval_sets={folder}: no such folder (the eval sets' *.jsonl, e.g. <pools>/eval); "
+                        "mined prompts are checked against them")
+    files = sorted(path.glob("*.jsonl"))
+    if not files:
+        raise MineError(f"mine.eval_sets={folder}: no *.jsonl files in it; mined prompts are checked against them")
+    return files
+
+
 def run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig, *, target: Any = None,
                progress: bool = True) -> dict[str, Any]:
     """Run (or resume) ``cfg.rounds`` mining rounds; returns the manifest."""
@@ -205,7 +218,7 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
     eval_records = read_records(cfg.eval_records)
     check_records_describe(base, {str(x["id"]) for x in records}, "mine.records")
     check_records_describe(eval_store, {str(x["id"]) for x in eval_records}, "mine.eval_records")
-    eval_sets = read_records(sorted(Path(cfg.eval_sets).glob("*.jsonl"))) if cfg.eval_sets else []
+    eval_sets = read_records(_eval_set_files(cfg.eval_sets)) if cfg.eval_sets else []
     pool = read_records([cfg.pool]) if cfg.pool else []
     run = _wandb(cfg, out)
 

@@ -180,7 +180,10 @@ def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
     else:
         target, draft = load_pair(draft_path, cfg.target.name_or_path)
         chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
-        prompts = {name: read_prompts(Path(cfg.pools.out_dir), name, e.per_set, chat) for name in e.sets}
+        try:
+            prompts = {name: read_prompts(Path(cfg.pools.out_dir), name, e.per_set, chat) for name in e.sets}
+        except (ValueError, FileNotFoundError) as err:  # a missing, empty or malformed eval set, named
+            raise PipelineError(f"eval.sets: {err}") from None
         report = evaluate(target, draft, prompts, config=SpecConfig(e.mode, e.k, e.topk, e.budget),
                           params=SamplingParams(e.temperature), max_new_tokens=e.max_new_tokens,
                           stop_ids=sorted(chat.stop_ids), seed=cfg.seed)

@@ -17,6 +17,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     """What a stage raises for bad input or settings, with a message naming the key or file:
     printed as one line, not a traceback (bugs keep theirs)."""
     from eagle3.checkpoint import CheckpointError
+    from eagle3.conversations import ConversationError
     from eagle3.export import DraftFormatError
     from eagle3.harvest import HarvestError
     from eagle3.nvfp4 import NVFP4Error
@@ -28,8 +29,8 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from hard_mining.rounds import MineError
     from recipes.pipeline import PipelineError
 
-    return (PipelineError, CheckpointError, DraftFormatError, HarvestError, NVFP4Error, RegenerateError, StoreError,
-            TargetLoadError, TargetSourceError, TrainError, MineError, FileExistsError)
+    return (PipelineError, CheckpointError, ConversationError, DraftFormatError, HarvestError, NVFP4Error,
+            RegenerateError, StoreError, TargetLoadError, TargetSourceError, TrainError, MineError, FileExistsError)
 
 
 @hydra.main(version_base="1.3", config_path=".", config_name="pipeline")

@@ -64,6 +64,8 @@ def read_prompts(pools: Path, name: str, per_set: int, chat: Any) -> list[list[i
         if first_user is None:
             raise ValueError(f"{where}: no user message in 'messages'")
         out.append(chat.prompt_ids(messages[: first_user + 1]))
+    if not out:
+        raise ValueError(f"{path}: no prompts in it (an eval set needs at least one record)")
     return out
 
 

@@ -4,6 +4,7 @@ the SGLang id shift, round trips that propose the same tokens, public layouts, a
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -253,9 +254,16 @@ def test_conversion_cli_chains_formats(tmp_path: Path) -> None:
     assert not (tmp_path / "r").exists()
     assert main(["--draft", str(tmp_path / "b"), "--out", str(tmp_path / "c"), "--format", "sglang",
                  "--dtype", "float32"]) == 0
+    with pytest.raises(SystemExit):  # onto itself: the export would replace the draft it reads
+        main(["--draft", str(tmp_path / "c"), "--out", str(tmp_path / "c" / ".." / "c")])
+    assert load_draft(tmp_path / "c").format == "sglang"
     assert main(["--draft", str(tmp_path / "c"), "--out", str(tmp_path / "d"), "--dtype", "float32"]) == 0
     back = load_draft(tmp_path / "d")
     assert back.aux_layer_ids == AUX and back.meta["step"] == 7
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("model.safetensors", "config.json"):  # safetensors writes 0600; exports get the usual mode
+        assert (tmp_path / "d" / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
     assert propose(back.draft, embedding) == propose(draft, embedding)
 
 
@@ -320,6 +328,18 @@ def test_bad_folders_fail_naming_the_file_or_key(tmp_path: Path) -> None:
     (cut / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes()[:100])
     with pytest.raises(DraftFormatError, match="cut/model.safetensors: not a readable safetensors file"):
         load_draft(cut)
+    with pytest.raises(DraftFormatError, match="theta/config.json: rope_theta='abc' is not a number"):
+        load_draft(variant("theta", rope_theta="abc"))
+    nan = variant("nan")
+    tensors = load_file(str(nan / "model.safetensors"))
+    tensors["fc.weight"][0, 0] = float("nan")
+    save_file(tensors, str(nan / "model.safetensors"))
+    with pytest.raises(DraftFormatError, match="nan: NaN/Inf in fc.weight"):
+        load_draft(nan)
+    with pytest.raises(DraftFormatError, match="nan-out: not exported: NaN/Inf in fc.weight"):
+        export_draft_folder(tmp_path / "nan-out", {k: v.clone() for k, v in tensors.items()} | {"embed_tokens.weight":
+                            torch.zeros(1)}, load_draft(good).draft.config, AUX)
+    assert not (tmp_path / "nan-out").exists()
     (tmp_path / "badjson").mkdir()
     (tmp_path / "badjson" / "config.json").write_text("{nope")
     with pytest.raises(DraftFormatError, match="badjson/config.json: not valid JSON"):

@@ -132,6 +132,13 @@ def test_bad_input_is_counted_or_named(target: Target, tmp_path: Path, monkeypat
         run(HarvestConfig(data=str(unanswered), out_dir=str(tmp_path / "u")), TargetConfig(name_or_path="lively"),
             target=target, progress=False)
 
+    plan = tmp_path / "h" / "plan.json"
+    saved = plan.read_text()
+    plan.write_text(saved[: len(saved) // 2])  # cut: the settings a resume checks are unreadable
+    with pytest.raises(HarvestError, match=r"h/plan.json: not readable JSON"):
+        run(cfg, TargetConfig(name_or_path="lively"), target=target, progress=False)
+    plan.write_text(saved)
+
     changed = HarvestConfig(data=str(data), out_dir=str(tmp_path / "h"), max_seq_len=40, dtype="float8_e4m3fn")
     with pytest.raises(HarvestError, match=r"harvested with spec.dtype='bfloat16', this run has 'float8_e4m3fn'"):
         run(changed, TargetConfig(name_or_path="lively"), target=target, progress=False)

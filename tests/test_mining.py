@@ -187,6 +187,13 @@ def test_one_mining_round_end_to_end(world: dict, tmp_path: Path) -> None:
     with pytest.raises(MineError, match="mine.eval_records: .* have no record there"):
         run_rounds(other, world["train"], lively, target=target, progress=False)
     assert not (tmp_path / "m2").exists(), "a run refused on its inputs left an empty out_dir"
+    # a wrong eval-sets folder would let eval prompts into training unchecked: refused
+    (tmp_path / "empty").mkdir()
+    for name, folder in (("m3", tmp_path / "nowhere"), ("m4", tmp_path / "empty")):
+        blind = MineConfig(**{**cfg.__dict__, "eval_sets": str(folder), "out_dir": str(tmp_path / name)})
+        with pytest.raises(MineError, match=f"mine.eval_sets={folder}: no"):
+            run_rounds(blind, world["train"], lively, target=target, progress=False)
+        assert not (tmp_path / name).exists()
 
 
 def test_dashboard_panels_name_metrics_the_runs_log(world: dict) -> None:

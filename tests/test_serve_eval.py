@@ -83,3 +83,6 @@ def test_read_prompts_names_the_bad_line(tmp_path: Path) -> None:
             read_prompts(tmp_path, "ml", 2, _EchoChat())
     with pytest.raises(FileNotFoundError, match="missing.jsonl: missing"):
         read_prompts(tmp_path, "missing", 1, _EchoChat())
+    _write_set(tmp_path / "eval" / "empty.jsonl", [])
+    with pytest.raises(ValueError, match="empty.jsonl: no prompts"):  # not a report of 0 prompts, tau 1.0
+        read_prompts(tmp_path, "empty", 3, _EchoChat())

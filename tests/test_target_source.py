@@ -12,7 +12,7 @@ import torch
 from eagle3 import target_source
 from eagle3.atomic import atomic_dir
 from eagle3.target import TargetLoadError, load_target
-from eagle3.target_source import SOURCE_MARKER, TargetSourceError, WheelGGUF, resolve_target
+from eagle3.target_source import SOURCE_MARKER, TargetSourceError, WheelGGUF, resolve_target, target_identity
 from tests.conftest import tiny_llama, tiny_tokenizer
 from tests.test_wheels import _wheel
 
@@ -21,6 +21,23 @@ def test_resolve_local_folder_and_hub_id(tiny_model_dir: Path, eagle3_home: Path
     assert resolve_target(str(tiny_model_dir)).kind == "folder"
     hub = resolve_target("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert (hub.kind, hub.location) == ("hub", "HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_a_local_target_is_named_by_its_absolute_path(tiny_model_dir: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tiny_model_dir.parent)
+    names = {target_identity(tiny_model_dir.name), target_identity(f"./{tiny_model_dir.name}"),
+             target_identity(str(tiny_model_dir))}
+    assert names == {str(tiny_model_dir.resolve())}  # one target however it is typed
+    assert target_identity("smollm2-135m") == "smollm2-135m"
+    assert target_identity("org/model") == "org/model"
+
+
+def test_a_device_that_cannot_run_is_named(tiny_model_dir: Path) -> None:
+    with pytest.raises(TargetLoadError, match="device 'tpu': expected auto, cpu, cuda or cuda:N"):
+        load_target(str(tiny_model_dir), device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(TargetLoadError, match="device 'cuda': this torch has no usable CUDA device"):
+            load_target(str(tiny_model_dir), device="cuda")
 
 
 def test_resolve_errors_name_the_path(tmp_path: Path, eagle3_home: Path) -> None:

@@ -458,6 +458,20 @@ def test_extra_stores_and_sample_weights(tiny: dict, tmp_path: Path) -> None:
     assert torch.equal(union[len(single)].aux, single[0].aux)
     with pytest.raises(StoreError, match="spec.store='topk' differs"):
         StoreUnion([tiny["store"], tiny["topk"]])
+
+    def relabel(name: str, target: str, fingerprint: str) -> Path:  # a copy naming the target otherwise
+        root = shutil.copytree(tiny["store"], tmp_path / name)
+        manifest = json.loads((root / "manifest.json").read_text())
+        manifest["spec"] |= {"target": target, "weights_fingerprint": fingerprint}
+        (root / "manifest.json").write_text(json.dumps(manifest))
+        return root
+
+    # the weights' fingerprint names the target: "model" and "/abs/model" are one target
+    assert len(StoreUnion([relabel("rel", "model", "f" * 64), relabel("abs", "/abs/model", "f" * 64)])) == 80
+    with pytest.raises(StoreError, match="spec.weights_fingerprint='eeee"):
+        StoreUnion([relabel("one", "model", "f" * 64), relabel("other", "model", "e" * 64)])
+    with pytest.raises(StoreError, match="spec.target='b' differs"):  # no fingerprint: the name decides
+        StoreUnion([relabel("a", "a", "in-memory"), relabel("b", "b", "in-memory")])
     weights = tmp_path / "weights.json"
     weights.write_text(json.dumps({sid: 3.0 for sid in single.sample_ids[:5]}))
     copy = shutil.copytree(tiny["store"], tmp_path / "copy")  # the same store twice in the trainer is refused
@@ -512,11 +526,26 @@ def test_muon_under_zero_steps_as_at_zero_0_unclipped(tiny: dict, tmp_path: Path
     assert losses["zero0_clip"] != pytest.approx(losses["zero0"], rel=1e-5)  # the clip was active
 
 
+def test_a_diverged_run_stops_before_saving_a_non_finite_draft(tiny: dict, tmp_path: Path) -> None:
+    out = tmp_path / "diverged"
+    with pytest.raises(TrainError, match=r"step \d+: the loss is (nan|inf)"):
+        train(_cfg(tiny, out, steps=6, lr=1e30, warmup_steps=0, eval_every=0, save_every=1), target=tiny["target"])
+    assert not (out / "final").exists() and not (out / "summary.json").exists()
+
+
 def test_topk_store_and_a_held_out_store(tiny: dict, tmp_path: Path) -> None:
     summary = train(_cfg(tiny, tmp_path / "topk", store=str(tiny["topk"]), eval_fraction=0.0,
                          eval_store=str(tiny["store"]), steps=3, eval_every=0, lm_head_init="target"),
                     target=tiny["target"])
-    assert summary["eval_samples"] == 40 and summary["eval_last"]["eval/tau_sim"] >= 1.0
+    # the eval store's conversations that the topk store also holds are not held out: they are left out
+    train_rows = {tuple(HarvestStore(tiny["topk"]).token_columns(i)[0].tolist()) for i in range(12)}
+    held = HarvestStore(tiny["store"])
+    unseen = sum(tuple(held.token_columns(i)[0].tolist()) not in train_rows for i in range(len(held)))
+    assert 0 < unseen < len(held) == 40
+    assert summary["eval_samples"] == unseen and summary["eval_last"]["eval/tau_sim"] >= 1.0
+    with pytest.raises(TrainError, match="every one of its 12 samples is also a training sample"):
+        train(_cfg(tiny, tmp_path / "same", store=str(tiny["topk"]), eval_fraction=0.0,
+                   eval_store=str(tiny["topk"]), steps=1), target=tiny["target"])
 
 
 # ---------------------------------------------------------------- subprocesses: kill -9, two processes
