@@ -208,6 +208,8 @@ def _check_plan(out_dir: Path, plan: dict[str, Any]) -> None:
                                "harvested with: restore it, or harvest into another --out") from None
     if not isinstance(saved, dict):
         raise HarvestError(f"{path}: expected a JSON object (the settings this store was harvested with)")
+    if isinstance(saved.get("spec"), dict) and isinstance(saved["spec"].get("target"), str):
+        saved["spec"]["target"] = target_identity(saved["spec"]["target"])  # earlier versions: a path as typed
     for section in ("spec", "settings", "data_sha256"):
         old, new = saved.get(section), plan[section]
         if old == new:

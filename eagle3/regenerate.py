@@ -153,6 +153,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     if saved["settings"].pop("per_turn_samples", False):  # earlier versions split records per reply here
         raise RegenerateError(f"{path}: written by an earlier version that split records per reply (now the harvest "
                               "decides, per record); regenerate into another --out, or delete this one")
+    if isinstance(saved["settings"].get("target"), str):  # earlier versions kept a local path as typed
+        saved["settings"]["target"] = target_identity(saved["settings"]["target"])
     return saved
 
 

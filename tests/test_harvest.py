@@ -115,6 +115,19 @@ def test_workers_split_shards_and_the_last_one_writes_the_manifest(target: Targe
         assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "split" / name).read_bytes(), name
 
 
+def test_a_local_target_typed_two_ways_resumes(target: Target, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    save_lively(tmp_path / "model")
+    cfg = HarvestConfig(data=str(_data(tmp_path / "data.jsonl", 3)), out_dir=str(tmp_path / "h"))
+    first = run(cfg, TargetConfig(name_or_path="model"), target=target, progress=False)
+    assert HarvestStore(tmp_path / "h").spec.target == str(tmp_path / "model")
+    plan = tmp_path / "h" / "plan.json"  # as an earlier version wrote it: the path as typed
+    plan.write_text(plan.read_text().replace(json.dumps(str(tmp_path / "model")), '"model"'))
+    assert json.loads(plan.read_text())["spec"]["target"] == "model"
+    again = run(cfg, TargetConfig(name_or_path=str(tmp_path / "model")), target=target, progress=False)
+    assert again["samples"] == first["samples"] == 3
+
+
 def test_bad_input_is_counted_or_named(target: Target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = tmp_path / "data.jsonl"
     rows = [{"id": "long", "messages": [{"role": "user", "content": "q" * 50}, {"role": "assistant", "content": "a"}]},
