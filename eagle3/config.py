@@ -62,6 +62,9 @@ class UserFileConfig:
 
         if self.domain not in DOMAINS:
             raise ValueError(f"pools.user_files.domain={self.domain!r}: expected one of {', '.join(DOMAINS)}")
+        if self.language is not None and not re.fullmatch(r"[a-z]{2,3}", self.language):
+            raise ValueError(f"pools.user_files.language={self.language!r}: expected an ISO 639 code such as en, zh "
+                             "or fil (or unset: detected per prompt)")
 
 
 @dataclass

@@ -62,6 +62,10 @@ def quantizable_linears(model: nn.Module, ignore: Sequence[str] = ("lm_head",)) 
     """Every ``nn.Linear`` whose name is not ignored (a name matches an entry equal to it or
     ending in ``.<entry>``); each must have a multiple of 16 inputs."""
     chosen = {}
+    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    unmatched = [i for i in ignore if not any(name == i or name.endswith("." + i) for name in linears)]
+    if unmatched:  # a typo would quantise what it meant to keep
+        raise NVFP4Error(f"ignore {unmatched}: matches no Linear of the model (e.g. {', '.join(linears[:3])})")
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or any(name == i or name.endswith("." + i) for i in ignore):
             continue
@@ -146,6 +150,7 @@ def load_source(src: str, dtype: torch.dtype) -> tuple[nn.Module, Any, Path]:
     an INT4 compressed-tensors checkpoint is dequantised on load."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from eagle3.target import TargetLoadError, from_pretrained_complete  # target imports this module
     from eagle3.target_source import resolve_target
 
     folder = Path(resolve_target(src).location)
@@ -161,7 +166,10 @@ def load_source(src: str, dtype: torch.dtype) -> tuple[nn.Module, Any, Path]:
         from transformers.utils.quantization_config import CompressedTensorsConfig
 
         kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True, **kwargs)
+    try:
+        model = from_pretrained_complete(AutoModelForCausalLM, folder, dtype=dtype, use_safetensors=True, **kwargs)
+    except TargetLoadError as err:
+        raise NVFP4Error(str(err)) from None
     return model.eval(), AutoTokenizer.from_pretrained(folder), folder
 
 
@@ -386,6 +394,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", help="dtype the source is loaded and calibrated in")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    for flag, value in (("--samples", args.samples), ("--max-tokens", args.max_tokens)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
     calib: list[list[int]] = []
     try:
         if args.calibration:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -283,6 +284,18 @@ class Target:
     __call__ = forward
 
 
+def from_pretrained_complete(model_class: Any, where: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """``model_class.from_pretrained`` that refuses a checkpoint missing weights (transformers would
+    start them at random and only log it: a target that silently is not the target)."""
+    model, info = model_class.from_pretrained(where, output_loading_info=True, **kwargs)
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise TargetLoadError(f"{where}: the checkpoint lacks {len(missing)} of the model's weights "
+                              f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); a truncated or "
+                              "partial download?")
+    return model
+
+
 def load_target(
     name_or_path: str,
     *,
@@ -319,9 +332,9 @@ def load_target(
             model = load_emulated(where, dtype=torch_dtype, mode=nvfp4_mode, attn_implementation=attn_implementation)
         else:
             config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
-            model = _model_class(config).from_pretrained(
-                where, dtype=torch_dtype, use_safetensors=True, attn_implementation=attn_implementation,
-                trust_remote_code=trust_remote_code,
+            model = from_pretrained_complete(
+                _model_class(config), where, dtype=torch_dtype, use_safetensors=True,
+                attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
             )
     except (OSError, ValueError, KeyError, TypeError, ImportError) as err:
         raise TargetLoadError(f"{where}: cannot load as a causal LM ({type(err).__name__}: {err})") from err

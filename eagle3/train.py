@@ -570,18 +570,20 @@ def _initial_draft(folder: str, spec: Any, target: Target, embedding: Tensor) ->
     """A draft to continue training, checked against the store and the target."""
     from eagle3.export import DraftFormatError, check_draft_fits_target, load_draft
 
-    try:
-        loaded = load_draft(folder, embed_tokens_weight=embedding)
+    try:  # the target's embedding goes in once the draft is known to fit it
+        loaded = load_draft(folder)
         check_draft_fits_target(loaded, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
                                 aux_layer_ids=spec.aux_layer_ids)
     except DraftFormatError as err:
         raise TrainError(f"train.init_draft: {err}") from None
+    try:  # a checkpoint's own copy is kept out: the target's embedding is the one served
+        loaded.draft.load_embedding(embedding)
+    except ValueError as err:
+        raise TrainError(f"train.init_draft: {folder}: hidden_size={loaded.draft.config.hidden_size} cannot take "
+                         f"the target's embedding ({err})") from None
     if loaded.aux_layer_ids is None:
         print0(f"train.init_draft: {folder} names no aux layer ids; assuming the store's {list(spec.aux_layer_ids)}")
-    draft = loaded.draft
-    if loaded.has_embedding:  # a checkpoint's own copy is kept out: the target's embedding is the one served
-        draft.load_embedding(embedding)
-    return draft.float()
+    return loaded.draft.float()
 
 
 def _draft_state(draft: Eagle3Draft, zero_stage: int) -> dict[str, Tensor]:

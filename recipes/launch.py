@@ -88,7 +88,10 @@ def _executor(launcher: LauncherConfig, name: str, **params: Any) -> Any:
         ex.update_parameters(timeout_min=launcher.timeout_min, **{k: v for k, v in params.items()
                                                                   if k in ("tasks_per_node", "nodes")})
         return ex
-    ex = submitit.AutoExecutor(folder=folder, cluster="slurm")
+    try:
+        ex = submitit.AutoExecutor(folder=folder, cluster="slurm")
+    except RuntimeError as err:  # submitit: "Could not detect srun, are you indeed on a slurm cluster?"
+        raise LaunchError(f"launcher=slurm: {err} (submit from a Slurm login node, or use launcher=local)") from None
     slurm: dict[str, Any] = dict(timeout_min=launcher.timeout_min, slurm_job_name=f"eagle3-{name}",
                                  cpus_per_task=launcher.cpus_per_task, **params)
     if launcher.partition:
@@ -112,8 +115,21 @@ def _after(ex: Any, launcher: LauncherConfig, jobs: list[Any]) -> None:
     ex.update_parameters(slurm_additional_parameters=params)
 
 
+class LaunchError(RuntimeError):
+    """Jobs could not be submitted or one failed; the message names the launcher and the reason."""
+
+
 def submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None = None) -> dict[str, Any]:
     """Submit the pipeline's stages as jobs; returns the job ids (and, when waiting, the results)."""
+    from submitit.core.utils import FailedJobError, FailedSubmissionError
+
+    try:
+        return _submit(cfg, launcher, wait)
+    except (FailedJobError, FailedSubmissionError) as err:  # sbatch refused, or a job failed (its log named)
+        raise LaunchError(f"launcher={launcher.kind}: {err}") from None
+
+
+def _submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None) -> dict[str, Any]:
     wait = launcher.kind == "local" if wait is None else wait
     prepare = [s for s in cfg.stages if s in PREPARE]
     finish = [s for s in cfg.stages if s in FINISH]
@@ -160,4 +176,4 @@ def submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None = No
     return out
 
 
-__all__ = ["harvest_shard", "rendezvous_from_job", "run_stages", "submit", "train_task"]
+__all__ = ["LaunchError", "harvest_shard", "rendezvous_from_job", "run_stages", "submit", "train_task"]

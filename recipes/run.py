@@ -27,10 +27,12 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from eagle3.target_source import TargetSourceError
     from eagle3.train import TrainError
     from hard_mining.rounds import MineError
+    from recipes.launch import LaunchError
     from recipes.pipeline import PipelineError
 
     return (PipelineError, CheckpointError, ConversationError, DraftFormatError, HarvestError, NVFP4Error,
-            RegenerateError, StoreError, TargetLoadError, TargetSourceError, TrainError, MineError, FileExistsError)
+            RegenerateError, StoreError, TargetLoadError, TargetSourceError, TrainError, MineError, LaunchError,
+            FileExistsError)
 
 
 @hydra.main(version_base="1.3", config_path=".", config_name="pipeline")

@@ -55,6 +55,12 @@ class BadRequest(Exception):
         self.message, self.param, self.status, self.kind = message, param, status, kind
 
 
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool = False
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -64,10 +70,10 @@ class _Sampling(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
     n: int = Field(default=1, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # what torch.Generator takes
     stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: _StreamOptions | None = None
     logprobs: Any = None
 
     @field_validator("stop")
@@ -495,7 +501,7 @@ def build_app(engine: Engine, api_key: str | None = None) -> Any:
             return _error(err.status, err.message, err.kind, err.param)
         created = int(time.time())
         if req.stream:
-            include_usage = bool((req.stream_options or {}).get("include_usage"))
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
             return StreamingResponse(_sse(job, events, endpoint, engine.model_name, created, include_usage),
                                      media_type="text/event-stream")
         parts, done = [], None

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from eagle3.config import HarvestConfig, LauncherConfig, PipelineConfig, TargetConfig, TrainConfig
 from eagle3.shards import HarvestStore, verify_store
-from recipes.launch import submit
+from recipes.launch import LaunchError, submit
 from tests.test_harvest import _data
 from tests.tiny_targets import save_lively
 
@@ -43,3 +45,18 @@ def test_harvest_array_and_two_rank_training_as_local_jobs(tmp_path: Path) -> No
     assert json.loads((tmp_path / "harvest.json").read_text())["complete"]
     assert summary["world_size"] == 2 and summary["steps"] == 2
     assert (tmp_path / "train" / "final" / "model.safetensors").is_file()
+
+
+def test_slurm_without_a_cluster_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tiny_pipeline(tmp_path, "slurm")
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))  # no srun, no sbatch
+    with pytest.raises(LaunchError, match="launcher=slurm: .*srun.* use launcher=local"):
+        submit(cfg, cfg.launcher)
+    sbatch = tmp_path / "bin" / "sbatch"  # a login node whose controller is down
+    sbatch.write_text("#!/bin/sh\necho 'sbatch: error: Unable to contact slurm controller' >&2\nexit 1\n")
+    sbatch.chmod(0o755)
+    (tmp_path / "bin" / "srun").symlink_to(sbatch)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
+    with pytest.raises(LaunchError, match="launcher=slurm: .*Unable to contact slurm controller"):
+        submit(cfg, cfg.launcher)

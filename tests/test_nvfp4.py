@@ -279,6 +279,11 @@ def test_bad_requests_are_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
                                        num_attention_heads=4, num_key_value_heads=2))
     with pytest.raises(nvfp4.NVFP4Error, match="multiple of 16"):
         nvfp4.quantizable_linears(odd)
+    with pytest.raises(nvfp4.NVFP4Error, match=r"ignore \['lm_haed'\]: matches no Linear"):
+        nvfp4.quantizable_linears(odd, ignore=("lm_haed",))
+    with pytest.raises(SystemExit):
+        nvfp4.main(["--target", str(tiny_model_dir), "--out", str(tmp_path / "y"), "--samples", "-3"])
+    assert not (tmp_path / "y").exists()
 
 
 def test_quality_report_figures(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -62,6 +62,10 @@ def test_invalid_values_fail_with_the_field_named() -> None:
     with pytest.raises(ValueError, match="target.device='tpu': expected auto, cpu, cuda or cuda:N"):
         OmegaConf.to_object(cfg)
     with initialize_config_module(config_module="recipes", version_base="1.3"):
+        cfg = compose(config_name="pipeline", overrides=["+pools.user_files=[{path:u.jsonl,language:English}]"])
+    with pytest.raises(ValueError, match="pools.user_files.language='English': expected an ISO 639 code"):
+        OmegaConf.to_object(cfg)
+    with initialize_config_module(config_module="recipes", version_base="1.3"):
         with pytest.raises(ConfigCompositionException, match="train.stpes"):
             compose(config_name="pipeline", overrides=["train.stpes=3"])
         cfg = compose(config_name="pipeline", overrides=["train.zero_stage=7"])

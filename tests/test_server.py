@@ -187,6 +187,9 @@ BAD = [
      "maximum context length"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": ["a","b","c","d","e"]}', "stop"),
     (b'{"model": "tiny", "messages": [{"role": "assistant", "content": "hi"}]}', "user message"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": 100000000000000000000000}', "seed"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": true, '
+     b'"stream_options": {"include_usage": "no"}}', "include_usage"),
 ]
 
 

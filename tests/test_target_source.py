@@ -117,6 +117,18 @@ def test_load_errors_name_the_folder(tmp_path: Path, tiny_model_dir: Path) -> No
     with pytest.raises(TargetLoadError, match=r"aux_layer_ids \[9\] out of range"):
         load_target(str(tiny_model_dir), device="cpu", aux_layer_ids=[1, 9])
 
+    partial = tmp_path / "partial"  # transformers would start the missing weight at random, and only log it
+    tiny_llama().save_pretrained(partial)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(partial / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    tiny_tokenizer().save_pretrained(partial)
+    with pytest.raises(TargetLoadError, match=r"partial: the checkpoint lacks 1 of the model's weights "
+                                              r"\(model.layers.1.mlp.down_proj.weight\)"):
+        load_target(str(partial), device="cpu")
+
     pickled = tmp_path / "pickled"
     tiny_llama().save_pretrained(pickled)
     (pickled / "model.safetensors").unlink()

@@ -662,6 +662,16 @@ def test_training_continues_from_an_exported_draft_in_another_format(tiny: dict,
     bad = export_draft_folder(tmp_path / "bad", loaded.draft.state_dict(), loaded.draft.config, (1, 3, 5))
     with pytest.raises(TrainError, match="aux layer ids"):
         train(_cfg(tiny, tmp_path / "x", steps=1, init_draft=str(bad)), target=tiny["target"])
+    from dataclasses import replace
+
+    from eagle3.draft import Eagle3Draft
+
+    c = loaded.draft.config  # a draft of another width: it cannot take the target's embedding
+    narrow = Eagle3Draft(replace(c, hidden_size=c.hidden_size // 2, head_dim=c.head_dim // 2))
+    folder = export_draft_folder(tmp_path / "narrow", narrow.state_dict(), narrow.config, loaded.aux_layer_ids)
+    with pytest.raises(TrainError, match=f"train.init_draft: {folder}: hidden_size={c.hidden_size // 2} cannot take"):
+        train(_cfg(tiny, tmp_path / "y", steps=1, init_draft=str(folder)), target=tiny["target"])
+    assert not (tmp_path / "y" / "final").exists()
 
 
 def test_split_head_equals_the_full_product_ties_included(monkeypatch: pytest.MonkeyPatch) -> None:
