@@ -194,6 +194,15 @@ def _spec_and_backend(cfg: HarvestConfig, target_cfg: TargetConfig,
     return spec, chat, backend
 
 
+class HarvestMismatchError(HarvestError):
+    """The store was harvested with other settings: ``key`` (``spec.dtype``, ``settings.batch_size``,
+    ``data_sha256``...), ``old`` and ``new`` say which, ``folder`` where."""
+
+    def __init__(self, message: str, folder: Path, key: str, old: Any = None, new: Any = None) -> None:
+        super().__init__(message)
+        self.folder, self.key, self.old, self.new = folder, key, old, new
+
+
 def _check_plan(out_dir: Path, plan: dict[str, Any]) -> None:
     path = out_dir / PLAN
     with FileLock(str(out_dir / ".manifest.lock")):  # workers starting together: one writes, none meets a temporary
@@ -216,9 +225,11 @@ def _check_plan(out_dir: Path, plan: dict[str, Any]) -> None:
             continue
         if isinstance(old, dict) and isinstance(new, dict):
             key = next(k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
-            raise HarvestError(f"{out_dir} was harvested with {section}.{key}={old.get(key)!r}, this run has "
-                               f"{new.get(key)!r}; use the same settings to resume, or another --out")
-        raise HarvestError(f"{out_dir} was harvested from other data ({section} differs); use another --out")
+            raise HarvestMismatchError(f"{out_dir} was harvested with {section}.{key}={old.get(key)!r}, this run has "
+                                       f"{new.get(key)!r}; use the same settings to resume, or another --out",
+                                       out_dir, f"{section}.{key}", old.get(key), new.get(key))
+        raise HarvestMismatchError(f"{out_dir} was harvested from other data ({section} differs); use another --out",
+                                   out_dir, section)
 
 
 def _states_ok(sample_id: str, row: dict[str, torch.Tensor]) -> None:

@@ -70,7 +70,12 @@ class RegenerateError(RuntimeError):
 
 
 class ManifestMismatchError(RegenerateError):
-    """The output folder was made with other settings; the message names the differing key."""
+    """The output folder was made with other settings; the message names the differing key (also
+    ``key``, ``old``, ``new`` and ``folder``, for callers that name their own settings)."""
+
+    def __init__(self, message: str, folder: Path, key: str = "", old: Any = None, new: Any = None) -> None:
+        super().__init__(message)
+        self.folder, self.key, self.old, self.new = folder, key, old, new
 
 
 def part_path(out_dir: Path, batch: int) -> Path:
@@ -168,8 +173,8 @@ def check_manifest(out_dir: Path, settings: dict[str, Any]) -> None:
         if key in saved and saved[key] != value:
             raise ManifestMismatchError(
                 f"{out_dir} holds a regeneration made with {key}={saved[key]!r}, but this run has "
-                f"{key}={value!r}; rerun with the same settings to resume, or write to another --out"
-            )
+                f"{key}={value!r}; rerun with the same settings to resume, or write to another --out",
+                out_dir, key, saved[key], value)
 
 
 def write_manifest(out_dir: Path, settings: dict[str, Any], records: int, batches: int) -> None:
@@ -179,7 +184,8 @@ def write_manifest(out_dir: Path, settings: dict[str, Any], records: int, batche
         if saved["settings"] == settings:
             return
         missing = sorted(set(saved["settings"]) ^ set(settings))
-        raise ManifestMismatchError(f"{path}: settings keys differ ({', '.join(missing)}); write to another --out")
+        raise ManifestMismatchError(f"{path}: settings keys differ ({', '.join(missing)}); write to another --out",
+                                    out_dir, ",".join(missing))
     body = {"stage": "regenerate", "settings": settings, "records": records, "batches": batches}
     atomic_write_text(path, json.dumps(body, indent=2, sort_keys=True) + "\n")
 

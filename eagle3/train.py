@@ -769,6 +769,15 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
                "Muon's orthogonalised updates instead of the gradients (train.zero_stage=0, or bf16 at stage 1, "
                "clips the gradients)")
     resumed_step = state["step"] if resume_tag is not None else None
+    if resumed_step is not None and resumed_step >= cfg.steps:  # finished earlier: its record stands
+        done = out_dir / "summary.json"
+        seen = torch.tensor([float(rt.rank == 0 and done.is_file() and (out_dir / "final").is_dir())],
+                            device=rt.device)
+        if _all_reduce_sum(seen).item():  # rank 0's view decides for every rank
+            print0(f"train: finished earlier in {out_dir} (step {resumed_step}); nothing to do")
+            if rt.rank == 0:
+                return json.loads(done.read_text())
+            return {"stage": "train", "out": str(out_dir), "steps": resumed_step}
 
     sink = (RunSink(out_dir, wandb_mode=cfg.wandb_mode, project=cfg.wandb_project, run_name=cfg.wandb_run_name,
                     config={"train": asdict(cfg), "target": asdict(target_cfg), "draft": asdict(draft_config)},

@@ -283,10 +283,11 @@ def test_eval_keeps_the_best_tau_and_a_vocab_is_reused(tiny: dict, tmp_path: Pat
 def test_rerun_resumes_and_other_settings_fail_naming_the_key(tiny: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
     cfg = _cfg(tiny, out, steps=2, eval_every=1)
-    train(cfg, target=tiny["target"])
+    first = train(cfg, target=tiny["target"])
     final = (out / "final" / "model.safetensors").read_bytes()
-    again = train(cfg, target=tiny["target"])  # finished: nothing left to do
-    assert again["resumed_from_step"] == 2 and again["eval_last"] is not None
+    again = train(cfg, target=tiny["target"])  # finished: nothing left to do, the first run's record stands
+    assert again["first_loss"] == first["first_loss"] and again["tokens_per_s"] == first["tokens_per_s"]
+    assert again == json.loads((out / "summary.json").read_text()) and again["eval_last"] is not None
     assert (out / "final" / "model.safetensors").read_bytes() == final
     assert json.loads((out / "final" / "draft.json").read_text())["eval"]["eval/tau_sim"] >= 1.0
     with pytest.raises(TrainError, match="trained with train.micro_batch_tokens=256, this run has 128"):

@@ -1,0 +1,89 @@
+"""The pipeline's stages end to end on a tiny saved target and a hand-made pools folder: reruns
+reuse every stage, a retrained draft is evaluated again, a stage folder made with other settings
+fails naming the recipe key (before any input is rewritten), and the report names the aux layers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from eagle3.config import (
+    EvalConfig,
+    HarvestConfig,
+    PipelineConfig,
+    RegenerateConfig,
+    SelectConfig,
+    TargetConfig,
+    TrainConfig,
+)
+from recipes.pipeline import PipelineError, run_pipeline
+from tests.test_mining import _records
+from tests.tiny_targets import save_lively
+
+
+def _pools(root: Path) -> Path:
+    (root / "eval").mkdir(parents=True)
+    _records(root / "train.jsonl", range(24), "t")
+    _records(root / "val.jsonl", range(100, 108), "v")
+    _records(root / "eval" / "mtbench.jsonl", range(200, 204), "e")
+    return root
+
+
+def _config(root: Path, **changes: object) -> PipelineConfig:
+    cfg = PipelineConfig(
+        target=TargetConfig(name_or_path=str(root / "model"), dtype="float32", device="cpu", aux_layer_ids=[1, 3, 6]),
+        select=SelectConfig(num_prompts=8),
+        regenerate=RegenerateConfig(pool=str(root / "run" / "prompts.jsonl"), out_dir=str(root / "run" / "regenerate"),
+                                    max_new_tokens=6, batch_size=4),
+        harvest=HarvestConfig(data=str(root / "run" / "regenerate" / "dataset" / "regenerated.jsonl"),
+                              out_dir=str(root / "run" / "harvest"), dtype="float32"),
+        val=SelectConfig(num_prompts=4, split="val"),
+        train=TrainConfig(store=str(root / "run" / "harvest"), out_dir=str(root / "run" / "train"),
+                          eval_store=str(root / "run" / "val" / "harvest"), eval_fraction=0.0, steps=2,
+                          micro_batch_tokens=256, draft_vocab_size=64, eval_every=0, save_every=0, warmup_steps=1,
+                          wandb_mode="disabled", progress=False),
+        eval=EvalConfig(sets=["mtbench"], per_set=2, max_new_tokens=6, out_dir=str(root / "run" / "eval"),
+                        wandb_mode="disabled"),
+        stages=["regenerate", "harvest", "val", "train", "eval", "report"], out_dir=str(root / "run"),
+    )
+    cfg.pools.out_dir = str(root / "pools")
+    return replace(cfg, **changes)
+
+
+def test_stages_rerun_retrain_and_a_changed_key(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    save_lively(tmp_path / "model")
+    _pools(tmp_path / "pools")
+    cfg = _config(tmp_path)
+    run_pipeline(cfg)
+    run = tmp_path / "run"
+    report = (run / "report.md").read_text()
+    assert "decoder layers [1, 3, 6] of 8" in report
+    assert json.loads((run / "report.json").read_text())["aux_layer_ids"] == [1, 3, 6]
+    first_eval = (run / "eval" / "report.json").read_bytes()
+    capsys.readouterr()
+
+    run_pipeline(cfg)  # nothing changed: every stage reused
+    out = capsys.readouterr().out
+    assert "train: finished earlier" in out and "eval: up to date" in out
+    assert (run / "eval" / "report.json").read_bytes() == first_eval
+
+    run_pipeline(replace(cfg, train=replace(cfg.train, steps=6)))  # the draft at train/final changes
+    assert "eval: up to date" not in capsys.readouterr().out
+    assert json.loads((run / "eval" / "report.json").read_text())["settings"]["draft_sha256"] != \
+        json.loads(first_eval)["settings"]["draft_sha256"]
+
+    prompts = (run / "prompts.jsonl").read_text()
+    with pytest.raises(PipelineError, match=r"regenerate: .*run/regenerate was made with another select\.\* "
+                                            r"\(the prompts chosen\); set it back to resume, or delete"):
+        run_pipeline(replace(cfg, select=SelectConfig(num_prompts=12)))
+    assert (run / "prompts.jsonl").read_text() == prompts  # refused before the selection was rewritten
+    with pytest.raises(PipelineError, match=r"regenerate: .* another regenerate\.max_new_tokens: 6 there, 7 now"):
+        run_pipeline(replace(cfg, regenerate=replace(cfg.regenerate, max_new_tokens=7)))
+    with pytest.raises(PipelineError, match=r"harvest: .*run/harvest was made with another harvest\.dtype: "
+                                            r"'float32' there, 'bfloat16' now"):
+        run_pipeline(replace(cfg, harvest=replace(cfg.harvest, dtype="bfloat16")))
+    with pytest.raises(PipelineError, match=r"val: .*run/val/regenerate was made with another val\.\*"):
+        run_pipeline(replace(cfg, val=SelectConfig(num_prompts=6, split="val")))
