@@ -79,10 +79,10 @@ def atomic_dir(path: str | os.PathLike[str], *,
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the final folder gets the usual mode
     try:
         yield tmp
+        mode = 0o666 & ~_umask()  # the usual mode: some writers (safetensors' save_file) create their files 0600
         for child in tmp.rglob("*"):
             if child.is_file():
-                # the usual mode: some writers (safetensors' save_file) create their files 0600
-                os.chmod(child, 0o666 & ~_umask())
+                os.chmod(child, mode)
                 with open(child, "rb") as f:
                     os.fsync(f.fileno())
         if path.exists():

@@ -40,8 +40,8 @@ class TargetConfig:
             raise ValueError(f"target.dtype={self.dtype!r}: expected one of {', '.join(_DTYPES)}")
         if self.nvfp4_mode not in ("auto", "w4a4", "w4a16"):
             raise ValueError(f"target.nvfp4_mode={self.nvfp4_mode!r}: expected auto, w4a4 or w4a16")
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"target.device={self.device!r}: expected auto, cpu, cuda or cuda:N")
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
+            raise ValueError(f"target.device={self.device!r}: expected auto, cpu, cuda, cuda:N or mps")
 
 
 TRAIN_SOURCES = ["sharegpt", "codeio", "stdlib", "reasoning_gym", "mmath", "chatterbot", "dataset_build"]
@@ -64,7 +64,7 @@ class UserFileConfig:
             raise ValueError(f"pools.user_files.domain={self.domain!r}: expected one of {', '.join(DOMAINS)}")
         if self.language is not None and not re.fullmatch(r"[a-z]{2,3}", self.language):
             raise ValueError(f"pools.user_files.language={self.language!r}: expected an ISO 639 code such as en, zh "
-                             "or fil (or unset: detected per prompt)")
+                             "or fil, quoted in YAML where it reads as a boolean ('no'), or unset: detected per prompt")
 
 
 @dataclass

@@ -381,6 +381,8 @@ def draft_config_from_json(cfg: dict[str, Any], fmt: str, path: Path, num_aux_la
         )
     except KeyError as err:
         raise DraftFormatError(f"{path}: config key {err.args[0]!r} is missing") from None
+    except DraftFormatError:
+        raise
     except (TypeError, ValueError) as err:  # DraftConfig's own checks
         raise DraftFormatError(f"{path}: {err}") from None
 

@@ -194,6 +194,10 @@ def _spec_and_backend(cfg: HarvestConfig, target_cfg: TargetConfig,
     return spec, chat, backend
 
 
+_CAUSES = ("target", "weights_fingerprint", "tokenizer_sha256", "chat_template_sha256", "num_layers", "hidden_size",
+           "vocab_size")
+
+
 class HarvestMismatchError(HarvestError):
     """The store was harvested with other settings: ``key`` (``spec.dtype``, ``settings.batch_size``,
     ``data_sha256``...), ``old`` and ``new`` say which, ``folder`` where."""
@@ -217,14 +221,19 @@ def _check_plan(out_dir: Path, plan: dict[str, Any]) -> None:
                                "harvested with: restore it, or harvest into another --out") from None
     if not isinstance(saved, dict):
         raise HarvestError(f"{path}: expected a JSON object (the settings this store was harvested with)")
-    if isinstance(saved.get("spec"), dict) and isinstance(saved["spec"].get("target"), str):
-        saved["spec"]["target"] = target_identity(saved["spec"]["target"])  # earlier versions: a path as typed
+    spec = saved.get("spec")
+    if isinstance(spec, dict) and isinstance(spec.get("target"), str):
+        spec["target"] = target_identity(spec["target"])  # earlier versions: a path as typed
+        known = spec.get("weights_fingerprint") not in (None, "in-memory", "no-local-weights")
+        if known and spec.get("weights_fingerprint") == plan["spec"].get("weights_fingerprint"):
+            spec["target"] = plan["spec"]["target"]  # the same weights, wherever the folder is now
     for section in ("spec", "settings", "data_sha256"):
         old, new = saved.get(section), plan[section]
         if old == new:
             continue
         if isinstance(old, dict) and isinstance(new, dict):
-            key = next(k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
+            differ = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+            key = next((k for k in _CAUSES if k in differ), differ[0])  # another target before its shapes
             raise HarvestMismatchError(f"{out_dir} was harvested with {section}.{key}={old.get(key)!r}, this run has "
                                        f"{new.get(key)!r}; use the same settings to resume, or another --out",
                                        out_dir, f"{section}.{key}", old.get(key), new.get(key))

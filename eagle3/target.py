@@ -66,7 +66,7 @@ def resolve_device(device: str) -> torch.device:
     try:
         resolved = torch.device(device)
     except RuntimeError as err:
-        raise ValueError(f"device {device!r}: expected auto, cpu, cuda or cuda:N ({err})") from None
+        raise ValueError(f"device {device!r}: expected auto, cpu, cuda, cuda:N or mps ({err})") from None
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {device!r}: this torch has no usable CUDA device (use cpu or auto)")
@@ -285,10 +285,18 @@ class Target:
 
 
 def from_pretrained_complete(model_class: Any, where: str | os.PathLike[str], **kwargs: Any) -> Any:
-    """``model_class.from_pretrained`` that refuses a checkpoint missing weights (transformers would
-    start them at random and only log it: a target that silently is not the target)."""
+    """``model_class.from_pretrained`` that refuses a checkpoint missing weights of the text path
+    (decoder, embedding, final norm, lm_head): transformers would start them at random and only log
+    it, a target that silently is not the target. A multimodal checkpoint may lack its vision tower."""
     model, info = model_class.from_pretrained(where, output_loading_info=True, **kwargs)
-    missing = sorted(info.get("missing_keys") or ())
+    names = {id(m): n for n, m in model.named_modules()}
+    try:
+        parts = (_find_decoder(model), model.get_output_embeddings())
+    except ValueError:  # not a supported decoder: every weight counts (Target then names the architecture)
+        parts = (model,)
+    text = [names[id(m)] for m in parts if m is not None and id(m) in names]
+    missing = sorted(k for k in info.get("missing_keys") or ()
+                     if any(not t or k == t or k.startswith(t + ".") for t in text))
     if missing:
         raise TargetLoadError(f"{where}: the checkpoint lacks {len(missing)} of the model's weights "
                               f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); a truncated or "

@@ -596,6 +596,14 @@ def _draft_state(draft: Eagle3Draft, zero_stage: int) -> dict[str, Tensor]:
     return {k: v.detach().cpu().clone() for k, v in draft.vllm_state_dict().items()}
 
 
+def _stop_if_not_finite(weights: dict[str, Tensor], step: int) -> None:
+    """Refuse to export a draft whose weights went NaN/Inf (the update after the last finite loss)."""
+    bad = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise TrainError(f"step {step}: NaN/Inf in {', '.join(bad[:4])}; stopping before a non-finite draft is "
+                         "exported (check the store's states, train.init_draft and train.lr)")
+
+
 def _grad_norm(engine: Any, params: Sequence[nn.Parameter]) -> float | None:
     """The global grad norm DeepSpeed clipped with; computed here where DeepSpeed does not keep
     it (ZeRO 0 in fp32: the gradients are whole and already averaged over ranks)."""
@@ -817,6 +825,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         if better and state["step"] > 0:
             state["best_tau"], state["best_step"] = tau, state["step"]
             weights_now = _draft_state(draft, cfg.zero_stage)
+            _stop_if_not_finite(weights_now, state["step"])  # on every rank: they hold the same weights
             if rt.rank == 0:
                 export_draft(out_dir / "best", weights_now, draft_config,
                              {**info, "step": state["step"], "eval": metrics})
@@ -899,6 +908,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
             if (cfg.save_every and state["step"] % cfg.save_every == 0) or at_end:
                 save()
     final_state = _draft_state(draft, cfg.zero_stage)
+    _stop_if_not_finite(final_state, state["step"])
     if rt.rank == 0:
         export_draft(out_dir / "final", final_state, draft_config,
                      {**info, "step": state["step"], "eval": state["last_eval"] or {}})

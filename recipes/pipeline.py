@@ -51,6 +51,8 @@ def _regenerate(cfg: PipelineConfig, regen: Any, text: str, stage: str, selectio
             atomic_write_text(prompts, text)
         return run(regen, cfg.target)
     except ManifestMismatchError as err:
+        if "," in err.key or err.key not in names and err.old is None:  # a manifest of another version
+            raise PipelineError(f"{stage}: {err}; or delete {err.folder} to redo the stage") from None
         key = names.get(err.key, f"regenerate.{err.key}")
         shown = (None, None) if err.key == "pool_sha256" else (err.old, err.new)
         raise _made_otherwise(stage, err.folder, key, *shown) from None
@@ -138,6 +140,7 @@ def _harvest(cfg: PipelineConfig, harvest_cfg: Any, stage: str) -> dict[str, Any
     names = {"spec.target": "target.name_or_path", "spec.aux_layer_ids": "target.aux_layer_ids",
              "spec.weights_fingerprint": "target (its weights)", "spec.tokenizer_sha256": "target (its tokenizer)",
              "spec.chat_template_sha256": "target (its chat template)",
+             **{f"spec.{k}": f"target (its {k})" for k in ("num_layers", "hidden_size", "vocab_size")},
              "data_sha256": "regenerated data (select.*, regenerate.*)"}
     try:
         return run(harvest_cfg, cfg.target)

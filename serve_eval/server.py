@@ -70,7 +70,7 @@ class _Sampling(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
     n: int = Field(default=1, ge=1)
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # what torch.Generator takes
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # int64, as vLLM's
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: _StreamOptions | None = None

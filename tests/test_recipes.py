@@ -59,7 +59,7 @@ def test_invalid_values_fail_with_the_field_named() -> None:
         OmegaConf.to_object(cfg)
     with initialize_config_module(config_module="recipes", version_base="1.3"):
         cfg = compose(config_name="pipeline", overrides=["target.device=tpu"])
-    with pytest.raises(ValueError, match="target.device='tpu': expected auto, cpu, cuda or cuda:N"):
+    with pytest.raises(ValueError, match="target.device='tpu': expected auto, cpu, cuda, cuda:N or mps"):
         OmegaConf.to_object(cfg)
     with initialize_config_module(config_module="recipes", version_base="1.3"):
         cfg = compose(config_name="pipeline", overrides=["+pools.user_files=[{path:u.jsonl,language:English}]"])

@@ -33,7 +33,7 @@ def test_a_local_target_is_named_by_its_absolute_path(tiny_model_dir: Path, monk
 
 
 def test_a_device_that_cannot_run_is_named(tiny_model_dir: Path) -> None:
-    with pytest.raises(TargetLoadError, match="device 'tpu': expected auto, cpu, cuda or cuda:N"):
+    with pytest.raises(TargetLoadError, match="device 'tpu': expected auto, cpu, cuda, cuda:N or mps"):
         load_target(str(tiny_model_dir), device="tpu")
     if not torch.cuda.is_available():
         with pytest.raises(TargetLoadError, match="device 'cuda': this torch has no usable CUDA device"):

@@ -527,11 +527,28 @@ def test_muon_under_zero_steps_as_at_zero_0_unclipped(tiny: dict, tmp_path: Path
     assert losses["zero0_clip"] != pytest.approx(losses["zero0"], rel=1e-5)  # the clip was active
 
 
-def test_a_diverged_run_stops_before_saving_a_non_finite_draft(tiny: dict, tmp_path: Path) -> None:
+def test_a_diverged_run_stops_before_saving_a_non_finite_draft(tiny: dict, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "diverged"
     with pytest.raises(TrainError, match=r"step \d+: the loss is (nan|inf)"):
         train(_cfg(tiny, out, steps=6, lr=1e30, warmup_steps=0, eval_every=0, save_every=1), target=tiny["target"])
     assert not (out / "final").exists() and not (out / "summary.json").exists()
+    # weights gone non-finite in the step just taken (the loss before it was finite): caught before the
+    # export of that step's eval
+    import eagle3.train as train_module
+
+    real = train_module._draft_state
+
+    def poisoned(draft, zero_stage):
+        state = real(draft, zero_stage)
+        state["fc.weight"][0, 0] = float("inf")
+        return state
+
+    monkeypatch.setattr(train_module, "_draft_state", poisoned)
+    with pytest.raises(TrainError, match=r"step 1: NaN/Inf in fc.weight"):
+        train(_cfg(tiny, tmp_path / "at-eval", steps=6, eval_every=1, save_every=0, eval_at_start=False),
+              target=tiny["target"])
+    assert not (tmp_path / "at-eval" / "best").exists()
 
 
 def test_topk_store_and_a_held_out_store(tiny: dict, tmp_path: Path) -> None:
