@@ -84,7 +84,8 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
             turn += 1
         if role != "assistant" and not content.strip():
             raise ConversationError(f"message {i} ({role}) is empty")
-        out.append({"role": role, "content": content.replace("\r\n", "\n")})
+        # a reply stays as written: after regeneration it is the target's own decoded text
+        out.append({"role": role, "content": content if role == "assistant" else content.replace("\r\n", "\n")})
     if not user_turns(out):
         raise ConversationError("conversation has no user turn")
     return out

@@ -51,7 +51,7 @@ from eagle3.shards import (
     write_manifest,
     write_shard,
 )
-from eagle3.target import Target, TargetLoadError, TargetSourceError, load_target
+from eagle3.target import Target, TargetLoadError, TargetSourceError, context_length, load_target
 from eagle3.target_source import target_identity
 
 PLAN = "plan.json"
@@ -75,9 +75,12 @@ def tokenize_records(records: Sequence[dict[str, Any]], chat: ChatFormat, max_se
     else one sample per reply, ``<id>-t<k>``, each built like a one-reply record. User turns after
     the last reply are dropped (nothing in them is trained). A per-turn sample that an earlier
     version's regeneration wrote (``generation.turn_index``) is its last reply's sample."""
-    out = []
+    out, seen = [], set()
     for record in records:
         messages, generation = record["messages"], record.get("generation") or {}
+        if str(record["id"]) in seen:  # samples are looked up by id (sample weights, mining)
+            raise HarvestError(f"record id {record['id']!r} appears twice in the data; make the ids unique")
+        seen.add(str(record["id"]))
         ends = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         given = generation.get("turns") or []
         turns = given if len(given) == len(ends) else [{}] * len(ends)  # regenerated: one entry per reply
@@ -89,7 +92,9 @@ def tokenize_records(records: Sequence[dict[str, Any]], chat: ChatFormat, max_se
                 samples = [(sample_id, *chat.tokenize_reply(messages, given[-1] if given else None))]
             elif len(ends) == 1:
                 samples = [(sample_id, *chat.tokenize_reply(messages, turns[0]))]
-            elif ends and not chat.history_is_context(messages):
+            elif ends and not (chat.history_is_context(messages)
+                               and all(_as_written(chat, messages[end]["content"], turn)
+                                       for end, turn in zip(ends, turns, strict=True))):
                 samples = [(f"{sample_id}-t{k}", *chat.tokenize_reply(messages[: end + 1], turns[k]))
                            for k, end in enumerate(ends)]
             else:
@@ -106,6 +111,17 @@ def tokenize_records(records: Sequence[dict[str, Any]], chat: ChatFormat, max_se
                 continue
             out.append((name, ids, mask))
     return out
+
+
+def _as_written(chat: ChatFormat, content: str, turn: dict[str, Any]) -> bool:
+    """Whether re-tokenising a reply's text inside the whole conversation can give the ids the target
+    wrote: not for an empty reply (only its stop was written), nor where the generated ids are not
+    what the text tokenises to (a cut multi-byte character decoded to U+FFFD, a split the tokenizer
+    would not make). Otherwise the conversation is harvested one reply at a time, from the ids."""
+    if not content:
+        return False
+    ids = turn.get("token_ids")
+    return not isinstance(ids, list) or chat.tokenizer(content, add_special_tokens=False)["input_ids"] == ids
 
 
 class HFCapture:
@@ -185,11 +201,16 @@ def _spec_and_backend(cfg: HarvestConfig, target_cfg: TargetConfig,
             generation_config = None
         backend = VllmRows(VllmCapture(folder, layers, dtype="float32"))
     chat = ChatFormat.for_tokenizer(tokenizer, generation_config)
+    context = context_length(target.model.config if target is not None else config)
+    max_seq_len = min(cfg.max_seq_len, context) if context else cfg.max_seq_len
+    if max_seq_len < cfg.max_seq_len:
+        print(f"harvest.max_seq_len={cfg.max_seq_len}: the target attends over {context} positions; longer samples "
+              f"are cut at {context}", file=sys.stderr)
     spec = HarvestSpec(
         target=target_identity(target_cfg.name_or_path), weights_fingerprint=weights_fingerprint(folder),
         tokenizer_sha256=tokenizer_fingerprint(tokenizer), chat_template_sha256=chat.template_sha256,
         num_layers=shape[0], hidden_size=shape[1], vocab_size=shape[2],
-        aux_layer_ids=tuple(layers), dtype=cfg.dtype, store=cfg.store, topk=cfg.topk, max_seq_len=cfg.max_seq_len,
+        aux_layer_ids=tuple(layers), dtype=cfg.dtype, store=cfg.store, topk=cfg.topk, max_seq_len=max_seq_len,
     )
     return spec, chat, backend
 
@@ -264,7 +285,7 @@ def run(cfg: HarvestConfig, target_cfg: TargetConfig, *, target: Target | None =
         raise HarvestError(str(err)) from None
     spec, chat, backend = _spec_and_backend(cfg, target_cfg, target)
     counts: Counter[str] = Counter(records=len(records))
-    samples = tokenize_records(records, chat, cfg.max_seq_len, counts)
+    samples = tokenize_records(records, chat, spec.max_seq_len, counts)
     if not samples:
         raise NothingToHarvestError(f"{data}: no sample to harvest ({len(records)} records, {dict(counts)}); a "
                                     "record needs an assistant reply to train on (regenerate the pool first)")

@@ -55,7 +55,7 @@ from eagle3.generate import (
     derive_seed,
     regenerate_conversations,
 )
-from eagle3.target import Target, TargetLoadError, TargetSourceError, load_target
+from eagle3.target import Target, TargetLoadError, TargetSourceError, context_length, load_target
 from eagle3.target_source import target_identity
 
 MANIFEST = "manifest.json"
@@ -115,6 +115,24 @@ def manifest_settings(cfg: RegenerateConfig, target_cfg: TargetConfig, pool_sha2
         "batch_size": cfg.batch_size, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
         "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed, "max_prompt_tokens": cfg.max_prompt_tokens,
     }
+
+
+def _prompt_limit(cfg: RegenerateConfig, generator: Generator) -> int | None:
+    """``max_prompt_tokens``, lowered so that prompt and reply fit the target's context (HF backend;
+    vLLM checks its own ``max_model_len``)."""
+    target = getattr(generator, "target", None)
+    context = context_length(target.model.config) if target is not None else None
+    if context is None:
+        return cfg.max_prompt_tokens
+    room = context - cfg.max_new_tokens
+    if room < 1:
+        raise RegenerateError(f"regenerate.max_new_tokens={cfg.max_new_tokens} leaves no room for a prompt in the "
+                              f"target's context of {context} positions")
+    if cfg.max_prompt_tokens is None or cfg.max_prompt_tokens > room:
+        print(f"regenerate: prompts are cut at {room} tokens so that {cfg.max_new_tokens} new ones fit the "
+              f"target's {context} positions (regenerate.max_prompt_tokens={cfg.max_prompt_tokens})", file=sys.stderr)
+        return room
+    return cfg.max_prompt_tokens
 
 
 def make_backend(cfg: RegenerateConfig, target_cfg: TargetConfig,
@@ -307,6 +325,7 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
                          "chat_template_source": chat.template_source}
             check_manifest(out_dir, settings)
             write_manifest(out_dir, settings, len(records), batches)
+            prompt_limit = _prompt_limit(cfg, generator)
             sampling = cfg.sampling
             generated, gen_seconds = 0, 0.0
             bar = tqdm(total=batches, initial=batches - len(todo), unit="batch", desc="regenerate",
@@ -317,7 +336,7 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
                     t0 = time.perf_counter()
                     results = regenerate_conversations(
                         generator, chat, [r["messages"] for r in chunk], sampling,
-                        seed=derive_seed(cfg.seed, b), max_prompt_tokens=cfg.max_prompt_tokens,
+                        seed=derive_seed(cfg.seed, b), max_prompt_tokens=prompt_limit,
                     )
                     gen_seconds += time.perf_counter() - t0
                     generated += sum(t.num_generated for r in results for t in r.turns)

@@ -58,6 +58,14 @@ def check_aux_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def context_length(config: Any) -> int | None:
+    """How many positions the target attends over (``max_position_embeddings`` of its text config),
+    or None where the config does not say."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 def resolve_device(device: str) -> torch.device:
     """auto (CUDA when available, else CPU), cpu, cuda or cuda:N; CUDA that this torch cannot use fails
     here, naming the setting, rather than inside torch."""

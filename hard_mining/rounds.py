@@ -61,6 +61,7 @@ from hard_mining.strategies import (
     domain_weights,
     math_problems,
     parse_variation,
+    per_record,
     pick_hardest,
     prompt_record,
     sample_weights,
@@ -268,8 +269,7 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
                              for x in cands}
                 cand_scores = score_store(draft, head, HarvestStore(got[0]), cand_meta, ttt_steps=train_cfg.ttt_steps)
                 write_scores(rdir / "scores_candidates.jsonl", cand_scores)
-                ids = set(pick_hardest(cand_scores, cfg.keep_fraction))
-                ids |= {i.rsplit("-t", 1)[0] for i in ids}  # a multi-turn candidate's samples are <id>-t<k>
+                ids = set(pick_hardest(per_record(cand_scores), cfg.keep_fraction))  # a fraction of the records
                 keep = [x for x in cands if str(x["id"]) in ids]
             new_records += keep
             added["hardest"] = {"candidates": len(cands), "kept": len(keep), "dropped": dropped}

@@ -50,6 +50,27 @@ def sample_weights(scores: Sequence[SampleScore], weights: dict[str, float]) -> 
 # ---------------------------------------------------------------- (b) the hardest candidates
 
 
+def per_record(scores: Sequence[SampleScore]) -> list[SampleScore]:
+    """One score per record: a conversation harvested one reply at a time (samples ``<id>-t<k>``)
+    pooled over its samples (positions and hits added, loss averaged over the positions)."""
+    groups: dict[str, list[SampleScore]] = {}
+    for s in scores:
+        match = re.fullmatch(r"(.+)-t\d+", s.sample_id)
+        groups.setdefault(match.group(1) if match else s.sample_id, []).append(s)
+    out = []
+    for rid, items in groups.items():
+        if len(items) == 1 and items[0].sample_id == rid:
+            out.append(items[0])
+            continue
+        positions = sum(x.positions for x in items)
+        loss = sum(x.loss * x.positions for x in items) / positions if positions else items[0].loss
+        out.append(SampleScore(rid, items[0].domain, items[0].language, sum(x.tokens for x in items),
+                               [a for x in items for a in x.accepted], loss,
+                               [sum(v) for v in zip(*(x.step_hits for x in items), strict=True)],
+                               [sum(v) for v in zip(*(x.step_counted for x in items), strict=True)]))
+    return out
+
+
 def pick_hardest(scores: Sequence[SampleScore], fraction: float, per_domain: bool = True,
                  min_positions: int = 4) -> list[str]:
     """Ids of the top ``fraction`` of candidates by loss (within each domain when ``per_domain``,
@@ -218,4 +239,5 @@ def dedupe(records: Iterable[dict[str, Any]], against: Iterable[dict[str, Any]],
 
 
 __all__ = ["VARIATION_INSTRUCTION", "code_tasks", "dedupe", "domain_weights", "first_user_text", "math_problems",
-           "parse_variation", "pick_hardest", "prompt_record", "sample_weights", "variation_requests", "word_ngrams"]
+           "parse_variation", "per_record",
+           "pick_hardest", "prompt_record", "sample_weights", "variation_requests", "word_ngrams"]

@@ -24,6 +24,9 @@ def test_check_messages_accepts_sharegpt_and_openai_shapes() -> None:
     openai = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\r\nthere"}]
     assert check_messages(sharegpt) == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     assert check_messages(openai)[1] == {"role": "user", "content": "Hi\nthere"}
+    # a reply stays as written: after regeneration it is the target's decoded output, its ids must match
+    reply = check_messages([*openai, {"role": "assistant", "content": "a\r\nb"}])[2]
+    assert reply == {"role": "assistant", "content": "a\r\nb"}
 
 
 @pytest.mark.parametrize(("messages", "reason"), [

@@ -139,6 +139,19 @@ def test_bad_input_is_counted_or_named(target: Target, tmp_path: Path, monkeypat
     # "long" loses its reply to truncation and is then skipped too: its loss mask is empty.
     assert (summary["truncated"], summary["skipped_empty_loss_mask"], summary["samples"]) == (1, 2, 1)
 
+    twice = tmp_path / "twice.jsonl"  # samples are looked up by id: two records with one id are refused
+    twice.write_text("".join(json.dumps({**rows[2], "messages": _conv(k)}) + "\n" for k in (1, 2)))
+    with pytest.raises(HarvestError, match="record id 'fine' appears twice"):
+        run(HarvestConfig(data=str(twice), out_dir=str(tmp_path / "t")), TargetConfig(name_or_path="lively"),
+            target=target, progress=False)
+    long = tmp_path / "long.jsonl"  # the target attends over 256 positions: a longer sample is cut there
+    long.write_text(json.dumps({"id": "long", "messages": [{"role": "user", "content": "q"},
+                                                           {"role": "assistant", "content": "a" * 400}]}) + "\n")
+    clamped = run(HarvestConfig(data=str(long), out_dir=str(tmp_path / "c")), TargetConfig(name_or_path="lively"),
+                  target=target, progress=False)
+    store = HarvestStore(tmp_path / "c")
+    assert clamped["truncated"] == 1 and store.lengths == [256] and store.spec.max_seq_len == 256
+
     unanswered = tmp_path / "unanswered.jsonl"  # a pool that was never regenerated: nothing to train on
     unanswered.write_text(json.dumps(rows[1]) + "\n")
     with pytest.raises(HarvestError, match="unanswered.jsonl: no sample to harvest"):

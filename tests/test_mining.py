@@ -30,6 +30,7 @@ from hard_mining.strategies import (
     domain_weights,
     math_problems,
     parse_variation,
+    per_record,
     pick_hardest,
     prompt_record,
     sample_weights,
@@ -110,6 +111,11 @@ def test_grouping_and_selection_by_hand() -> None:
     assert pick_hardest(scores, 0.4, per_domain=False, min_positions=4) == ["c", "d"]
     with pytest.raises(ValueError, match="fraction"):
         pick_hardest(scores, 0.0)
+    # a conversation harvested one reply at a time counts once: its samples pooled
+    split = [_s("r-t0", "coding", [0, 1], 2.0), _s("r-t1", "coding", [3, 0, 0, 0], 5.0), _s("q", "coding", [1], 1.0)]
+    pooled = {x.sample_id: x for x in per_record(split)}
+    assert set(pooled) == {"r", "q"} and pooled["r"].accepted == [0, 1, 3, 0, 0, 0]
+    assert pooled["r"].loss == pytest.approx((2.0 * 2 + 5.0 * 4) / 6) and pooled["q"] is split[2]
 
 
 def test_domain_weights_by_hand() -> None:

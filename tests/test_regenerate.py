@@ -279,8 +279,29 @@ def test_records_stay_whole_and_the_harvest_splits_those_the_template_rewrites(t
     assert len(rows[0]["generation"]["turns"]) == 2
     chat = ChatFormat.for_tokenizer(thinking.tokenizer)
     # the decision is the harvest's, per record: replies without reasoning render as they were seen ...
-    plain = [r for r in rows if "</think>" not in json.dumps(r["messages"])]
-    assert [name for name, _, _ in tokenize_records(plain, chat, 4096, Counter())] == [r["id"] for r in plain]
+    tok = thinking.tokenizer
+    messages = [dict(m) for m in rows[0]["messages"]]
+    messages[1]["content"], messages[3]["content"] = "ok", "fine"  # text that tokenizes to the ids written
+    turns = [{**t, "token_ids": tok("ok" if k == 0 else "fine", add_special_tokens=False)["input_ids"]}
+             for k, t in enumerate(rows[0]["generation"]["turns"])]
+    plain = {**rows[0], "messages": messages, "generation": {**rows[0]["generation"], "turns": turns}}
+    assert [name for name, _, _ in tokenize_records([plain], chat, 4096, Counter())] == ["r0"]
+    # ... unless a reply's ids are not what its text tokenizes to (a multi-byte character cut at
+    # max_new_tokens decodes to U+FFFD) or a reply is empty (only its stop was written): then the
+    # conversation is harvested one reply at a time, from the ids the target wrote
+    cut = tok("ok \U0001F600", add_special_tokens=False)["input_ids"][:-1]
+    broken = {**plain, "messages": [*messages[:1], {**messages[1], "content": tok.decode(cut)}, *messages[2:]],
+              "generation": {**plain["generation"], "turns": [{**turns[0], "token_ids": cut}, turns[1]]}}
+    samples = tokenize_records([broken], chat, 4096, Counter())
+    assert [name for name, _, _ in samples] == ["r0-t0", "r0-t1"]
+    ids, mask = samples[0][1], samples[0][2]
+    assert [i for i, m in zip(ids, mask, strict=True) if m][: len(cut)] == cut  # the bytes it wrote, not U+FFFD's
+    empty = {**plain, "messages": [*messages[:1], {**messages[1], "content": ""}, *messages[2:]],
+             "generation": {**plain["generation"], "turns": [{**turns[0], "token_ids": [], "finish_reason": "stop",
+                                                               "stop_id": tok.eos_token_id}, turns[1]]}}
+    samples = tokenize_records([empty], chat, 4096, Counter())
+    assert [name for name, _, _ in samples] == ["r0-t0", "r0-t1"]
+    assert [i for i, m in zip(samples[0][1], samples[0][2], strict=True) if m] == [tok.eos_token_id]  # its stop
     # ... and a first reply with reasoning is rewritten once a later one follows: one sample per reply
     messages = [dict(m) for m in rows[0]["messages"]]
     messages[1]["content"] = "<think>q</think>" + messages[1]["content"]
