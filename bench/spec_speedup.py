@@ -102,9 +102,15 @@ def main(argv: list[str] | None = None) -> None:
     from eagle3.verify import SamplingParams
     from serve_eval.evaluate import evaluate, load_pair, read_prompts, write_report
 
-    target, draft = load_pair(args.draft, args.target, args.target_dtype)
-    chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
-    prompts = {n: read_prompts(Path(args.pools), n, args.per_set, chat) for n in args.sets.split(",")}
+    from eagle3.export import DraftFormatError
+    from eagle3.target import TargetLoadError, TargetSourceError
+
+    try:
+        target, draft = load_pair(args.draft, args.target, args.target_dtype)
+        chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
+        prompts = {n: read_prompts(Path(args.pools), n, args.per_set, chat) for n in args.sets.split(",")}
+    except (DraftFormatError, TargetLoadError, TargetSourceError, ValueError, OSError) as err:
+        raise SystemExit(f"spec_speedup: error: {err}") from None
 
     cost = cost_model(target, draft, args.context, args.k, args.repeats)
     print(json.dumps({"figure": "cost_model", "context": args.context, "k": args.k,
