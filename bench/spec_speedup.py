@@ -98,12 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
 
     from eagle3.chat import ChatFormat
+    from eagle3.export import DraftFormatError
     from eagle3.spec_decode import SpecConfig
+    from eagle3.target import TargetLoadError, TargetSourceError
     from eagle3.verify import SamplingParams
     from serve_eval.evaluate import evaluate, load_pair, read_prompts, write_report
-
-    from eagle3.export import DraftFormatError
-    from eagle3.target import TargetLoadError, TargetSourceError
 
     try:
         target, draft = load_pair(args.draft, args.target, args.target_dtype)
