@@ -140,7 +140,12 @@ class ChatFormat:
         for i, m in enumerate(messages):
             if m["role"] == "assistant":
                 prompt = self.render(messages[:i], add_generation_prompt=True)
-                if not text.startswith(prompt) or not text[len(prompt):].lstrip().startswith(m["content"].strip()):
+                if not text.startswith(prompt):
+                    return False
+                rest, content = text[len(prompt):], m["content"]
+                # verbatim; only a reply without surrounding whitespace may follow the template's own
+                # (a template that trims replies would otherwise drop whitespace the target wrote)
+                if not (rest.startswith(content) or content == content.strip() and rest.lstrip().startswith(content)):
                     return False
         return True
 

@@ -6,7 +6,7 @@ import pytest
 from transformers import GenerationConfig
 
 from eagle3.chat import FALLBACK_CHAT_TEMPLATE, ChatFormat, ChatFormatError, check_single_bos, eos_ids
-from tests.conftest import tiny_tokenizer
+from tests.conftest import CHAT_TEMPLATE, tiny_tokenizer
 
 # Tiny tokenizer ids: <pad> 0, <s> 1, </s> 2, <|system|> 3, <|user|> 4, <|assistant|> 5; bytes follow.
 CONVERSATION = [
@@ -231,3 +231,11 @@ def test_history_is_context_per_conversation() -> None:
     assert not chat.history_is_context([{"role": "system", "content": "Be brief."}, *turns])
     assert ChatFormat.for_tokenizer(tiny_tokenizer()).history_is_context(
         [{"role": "system", "content": "Be brief."}, *turns])
+    # a template that trims replies renders the history as seen only where there was nothing to trim
+    trims = ChatFormat.for_tokenizer(tiny_tokenizer(CHAT_TEMPLATE.replace("{{ m['content'] }}",
+                                                                          "{{ m['content'] | trim }}")))
+    assert trims.history_is_context(turns)
+    padded = [dict(m) for m in turns]
+    padded[1]["content"] = "Yes\n"  # the target wrote a newline the rendered history drops
+    assert not trims.history_is_context(padded)
+    assert ChatFormat.for_tokenizer(tiny_tokenizer()).history_is_context(padded)  # kept verbatim: whole
