@@ -137,6 +137,9 @@ def sglang_config(config: DraftConfig, aux_layer_ids: Sequence[int], torch_dtype
         raise DraftFormatError(f"SGLang's EAGLE-3 draft reads exactly 3 aux states and has none of the "
                                f"{', '.join(NORM_FLAGS)} variants "
                                f"(this draft: {len(ids)} states, {variants or 'none'})")
+    if config.num_layers != 1:  # older releases refuse more; newer ones name them otherwise and skip ours unread
+        raise DraftFormatError(f"SGLang's EAGLE-3 draft loads one decoder layer (this draft: {config.num_layers}); "
+                               "export it in the vllm or speculators format")
     if ids[0] != 2:
         warnings.warn(f"aux layer ids {ids} are written as {[i - 1 for i in ids]} for SGLang's +1 convention; SGLang "
                       "releases with PR #25454 add the 1 only when the first id is 1 and would read other layers",

@@ -507,18 +507,24 @@ def choose_draft_vocab(cfg: TrainConfig, store: HarvestStore | StoreUnion, train
     return select_draft_vocab(counts, min(cfg.draft_vocab_size, vocab_size), always_include)
 
 
-def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore | StoreUnion) -> dict[str, Any]:
+def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore | StoreUnion,
+                    eval_store: HarvestStore | None = None) -> dict[str, Any]:
     """What a resumed run must share with the run that saved the checkpoint: the settings that
     decide the data order, the model and how DeepSpeed sharded its states."""
     keys = ("batching", "micro_batch_tokens", "gradient_accumulation", "seed", "eval_fraction", "ttt_steps",
             "init_draft", "num_layers", "draft_intermediate_size", "draft_num_attention_heads",
             "draft_num_key_value_heads", "draft_head_dim", "draft_rope", "draft_variant", "zero_stage", "precision",
             "freeze_lm_head", "optimizer", "muon_momentum", "lm_head_init", "layer_init", "step_decay",
-            "draft_vocab_size", "draft_vocab")
+            "draft_vocab_size", "draft_vocab",
+            # a checkpoint restores the optimizer's own lr, decay, betas and eps: a change would only be logged
+            "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
     pinned = {f"train.{k}": getattr(cfg, k) for k in keys}
     weights = sha256_file(Path(cfg.sample_weights)) if cfg.sample_weights else None
+    held_out = ([entry["sha256"] for entry in eval_store.manifest["shards"]]  # the best draft is picked on it
+                if eval_store is not None and eval_store is not store else None)
     return {**pinned, "world_size": world_size, "store.samples": len(store),
-            "store.shards": [entry["sha256"] for entry in store.manifest["shards"]], "sample_weights": weights}
+            "store.shards": [entry["sha256"] for entry in store.manifest["shards"]], "sample_weights": weights,
+            "eval_store.shards": held_out}
 
 
 def _read_sample_weights(path: str | None) -> dict[str, float]:
@@ -538,7 +544,7 @@ def check_pinned(saved: dict[str, Any], now: dict[str, Any], out_dir: Path) -> N
     """Keys one side lacks (pinned by an earlier or later version) are not compared."""
     for key in sorted(set(saved) & set(now)):
         if saved.get(key) != now.get(key):
-            shown = (lambda v: f"{str(v)[:60]}...") if key == "store.shards" else repr
+            shown = (lambda v: f"{str(v)[:60]}...") if key.endswith(".shards") else repr
             raise TrainError(f"{out_dir} was trained with {key}={shown(saved.get(key))}, this run has "
                              f"{shown(now.get(key))}; use the same settings to resume, or another out_dir "
                              "(or --no-resume to start over)")
@@ -690,7 +696,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
 
     # -- draft vocab: chosen once, frozen for the run
     resume_tag = latest_tag(ckpt_root) if cfg.resume and ckpt_root.is_dir() else None
-    pinned = pinned_settings(cfg, rt.world_size, store)
+    pinned = pinned_settings(cfg, rt.world_size, store, eval_store)
     if resume_tag is not None:
         check_pinned(read_trainer_state(ckpt_root, resume_tag).get("pinned", {}), pinned, out_dir)
     vocab_file = out_dir / "draft_vocab.safetensors"

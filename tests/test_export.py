@@ -128,6 +128,10 @@ def test_sglang_limits(tmp_path: Path) -> None:
     with pytest.raises(DraftFormatError, match="layer 0"):
         export_draft_folder(tmp_path / "d", draft.state_dict(), draft.config, (0, 3, 6), "sglang")
     assert not (tmp_path / "d").exists()
+    two = make_draft(num_layers=2)  # SGLang would skip the second layer's weights unread, or refuse the draft
+    with pytest.raises(DraftFormatError, match="one decoder layer \\(this draft: 2\\)"):
+        export_draft_folder(tmp_path / "two", two.state_dict(), two.config, (2, 4, 6), "sglang")
+    assert not (tmp_path / "two").exists()
     with pytest.warns(UserWarning, match="PR #25454"):  # first id not 2: SGLang versions disagree
         export_draft_folder(tmp_path / "w", draft.state_dict(), draft.config, AUX, "sglang")
     with warnings.catch_warnings():

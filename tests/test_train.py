@@ -292,6 +292,13 @@ def test_rerun_resumes_and_other_settings_fail_naming_the_key(tiny: dict, tmp_pa
     assert json.loads((out / "final" / "draft.json").read_text())["eval"]["eval/tau_sim"] >= 1.0
     with pytest.raises(TrainError, match="trained with train.micro_batch_tokens=256, this run has 128"):
         train(_cfg(tiny, out, steps=4, micro_batch_tokens=128), target=tiny["target"])
+    # the checkpoint restores the optimizer's own lr: a changed one would only have been logged
+    with pytest.raises(TrainError, match="trained with train.lr=0.003, this run has 0.03"):
+        train(_cfg(tiny, out, steps=4, eval_every=1, lr=3e-2), target=tiny["target"])
+    # the best draft was picked on the held-out samples: another held-out set cannot continue that choice
+    with pytest.raises(TrainError, match="trained with eval_store.shards=None"):
+        train(_cfg(tiny, out, steps=4, eval_every=1, eval_fraction=0.0, eval_store=str(tiny["topk"])),
+              target=tiny["target"])
     assert train(_cfg(tiny, out, steps=1, micro_batch_tokens=128, resume=False),
                  target=tiny["target"])["resumed_from_step"] is None
 
