@@ -242,6 +242,11 @@ def _is_earlier_export(folder: Path) -> bool:
         return False
 
 
+def nonfinite_tensors(tensors: dict[str, Tensor]) -> list[str]:
+    """Names of the floating tensors holding a NaN or Inf: a diverged or corrupted draft."""
+    return [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+
+
 def export_draft_folder(out: str | os.PathLike[str], state: dict[str, Tensor], config: DraftConfig,
                         aux_layer_ids: Sequence[int], fmt: str = "vllm", *, dtype: str = "bfloat16",
                         verifier: str | None = None, verifier_architectures: Sequence[str] = (),
@@ -267,8 +272,7 @@ def export_draft_folder(out: str | os.PathLike[str], state: dict[str, Tensor], c
                                  verifier_architectures=verifier_architectures,
                                  speculative_tokens=speculative_tokens, torch_dtype=dtype)
     tensors = engine_tensors(state, fmt, DTYPES[dtype])
-    nonfinite = [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    if nonfinite:
+    if nonfinite := nonfinite_tensors(tensors):
         raise DraftFormatError(f"{out}: not exported: NaN/Inf in {', '.join(nonfinite[:4])} (a diverged draft)")
     with atomic_dir(out, replaces=_is_earlier_export) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -453,8 +457,7 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
     bad = [f"{k} {tuple(v.shape)} vs {tuple(want[k].shape)}" for k, v in tensors.items() if v.shape != want[k].shape]
     if bad:
         raise DraftFormatError(f"{folder}: tensor shapes differ from config.json: {'; '.join(bad[:4])}")
-    nonfinite = [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    if nonfinite:
+    if nonfinite := nonfinite_tensors(tensors):
         raise DraftFormatError(f"{folder}: NaN/Inf in {', '.join(nonfinite[:4])}: a diverged or corrupted draft")
     draft.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
     try:
@@ -552,8 +555,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 __all__ = [
     "FORMATS", "DraftFormatError", "LoadedDraft", "check_draft_fits_target", "detect_format",
-    "draft_config_from_json", "engine_tensors", "export_draft_folder", "load_draft", "sglang_config",
-    "speculators_config", "vllm_config",
+    "draft_config_from_json", "engine_tensors", "export_draft_folder", "load_draft", "nonfinite_tensors",
+    "sglang_config", "speculators_config", "vllm_config",
 ]
 
 if __name__ == "__main__":

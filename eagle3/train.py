@@ -67,6 +67,7 @@ from eagle3.checkpoint import (
 from eagle3.config import LR_SCHEDULES, TargetConfig, TrainConfig
 from eagle3.draft import DraftConfig, Eagle3Draft, trainable_parameter_count
 from eagle3.draft_vocab import DraftVocab, select_draft_vocab
+from eagle3.export import nonfinite_tensors
 from eagle3.home import eagle3_home
 from eagle3.shards import HarvestStore, StoreError, StoreUnion, open_stores
 from eagle3.target import LogitTransform, Target, TargetLoadError, bf16_matmul_speedup, load_target_head
@@ -604,8 +605,7 @@ def _draft_state(draft: Eagle3Draft, zero_stage: int) -> dict[str, Tensor]:
 
 def _stop_if_not_finite(weights: dict[str, Tensor], step: int) -> None:
     """Refuse to export a draft whose weights went NaN/Inf (the update after the last finite loss)."""
-    bad = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    if bad:
+    if bad := nonfinite_tensors(weights):
         raise TrainError(f"step {step}: NaN/Inf in {', '.join(bad[:4])}; stopping before a non-finite draft is "
                          "exported (check the store's states, train.init_draft and train.lr)")
 
