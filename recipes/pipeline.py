@@ -57,6 +57,7 @@ def _regenerate(cfg: PipelineConfig, regen: Any, text: str, stage: str, selectio
         shown = (None, None) if err.key == "pool_sha256" else (err.old, err.new)
         raise _made_otherwise(stage, err.folder, key, *shown) from None
 
+
 _PROBE_MESSAGES = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
 
 
@@ -145,7 +146,7 @@ def _harvest(cfg: PipelineConfig, harvest_cfg: Any, stage: str) -> dict[str, Any
     try:
         return run(harvest_cfg, cfg.target)
     except HarvestMismatchError as err:
-        section, _, name = err.key.partition(".")
+        name = err.key.partition(".")[2]  # spec.dtype -> harvest.dtype, settings.batch_size -> harvest.batch_size
         key = names.get(err.key, f"harvest.{name}" if name else err.key)
         raise _made_otherwise(stage, err.folder, key, err.old, err.new) from None
 
