@@ -15,16 +15,18 @@ from pathlib import Path
 from typing import Any
 
 _DATA_BYTES = 1 << 20
+UNKNOWN_WEIGHTS = ("in-memory", "no-local-weights")
+"""What :func:`weights_fingerprint` returns where it could hash no weights: such values identify nothing."""
 
 
 def weights_fingerprint(folder: str | Path | None) -> str:
     """Of the safetensors files in ``folder``; ``"in-memory"`` for a model not loaded from a folder."""
     if not folder or not Path(folder).is_dir():
-        return "in-memory"
+        return UNKNOWN_WEIGHTS[0]
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        return "no-local-weights"
+        return UNKNOWN_WEIGHTS[1]
     digest = hashlib.sha256()
     for path in files:
         with open(path, "rb") as f:

@@ -35,7 +35,7 @@ from filelock import FileLock, Timeout
 from eagle3.atomic import atomic_write_text, remove_leftovers, sha256_file
 from eagle3.chat import ChatFormat, ChatFormatError
 from eagle3.config import HarvestConfig, TargetConfig
-from eagle3.fingerprint import tokenizer_fingerprint, weights_fingerprint
+from eagle3.fingerprint import UNKNOWN_WEIGHTS, tokenizer_fingerprint, weights_fingerprint
 from eagle3.regenerate import read_pool
 from eagle3.shards import (
     HarvestSpec,
@@ -245,7 +245,7 @@ def _check_plan(out_dir: Path, plan: dict[str, Any]) -> None:
     spec = saved.get("spec")
     if isinstance(spec, dict) and isinstance(spec.get("target"), str):
         spec["target"] = target_identity(spec["target"])  # earlier versions: a path as typed
-        known = spec.get("weights_fingerprint") not in (None, "in-memory", "no-local-weights")
+        known = spec.get("weights_fingerprint") not in (None, *UNKNOWN_WEIGHTS)
         if known and spec.get("weights_fingerprint") == plan["spec"].get("weights_fingerprint"):
             spec["target"] = plan["spec"]["target"]  # the same weights, wherever the folder is now
     for section in ("spec", "settings", "data_sha256"):

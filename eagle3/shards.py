@@ -39,6 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from eagle3.atomic import atomic_write_bytes, atomic_write_text, sha256_file
+from eagle3.fingerprint import UNKNOWN_WEIGHTS
 
 MANIFEST = "manifest.json"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -357,7 +358,7 @@ class StoreUnion:
                 "aux_layer_ids", "store", "topk")
         for other in self.stores[1:]:
             # the weights' fingerprint names the target; the typed name only where no fingerprint was taken
-            unknown = self.spec.weights_fingerprint in ("in-memory", "no-local-weights")
+            unknown = self.spec.weights_fingerprint in UNKNOWN_WEIGHTS
             for key in (("target",) if unknown else ()) + same:
                 if getattr(other.spec, key) != getattr(self.spec, key):
                     raise StoreError(f"{other.root / MANIFEST}: spec.{key}={getattr(other.spec, key)!r} differs from "

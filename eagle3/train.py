@@ -563,11 +563,11 @@ def _load_target(target_cfg: TargetConfig, aux_layer_ids: Sequence[int]) -> Targ
 def _check_weights(target: Target, spec: Any) -> None:
     """The store's states must come from these weights: a sibling checkpoint with the same
     tokenizer and shapes (base and instruct, BF16 and NVFP4) passes every other check."""
-    from eagle3.fingerprint import weights_fingerprint
+    from eagle3.fingerprint import UNKNOWN_WEIGHTS, weights_fingerprint
 
-    unknown = ("in-memory", "no-local-weights")
     mine = weights_fingerprint(target.location)
-    if mine not in unknown and spec.weights_fingerprint not in unknown and mine != spec.weights_fingerprint:
+    known = mine not in UNKNOWN_WEIGHTS and spec.weights_fingerprint not in UNKNOWN_WEIGHTS
+    if known and mine != spec.weights_fingerprint:
         raise TrainError(f"target.name_or_path={target.name}: not the weights the store was harvested "
                          f"from (the store names {spec.target}, weights fingerprint {spec.weights_fingerprint[:12]}, "
                          f"these {mine[:12]}); train with the target that harvested it")
