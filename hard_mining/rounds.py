@@ -51,6 +51,7 @@ from hard_mining.score import (
     group_scores,
     hardest,
     read_sample_meta,
+    record_of,
     score_store,
     target_head,
     write_scores,
@@ -90,7 +91,7 @@ def read_records(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
 def check_records_describe(store: HarvestStore, ids: set[str], key: str) -> None:
     """Every sample of ``store`` must have its record (per-turn samples ``<id>-t<k>``, their
     record's): else its domain is unknown and the per-domain figures mean nothing."""
-    missing = [i for i in store.sample_ids if i not in ids and i.rsplit("-t", 1)[0] not in ids]
+    missing = [i for i in store.sample_ids if i not in ids and record_of(i) not in ids]
     if missing:
         raise MineError(f"{key}: {len(missing)} of {len(store)} samples of {store.root} have no record there "
                         f"(e.g. {missing[0]!r}); give the regenerated records that store was harvested from")
@@ -276,7 +277,7 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
         if "synthesize" in cfg.strategies:
             by_id = {str(x["id"]): x for x in records}
             worst = hardest(train_scores, 4 * cfg.hard_examples)
-            parent_ids = dict.fromkeys(s.sample_id.rsplit("-t", 1)[0] for s in worst)
+            parent_ids = dict.fromkeys(record_of(s.sample_id) for s in worst)
             parents = [by_id[i] for i in parent_ids if i in by_id][: cfg.hard_examples]  # one per record
             made: list[dict[str, Any]] = []
             asked = variation_requests(parents, cfg.variations)
@@ -365,7 +366,7 @@ def _log_round(run: Any, entry: dict[str, Any], records: dict[str, dict[str, Any
     columns = ["round", "sample_id", "domain", "language", "tau_sim", "loss", "positions", "prompt"]
     rows = []
     for s in entry["hardest_train"]:
-        rec = records.get(s["sample_id"].rsplit("-t", 1)[0], {})
+        rec = records.get(record_of(s["sample_id"]), {})
         prompt = next((m["content"] for m in rec.get("messages", []) if m["role"] == "user"), "")
         rows.append([entry["round"], s["sample_id"], s["domain"], s["language"], s["tau_sim"], round(s["loss"], 4),
                      s["positions"], prompt[:300]])

@@ -16,6 +16,7 @@ not a mean of per-sample taus, so long samples weigh what they contain.
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -91,12 +92,17 @@ def read_sample_meta(records: str | Path | Iterable[str | Path]) -> dict[str, di
     return out
 
 
+def record_of(sample_id: str) -> str:
+    """The record a sample came from: the harvest names a conversation's per-reply samples ``<id>-t<k>``."""
+    match = re.fullmatch(r"(.+)-t\d+", sample_id)
+    return match.group(1) if match else sample_id
+
+
 def meta_of(sample_id: str, meta: dict[str, dict[str, str]]) -> dict[str, str]:
     """A sample's domain and language; per-turn samples (``<id>-t<k>``) inherit their record's."""
     if sample_id in meta:
         return meta[sample_id]
-    base = sample_id.rsplit("-t", 1)[0]
-    return meta.get(base, {"domain": UNKNOWN, "language": UNKNOWN})
+    return meta.get(record_of(sample_id), {"domain": UNKNOWN, "language": UNKNOWN})
 
 
 def target_head(target: Any) -> Any:
@@ -171,5 +177,5 @@ def write_scores(path: Path, scores: Sequence[SampleScore]) -> None:
     atomic_write_text(path, "".join(json.dumps(s.as_dict()) + "\n" for s in scores))
 
 
-__all__ = ["GroupScore", "SampleScore", "group_scores", "hardest", "meta_of", "read_sample_meta",
+__all__ = ["GroupScore", "SampleScore", "group_scores", "hardest", "meta_of", "record_of", "read_sample_meta",
            "score_sample", "score_store", "target_head", "write_scores"]

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from eagle3.conversations import normalize_text, prompt_key, record_id
-from hard_mining.score import GroupScore, SampleScore
+from hard_mining.score import GroupScore, SampleScore, record_of
 
 # ---------------------------------------------------------------- (a) reweight weak domains
 
@@ -55,8 +55,7 @@ def per_record(scores: Sequence[SampleScore]) -> list[SampleScore]:
     pooled over its samples (positions and hits added, loss averaged over the positions)."""
     groups: dict[str, list[SampleScore]] = {}
     for s in scores:
-        match = re.fullmatch(r"(.+)-t\d+", s.sample_id)
-        groups.setdefault(match.group(1) if match else s.sample_id, []).append(s)
+        groups.setdefault(record_of(s.sample_id), []).append(s)
     out = []
     for rid, items in groups.items():
         if len(items) == 1 and items[0].sample_id == rid:
