@@ -77,6 +77,12 @@ class ChatFormat:
     def template_sha256(self) -> str:
         return hashlib.sha256(self.template.encode("utf-8")).hexdigest()
 
+    @property
+    def renders_time(self) -> bool:
+        """Whether the template writes the current date or time (Llama 3.2's ``strftime_now``):
+        a prompt rendered again later is not the one the target was given."""
+        return "strftime_now" in self.template
+
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         from jinja2 import TemplateError
 
@@ -106,14 +112,17 @@ class ChatFormat:
         ``turn``: the reply's entry of a regenerated record's ``generation.turns``: its generated
         ``token_ids`` are used when they decode to the reply (else the reply text is tokenized),
         its ``stop_id`` is the stop, and a reply cut at ``max_new_tokens`` (``finish_reason``
-        ``"length"``) gets no stop. Without it: the text, and the end-of-turn token (else EOS).
+        ``"length"``) gets no stop; its ``prompt_ids`` (kept where the template writes the date)
+        are the prompt when they hold the messages' text. Without it: the text, and the
+        end-of-turn token (else EOS).
         Token level, so no template rewriting of the reply (DeepSeek-R1 dropping its reasoning)
         and no merge of a reply's first characters with the header's can change what is trained.
         """
         if not messages or messages[-1]["role"] != "assistant":
             raise ChatFormatError("a reply sample must end with an assistant message")
-        prompt = self.prompt_ids(messages[:-1])
-        content, turn = messages[-1]["content"], turn or {}
+        turn = turn or {}
+        prompt = self._prompt_as_fed(messages[:-1], turn.get("prompt_ids"))
+        content = messages[-1]["content"]
         reply = turn.get("token_ids")
         if not isinstance(reply, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in reply):
             reply = None  # absent, or not ids (a record edited by hand): the text decides
@@ -130,6 +139,23 @@ class ChatFormat:
             stop = [] if end is None else [int(end)]
         ids = [*prompt, *(int(t) for t in reply), *stop]
         return ids, [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+
+    def _prompt_as_fed(self, messages: Sequence[Message], stored: Any) -> list[int]:
+        """The generation prompt of ``messages``: ``stored`` (a regenerated turn's ``prompt_ids``)
+        when they are token ids whose text holds every message (not so for a record edited since),
+        else rendered now."""
+        if isinstance(stored, list) and stored and all(isinstance(t, int) and not isinstance(t, bool) for t in stored):
+            text = self.tokenizer.decode(stored, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            cursor = 0
+            for m in messages:  # in order: each message's text after the one before it
+                found = text.find(m["content"], cursor)
+                if found < 0:
+                    break
+                cursor = found + len(m["content"])
+            else:
+                check_single_bos(stored, self.tokenizer.bos_token_id)
+                return list(stored)
+        return self.prompt_ids(messages)
 
     def history_is_context(self, messages: Sequence[Message]) -> bool:
         """Whether rendering ``messages`` whole puts, before each reply, the generation prompt the

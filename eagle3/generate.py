@@ -151,6 +151,8 @@ class RegeneratedConversation:
     """The generation behind each assistant message, in order."""
     dropped_turns: int = 0
     """User turns cut off (with everything after them) because their prompt was too long."""
+    prompts: list[list[int]] = field(default_factory=list)
+    """The prompt ids the target was fed for each turn (what :meth:`ChatFormat.prompt_ids` gave then)."""
 
     @property
     def skipped(self) -> bool:
@@ -207,12 +209,13 @@ def regenerate_conversations(
         if not rows:
             continue
         replies = generator.generate(prompts, chat.stop_ids, sampling, seed=derive_seed(seed, depth))
-        for row, reply in zip(rows, replies, strict=True):
+        for row, prompt, reply in zip(rows, prompts, replies, strict=True):
             text = chat.tokenizer.decode(reply.token_ids, skip_special_tokens=False,
                                          clean_up_tokenization_spaces=False)
             out[row].messages += [{"role": "user", "content": users[row][depth - 1]["content"]},
                                   {"role": "assistant", "content": text}]
             out[row].turns.append(reply)
+            out[row].prompts.append(prompt)
     return out
 
 

@@ -72,7 +72,8 @@ def tokenize_records(records: Sequence[dict[str, Any]], chat: ChatFormat, max_se
     A one-reply record is the reply as the target saw and wrote it (:meth:`ChatFormat.tokenize_reply`:
     its generation prompt, its generated ids, its stop). A multi-turn record is one sample when the
     template renders its history as the target saw it (:meth:`ChatFormat.tokenize_conversation`),
-    else one sample per reply, ``<id>-t<k>``, each built like a one-reply record. User turns after
+    else one sample per reply, ``<id>-t<k>``, each built like a one-reply record (so too where the
+    regeneration kept each turn's prompt ids: the template writes the date). User turns after
     the last reply are dropped (nothing in them is trained). A per-turn sample that an earlier
     version's regeneration wrote (``generation.turn_index``) is its last reply's sample."""
     out, seen = [], set()
@@ -92,7 +93,7 @@ def tokenize_records(records: Sequence[dict[str, Any]], chat: ChatFormat, max_se
                 samples = [(sample_id, *chat.tokenize_reply(messages, given[-1] if given else None))]
             elif len(ends) == 1:
                 samples = [(sample_id, *chat.tokenize_reply(messages, turns[0]))]
-            elif ends and not (chat.history_is_context(messages)
+            elif ends and not (chat.history_is_context(messages) and not any("prompt_ids" in t for t in turns)
                                and all(_as_written(chat, messages[end]["content"], turn)
                                        for end, turn in zip(ends, turns, strict=True))):
                 samples = [(f"{sample_id}-t{k}", *chat.tokenize_reply(messages[: end + 1], turns[k]))

@@ -26,7 +26,8 @@ A record of the store is the input record with ``messages`` replaced by the rege
 conversation, plus ``generation``: ``target``, ``max_new_tokens``, ``temperature``,
 ``top_p``, ``top_k``, ``seed``, ``turns`` (per assistant turn: ``finish_reason`` ``"stop"``
 or ``"length"``, ``new_tokens`` without the stop token, the generated ``token_ids`` and the
-``stop_id`` that ended them, which the harvest trains on as they are) and ``dropped_turns`` (user turns
+``stop_id`` that ended them, which the harvest trains on as they are; with a chat template that
+writes the date, also the ``prompt_ids`` the target was fed) and ``dropped_turns`` (user turns
 cut because their prompt exceeded ``max_prompt_tokens``; the conversation then ends
 before that turn). Records whose first prompt is already too long are skipped (counted in
 the summary). Read the store with ``datasets.load_dataset("json", data_files=...)``.
@@ -209,12 +210,17 @@ def write_manifest(out_dir: Path, settings: dict[str, Any], records: int, batche
 
 
 def output_record(record: dict[str, Any], result: RegeneratedConversation, cfg: RegenerateConfig,
-                  target_name: str) -> dict[str, Any]:
+                  target_name: str, keep_prompts: bool = False) -> dict[str, Any]:
+    """The record with the target's messages and ``generation``; ``keep_prompts`` (a template that
+    writes the date) also stores each turn's ``prompt_ids``, since rendering again later differs."""
+    turns = [{"finish_reason": t.finish_reason, "new_tokens": len(t.token_ids), "token_ids": t.token_ids,
+              "stop_id": t.stop_id} for t in result.turns]
+    if keep_prompts:
+        for turn, prompt in zip(turns, result.prompts, strict=True):
+            turn["prompt_ids"] = prompt
     generation = {
         "target": target_name, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-        "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed,
-        "turns": [{"finish_reason": t.finish_reason, "new_tokens": len(t.token_ids), "token_ids": t.token_ids,
-                   "stop_id": t.stop_id} for t in result.turns],
+        "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed, "turns": turns,
         "dropped_turns": result.dropped_turns,
     }
     return {**record, "messages": result.messages, "generation": generation}
@@ -340,7 +346,7 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
                     )
                     gen_seconds += time.perf_counter() - t0
                     generated += sum(t.num_generated for r in results for t in r.turns)
-                    lines = [_dumps(output_record(rec, res, cfg, target_cfg.name_or_path))
+                    lines = [_dumps(output_record(rec, res, cfg, target_cfg.name_or_path, chat.renders_time))
                              for rec, res in zip(chunk, results, strict=True)]
                     atomic_write_text(part_path(out_dir, b), "".join(line + "\n" for line in lines))
                     bar.set_postfix_str(f"{generated / gen_seconds:.1f} tok/s")

@@ -273,3 +273,57 @@ def test_records_become_the_samples_the_target_saw() -> None:
         ids, mask = out[name]
         assert ids[: mask.index(1)] == chat.prompt_ids([system, *two][:upto])
         assert tok.decode([t for t, m in zip(ids, mask, strict=True) if m]) == two[upto - 1]["content"] + "</s>"
+
+
+DATED_TEMPLATE = (  # writes the date, as Llama 3.2's template does with strftime_now
+    "<|system|>Today is {{ strftime_now('%d %b %Y') }}</s>"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_a_dated_template_is_harvested_with_the_prompt_the_target_was_fed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regenerated on one day and harvested on the next, each reply's sample starts with the prompt
+    ids regeneration fed the target (its date), not a rendering of today's; an edited record
+    falls back to rendering."""
+    from collections import Counter
+    from datetime import datetime
+
+    import transformers.utils.chat_template_utils as templates
+
+    from eagle3.config import RegenerateConfig
+    from eagle3.generate import SamplingConfig, regenerate_conversations
+    from eagle3.regenerate import output_record
+
+    def clock(day: int) -> type:
+        class Frozen(datetime):
+            @classmethod
+            def now(cls, tz=None):  # noqa: ANN001, ANN206
+                return datetime(2026, 11, day, 23, 59)
+        return Frozen
+
+    target = lively_target(DATED_TEMPLATE)
+    chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
+    assert chat.renders_time
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"},
+                    {"role": "user", "content": "More"}]
+    monkeypatch.setattr(templates, "datetime", clock(24))
+    [result] = regenerate_conversations(target, chat, [conversation], SamplingConfig(max_new_tokens=4))
+    fed = [chat.prompt_ids(result.messages[:1]), chat.prompt_ids(result.messages[:3])]
+    assert result.prompts == fed
+    record = output_record({"id": "r", "messages": conversation}, result, RegenerateConfig(), "t", chat.renders_time)
+    assert [turn["prompt_ids"] for turn in record["generation"]["turns"]] == fed
+
+    monkeypatch.setattr(templates, "datetime", clock(25))  # the harvest, a day later
+    assert chat.prompt_ids(result.messages[:1]) != fed[0]
+    edited = {**record, "id": "e", "messages": [{"role": "user", "content": "Hey"}, *record["messages"][1:]]}
+    out = {name: ids for name, ids, _ in harvest.tokenize_records([record, edited], chat, 4096, Counter())}
+    assert list(out) == ["r-t0", "r-t1", "e-t0", "e-t1"]  # kept prompts: one sample per reply
+    for k in range(2):
+        assert out[f"r-t{k}"][: len(fed[k])] == fed[k]
+    assert "25 Nov 2026" in chat.tokenizer.decode(out["e-t0"])  # not the messages of the kept ids: rendered now
+    # a template without the date keeps no prompts
+    from tests.conftest import tiny_tokenizer
+
+    assert not ChatFormat.for_tokenizer(tiny_tokenizer()).renders_time
+    assert "prompt_ids" not in output_record(record, result, RegenerateConfig(), "t")["generation"]["turns"][0]
