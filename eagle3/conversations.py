@@ -11,7 +11,8 @@ said (or empty): the target regenerates them. ``id`` is a content hash of the no
 system and user turns, so the same prompt gets the same id wherever it comes from.
 
 Users bring prompts as jsonl (ShareGPT ``conversations`` with ``from``/``value``, or OpenAI
-``messages`` with ``role``/``content``) or as an HF ``datasets`` folder with either column.
+``messages`` with ``role``/``content``, the content a string or a list of text parts) or as an HF
+``datasets`` folder with either column.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ ROLE_ALIASES = {
     "bard": "assistant", "model": "assistant", "bot": "assistant",
 }
 DOMAINS = ("coding", "science", "multilingual", "general")
+TEXT_PART_SEPARATOR = "\n"  # between a message's text parts, as vLLM's chat endpoint joins them
 
 
 class ConversationError(ValueError):
@@ -70,6 +72,8 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
         if not isinstance(role, str) or role.strip().lower() not in ROLE_ALIASES:
             raise ConversationError(f"message {i} has unknown role {role!r}")
         role = ROLE_ALIASES[role.strip().lower()]
+        if isinstance(content, list):
+            content = _text_of_parts(content, f"message {i} ({role})")
         if not isinstance(content, str):
             raise ConversationError(f"message {i} ({role}) has non-text content of type {type(content).__name__}")
         if role == "system":
@@ -89,6 +93,18 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
     if not user_turns(out):
         raise ConversationError("conversation has no user turn")
     return out
+
+
+def _text_of_parts(parts: list[Any], where: str) -> str:
+    """OpenAI content parts (``[{"type": "text", "text": ...}, ...]``) as one text, joined by
+    newlines as vLLM's chat endpoint joins them; any other part (an image) is refused."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ConversationError(f"{where}: content part {j} is {kind!r}, not text (text-only targets)")
+        texts.append(part["text"])
+    return TEXT_PART_SEPARATOR.join(texts)
 
 
 def make_record(messages: list[dict[str, str]], *, domain: str, source: str, language: str,

@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException
 
 from eagle3.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_cost
 from eagle3.chat import ChatFormat, ChatFormatError
+from eagle3.conversations import TEXT_PART_SEPARATOR
 from eagle3.spec_decode import DecodeStats, SpecConfig, SpeculativeDecoder
 from eagle3.verify import SamplingParams
 
@@ -97,7 +98,7 @@ class _Message(BaseModel):
     content: str | list[_TextPart]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else TEXT_PART_SEPARATOR.join(p.text for p in self.content)
 
 
 class ChatRequest(_Sampling):

@@ -25,6 +25,8 @@ def test_check_messages_accepts_sharegpt_and_openai_shapes() -> None:
     assert check_messages(sharegpt) == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     assert check_messages(openai)[1] == {"role": "user", "content": "Hi\nthere"}
     # a reply stays as written: after regeneration it is the target's decoded output, its ids must match
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    assert check_messages(parts) == [{"role": "user", "content": "Hi\nthere"}]  # text parts, joined as vLLM does
     reply = check_messages([*openai, {"role": "assistant", "content": "a\r\nb"}])[2]
     assert reply == {"role": "assistant", "content": "a\r\nb"}
 
@@ -34,7 +36,10 @@ def test_check_messages_accepts_sharegpt_and_openai_shapes() -> None:
     ([{"role": "assistant", "content": "Hi"}], "starts with assistant, not user"),
     ([{"role": "wizard", "content": "Hi"}], "unknown role 'wizard'"),
     ([{"role": "user", "content": "  "}], "message 0 (user) is empty"),
-    ([{"role": "user", "content": ["a", "b"]}], "non-text content of type list"),
+    ([{"role": "user", "content": ["a", "b"]}], "message 0 (user): content part 0 is 'str', not text"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]}],
+     "content part 1 is 'image_url', not text"),
+    ([{"role": "user", "content": 3}], "non-text content of type int"),
     ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], "system message after the start"),
     ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "user where assistant was expected"),
     ([{"role": "system", "content": "only a system prompt"}], "no user turn"),

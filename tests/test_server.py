@@ -105,6 +105,13 @@ def test_chat_equals_plain_greedy_decoding_and_streams_the_same_text(served: Ser
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
         [r.choices[0].finish_reason]
     assert chunks[-1].usage.completion_tokens == len(tokens) and not chunks[-1].choices
+    # text parts are one message, joined by newlines as vLLM joins them
+    parts = [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "Name three"},
+                                                       {"type": "text", "text": "primes."}]}]
+    r = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=8, temperature=0)
+    joined = served.engine.chat.prompt_ids([MESSAGES[0], {"role": "user", "content": "Name three\nprimes."}])
+    assert r.usage.prompt_tokens == len(joined)
+    assert r.choices[0].message.content == plain_text(served.engine, joined, 8)[0]
 
 
 def test_completions_with_text_and_token_prompts(served: Served) -> None:
