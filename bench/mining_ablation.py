@@ -2,9 +2,10 @@
 per domain with bootstrap confidence intervals.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/mining_ablation.py --draft runs/race/bench/ours/final \\
-        --store runs/race/harvest-bf16 --records runs/race/regen/dataset/regenerated.jsonl \\
-        --eval-store runs/race/val-bf16 --eval-records runs/race/val_regen/dataset/regenerated.jsonl \\
-        --pool runs/pools/train.jsonl --eval-sets runs/pools/eval --out runs/ablation [--seeds 0 1] [--steps 90]
+        --store runs/race/harvest --records runs/race/regenerate/dataset/regenerated.jsonl \\
+        --eval-store runs/race/val/harvest --eval-records runs/race/val/regenerate/dataset/regenerated.jsonl \\
+        --pool runs/race/pools/train.jsonl --eval-sets runs/race/pools/eval --out runs/ablation \\
+        [--seeds 0 1] [--steps 90]
 
 Both arms start from the same draft and continue training for the same number of steps at the
 same tokens per step (the tokens actually trained are printed), on the base store plus what the

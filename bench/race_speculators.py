@@ -1,9 +1,11 @@
 """The race: our trainer against speculators==0.9.0 on the same harvested samples, both drafts
 judged by real vLLM in one run.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/race_speculators.py --store runs/race/harvest-bf16 \\
-        --pools runs/pools --out runs/race/bench --steps 180 [--extra fp8=runs/race/harvest-fp8] \\
-        [--extra ids=runs/race/harvest-ids] [--variant "replies=--optimizer muon ..."]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/race_speculators.py --store runs/race/harvest \\
+        --pools runs/race/pools --out runs/race/bench --steps 180 [--variant "all=--loss-positions all"] \\
+        [--extra fp8=runs/race/harvest-fp8] [--extra ids=runs/race/harvest-ids]
+
+The data: ``eagle3-run --config-name race`` (recipes/race.yaml; README, the race).
 
 Needs the three venvs: ``.venv`` (ours), ``.venv-speculators`` (scripts/setup_speculators_env.sh)
 and ``.venv-vllm`` (scripts/setup_vllm_env.sh). Steps, one after the other so that neither trainer
@@ -21,14 +23,15 @@ Equal for both: samples, TTT steps (3), draft vocab, sequence length per step (2
 speculators packs rows of that length, ours fills length buckets of at most that many tokens),
 optimizer steps. Each keeps its own optimizer, learning rate, schedule, loss weights and lm_head
 init (speculators: Muon + AdamW at 1e-3, linear decay, step weights 1.0, lm_head copied from the
-target and frozen, norm_before_fc / norm_output variant; ours: AdamW, cosine, 0.8^k, fresh
-lm_head): those are what is being compared. Both run in bf16 on CPUs with bf16 units (autocast
-for speculators, DeepSpeed's bf16 for ours) and in fp32 on CPUs without them (AVX2 only), where
-bf16 matmuls are far slower than fp32.
+target and frozen, norm_before_fc / norm_output variant; ours: ``--ours-recipe``, by default the
+pipeline's ``target-head`` draft recipe: the same layer variant, Muon at 2e-3, cosine, step weights
+1.0, lm_head started from the target's rows and trained): those are what is being compared. Both
+run in bf16 on CPUs with bf16 units (autocast for speculators, DeepSpeed's bf16 for ours) and in
+fp32 on CPUs without them (AVX2 only), where bf16 matmuls are far slower than fp32.
 
 Printed (one JSON line each): every trainer's tokens/s (training tokens / training-loop seconds)
-and the ratio; every judged draft's vLLM tau per eval set and overall, and the ratio of ours to
-speculators'. Finished runs are reused (``--fresh`` retrains).
+and the ratio; every judged draft's vLLM tau per eval set and overall, and the ratio of each of
+ours (``ours``, ``ours-<extra or variant>``) to speculators'. Finished runs are reused (``--fresh`` retrains).
 """
 
 from __future__ import annotations
@@ -65,20 +68,46 @@ def last_json(text: str) -> dict[str, Any]:
     raise SystemExit(f"no JSON result in: {text[-500:]}")
 
 
+def recipe_flags(name: str) -> list[str]:
+    """``recipes/draft/<name>.yaml`` (the pipeline's draft recipes: ``train`` keys) as ``eagle3.train``
+    flags; ``none``: no flags, the library's defaults."""
+    if name == "none":
+        return []
+    from omegaconf import OmegaConf
+
+    path = ROOT / "recipes" / "draft" / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise SystemExit(f"--ours-recipe {name}: no {path}; known: {', '.join(known)}, none")
+    flags = []
+    for key, value in OmegaConf.to_container(OmegaConf.load(path)).items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
 def train_ours(name: str, store: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Our trainer: the race's fixed settings, then the ``--ours-recipe`` flags, ``--lr`` if given,
+    then ``args.ours_args`` (later flags win)."""
     out = Path(args.out) / name
     if (out / "summary.json").is_file() and not args.fresh:
         return json.loads((out / "summary.json").read_text())
     cmd = [str(ROOT / ".venv/bin/python"), "-m", "eagle3.train", "--store", store, "--target", args.target,
            "--out", str(out), "--steps", str(args.steps), "--ttt-steps", str(args.ttt_steps),
            "--micro-batch-tokens", str(args.seq_len), "--batching", "buckets", "--precision", "auto",
-           "--lr", str(args.lr), "--warmup-steps", str(max(1, args.steps // 50)),
+           "--zero-stage", "1", "--warmup-steps", str(max(1, args.steps // 50)),
            "--eval-fraction", str(args.eval_fraction), "--eval-every", "0", "--no-eval-at-start",
            "--save-every", "0", "--wandb-mode", "disabled", "--no-progress", "--no-resume"]
     if args.draft_vocab:
         cmd += ["--draft-vocab", args.draft_vocab]
     else:
         cmd += ["--draft-vocab-size", str(args.draft_vocab_size)]
+    cmd += recipe_flags(args.ours_recipe)
+    if args.lr is not None:
+        cmd += ["--lr", str(args.lr)]
     cmd += shlex.split(args.ours_args)
     return last_json(run(cmd, Path(args.out) / f"{name}.log"))
 
@@ -119,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="NAME=STORE: also train ours on another store (same settings) and judge it")
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME=ARGS: also train ours on --store with these eagle3.train arguments in place of "
-                             "--ours-args (same vocab, steps and lr) and judge it, e.g. an ablation of one setting")
+                             "--ours-args (same recipe, vocab, steps and lr) and judge it, e.g. "
+                             "'all=--loss-positions all' or an ablation of one setting")
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--pools", default="runs/pools")
     parser.add_argument("--out", default="runs/race/bench")
@@ -128,15 +158,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
     parser.add_argument("--draft-vocab", default=None, help="reuse this draft vocab (else chosen by our run)")
-    parser.add_argument("--lr", type=float, default=2e-3, help="ours (speculators keeps its default)")
+    parser.add_argument("--ours-recipe", default="target-head",
+                        help="recipes/draft/NAME.yaml for our runs (the pipeline's default draft recipe), "
+                             "or none for the library's defaults")
+    parser.add_argument("--lr", type=float, default=None, help="ours (default: the recipe's; speculators: its own)")
     parser.add_argument("--speculators-lr", type=float, default=None, help="speculators' (default: its own, 1e-3)")
     parser.add_argument("--eval-fraction", type=float, default=0.1)
     parser.add_argument("--per-set", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--fresh", action="store_true")
-    parser.add_argument("--ours-args", default="", help="more eagle3.train arguments for our runs, e.g. "
-                        "'--lm-head-init target --freeze-lm-head'")
+    parser.add_argument("--ours-args", default="", help="more eagle3.train arguments for our runs, after the "
+                        "recipe's, e.g. '--loss-positions all'")
     args = parser.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
@@ -154,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
         variant = argparse.Namespace(**{**vars(args), "draft_vocab": str(vocab), "ours_args": ours_args})
         extras[name] = train_ours(f"ours-{name}", args.store, variant)
 
-    rows = [("ours", ours["tokens_per_s"]), ("speculators", spec["tokens_per_s"])]
+    rows = [("ours", ours["tokens_per_s"]), ("speculators", spec["tokens_per_s"]),
+            *((f"ours-{name}", summary["tokens_per_s"]) for name, summary in extras.items())]
     for name, value in rows:
         print(json.dumps({"figure": "race_train_tokens_per_s", "trainer": name, "tokens_per_s": value}), flush=True)
     print(json.dumps({"figure": "race_train_tokens_per_s_ratio", "ours_over_speculators":
@@ -174,10 +208,11 @@ def main(argv: list[str] | None = None) -> None:
     for line in lines:
         print(json.dumps(line), flush=True)
     overall = {x["draft"]: x["tau"] for x in lines if x["figure"] == "vllm_judge_overall"}
-    print(json.dumps({"figure": "race_tau_ratio", "ours_tau": overall["ours"],
-                      "speculators_tau": overall["speculators"],
-                      "ours_over_speculators": round(overall["ours"] / overall["speculators"], 3),
-                      "steps": args.steps, "ttt_steps": args.ttt_steps, "seq_len": args.seq_len}), flush=True)
+    for draft in ["ours", *(f"ours-{name}" for name in extras)]:  # every draft of ours against speculators'
+        print(json.dumps({"figure": "race_tau_ratio", "draft": draft, "ours_tau": overall[draft],
+                          "speculators_tau": overall["speculators"],
+                          "ours_over_speculators": round(overall[draft] / overall["speculators"], 3),
+                          "steps": args.steps, "ttt_steps": args.ttt_steps, "seq_len": args.seq_len}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Training step of the TTT unroll with and without the rows no step reads (`read_rows`), side by side.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/ttt_rows.py --store runs/race/harvest-bf16 --batches 6
+    OMP_NUM_THREADS=1 .venv/bin/python bench/ttt_rows.py --store runs/race/harvest --batches 6
 
 Packs the store's samples into rows of ``--max-tokens`` (as training does), computes the
 target's distribution once per batch, then times forward + backward of a fresh draft (fp32,

@@ -152,3 +152,25 @@ def test_draft_and_serve_groups_set_their_fields() -> None:
     # the GPU recipes keep the paper's recipe with their own learning rate
     assert (big.train.draft_variant, big.train.optimizer, big.train.lr) == ("eagle3", "adamw", 1e-4)
     assert frozen.train.steps == default.train.steps == paper.train.steps  # a group touches only its own fields
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (RECIPES / "draft").glob("*.yaml")))
+def test_the_race_passes_a_draft_recipe_as_the_pipeline_applies_it(name: str) -> None:
+    """bench/race_speculators.py turns recipes/draft/<name>.yaml into eagle3.train flags: they must
+    parse to the train fields the pipeline's ``draft=<name>`` sets."""
+    import importlib.util
+    from dataclasses import fields
+
+    from eagle3.train import build_parser
+
+    spec = importlib.util.spec_from_file_location("race", RECIPES.parent / "bench" / "race_speculators.py")
+    race = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(race)
+    with initialize_config_module(config_module="recipes", version_base="1.3"):
+        pipeline = OmegaConf.to_object(compose(config_name="pipeline", overrides=[f"draft={name}"])).train
+    parsed = vars(build_parser().parse_args(["--store", "s", "--out", "o", *race.recipe_flags(name)]))
+    keys = OmegaConf.load(RECIPES / "draft" / f"{name}.yaml").keys()
+    assert keys and {k: parsed[k] for k in keys} == {k: getattr(pipeline, k) for k in keys}
+    unset = {f.name for f in fields(TrainConfig)} - set(keys) - {"store", "out_dir"}
+    assert all(parsed[k] == getattr(TrainConfig(), k) for k in unset)  # nothing else moves
+    assert race.recipe_flags("none") == []
