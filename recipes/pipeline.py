@@ -96,15 +96,22 @@ def stage_target(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def stage_pools(cfg: PipelineConfig) -> dict[str, Any]:
-    """Prompt pools and held-out eval sets; reused when already built with the same config."""
+    """Prompt pools and held-out eval sets; reused when already built with the same config (wherever
+    the folder is now); a pool built with another fails naming the key, before anything is rewritten."""
     from data_gen.pools import build_pools, format_counts, pools_config_of
 
-    existing = pools_config_of(cfg.pools.out_dir)
-    if existing is not None and existing == pools_config_of(cfg.pools):
-        manifest = json.loads((Path(cfg.pools.out_dir) / "manifest.json").read_text())
-        print(f"pools: up to date in {cfg.pools.out_dir}")
-    else:
+    folder = Path(cfg.pools.out_dir)
+    existing, wanted = pools_config_of(folder), pools_config_of(cfg.pools)
+    if existing is None:
         manifest = build_pools(cfg.pools)
+    else:
+        changed = [key for key in wanted if key != "out_dir" and existing.get(key) != wanted[key]]
+        if changed:
+            key = changed[0]
+            shown = (None, None) if key == "user_files" else (existing.get(key), wanted[key])  # a file's sha256
+            raise _made_otherwise("pools", folder, f"pools.{key}", *shown)
+        manifest = json.loads((folder / "manifest.json").read_text())
+        print(f"pools: up to date in {folder}")
     print(format_counts(manifest))
     return {"out_dir": cfg.pools.out_dir, **manifest["counts"]}
 

@@ -87,3 +87,28 @@ def test_stages_rerun_retrain_and_a_changed_key(tmp_path: Path, capsys: pytest.C
         run_pipeline(replace(cfg, harvest=replace(cfg.harvest, dtype="bfloat16")))
     with pytest.raises(PipelineError, match=r"val: .*run/val/regenerate was made with another val\.\*"):
         run_pipeline(replace(cfg, val=SelectConfig(num_prompts=6, split="val")))
+
+
+def test_a_pool_built_otherwise_is_refused_before_it_is_rewritten(tmp_path: Path) -> None:
+    """The pools stage reuses a pool built with the same settings (also after the folder moved) and
+    refuses one built with others, naming the key, instead of rebuilding it under the later stages."""
+    from data_gen.pools import pools_config_of
+    from recipes.pipeline import stage_pools
+
+    cfg = _config(tmp_path)
+    folder = _pools(tmp_path / "pools")
+    counts = {"train": 24, "val": 8, "train_by_domain": {}, "train_by_source": {}, "train_by_language": {},
+              "eval": {"mtbench": 4}}
+    manifest = {"config": pools_config_of(cfg.pools), "counts": counts, "seconds": 1, "skipped": {}}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    before = (folder / "train.jsonl").read_bytes()
+    assert stage_pools(cfg)["train"] == 24
+    moved = tmp_path / "moved"
+    folder.rename(moved)
+    cfg.pools.out_dir = str(moved)
+    assert stage_pools(cfg)["train"] == 24  # the folder's place is not a setting
+    cfg.pools.val_fraction = 0.05
+    with pytest.raises(PipelineError, match=r"pools: .*moved was made with another pools\.val_fraction: "
+                                            r"0\.02 there, 0\.05 now; set it back to resume, or delete"):
+        stage_pools(cfg)
+    assert (moved / "train.jsonl").read_bytes() == before
