@@ -69,18 +69,15 @@ def last_json(text: str) -> dict[str, Any]:
 
 
 def recipe_flags(name: str) -> list[str]:
-    """``recipes/draft/<name>.yaml`` (the pipeline's draft recipes: ``train`` keys) as ``eagle3.train``
-    flags; ``none``: no flags, the library's defaults."""
-    if name == "none":
-        return []
-    from omegaconf import OmegaConf
+    """A draft recipe (:func:`recipes.draft_recipe`) as ``eagle3.train`` flags."""
+    from recipes import draft_recipe
 
-    path = ROOT / "recipes" / "draft" / f"{name}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise SystemExit(f"--ours-recipe {name}: no {path}; known: {', '.join(known)}, none")
+    try:
+        settings = draft_recipe(name)
+    except ValueError as err:
+        raise SystemExit(f"--ours-recipe: {err}") from None
     flags = []
-    for key, value in OmegaConf.to_container(OmegaConf.load(path)).items():
+    for key, value in settings.items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])

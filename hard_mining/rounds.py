@@ -383,7 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--eval-store", required=True)
     parser.add_argument("--eval-records", nargs="+", required=True)
     parser.add_argument("--pool", default="")
-    parser.add_argument("--eval-sets", default="")
+    parser.add_argument("--eval-sets", required=True,
+                        help="folder of eval-set *.jsonl: new prompts are deduplicated against them")
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--strategies", nargs="+", default=MineConfig().strategies)
@@ -393,9 +394,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--uniform", type=int, default=MineConfig.uniform)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--wandb-mode", default="offline")
-    # the continued training's settings
-    parser.add_argument("--ttt-steps", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=1e-3, help="each round's peak learning rate")
+    # the continued training's settings: a draft recipe, as the pipeline's draft=<name>
+    parser.add_argument("--recipe", default="target-head",
+                        help="recipes/draft/NAME.yaml (optimizer, step weights, lr...; default the pipeline's), "
+                             "or none for the library's defaults")
+    parser.add_argument("--ttt-steps", type=int, default=TrainConfig.ttt_steps)
+    parser.add_argument("--loss-positions", default=TrainConfig.loss_positions, help="assistant or all")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="each round's peak learning rate (default a quarter of the recipe's)")
     parser.add_argument("--micro-batch-tokens", type=int, default=2048)
     parser.add_argument("--precision", default="auto", help="fp32, bf16 or auto (bf16 where it is the faster)")
     parser.add_argument("--threads", type=int, default=1)
@@ -408,12 +414,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from eagle3.train import TrainError
     torch.set_num_threads(args.threads)
     try:
+        from recipes import draft_recipe
+
+        recipe = draft_recipe(args.recipe)
         cfg = MineConfig(draft=args.draft, store=args.store, records=args.records, eval_store=args.eval_store,
                          eval_records=args.eval_records, pool=args.pool, eval_sets=args.eval_sets, out_dir=args.out,
                          rounds=args.rounds, strategies=args.strategies, steps=args.steps,
                          candidates=args.candidates, keep_fraction=args.keep_fraction, uniform=args.uniform,
                          seed=args.seed, wandb_mode=args.wandb_mode, lr=args.lr)
-        train_cfg = TrainConfig(store=args.store, out_dir=args.out, ttt_steps=args.ttt_steps, lr=args.lr,
+        train_cfg = TrainConfig(**{**recipe, "store": args.store, "out_dir": args.out, "ttt_steps": args.ttt_steps,
+                                   "loss_positions": args.loss_positions},
                                 warmup_steps=max(1, args.steps // 20), micro_batch_tokens=args.micro_batch_tokens,
                                 batching="buckets", precision=args.precision, eval_every=0, save_every=0,
                                 progress=not args.no_progress, threads=args.threads)

@@ -221,3 +221,26 @@ def test_dashboard_panels_name_metrics_the_runs_log(world: dict) -> None:
     pytest.importorskip("wandb_workspaces")
     view = workspace("someone", "eagle3")
     assert [s.name for s in view.sections] == [name for name, _ in SECTIONS]
+
+
+def test_the_cli_continues_with_the_pipelines_draft_recipe(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """hard_mining.rounds trains with a draft recipe (default the pipeline's target-head) at a quarter
+    of its lr, as the mine stage does, and cannot run without eval sets to deduplicate against."""
+    import hard_mining.rounds as rounds
+
+    seen = []
+    monkeypatch.setattr(rounds, "run_rounds", lambda cfg, train_cfg, target_cfg, progress: seen.append(
+        (cfg, train_cfg)) or {"rounds": []})
+    base = ["--draft", "d", "--store", "s", "--records", "r.jsonl", "--eval-store", "e", "--eval-records", "e.jsonl",
+            "--out", "o", "--no-progress"]
+    with pytest.raises(SystemExit):
+        rounds.main(base)
+    assert "--eval-sets" in capsys.readouterr().err
+    assert rounds.main([*base, "--eval-sets", "sets"]) == 0
+    assert rounds.main([*base, "--eval-sets", "sets", "--recipe", "eagle3", "--lr", "0.01"]) == 0
+    (mine, train), (mine_paper, train_paper) = seen
+    assert (train.optimizer, train.step_decay, train.draft_variant, train.lr, mine.lr) == \
+        ("muon", 1.0, "speculators", 2e-3, None)  # None: a quarter of train.lr, as the pipeline's mine.lr
+    assert (train_paper.optimizer, train_paper.step_decay, mine_paper.lr) == ("adamw", 0.8, 0.01)
+    assert rounds.main([*base, "--eval-sets", "sets", "--recipe", "nope"]) == 2
+    assert "draft recipe 'nope'" in capsys.readouterr().err
