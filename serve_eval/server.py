@@ -612,7 +612,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
         print(json.dumps({"server": "cost model", **cost.as_dict()}), file=sys.stderr)
     return Engine(decoder, chat, model_name=args.served_model_name or args.target, max_model_len=max_model_len,
                   default_max_tokens=args.default_max_tokens, adaptive=args.adaptive, cost=cost,
-                  prior=draft_prior(meta, args.k), max_queue=args.max_queue)
+                  prior=draft_prior(meta, args.k), max_queue=args.max_queue, recent_requests=args.recent_requests)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -632,10 +632,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--default-max-tokens", type=int, default=1024)
     parser.add_argument("--max-queue", type=int, default=256)
+    parser.add_argument("--recent-requests", type=int, default=64,
+                        help="requests whose own tau and acceptance /metrics shows")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     for flag, value, low in (("--k", args.k, 1), ("--topk", args.topk, 1), ("--budget", args.budget, 1),
                              ("--default-max-tokens", args.default_max_tokens, 1), ("--max-queue", args.max_queue, 1),
+                             ("--recent-requests", args.recent_requests, 0),
                              ("--threads", args.threads, 1), ("--port", args.port, 0)):
         if value < low:
             parser.error(f"{flag} must be >= {low}, got {value}")

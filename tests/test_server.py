@@ -302,7 +302,8 @@ def test_memory_is_stable_over_a_thousand_requests(served: Served) -> None:
 
 
 def test_startup_refuses_a_draft_that_does_not_fit(tmp_path: Path, tiny_model_dir: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+                                                   capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from eagle3.checkpoint import export_draft
     from eagle3.draft import DraftConfig, Eagle3Draft
     from eagle3.target import load_target
@@ -327,3 +328,18 @@ def test_startup_refuses_a_draft_that_does_not_fit(tmp_path: Path, tiny_model_di
         assert main(["--draft", str(folder), "--target", str(tiny_model_dir)]) == 2
         assert reason in capsys.readouterr().err
     assert json.loads((cases[0][0] / "draft.json").read_text())["aux_layer_ids"] == ids
+
+    # a draft that fits starts, with the flags passed on (uvicorn stubbed out)
+    import uvicorn
+
+    import serve_eval.server as server
+
+    started: list[Engine] = []
+    monkeypatch.setattr(server, "build_app", lambda engine, key: started.append(engine))
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)
+    fits = write("fits", target.hidden_size, {})
+    assert main(["--draft", str(fits), "--target", str(tiny_model_dir), "--recent-requests", "5"]) == 0
+    assert started[0].metrics.recent.maxlen == 5
+    with pytest.raises(SystemExit):
+        main(["--draft", str(fits), "--recent-requests", "-1"])
+    assert "--recent-requests must be >= 0" in capsys.readouterr().err
