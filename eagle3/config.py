@@ -294,6 +294,7 @@ class TrainConfig:
     """Peak learning rate (AdamW; with ``optimizer=muon`` each Muon matrix's step is scaled to
     the RMS an AdamW step of this lr would have, 0.2 * lr, so one lr serves both halves)."""
     muon_momentum: float = 0.95
+    """Momentum of the Muon half (DeepSpeed's Muon)."""
     muon_ns_method: str = "auto"
     """Newton-Schulz variant of DeepSpeed's Muon: gram (fp16 Gram iteration, DeepSpeed's default,
     the faster one on GPUs), standard (the original bf16 iteration), or auto: gram on CUDA,
@@ -307,9 +308,13 @@ class TrainConfig:
     warmup_steps: int = 50
     """Linear warmup from lr / warmup_steps to lr."""
     weight_decay: float = 0.0
+    """Decoupled weight decay on every trained parameter (AdamW's; with Muon, both halves)."""
     adam_beta1: float = 0.9
+    """AdamW's first-moment decay."""
     adam_beta2: float = 0.95
+    """AdamW's second-moment decay."""
     adam_eps: float = 1e-8
+    """AdamW's denominator epsilon."""
     max_grad_norm: float = 0.5
     """Gradient clipping by global norm; 0 disables it. Not applied to Muon runs under DeepSpeed's
     ZeRO optimizer (zero_stage >= 1, except bf16 at stage 1), which would clip Muon's
@@ -410,6 +415,7 @@ class TrainConfig:
     wandb_mode: str = "offline"
     """offline (synced later with ``wandb sync``), online, or disabled."""
     wandb_project: str = "eagle3"
+    """The wandb project the run is logged under."""
     wandb_run_name: str | None = None
     """None: the name of ``out_dir``."""
     progress: bool = True
