@@ -2,9 +2,11 @@
 # Create the project venv (default .venv, or $EAGLE3_VENV) and install the project into it.
 # A no-op once installed, until pyproject.toml changes. Prints the venv path on stdout.
 #
-# torch: installs torch==${EAGLE3_TORCH_VERSION:-2.13.0} (a CPU wheel on CPU-only machines)
-# unless the venv already has a torch. CUDA users install their torch build into the venv
-# first (see README), and this script keeps it.
+# torch: installs torch==${EAGLE3_TORCH_VERSION:-2.13.0} from pip's configured sources unless the
+# venv already has a torch (the build pip finds: this project's machines offer a CPU wheel; PyPI's
+# default Linux build bundles CUDA libraries and runs on CPU too). EAGLE3_TORCH_INDEX picks the
+# index, e.g. https://download.pytorch.org/whl/cpu for the small CPU build. CUDA users may also
+# install their torch build into the venv first (see README), and this script keeps it.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${EAGLE3_VENV:-$root/.venv}"
@@ -24,7 +26,8 @@ stamp="$venv/.eagle3-installed"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
     echo "installing torch==${EAGLE3_TORCH_VERSION:-2.13.0}" >&2
-    "${pip[@]}" install -q "torch==${EAGLE3_TORCH_VERSION:-2.13.0}" >&2
+    "${pip[@]}" install -q ${EAGLE3_TORCH_INDEX:+--index-url "$EAGLE3_TORCH_INDEX"} \
+      "torch==${EAGLE3_TORCH_VERSION:-2.13.0}" >&2
   fi
   echo "installing the project and its dependencies into $venv" >&2
   "${pip[@]}" install -q -e "$root[dev]" >&2
