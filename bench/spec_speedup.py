@@ -49,7 +49,7 @@ def cost_model(target, draft, context: int, k: int, repeats: int) -> dict[str, f
     from eagle3.spec_decode import crop_cache
 
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, 1000, (1, context + k + 1), generator=g)
+    ids = torch.randint(0, target.vocab_size, (1, context + k + 1), generator=g)  # timing only: any ids
     cache = DynamicCache()
     with torch.no_grad():
         target(ids[:, :context], past_key_values=cache, use_cache=True)
