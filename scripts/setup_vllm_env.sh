@@ -14,7 +14,7 @@ python="${PYTHON:-python3}"
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 stamp="$venv/.eagle3-installed"
-want="$package $(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
+want="$package $(cat "$root/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "installing $package into $venv (several minutes)" >&2
   "${pip[@]}" install -q "$package" >&2
@@ -24,7 +24,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   fi
   # The project itself, without letting pip touch vLLM's torch/transformers pins.
   "${pip[@]}" install -q --no-deps -e "$root" >&2
-  "${pip[@]}" install -q gguf filelock tqdm hydra-core pytest >&2
+  # What the data stages run from here need (target, pools, regenerate, harvest: recipes/race.yaml).
+  "${pip[@]}" install -q gguf filelock tqdm hydra-core pytest py3langid pytz python-dateutil sympy >&2
   echo "$want" > "$stamp"
 fi
 echo "$venv"
