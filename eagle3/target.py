@@ -331,7 +331,9 @@ def load_target(
     ``nvfp4-pack-quantized``) runs emulated (:mod:`eagle3.nvfp4`): ``nvfp4_mode`` ``auto`` as its
     checkpoint says (W4A4 with activation scales), or ``w4a16`` for weight-only. A multimodal
     checkpoint loads whole; only its text path is run. The capture is checked against the model's
-    own forward on a short probe (:func:`verify_capture`)."""
+    own forward on a short probe (:func:`verify_capture`). ``attn_implementation="sdpa"`` (the
+    default) runs eager attention for a family whose transformers class refuses SDPA (Gemma 2: its
+    attention logit soft-capping), as transformers' own default does."""
     from transformers import AutoConfig
 
     resolved = resolve_target(name_or_path, home)
@@ -348,9 +350,11 @@ def load_target(
             model = load_emulated(where, dtype=torch_dtype, mode=nvfp4_mode, attn_implementation=attn_implementation)
         else:
             config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
+            model_class = _model_class(config)
             model = from_pretrained_complete(
-                _model_class(config), where, dtype=torch_dtype, use_safetensors=True,
-                attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+                model_class, where, dtype=torch_dtype, use_safetensors=True,
+                attn_implementation=_attention_for(model_class, config, attn_implementation),
+                trust_remote_code=trust_remote_code,
             )
     except (OSError, ValueError, KeyError, TypeError, ImportError) as err:
         raise TargetLoadError(f"{where}: cannot load as a causal LM ({type(err).__name__}: {err})") from err
@@ -439,6 +443,16 @@ def _model_class(config: Any) -> Any:
             return auto
     auto_map = getattr(config, "auto_map", None) or {}  # the checkpoint's own code (trust_remote_code)
     return AutoModelForImageTextToText if "AutoModelForImageTextToText" in auto_map else AutoModelForCausalLM
+
+
+def _attention_for(auto_class: Any, config: Any, requested: str) -> str:
+    """``requested``, or ``eager`` where it is ``sdpa`` and the class ``auto_class`` builds for
+    ``config`` cannot run SDPA (Gemma 2, whose attention soft-caps its logits: transformers refuses
+    to load it with SDPA rather than compute something else)."""
+    if requested != "sdpa":
+        return requested
+    concrete = auto_class._model_mapping[type(config)] if type(config) in auto_class._model_mapping else None
+    return "eager" if concrete is not None and not getattr(concrete, "_supports_sdpa", True) else requested
 
 
 def _require_safetensors(folder: Path) -> None:

@@ -213,6 +213,30 @@ def test_load_refuses_logits_it_cannot_reproduce(tmp_path, monkeypatch: pytest.M
         load_target(str(folder), dtype="float32", device="cpu")
 
 
+def test_a_family_without_sdpa_loads_with_eager_attention(tmp_path) -> None:
+    """Gemma 2 soft-caps its attention logits, which SDPA cannot: transformers refuses to load it
+    with the default ``sdpa`` (every stage failed on a Gemma 2 target, the eval stage and mining
+    whatever target.attn_implementation said). It loads with eager attention instead."""
+    folder = tmp_path / "gemma2"
+    model = family_model("gemma2")
+    assert model.config.attn_logit_softcapping  # the reason transformers has no SDPA for it
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    target = load_target(str(folder), dtype="float32", device="cpu")  # verify_capture ran at load
+    assert target.model.config._attn_implementation == "eager"
+    ids = torch.randint(3, TINY_VOCAB, (1, 11))
+    torch.testing.assert_close(target(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+    assert load_target(str(tiny_model_folder(tmp_path)), dtype="float32",
+                       device="cpu").model.config._attn_implementation == "sdpa"  # the others keep SDPA
+
+
+def tiny_model_folder(tmp_path):
+    folder = tmp_path / "llama"
+    tiny_llama(vocab=TINY_VOCAB).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
 def tiny_kimi_k25(folder):
     """A tiny random Kimi-K2.5 (multimodal wrapper, DeepSeek-V3 text model: MLA + MoE), saved in
     the checkpoint's own layout (``language_model.model.*``, ``language_model.lm_head``)."""
