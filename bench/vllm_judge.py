@@ -83,7 +83,8 @@ def run_engine(job: dict[str, Any]) -> dict[str, Any]:
 
     settings: dict[str, Any] = dict(model=job["target"], tokenizer=job["target"], dtype="float32",
                                     max_model_len=job["max_model_len"], seed=0, enable_prefix_caching=False,
-                                    enforce_eager=True, disable_log_stats=False)
+                                    enforce_eager=True, disable_log_stats=False,
+                                    model_impl=job.get("model_impl", "auto"))
     if job.get("method") == "ngram":  # vLLM's prompt-lookup speculator: no draft model
         settings["speculative_config"] = {"method": "ngram", "num_speculative_tokens": job["k"],
                                           "prompt_lookup_min": 2, "prompt_lookup_max": 5}
@@ -155,10 +156,10 @@ def control_copies(draft: Path, default_ids: list[int], num_layers: int, workdir
 
 
 def judge(target_folder: str, drafts: dict[str, Path | None], prompts: dict[str, list[list[int]]], *, k: int,
-          max_new_tokens: int, stop_ids: list[int], target: Any) -> list[dict[str, Any]]:
+          max_new_tokens: int, stop_ids: list[int], target: Any, model_impl: str = "auto") -> list[dict[str, Any]]:
     """One line per (draft, set): tau, acceptance per position, tokens/s, greedy equality."""
     job = {"target": target_folder, "prompts": prompts, "k": k, "max_new_tokens": max_new_tokens,
-           "stop_ids": stop_ids, "max_model_len": 2048}
+           "stop_ids": stop_ids, "max_model_len": 2048, "model_impl": model_impl}
     plain = in_child(job)
     lines = []
     for name, folder in drafts.items():
@@ -204,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--controls", action="store_true", help="also serve copies with wrong aux ids")
+    parser.add_argument("--model-impl", default="auto", choices=["auto", "vllm", "transformers"],
+                        help="vLLM's implementation of the target (transformers: its Transformers modeling backend, "
+                             "for families whose native class lacks EAGLE-3 support); the draft's stays native")
     args = parser.parse_args(argv)
 
     from eagle3.chat import ChatFormat
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.ngram:
             drafts["ngram"] = None
         lines = judge(str(folder), drafts, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
-                      stop_ids=sorted(chat.stop_ids), target=target)
+                      stop_ids=sorted(chat.stop_ids), target=target, model_impl=args.model_impl)
     for line in lines:
         print(json.dumps(line), flush=True)
     for name in drafts:
