@@ -82,15 +82,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, default=90)
     parser.add_argument("--candidates", type=int, default=64)
+    parser.add_argument("--recipe", default="none",
+                        help="draft recipe of the continued training (recipes/draft/NAME.yaml; none: the library's "
+                             "defaults, which the README's figures used)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--ttt-steps", type=int, default=3)
     parser.add_argument("--bootstrap", type=int, default=2000)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    from eagle3.config import MineConfig, TargetConfig, TrainConfig
+    from eagle3.config import MineConfig, TargetConfig
     from eagle3.target import load_target
-    from hard_mining.rounds import run_rounds
+    from hard_mining.rounds import continued_training, run_rounds
 
     out = Path(args.out)
     target_cfg = TargetConfig(name_or_path=args.target)
@@ -98,9 +101,9 @@ def main(argv: list[str] | None = None) -> None:
 
     target = load_target(args.target, dtype="float32", device="cpu",
                          aux_layer_ids=HarvestStore(Path(args.store)).spec.aux_layer_ids)
-    train_cfg = TrainConfig(store=args.store, out_dir=str(out), ttt_steps=args.ttt_steps, lr=args.lr,
-                            warmup_steps=max(1, args.steps // 20), micro_batch_tokens=2048, batching="buckets",
-                            precision="bf16", eval_every=0, save_every=0, progress=False)
+    train_cfg = continued_training(args.recipe, store=args.store, out_dir=str(out), ttt_steps=args.ttt_steps,
+                                   lr=args.lr, warmup_steps=max(1, args.steps // 20), micro_batch_tokens=2048,
+                                   batching="buckets", precision="auto", eval_every=0, save_every=0, progress=False)
     common = dict(draft=args.draft, store=args.store, records=args.records, eval_store=args.eval_store,
                   eval_records=args.eval_records, pool=args.pool, eval_sets=args.eval_sets, rounds=1,
                   steps=args.steps, candidates=args.candidates, wandb_mode="offline")

@@ -31,7 +31,8 @@ fp32 on CPUs without them (AVX2 only), where bf16 matmuls are far slower than fp
 
 Printed (one JSON line each): every trainer's tokens/s (training tokens / training-loop seconds)
 and the ratio; every judged draft's vLLM tau per eval set and overall, and the ratio of each of
-ours (``ours``, ``ours-<extra or variant>``) to speculators'. Finished runs are reused (``--fresh`` retrains).
+ours (``ours``, ``ours-<extra or variant>``) to speculators'. A finished run is reused when it ran
+the same command (``--fresh`` retrains).
 """
 
 from __future__ import annotations
@@ -90,8 +91,6 @@ def train_ours(name: str, store: str, args: argparse.Namespace) -> dict[str, Any
     """Our trainer: the race's fixed settings, then the ``--ours-recipe`` flags, ``--lr`` if given,
     then ``args.ours_args`` (later flags win)."""
     out = Path(args.out) / name
-    if (out / "summary.json").is_file() and not args.fresh:
-        return json.loads((out / "summary.json").read_text())
     cmd = [str(ROOT / ".venv/bin/python"), "-m", "eagle3.train", "--store", store, "--target", args.target,
            "--out", str(out), "--steps", str(args.steps), "--ttt-steps", str(args.ttt_steps),
            "--micro-batch-tokens", str(args.seq_len), "--batching", "buckets", "--precision", "auto",
@@ -106,7 +105,22 @@ def train_ours(name: str, store: str, args: argparse.Namespace) -> dict[str, Any
     if args.lr is not None:
         cmd += ["--lr", str(args.lr)]
     cmd += shlex.split(args.ours_args)
-    return last_json(run(cmd, Path(args.out) / f"{name}.log"))
+    return reused(out / "summary.json", cmd, args) or ran(out, cmd, Path(args.out) / f"{name}.log")
+
+
+def reused(result: Path, cmd: list[str], args: argparse.Namespace) -> dict[str, Any] | None:
+    """A finished run's result, when it ran this very command (``race_command.json`` beside it)."""
+    saved = result.parent / "race_command.json"
+    if args.fresh or not result.is_file() or not saved.is_file() or json.loads(saved.read_text()) != cmd:
+        return None
+    return json.loads(result.read_text())
+
+
+def ran(out: Path, cmd: list[str], log: Path) -> dict[str, Any]:
+    """Run ``cmd`` (it writes ``out``) and record it for :func:`reused`."""
+    result = last_json(run(cmd, log))
+    (out / "race_command.json").write_text(json.dumps(cmd) + "\n")
+    return result
 
 
 def cpu_dtype() -> str:
@@ -118,24 +132,23 @@ def cpu_dtype() -> str:
 
 
 def train_speculators(args: argparse.Namespace, vocab: Path) -> dict[str, Any]:
-    out = Path(args.out) / "speculators"
-    if (out / "result.json").is_file() and not args.fresh:
-        return json.loads((out / "result.json").read_text())
-    data = Path(args.out) / "speculators-data"
-    if not data.is_dir() or args.fresh:
-        shutil.rmtree(data, ignore_errors=True)
-        run([str(ROOT / ".venv/bin/python"), "bench/speculators_data.py", "--store", args.store, "--out", str(data),
-             "--draft-vocab", str(vocab), "--eval-fraction", str(args.eval_fraction)],
-            Path(args.out) / "speculators-data.log")
     from eagle3.target_source import resolve_target
 
-    shutil.rmtree(out, ignore_errors=True)
+    out, data = Path(args.out) / "speculators", Path(args.out) / "speculators-data"
     cmd = [str(ROOT / ".venv-speculators/bin/python"), "bench/speculators_train.py", "--data", str(data),
            "--target", str(resolve_target(args.target).location), "--out", str(out), "--steps", str(args.steps),
            "--ttt-steps", str(args.ttt_steps), "--seq-len", str(args.seq_len), "--dtype", cpu_dtype()]
     if args.speculators_lr is not None:
         cmd += ["--lr", str(args.speculators_lr)]
-    return last_json(run(cmd, Path(args.out) / "speculators.log"))
+    if (done := reused(out / "result.json", cmd, args)) is not None:
+        return done
+    if not data.is_dir() or args.fresh:
+        shutil.rmtree(data, ignore_errors=True)
+        run([str(ROOT / ".venv/bin/python"), "bench/speculators_data.py", "--store", args.store, "--out", str(data),
+             "--draft-vocab", str(vocab), "--eval-fraction", str(args.eval_fraction)],
+            Path(args.out) / "speculators-data.log")
+    shutil.rmtree(out, ignore_errors=True)
+    return ran(out, cmd, Path(args.out) / "speculators.log")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,6 +14,7 @@ add one too would double it (:func:`check_single_bos` guards against that).
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -113,15 +114,15 @@ class ChatFormat:
         ``token_ids`` are used when they decode to the reply (else the reply text is tokenized),
         its ``stop_id`` is the stop, and a reply cut at ``max_new_tokens`` (``finish_reason``
         ``"length"``) gets no stop; its ``prompt_ids`` (kept where the template writes the date)
-        are the prompt when they hold the messages' text. Without it: the text, and the
-        end-of-turn token (else EOS).
+        are the prompt when its ``prompt_sha256`` is that of these messages. Without it: the
+        text, and the end-of-turn token (else EOS).
         Token level, so no template rewriting of the reply (DeepSeek-R1 dropping its reasoning)
         and no merge of a reply's first characters with the header's can change what is trained.
         """
         if not messages or messages[-1]["role"] != "assistant":
             raise ChatFormatError("a reply sample must end with an assistant message")
         turn = turn or {}
-        prompt = self._prompt_as_fed(messages[:-1], turn.get("prompt_ids"))
+        prompt = self._prompt_as_fed(messages[:-1], turn)
         content = messages[-1]["content"]
         reply = turn.get("token_ids")
         if not isinstance(reply, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in reply):
@@ -140,21 +141,15 @@ class ChatFormat:
         ids = [*prompt, *(int(t) for t in reply), *stop]
         return ids, [0] * len(prompt) + [1] * (len(ids) - len(prompt))
 
-    def _prompt_as_fed(self, messages: Sequence[Message], stored: Any) -> list[int]:
-        """The generation prompt of ``messages``: ``stored`` (a regenerated turn's ``prompt_ids``)
-        when they are token ids whose text holds every message (not so for a record edited since),
-        else rendered now."""
-        if isinstance(stored, list) and stored and all(isinstance(t, int) and not isinstance(t, bool) for t in stored):
-            text = self.tokenizer.decode(stored, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            cursor = 0
-            for m in messages:  # in order: each message's text after the one before it
-                found = text.find(m["content"], cursor)
-                if found < 0:
-                    break
-                cursor = found + len(m["content"])
-            else:
-                check_single_bos(stored, self.tokenizer.bos_token_id)
-                return list(stored)
+    def _prompt_as_fed(self, messages: Sequence[Message], turn: Mapping[str, Any]) -> list[int]:
+        """The generation prompt of ``messages``: the ``prompt_ids`` a regenerated turn kept, when
+        its ``prompt_sha256`` says they were rendered from these very messages (not so for a
+        record edited since), else rendered now."""
+        stored = turn.get("prompt_ids")
+        if (isinstance(stored, list) and stored and all(isinstance(t, int) and not isinstance(t, bool) for t in stored)
+                and turn.get("prompt_sha256") == messages_sha256(messages)):
+            check_single_bos(stored, self.tokenizer.bos_token_id)
+            return list(stored)
         return self.prompt_ids(messages)
 
     def history_is_context(self, messages: Sequence[Message]) -> bool:
@@ -250,6 +245,12 @@ class ChatFormat:
         return None
 
 
+def messages_sha256(messages: Sequence[Message]) -> str:
+    """A digest of the roles and contents of ``messages``, exactly as written."""
+    data = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+    return hashlib.sha256(data.encode("utf-8")).hexdigest()
+
+
 def _locate(text: str, content: str, cursor: int) -> tuple[int, int] | None:
     """[start, end) of ``content`` (as given, else stripped) in ``text`` from ``cursor`` on."""
     for piece in (content, content.strip()):
@@ -282,4 +283,4 @@ def _added_ids(tokenizer: Any) -> list[int]:
     return [int(i) for i, tok in decoder.items() if getattr(tok, "special", False)]
 
 
-__all__ = ["FALLBACK_CHAT_TEMPLATE", "ChatFormat", "ChatFormatError", "check_single_bos", "eos_ids"]
+__all__ = ["FALLBACK_CHAT_TEMPLATE", "ChatFormat", "ChatFormatError", "check_single_bos", "eos_ids", "messages_sha256"]

@@ -101,8 +101,10 @@ def _text_of_parts(parts: list[Any], where: str) -> str:
     texts = []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind != "text" or not isinstance(part.get("text"), str):
+        if kind != "text":
             raise ConversationError(f"{where}: content part {j} is {kind!r}, not text (text-only targets)")
+        if not isinstance(part.get("text"), str):
+            raise ConversationError(f"{where}: content part {j} has no string 'text'")
         texts.append(part["text"])
     return TEXT_PART_SEPARATOR.join(texts)
 

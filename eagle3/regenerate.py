@@ -27,7 +27,8 @@ conversation, plus ``generation``: ``target``, ``max_new_tokens``, ``temperature
 ``top_p``, ``top_k``, ``seed``, ``turns`` (per assistant turn: ``finish_reason`` ``"stop"``
 or ``"length"``, ``new_tokens`` without the stop token, the generated ``token_ids`` and the
 ``stop_id`` that ended them, which the harvest trains on as they are; with a chat template that
-writes the date, also the ``prompt_ids`` the target was fed) and ``dropped_turns`` (user turns
+writes the date, also the ``prompt_ids`` the target was fed and ``prompt_sha256``, the digest of
+the messages they were rendered from) and ``dropped_turns`` (user turns
 cut because their prompt exceeded ``max_prompt_tokens``; the conversation then ends
 before that turn). Records whose first prompt is already too long are skipped (counted in
 the summary). Read the store with ``datasets.load_dataset("json", data_files=...)``.
@@ -46,7 +47,7 @@ from typing import Any
 import torch
 
 from eagle3.atomic import atomic_dir, atomic_write_text, output_dir, sha256_file
-from eagle3.chat import ChatFormat
+from eagle3.chat import ChatFormat, messages_sha256
 from eagle3.config import RegenerateConfig, TargetConfig
 from eagle3.conversations import ConversationError, check_messages, iter_jsonl, messages_of, record_id
 from eagle3.generate import (
@@ -215,9 +216,10 @@ def output_record(record: dict[str, Any], result: RegeneratedConversation, cfg: 
     writes the date) also stores each turn's ``prompt_ids``, since rendering again later differs."""
     turns = [{"finish_reason": t.finish_reason, "new_tokens": len(t.token_ids), "token_ids": t.token_ids,
               "stop_id": t.stop_id} for t in result.turns]
-    if keep_prompts:
-        for turn, prompt in zip(turns, result.prompts, strict=True):
-            turn["prompt_ids"] = prompt
+    if keep_prompts:  # with the digest of the messages each prompt was rendered from
+        ends = [i for i, m in enumerate(result.messages) if m["role"] == "assistant"]
+        for turn, prompt, end in zip(turns, result.prompts, ends, strict=True):
+            turn["prompt_ids"], turn["prompt_sha256"] = prompt, messages_sha256(result.messages[:end])
     generation = {
         "target": target_name, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
         "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed, "turns": turns,

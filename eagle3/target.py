@@ -346,14 +346,14 @@ def load_target(
     if resolved.kind == "folder":  # the embedded and GGUF targets are converted to safetensors; the hub's
         _require_safetensors(Path(where))  # are asked for with use_safetensors=True
     try:
+        config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
+        model_class = _model_class(config)
+        attention = _attention_for(model_class, config, attn_implementation)
         if resolved.kind == "folder" and nvfp4_quantization(where) is not None:
-            model = load_emulated(where, dtype=torch_dtype, mode=nvfp4_mode, attn_implementation=attn_implementation)
+            model = load_emulated(where, dtype=torch_dtype, mode=nvfp4_mode, attn_implementation=attention)
         else:
-            config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
-            model_class = _model_class(config)
             model = from_pretrained_complete(
-                model_class, where, dtype=torch_dtype, use_safetensors=True,
-                attn_implementation=_attention_for(model_class, config, attn_implementation),
+                model_class, where, dtype=torch_dtype, use_safetensors=True, attn_implementation=attention,
                 trust_remote_code=trust_remote_code,
             )
     except (OSError, ValueError, KeyError, TypeError, ImportError) as err:

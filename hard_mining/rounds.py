@@ -374,6 +374,14 @@ def _log_round(run: Any, entry: dict[str, Any], records: dict[str, dict[str, Any
     run.log(metrics)
 
 
+def continued_training(recipe: str, **settings: Any) -> TrainConfig:
+    """The train settings of the rounds' continued training outside the pipeline: a draft recipe
+    (:func:`recipes.draft_recipe`, ``none`` for the library's defaults), then ``settings``."""
+    from recipes import draft_recipe
+
+    return TrainConfig(**{**draft_recipe(recipe), **settings})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hard_mining.rounds", description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=TargetConfig.name_or_path)
@@ -414,19 +422,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from eagle3.train import TrainError
     torch.set_num_threads(args.threads)
     try:
-        from recipes import draft_recipe
-
-        recipe = draft_recipe(args.recipe)
         cfg = MineConfig(draft=args.draft, store=args.store, records=args.records, eval_store=args.eval_store,
                          eval_records=args.eval_records, pool=args.pool, eval_sets=args.eval_sets, out_dir=args.out,
                          rounds=args.rounds, strategies=args.strategies, steps=args.steps,
                          candidates=args.candidates, keep_fraction=args.keep_fraction, uniform=args.uniform,
                          seed=args.seed, wandb_mode=args.wandb_mode, lr=args.lr)
-        train_cfg = TrainConfig(**{**recipe, "store": args.store, "out_dir": args.out, "ttt_steps": args.ttt_steps,
-                                   "loss_positions": args.loss_positions},
-                                warmup_steps=max(1, args.steps // 20), micro_batch_tokens=args.micro_batch_tokens,
-                                batching="buckets", precision=args.precision, eval_every=0, save_every=0,
-                                progress=not args.no_progress, threads=args.threads)
+        train_cfg = continued_training(
+            args.recipe, store=args.store, out_dir=args.out, ttt_steps=args.ttt_steps,
+            loss_positions=args.loss_positions, warmup_steps=max(1, args.steps // 20),
+            micro_batch_tokens=args.micro_batch_tokens, batching="buckets", precision=args.precision, eval_every=0,
+            save_every=0, progress=not args.no_progress, threads=args.threads)
         manifest = run_rounds(cfg, train_cfg, TargetConfig(name_or_path=args.target), progress=not args.no_progress)
     except (MineError, StoreError, TrainError, CheckpointError, HarvestError, TargetLoadError, TargetSourceError,
             ValueError, OSError) as err:

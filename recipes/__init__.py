@@ -20,4 +20,15 @@ def draft_recipe(name: str) -> dict[str, Any]:
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in DRAFT_RECIPES.glob("*.yaml")))
         raise ValueError(f"draft recipe {name!r}: no {path}; known: {known}, none")
-    return OmegaConf.to_container(OmegaConf.load(path))
+    settings = OmegaConf.to_container(OmegaConf.load(path))
+    from dataclasses import fields
+
+    from eagle3.config import TrainConfig
+
+    known = {f.name for f in fields(TrainConfig)}
+    for key, value in settings.items():
+        if key not in known:
+            raise ValueError(f"{path}: {key!r} is not a train setting")
+        if value is None or isinstance(value, list | dict):
+            raise ValueError(f"{path}: {key}={value!r}: a draft recipe sets single values")
+    return settings

@@ -105,7 +105,14 @@ def stage_pools(cfg: PipelineConfig) -> dict[str, Any]:
     if existing is None:
         manifest = build_pools(cfg.pools)
     else:
+        missing = [spec["path"] for spec in wanted["user_files"] if spec["sha256"] is None]
+        if missing:
+            raise PipelineError(f"pools.user_files: {missing[0]} does not exist")
         changed = [key for key in wanted if key != "out_dir" and existing.get(key) != wanted[key]]
+        if changed and changed[0] not in existing:
+            raise PipelineError(f"pools: {folder} was built by an earlier version (its manifest has no "
+                                f"pools.{changed[0]}); delete {folder} to rebuild it (the stages after it then "
+                                "redo their part too)")
         if changed:
             key = changed[0]
             shown = (None, None) if key == "user_files" else (existing.get(key), wanted[key])  # a file's sha256

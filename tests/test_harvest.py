@@ -275,9 +275,9 @@ def test_records_become_the_samples_the_target_saw() -> None:
         assert tok.decode([t for t, m in zip(ids, mask, strict=True) if m]) == two[upto - 1]["content"] + "</s>"
 
 
-DATED_TEMPLATE = (  # writes the date, as Llama 3.2's template does with strftime_now
+DATED_TEMPLATE = (  # writes the date and trims the messages, as Llama 3.2's template does
     "<|system|>Today is {{ strftime_now('%d %b %Y') }}</s>"
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}</s>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
@@ -305,7 +305,7 @@ def test_a_dated_template_is_harvested_with_the_prompt_the_target_was_fed(monkey
     target = lively_target(DATED_TEMPLATE)
     chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
     assert chat.renders_time
-    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"},
+    conversation = [{"role": "user", "content": "Hi\n"}, {"role": "assistant", "content": "x"},
                     {"role": "user", "content": "More"}]
     monkeypatch.setattr(templates, "datetime", clock(24))
     [result] = regenerate_conversations(target, chat, [conversation], SamplingConfig(max_new_tokens=4))
@@ -316,12 +316,14 @@ def test_a_dated_template_is_harvested_with_the_prompt_the_target_was_fed(monkey
 
     monkeypatch.setattr(templates, "datetime", clock(25))  # the harvest, a day later
     assert chat.prompt_ids(result.messages[:1]) != fed[0]
-    edited = {**record, "id": "e", "messages": [{"role": "user", "content": "Hey"}, *record["messages"][1:]]}
+    shortened = [{"role": "user", "content": "H"}, *record["messages"][1:]]  # its text inside the old one
+    edited = {**record, "id": "e", "messages": shortened}
     out = {name: ids for name, ids, _ in harvest.tokenize_records([record, edited], chat, 4096, Counter())}
     assert list(out) == ["r-t0", "r-t1", "e-t0", "e-t1"]  # kept prompts: one sample per reply
     for k in range(2):
         assert out[f"r-t{k}"][: len(fed[k])] == fed[k]
-    assert "25 Nov 2026" in chat.tokenizer.decode(out["e-t0"])  # not the messages of the kept ids: rendered now
+    for k in range(2):  # not the messages the kept ids were rendered from: rendered now
+        assert "25 Nov 2026" in chat.tokenizer.decode(out[f"e-t{k}"])
     # a template without the date keeps no prompts
     from tests.conftest import tiny_tokenizer
 

@@ -18,6 +18,7 @@ from eagle3.config import (
     SelectConfig,
     TargetConfig,
     TrainConfig,
+    UserFileConfig,
 )
 from recipes.pipeline import PipelineError, run_pipeline
 from tests.test_mining import _records
@@ -112,3 +113,11 @@ def test_a_pool_built_otherwise_is_refused_before_it_is_rewritten(tmp_path: Path
                                             r"0\.02 there, 0\.05 now; set it back to resume, or delete"):
         stage_pools(cfg)
     assert (moved / "train.jsonl").read_bytes() == before
+    cfg.pools.val_fraction = 0.02
+    del manifest["config"]["eval_alpaca"]  # a manifest written before that setting existed
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PipelineError, match=r"built by an earlier version \(its manifest has no pools\.eval_alpaca\)"):
+        stage_pools(cfg)
+    cfg.pools.user_files = [UserFileConfig(path=str(tmp_path / "gone.jsonl"), domain="coding")]
+    with pytest.raises(PipelineError, match=r"pools\.user_files: .*gone\.jsonl does not exist"):
+        stage_pools(cfg)

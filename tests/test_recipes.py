@@ -174,3 +174,17 @@ def test_the_race_passes_a_draft_recipe_as_the_pipeline_applies_it(name: str) ->
     unset = {f.name for f in fields(TrainConfig)} - set(keys) - {"store", "out_dir"}
     assert all(parsed[k] == getattr(TrainConfig(), k) for k in unset)  # nothing else moves
     assert race.recipe_flags("none") == []
+
+
+def test_a_draft_recipe_with_a_key_that_is_no_train_setting_is_named(tmp_path: Path, monkeypatch) -> None:
+    import recipes
+
+    monkeypatch.setattr(recipes, "DRAFT_RECIPES", tmp_path)
+    (tmp_path / "typo.yaml").write_text("lr: 1e-3\nstep_decy: 1.0\n")
+    (tmp_path / "unset.yaml").write_text("lr: null\n")
+    with pytest.raises(ValueError, match=r"typo\.yaml: 'step_decy' is not a train setting"):
+        recipes.draft_recipe("typo")
+    with pytest.raises(ValueError, match=r"unset\.yaml: lr=None: a draft recipe sets single values"):
+        recipes.draft_recipe("unset")
+    with pytest.raises(ValueError, match=r"draft recipe 'gone'.*known: typo, unset, none"):
+        recipes.draft_recipe("gone")
