@@ -124,9 +124,7 @@ class ChatFormat:
         turn = turn or {}
         prompt = self._prompt_as_fed(messages[:-1], turn)
         content = messages[-1]["content"]
-        reply = turn.get("token_ids")
-        if not isinstance(reply, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in reply):
-            reply = None  # absent, or not ids (a record edited by hand): the text decides
+        reply = _token_ids(turn.get("token_ids"))  # None: absent, or not ids (edited by hand): the text decides
         if reply is None or self.tokenizer.decode(reply, skip_special_tokens=False,
                                                   clean_up_tokenization_spaces=False) != content:
             reply = self.tokenizer(content, add_special_tokens=False)["input_ids"] if content else []
@@ -145,11 +143,10 @@ class ChatFormat:
         """The generation prompt of ``messages``: the ``prompt_ids`` a regenerated turn kept, when
         its ``prompt_sha256`` says they were rendered from these very messages (not so for a
         record edited since), else rendered now."""
-        stored = turn.get("prompt_ids")
-        if (isinstance(stored, list) and stored and all(isinstance(t, int) and not isinstance(t, bool) for t in stored)
-                and turn.get("prompt_sha256") == messages_sha256(messages)):
+        stored = _token_ids(turn.get("prompt_ids"))
+        if stored and turn.get("prompt_sha256") == messages_sha256(messages):
             check_single_bos(stored, self.tokenizer.bos_token_id)
-            return list(stored)
+            return stored
         return self.prompt_ids(messages)
 
     def history_is_context(self, messages: Sequence[Message]) -> bool:
@@ -243,6 +240,13 @@ class ChatFormat:
         if ids and ids[0] in set(self.tokenizer.all_special_ids) | set(_added_ids(self.tokenizer)):
             return int(ids[0])
         return None
+
+
+def _token_ids(value: Any) -> list[int] | None:
+    """``value`` when it is a list of token ids as a record stores them, else None."""
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    return None
 
 
 def messages_sha256(messages: Sequence[Message]) -> str:

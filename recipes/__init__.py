@@ -14,17 +14,17 @@ def draft_recipe(name: str) -> dict[str, Any]:
     defaults)."""
     if name == "none":
         return {}
+    from dataclasses import fields
+
     from omegaconf import OmegaConf
+
+    from eagle3.config import TrainConfig
 
     path = DRAFT_RECIPES / f"{name}.yaml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in DRAFT_RECIPES.glob("*.yaml")))
         raise ValueError(f"draft recipe {name!r}: no {path}; known: {known}, none")
     settings = OmegaConf.to_container(OmegaConf.load(path))
-    from dataclasses import fields
-
-    from eagle3.config import TrainConfig
-
     known = {f.name for f in fields(TrainConfig)}
     for key, value in settings.items():
         if key not in known:
