@@ -31,6 +31,18 @@ not vLLM's defaults, so a key vLLM does not read would show. What differs betwee
   hidden / heads, sliding-window layers (16 tokens); Gemma 2 also soft-caps its attention logits
   (transformers then has no SDPA: eager), Gemma 4 adds per-layer embeddings (PLE).
 
+* ``qwen3_moe``: Qwen3-30B-A3B's layout (Qwen3's attention, every MLP 4 routed experts of width 32,
+  top-2, weights renormalised); ``mixtral``: Mixtral's top-2 of 4 experts; ``qwen2_moe``: Qwen1.5-MoE's
+  routed experts plus a sigmoid-gated shared expert, q/k/v biases; ``gpt_oss``: gpt-oss's attention
+  sinks, biases everywhere, alternating sliding / full layers, a biased router, clamped SwiGLU
+  experts and YaRN RoPE as shipped (factor 32, ``truncate`` false), which the draft inherits.
+  vLLM's native Mixtral and Qwen2-MoE classes have no EAGLE-3 support: served through its
+  Transformers backend (``MODEL_IMPL``);
+* ``llama31``: Llama-3.1's RoPE (theta 500000, ``llama3`` scaling: factor 8, low / high frequency
+  factors 1 / 4 over 8192 positions); ``qwen3_yarn``: Qwen3 with YaRN enabled as its model card says
+  (factor 4 over 32768, theta 1e6). The draft inherits the target's scaling, and vLLM builds the
+  draft's RoPE from the exported config, YaRN's factor on cos / sin included.
+
   A scalar on the embedding (Gemma's sqrt(hidden), Granite's multiplier) cannot part our draft
   from vLLM's: both feed the draft the raw embedding rows (vLLM's native classes apply the scale in
   the model's forward, outside the shared ``embed_tokens``), and the draft RMS-normalises them
@@ -66,7 +78,8 @@ LAYERS = 8
 AUX_IDS = [1, 3, 6]  # vLLM's defaults for 8 layers are (2, 4, 5)
 TAU_AGREEMENT = 0.05  # |vLLM tau / our loop's tau - 1| allowed (both ran equal to 4 digits here)
 DRAFT_VOCAB = {"qwen3": 262}  # the whole vocabulary: exported without d2t/t2d; the others 200 of 262
-MODEL_IMPL = {"olmo2": "transformers", "gemma2": "transformers", "gemma3_text": "transformers"}
+MODEL_IMPL = {"olmo2": "transformers", "gemma2": "transformers", "gemma3_text": "transformers",
+              "mixtral": "transformers", "qwen2_moe": "transformers"}
 """Families whose native vLLM class lacks EAGLE-3 support (no aux hidden states): vLLM serves them
 through its Transformers modeling backend, which has it."""
 
@@ -164,11 +177,68 @@ def _gemma3_text() -> Any:
     return _gemma(Gemma3TextConfig, Gemma3ForCausalLM)
 
 
+def _qwen3_moe() -> Any:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    # Qwen3-30B-A3B's layout (q/k norms, head_dim unlike hidden / heads, untied, top-k weights
+    # renormalised), with 4 experts of width 32, top-2, on every layer
+    config = Qwen3MoeConfig(**{**_common(), "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
+                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    return Qwen3MoeForCausalLM(config)
+
+
+def _qwen2_moe() -> Any:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    # Qwen1.5-MoE / Qwen2-57B-A14B: q/k/v biases, routed experts plus a sigmoid-gated shared expert
+    config = Qwen2MoeConfig(**_common(), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=64, norm_topk_prob=False)
+    return Qwen2MoeForCausalLM(config)
+
+
+def _mixtral() -> Any:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(**{**_common(), "intermediate_size": 32}, num_local_experts=4,
+                                            num_experts_per_tok=2, sliding_window=None))
+
+
+def _gpt_oss() -> Any:
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    # gpt-oss: attention sinks, q/k/v/o biases, alternating sliding (16 tokens) / full layers, biased
+    # router, clamped SwiGLU experts with biases, and YaRN RoPE as shipped (factor 32, truncate false)
+    config = GptOssConfig(**{**_common(), "intermediate_size": 32, "head_dim": 32}, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=16)
+    return GptOssForCausalLM(config)
+
+
+def _llama31() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # Llama-3.1's config.json: theta 500000 and its "llama3" RoPE scaling, 128k positions
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    return LlamaForCausalLM(LlamaConfig(**{**_common(), "max_position_embeddings": 131072}, rope_parameters=rope))
+
+
+def _qwen3_yarn() -> Any:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    # Qwen3 with YaRN as its model card says to enable it (factor 4 over 32768 positions; theta 1e6)
+    rope = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32768}
+    config = Qwen3Config(**{**_common(), "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                            "tie_word_embeddings": True, "max_position_embeddings": 131072}, rope_parameters=rope)
+    return Qwen3ForCausalLM(config)
+
+
 BUILDERS: dict[str, Callable[[], Any]] = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3,
                                           "deepseek_v3": _deepseek_v3, "mistral": _mistral, "phi3": _phi3,
                                           "granite": _granite, "olmo2": _olmo2, "gemma2": _gemma2,
                                           "gemma3_text": _gemma3_text,
-                                          "gemma4_text": _gemma4_text}
+                                          "gemma4_text": _gemma4_text, "qwen3_moe": _qwen3_moe,
+                                          "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "gpt_oss": _gpt_oss,
+                                          "llama31": _llama31, "qwen3_yarn": _qwen3_yarn}
 
 
 def build_target(arch: str, folder: Path) -> Path:

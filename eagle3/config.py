@@ -368,8 +368,8 @@ class TrainConfig:
     """eagle3: the layer of the EAGLE-3 paper (no extra norms); speculators: speculators 0.9.0's
     variant (``norm_before_residual``, ``norm_before_fc`` and ``norm_output``), for comparisons."""
     draft_rope: str = "target"
-    """target: the target's RoPE theta and scaling (plain, linear or llama3; anything else fails
-    naming this key); plain: the target's theta without scaling (e.g. for YaRN targets)."""
+    """target: the target's RoPE theta and scaling (plain, linear, llama3 or yarn; anything else,
+    e.g. Phi-3's longrope, fails naming this key); plain: the target's theta without scaling."""
     lm_head_init: str = "random"
     """random: fresh init (as EAGLE/SpecForge; learnt faster in short CPU runs); target: lm_head rows
     (and the final norm) copied from the target's (as speculators)."""

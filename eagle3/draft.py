@@ -43,7 +43,7 @@ from torch import Tensor, nn
 # rows are all S rows except in training's unroll (``rows``); serving's cached attend assumes M == S.
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass
@@ -69,9 +69,11 @@ class DraftConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
-    """None (plain RoPE), or ``{"rope_type": "linear", "factor": f}`` or Llama-3's
+    """None (plain RoPE), or ``{"rope_type": "linear", "factor": f}``, Llama-3's
     ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings"}``."""
+    "original_max_position_embeddings"}`` or YaRN's ``{"rope_type": "yarn", "factor",
+    "original_max_position_embeddings"}`` (optional ``beta_fast``, ``beta_slow``, ``truncate``,
+    ``attention_factor``, ``mscale``, ``mscale_all_dim``: HF's and vLLM's keys and defaults)."""
     max_position_embeddings: int = 2048
     num_layers: int = 1
     """Decoder layers; the first takes the 2H concatenation, later ones are plain Llama layers."""
@@ -109,6 +111,15 @@ class DraftConfig:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if kind not in ROPE_TYPES:
                 raise ValueError(f"draft.rope_scaling type {kind!r} is not supported (one of {', '.join(ROPE_TYPES)})")
+            needed = {"linear": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
+                      "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                 "original_max_position_embeddings")}.get(kind, ())
+            missing = [key for key in needed if self.rope_scaling.get(key) is None]
+            if missing:
+                raise ValueError(f"draft.rope_scaling ({kind}) lacks {', '.join(missing)}")
+            if self.rope_scaling.get("partial_rotary_factor", 1.0) != 1.0:
+                raise ValueError("draft.rope_scaling: partial_rotary_factor is not supported (the draft rotates "
+                                 "the whole head)")
 
     @classmethod
     def from_target_config(cls, hf_config: Any, draft_vocab_size: int, **overrides: Any) -> DraftConfig:
@@ -122,6 +133,7 @@ class DraftConfig:
             hf_config = SimpleNamespace(**text) if isinstance(text, dict) else text
         rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
         theta = rope.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        rope.pop("partial_rotary_factor", None)  # the draft rotates its whole head, whatever the target does
         kind = rope.get("rope_type", rope.get("type", "default"))
         hidden = hf_config.hidden_size
         heads = overrides.get("num_attention_heads", hf_config.num_attention_heads)
@@ -177,7 +189,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: DraftConfig, device: torch.device | None = None) -> Tensor:
-    """Inverse frequencies [head_dim/2] of RoPE, with linear or Llama-3 scaling."""
+    """Inverse frequencies [head_dim/2] of RoPE, with linear, Llama-3 or YaRN scaling."""
     d = config.head_dim
     inv = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
     scaling = config.rope_scaling or {}
@@ -190,7 +202,38 @@ def rope_inv_freq(config: DraftConfig, device: torch.device | None = None) -> Te
         wavelen = 2 * math.pi / inv
         smooth = ((old / wavelen - low) / (high - low)).clamp(0.0, 1.0)  # 0: long waves, 1: short waves
         return (1 - smooth) * inv / factor + smooth * inv
+    if kind == "yarn":
+        # dims that turn fewer than beta_slow times over the original context are interpolated
+        # (inv / factor), more than beta_fast times kept, a linear ramp between (HF's and vLLM's formula)
+        factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
+        beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+        def dim_of(rotations: float) -> float:  # the dim index at which a wave turns `rotations` times
+            return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+
+        low, high = dim_of(beta_fast), dim_of(beta_slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        high = high + 0.001 if low == high else high
+        ramp = ((torch.arange(d // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0.0, 1.0)
+        return inv / factor * ramp + inv * (1 - ramp)  # ramp 0: extrapolated (kept), 1: interpolated
     return inv
+
+
+def rope_attention_factor(config: DraftConfig) -> float:
+    """The factor on cos and sin (so the attention logits scale by its square): YaRN's mscale, else 1."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(factor: float, m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
 
 
 def rope_cos_sin(config: DraftConfig, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -198,7 +241,8 @@ def rope_cos_sin(config: DraftConfig, positions: Tensor, dtype: torch.dtype) -> 
     inv = rope_inv_freq(config, positions.device)  # [d/2]
     angles = positions.float().unsqueeze(-1) * inv  # [B, S, d/2]
     angles = torch.cat([angles, angles], dim=-1)  # [B, S, d]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    scale = rope_attention_factor(config)
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -509,6 +553,6 @@ class Eagle3Draft(nn.Module):
 
 
 __all__ = [
-    "DraftConfig", "Eagle3Draft", "KVCache", "apply_rope", "rope_cos_sin", "rope_inv_freq",
-    "trainable_parameter_count",
+    "DraftConfig", "Eagle3Draft", "KVCache", "apply_rope", "rope_attention_factor", "rope_cos_sin",
+    "rope_inv_freq", "trainable_parameter_count",
 ]

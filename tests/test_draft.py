@@ -149,6 +149,57 @@ def test_rope_matches_hf_llama(rope_scaling: dict | None) -> None:
     torch.testing.assert_close(sin, want_sin)
 
 
+YARN_CASES = {
+    # Qwen3 / Qwen2.5 as their model cards enable it: mscale = 0.1 ln(4) + 1 on cos and sin
+    "qwen3": ("qwen3", "Qwen3", {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                        "original_max_position_embeddings": 32768}),
+    # gpt-oss as shipped: an untruncated ramp
+    "gpt_oss": ("gpt_oss", "GptOss", {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                           "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
+    # mscale / mscale_all_dim (DeepSeek-style keys) and an explicit attention factor
+    "mscale": ("qwen3", "Qwen3", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 0.707,
+                         "mscale_all_dim": 1.0, "beta_fast": 16, "original_max_position_embeddings": 4096}),
+    "attention_factor": ("qwen3", "Qwen3", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                   "attention_factor": 1.5, "original_max_position_embeddings": 2048}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(YARN_CASES))
+def test_yarn_rope_matches_hf(case: str) -> None:
+    """YaRN's frequencies and its factor on cos / sin, against transformers' own rotary embedding
+    (vLLM's YaRNScalingRotaryEmbedding computes the same formula, checked end to end by
+    bench/arch_check.py --archs qwen3_yarn,gpt_oss)."""
+    import importlib
+
+    import transformers
+
+    module, family, params = YARN_CASES[case]
+    hf = getattr(transformers, f"{family}Config")(
+        hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128,
+        num_hidden_layers=2, vocab_size=128, max_position_embeddings=131072, rope_parameters=dict(params))
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    rotary = getattr(modeling, f"{family}RotaryEmbedding")(hf)
+    config = DraftConfig.from_target_config(hf, draft_vocab_size=32)
+    assert config.rope_scaling["rope_type"] == "yarn" and config.rope_theta == params["rope_theta"]
+    positions = torch.tensor([[0, 1, 7, 100, 5000, 16000, 100000]])
+    want_cos, want_sin = rotary(torch.zeros(1, 7, 16), positions)  # [1, 7, d] (gpt-oss: [1, 7, d/2])
+    cos, sin = rope_cos_sin(config, positions, torch.float32)  # [1, 7, d], the half repeated
+    assert rotary.attention_scaling != 1.0
+    torch.testing.assert_close(cos[..., :want_cos.shape[-1]], want_cos)
+    torch.testing.assert_close(sin[..., :want_sin.shape[-1]], want_sin)
+
+
+def test_a_partial_rotary_target_gives_a_whole_head_draft() -> None:
+    """The draft's RoPE is its own (vLLM reads it from the exported config): a target's
+    partial_rotary_factor is not inherited, and a draft config asking for one is refused."""
+    params = {**YARN_CASES["qwen3"][2], "partial_rotary_factor": 0.5}
+    config = DraftConfig.from_target_config({"hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128,
+                                             "vocab_size": 128, "rope_parameters": params}, draft_vocab_size=32)
+    assert config.rope_scaling == {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        small_config(rope_scaling=params)
+
+
 def test_prefill_at_once_equals_one_token_at_a_time() -> None:
     draft = randomised(Eagle3Draft(small_config(num_layers=2)))
     g = torch.Generator().manual_seed(2)
@@ -218,7 +269,9 @@ def test_bad_configs_and_vocab_fail_naming_the_field() -> None:
         small_config(num_key_value_heads=3)
     with pytest.raises(ValueError, match="draft_vocab_size"):
         small_config(draft_vocab_size=129)
-    with pytest.raises(ValueError, match="yarn"):
+    with pytest.raises(ValueError, match="longrope"):
+        small_config(rope_scaling={"rope_type": "longrope", "factor": 4.0})
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
         small_config(rope_scaling={"rope_type": "yarn", "factor": 4.0})
     draft = Eagle3Draft(small_config())
     vocab = DraftVocab.from_target_ids(torch.arange(32) * 2, 128)

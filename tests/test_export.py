@@ -25,6 +25,7 @@ from eagle3.export import (
 from tests.test_draft import randomised, small_config
 
 AUX = (1, 4, 6)  # not any engine's default
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "truncate": False}
 
 
 def make_draft(seed: int = 0, **kw) -> Eagle3Draft:
@@ -59,7 +60,7 @@ def propose(draft: Eagle3Draft, embedding: torch.Tensor, k: int = 5, seed: int =
 @pytest.mark.parametrize(("fmt", "variant", "layers"), [
     ("vllm", {}, 2), ("vllm", {"norm_before_residual": True, "fc_norm": True}, 1), ("speculators", {}, 1),
     ("speculators", {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}, 2),
-    ("sglang", {}, 1)])
+    ("sglang", {}, 1), ("vllm", {"rope_scaling": YARN}, 1), ("speculators", {"rope_scaling": YARN}, 1)])
 def test_round_trip_proposes_the_same_tokens(fmt: str, variant: dict, layers: int, tmp_path: Path) -> None:
     draft = make_draft(num_layers=layers, **variant)
     embedding = torch.randn(draft.config.vocab_size, draft.config.hidden_size)

@@ -15,7 +15,7 @@ def sharpen(model: torch.nn.Module, factor: float = 8.0) -> torch.nn.Module:
     more varied next-token choices than the init's near-uniform ones."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" not in name and not name.endswith("mlp.gate.weight"):
+            if "norm" not in name and not name.endswith("mlp.gate.weight") and ".router." not in name:
                 param.mul_(factor)
     return model
 
