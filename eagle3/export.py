@@ -19,7 +19,9 @@ every engine uses the target's own)::
                  so ids starting at 2 (the EAGLE-3 default, written [1, ...]) are read right by every
                  version; others get a warning. A sglang folder is for SGLang only: vLLM reads the
                  top-level key first and would fall back to the shifted ids. SGLang's draft has no
-                 norm_before_residual variant and reads exactly three aux states.
+                 norm_before_residual variant and reads exactly three aux states. An unmarked plain
+                 folder whose ids are only there and start at 1 (SpecForge's and ModelOpt's
+                 exports) is read this way too, with a warning.
 
 Every format writes ``norm_before_residual``, ``norm_before_fc``, ``fc_norm`` and ``norm_output``
 explicitly (all four variants are implemented by :class:`eagle3.draft.Eagle3Draft`): the defaults
@@ -297,8 +299,18 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def detect_format(cfg: dict[str, Any], path: Path) -> str:
-    """vllm, speculators or sglang, from a config.json's contents."""
+def looks_like_eagle3(names: Sequence[str]) -> bool:
+    """Tensor names (ours, see :func:`_our_names`) of an EAGLE-3 decoder layer: ``fc`` over the aux
+    states and a first layer with ``hidden_norm`` (its 2H attention input). EAGLE-1/2 drafts have
+    an fc over [embedding, state] and no ``hidden_norm``; MLA drafts have no ``q_proj``."""
+    have = set(names)
+    return {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight"} <= have
+
+
+def detect_format(cfg: dict[str, Any], path: Path, names: Sequence[str] = ()) -> str:
+    """vllm, speculators or sglang, from a config.json's contents (and the checkpoint's tensor
+    ``names``: a plain config whose architecture is the target's, as EAGLE's own checkpoints write
+    ``LlamaForCausalLM``, counts as vllm when the tensors are an EAGLE-3 layer, as vLLM reads it)."""
     marker = cfg.get(MARKER)
     if isinstance(marker, dict) and marker.get("format") in FORMATS:
         return marker["format"]
@@ -308,10 +320,21 @@ def detect_format(cfg: dict[str, Any], path: Path) -> str:
                                    "drafts are supported")
         return "speculators"
     archs = cfg.get("architectures") or []
-    if any(a in ARCHITECTURES for a in archs):
+    if any(a in ARCHITECTURES for a in archs) or (archs == ["LlamaForCausalLM"] and looks_like_eagle3(names)):
         return "vllm"
     raise DraftFormatError(f"{path}: architectures={archs} is not an EAGLE-3 draft (expected one of "
-                           f"{', '.join(ARCHITECTURES)}, or a speculators config)")
+                           f"{', '.join(ARCHITECTURES)}, LlamaForCausalLM with an EAGLE-3 layer's tensors, "
+                           "or a speculators config)")
+
+
+def _specforge_ids(cfg: dict[str, Any]) -> list[int] | None:
+    """The ids of an unmarked plain config that names them only under ``eagle_config`` and
+    starts at 1: SpecForge's and ModelOpt's convention (layer outputs; their default for N layers
+    is [1, N/2 - 1, N - 4], the inputs of vLLM's default layers). None otherwise."""
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if MARKER in cfg or cfg.get("eagle_aux_hidden_state_layer_ids") or not isinstance(ids, list) or not ids:
+        return None
+    return ids if min(ids) == 1 else None
 
 
 def _aux_ids(cfg: dict[str, Any], fmt: str, path: Path) -> tuple[int, ...] | None:
@@ -339,7 +362,9 @@ def _aux_ids(cfg: dict[str, Any], fmt: str, path: Path) -> tuple[int, ...] | Non
 
 def draft_config_from_json(cfg: dict[str, Any], fmt: str, path: Path, num_aux_layers: int | None) -> DraftConfig:
     """A :class:`DraftConfig` from a config.json (either layout); unsupported variants are refused by name."""
+    cfg = {k: v for k, v in cfg.items() if v is not None}  # null means unset (ModelOpt writes its template's)
     layer = cfg.get("transformer_layer_config", cfg) if fmt == "speculators" else cfg
+    layer = {k: v for k, v in layer.items() if v is not None}
     # vLLM's defaults: the speculators path assumes norm_before_residual, the plain path does not
     flags = {"norm_before_residual": fmt == "speculators", "norm_before_fc": False, "fc_norm": False,
              "norm_output": False}
@@ -348,8 +373,12 @@ def draft_config_from_json(cfg: dict[str, Any], fmt: str, path: Path, num_aux_la
         value = eagle.get(key, cfg.get(key, layer.get(key)))
         if value is not None:
             flags[key] = bool(value)
-    if layer.get("attention_bias") or layer.get("mlp_bias"):
-        raise DraftFormatError(f"{path}: attention_bias/mlp_bias=true is not supported (the draft has no biases)")
+    if layer.get("attention_bias") or layer.get("mlp_bias") or cfg.get("bias") is True:
+        raise DraftFormatError(f"{path}: attention_bias/mlp_bias/bias=true is not supported (the draft has no "
+                               "biases; SGLang reads bias as an fc bias, vLLM as an o_proj one)")
+    if cfg.get("quantization_config") or layer.get("quantization_config"):
+        raise DraftFormatError(f"{path}: quantization_config is set: quantized drafts are not supported (export "
+                               "the draft unquantized)")
     act = layer.get("hidden_act", "silu")
     if act != "silu":
         raise DraftFormatError(f"{path}: hidden_act={act!r}, only silu (SwiGLU) is supported")
@@ -407,10 +436,7 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
     if not folder.is_dir():
         raise DraftFormatError(f"{folder}: not a draft folder")
     cfg = _read_json(folder / "config.json")
-    found = detect_format(cfg, folder / "config.json")
-    if fmt == "auto":
-        fmt = found
-    elif fmt not in FORMATS:
+    if fmt != "auto" and fmt not in FORMATS:
         raise DraftFormatError(f"format {fmt!r}: expected auto or one of {', '.join(FORMATS)}")
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
@@ -424,6 +450,22 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
             tensors.update(_our_names(load_file(str(path))))
         except (SafetensorError, OSError) as err:
             raise DraftFormatError(f"{path}: not a readable safetensors file ({err}); truncated or corrupt?") from None
+    found = detect_format(cfg, folder / "config.json", list(tensors))
+    if fmt == "auto":
+        fmt = found
+        if fmt == "vllm" and (ids := _specforge_ids(cfg)) is not None:
+            fmt = "sglang"
+            warnings.warn(f"{folder / 'config.json'}: eagle_config.eagle_aux_hidden_state_layer_ids={ids} only, "
+                          f"starting at 1: read as SpecForge/ModelOpt/SGLang ids (layer outputs), i.e. the inputs "
+                          f"of layers {[i + 1 for i in ids]}; vLLM would feed the inputs of layers {ids}. Pass "
+                          "the vllm format to read them as vLLM does", stacklevel=2)
+    if (cfg.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
+        raise DraftFormatError(f"{folder / 'config.json'}: eagle_config.use_aux_hidden_state=false: this draft "
+                               "reads the target's last hidden state, not aux layers (EAGLE-1/2 style); not "
+                               "supported")
+    if "lm_head.weight" not in tensors and "midlayer.self_attn.q_proj.weight" in tensors:
+        raise DraftFormatError(f"{folder}: no lm_head.weight: this draft serves with its target's lm_head "
+                               "(engines copy it in); not supported here")
     ids = _aux_ids(cfg, fmt, folder / "config.json")
     config = draft_config_from_json(cfg, fmt, folder / "config.json", len(ids) if ids else None)
     if "fc.weight" in tensors:  # the checkpoint decides how many aux states fc reads

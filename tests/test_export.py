@@ -326,7 +326,7 @@ def test_bad_folders_fail_naming_the_file_or_key(tmp_path: Path) -> None:
     with pytest.raises(DraftFormatError, match="midlayer.mlp.gate_proj.weight"):
         load_draft(variant("wide", intermediate_size=256))
     with pytest.raises(DraftFormatError, match="not an EAGLE-3 draft"):
-        load_draft(variant("arch", architectures=["LlamaForCausalLM"], eagle3_forge=None))
+        load_draft(variant("arch", architectures=["Qwen2ForCausalLM"], eagle3_forge=None))
     with pytest.raises(DraftFormatError, match=r"ids disagree \(eagle_aux_hidden_state_layer_ids=\[2, 3, 4\]"):
         load_draft(variant("disagree", eagle_aux_hidden_state_layer_ids=[2, 3, 4]))
     cut = variant("cut")

@@ -699,6 +699,28 @@ def test_training_continues_from_an_exported_draft_in_another_format(tiny: dict,
     assert not (tmp_path / "y" / "final").exists()
 
 
+def test_a_draft_with_its_own_embedding_trains_with_the_targets_and_says_so(tiny: dict, tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture) -> None:
+    from eagle3.export import export_draft_folder, load_draft
+
+    first = tmp_path / "first"
+    train(_cfg(tiny, first, steps=2, eval_every=0, save_every=0), target=tiny["target"])
+    loaded = load_draft(first / "final")
+    own = export_draft_folder(tmp_path / "own", loaded.draft.state_dict(), loaded.draft.config, loaded.aux_layer_ids)
+    tensors = load_file(str(own / "model.safetensors"))
+    embedding = tiny["target"].embed_tokens.weight.detach().float()
+    for name, weight, noted in (("same", embedding, False), ("other", embedding + 0.5, True)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text((own / "config.json").read_text())
+        save_file({**tensors, "embed_tokens.weight": weight.to(tensors["fc.weight"].dtype).contiguous()},
+                  str(folder / "model.safetensors"))
+        capsys.readouterr()
+        train(_cfg(tiny, tmp_path / f"run-{name}", steps=1, eval_every=0, save_every=0, init_draft=str(folder)),
+              target=tiny["target"])
+        assert ("carries its own embedding, which differs from the target's" in capsys.readouterr().out) == noted
+
+
 def test_split_head_equals_the_full_product_ties_included(monkeypatch: pytest.MonkeyPatch) -> None:
     """TargetHead's fp32 path computes the outside-vocab logits in bf16 under an error bound;
     its targets must equal prepare_targets on the full product, including rows where an outside

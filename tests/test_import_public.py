@@ -1,0 +1,87 @@
+"""Public EAGLE-3 drafts as other tools write them: the variants load_draft must read right or
+refuse by name (layouts from vLLM's, SGLang's, SpecForge's and ModelOpt's own loaders/exporters)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3.export import DraftFormatError, load_draft
+from tests.test_export import _public_config, _public_folder, make_draft, propose
+
+
+def _folder(path: Path, draft, **config) -> Path:
+    return _public_folder(path, _public_config(draft.config, **config),
+                          {k: v.contiguous() for k, v in draft.state_dict().items() if k != "embed_tokens.weight"})
+
+
+def test_specforge_ids_under_eagle_config_only_are_read_as_layer_outputs(tmp_path: Path) -> None:
+    """SpecForge / ModelOpt write their ids (layer outputs, default [1, N/2 - 1, N - 4]) under
+    eagle_config only; read as inputs they would feed the draft the layers below the trained ones."""
+    draft = make_draft()
+    folder = _folder(tmp_path / "sf", draft, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 4]})
+    with pytest.warns(UserWarning, match=r"inputs of layers \[2, 4, 5\]; vLLM would feed the inputs of layers"):
+        loaded = load_draft(folder)
+    assert loaded.aux_layer_ids == (2, 4, 5) and loaded.format == "sglang"
+    assert load_draft(folder, "vllm").aux_layer_ids == (1, 3, 4)  # asked for vLLM's reading
+    # the same ids also at the top level (vLLM's key, as our vllm exports write both): vLLM's reading
+    both = _folder(tmp_path / "both", draft, eagle_aux_hidden_state_layer_ids=[1, 3, 4],
+                   eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 4]})
+    assert load_draft(both).aux_layer_ids == (1, 3, 4)
+
+
+def test_eagle_checkpoints_naming_the_targets_architecture_load_when_the_tensors_are_eagle3(tmp_path: Path) -> None:
+    """EAGLE's own EAGLE-3 checkpoints say LlamaForCausalLM; vLLM reads them as EAGLE-3 drafts."""
+    draft = make_draft(seed=5)
+    loaded = load_draft(_folder(tmp_path / "ll", draft, architectures=["LlamaForCausalLM"]))
+    embedding = torch.randn(draft.config.vocab_size, draft.config.hidden_size)
+    assert loaded.format == "vllm" and propose(loaded.draft, embedding) == propose(draft, embedding)
+    # an EAGLE-1/2 layer (no hidden_norm: fc over [embedding, state]) is still refused
+    eagle1 = {k: v.contiguous() for k, v in draft.state_dict().items()
+              if k != "embed_tokens.weight" and "hidden_norm" not in k}
+    folder = _public_folder(tmp_path / "e1", _public_config(draft.config, architectures=["LlamaForCausalLM"]), eagle1)
+    with pytest.raises(DraftFormatError, match=r"architectures=\['LlamaForCausalLM'\] is not an EAGLE-3 draft"):
+        load_draft(folder)
+
+
+def test_a_pickled_checkpoint_gets_the_pickle_message_whatever_its_architecture(tmp_path: Path) -> None:
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (folder / "pytorch_model.bin").write_bytes(b"never unpickled")
+    with pytest.raises(DraftFormatError, match="pytorch_model.bin are pickles, never loaded"):
+        load_draft(folder)
+
+
+def test_null_config_values_mean_unset(tmp_path: Path) -> None:
+    """ModelOpt fills the template keys it has no value for with null."""
+    draft = make_draft(seed=6)
+    loaded = load_draft(_folder(tmp_path / "null", draft, rope_scaling=None, max_position_embeddings=None,
+                                num_key_value_heads=draft.config.num_key_value_heads, head_dim=None,
+                                rope_theta=draft.config.rope_theta))
+    embedding = torch.randn(draft.config.vocab_size, draft.config.hidden_size)
+    assert propose(loaded.draft, embedding) == propose(draft, embedding)
+    assert loaded.draft.config.max_position_embeddings == 2048
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"eagle_config": {"use_aux_hidden_state": False}}, "use_aux_hidden_state=false"),
+    ({"bias": True}, "bias=true is not supported"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config is set"),
+])
+def test_variants_we_cannot_serve_are_refused_by_name(tmp_path: Path, change: dict, message: str) -> None:
+    with pytest.raises(DraftFormatError, match=message):
+        load_draft(_folder(tmp_path / "x", make_draft(), **change))
+
+
+def test_a_draft_without_its_own_lm_head_is_refused_by_name(tmp_path: Path) -> None:
+    """nvidia/gpt-oss-120b-Eagle3 ships no lm_head (engines copy the target's in)."""
+    draft = make_draft(draft_vocab_size=128)
+    tensors = {k: v.contiguous() for k, v in draft.state_dict().items()
+               if k not in ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d")}
+    folder = _public_folder(tmp_path / "nohead", _public_config(draft.config, draft_vocab_size=None), tensors)
+    with pytest.raises(DraftFormatError, match="no lm_head.weight: this draft serves with its target's lm_head"):
+        load_draft(folder)
