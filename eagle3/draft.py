@@ -131,8 +131,7 @@ class DraftConfig:
         text = getattr(hf_config, "text_config", None)
         if text is not None:
             hf_config = SimpleNamespace(**text) if isinstance(text, dict) else text
-        rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-        theta = rope.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        theta, rope = read_rope(hf_config.to_dict() if hasattr(hf_config, "to_dict") else vars(hf_config))
         rope.pop("partial_rotary_factor", None)  # the draft rotates its whole head, whatever the target does
         kind = rope.get("rope_type", rope.get("type", "default"))
         hidden = hf_config.hidden_size
@@ -157,7 +156,35 @@ class DraftConfig:
             if kind not in ROPE_TYPES:
                 raise ValueError(f"the target's RoPE scaling {kind!r} is not implemented in the draft (one of "
                                  f"{', '.join(ROPE_TYPES)}); set train.draft_rope=plain for plain RoPE")
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as err:
+            if "rope_scaling" not in str(err):
+                raise
+            raise ValueError(f"the target's rope_scaling / rope_parameters: {err}; set train.draft_rope=plain for "
+                             "plain RoPE") from None
+
+
+def read_rope(config: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """(theta, scaling dict) from a config.json's keys, read as transformers and vLLM read them:
+    ``rope_parameters`` or ``rope_scaling``; per-layer-type dicts (Gemma 3's
+    ``{"full_attention": .., "sliding_attention": ..}``) give the full-attention layers' RoPE; for
+    llama3 / yarn / longrope a top-level ``original_max_position_embeddings`` wins over the dict's,
+    and ``max_position_embeddings`` fills it in when neither has one; a top-level
+    ``partial_rotary_factor`` goes into the dict."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if "full_attention" in rope and isinstance(rope["full_attention"], dict):
+        rope = rope["full_attention"]
+    rope = dict(rope)
+    theta = rope.pop("rope_theta", None) or config.get("rope_theta") or 10000.0  # as written: callers check it
+    if config.get("partial_rotary_factor") is not None:
+        rope.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
+    if rope.get("rope_type", rope.get("type")) in ("llama3", "yarn", "longrope"):
+        if config.get("original_max_position_embeddings") is not None:
+            rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+        elif config.get("max_position_embeddings") is not None:
+            rope.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
+    return theta, rope
 
 
 def trainable_parameter_count(config: DraftConfig) -> int:
@@ -553,6 +580,6 @@ class Eagle3Draft(nn.Module):
 
 
 __all__ = [
-    "DraftConfig", "Eagle3Draft", "KVCache", "apply_rope", "rope_attention_factor", "rope_cos_sin",
+    "DraftConfig", "Eagle3Draft", "KVCache", "apply_rope", "read_rope", "rope_attention_factor", "rope_cos_sin",
     "rope_inv_freq", "trainable_parameter_count",
 ]

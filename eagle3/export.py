@@ -52,7 +52,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from eagle3.atomic import atomic_dir, holds_only
-from eagle3.draft import DraftConfig, Eagle3Draft
+from eagle3.draft import DraftConfig, Eagle3Draft, read_rope
 
 FORMATS = ("vllm", "speculators", "sglang")
 OUR_META = "draft.json"
@@ -334,6 +334,8 @@ def _specforge_ids(cfg: dict[str, Any]) -> list[int] | None:
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if MARKER in cfg or cfg.get("eagle_aux_hidden_state_layer_ids") or not isinstance(ids, list) or not ids:
         return None
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return None  # _aux_ids names the bad list
     return ids if min(ids) == 1 else None
 
 
@@ -382,8 +384,10 @@ def draft_config_from_json(cfg: dict[str, Any], fmt: str, path: Path, num_aux_la
     act = layer.get("hidden_act", "silu")
     if act != "silu":
         raise DraftFormatError(f"{path}: hidden_act={act!r}, only silu (SwiGLU) is supported")
-    rope = dict(layer.get("rope_parameters") or layer.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", layer.get("rope_theta", 10000.0))
+    theta, rope = read_rope(layer)
+    if (partial := rope.pop("partial_rotary_factor", 1.0)) != 1.0:
+        raise DraftFormatError(f"{path}: partial_rotary_factor={partial!r}: vLLM would rotate part of the draft's "
+                               "head; the draft rotates all of it")
     kind = rope.get("rope_type", rope.get("type", "default"))
 
     def num(key: str, value: Any, cast: type = int) -> Any:

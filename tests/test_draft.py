@@ -3,6 +3,8 @@ serving-time cache, weights from the target, and the parameter count of an 8B-si
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -297,3 +299,17 @@ def test_norm_variants_as_vllm_computes_them(variant: dict) -> None:
     prenorm = torch.randn(2, 3, 64)
     want = draft.norm(prenorm) if variant.get("norm_output") else prenorm
     assert torch.equal(draft.next_hidden(prenorm), want)
+
+
+def test_per_layer_type_rope_gives_the_full_attention_layers_rope_from_the_config_and_its_dict() -> None:
+    """Gemma 3 keeps one RoPE per layer type; the draft takes the full-attention one, read the same
+    from the loaded config (training) and from config.json's dict (the plan)."""
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                              head_dim=32, vocab_size=100, rope_theta=1e6, rope_local_base_freq=1e4,
+                              rope_scaling={"rope_type": "linear", "factor": 8.0})
+    from_object = DraftConfig.from_target_config(config, draft_vocab_size=50)
+    from_dict = DraftConfig.from_target_config(json.loads(config.to_json_string()), draft_vocab_size=50)
+    assert from_object.rope_theta == from_dict.rope_theta == 1e6
+    assert from_object.rope_scaling == from_dict.rope_scaling and from_object.rope_scaling["factor"] == 8.0

@@ -85,3 +85,24 @@ def test_a_draft_without_its_own_lm_head_is_refused_by_name(tmp_path: Path) -> N
     folder = _public_folder(tmp_path / "nohead", _public_config(draft.config, draft_vocab_size=None), tensors)
     with pytest.raises(DraftFormatError, match="no lm_head.weight: this draft serves with its target's lm_head"):
         load_draft(folder)
+
+
+def test_a_non_integer_id_under_eagle_config_is_named(tmp_path: Path) -> None:
+    folder = _folder(tmp_path / "bad", make_draft(), eagle_config={"eagle_aux_hidden_state_layer_ids": [1, "x", 4]})
+    with pytest.raises(DraftFormatError, match=r"eagle_config.eagle_aux_hidden_state_layer_ids=\[1, 'x', 4\] is not"):
+        load_draft(folder)
+
+
+def test_rope_keys_outside_the_scaling_dict_are_read_as_vllm_reads_them(tmp_path: Path) -> None:
+    """transformers (and so vLLM) let a top-level original_max_position_embeddings win over the
+    scaling dict's, fill it from max_position_embeddings when neither has one, and move a top-level
+    partial_rotary_factor into the dict."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    draft = make_draft()
+    top = load_draft(_folder(tmp_path / "top", draft, rope_scaling=yarn, original_max_position_embeddings=8192))
+    assert top.draft.config.rope_scaling["original_max_position_embeddings"] == 8192
+    bare = {k: v for k, v in yarn.items() if k != "original_max_position_embeddings"}
+    filled = load_draft(_folder(tmp_path / "fill", draft, rope_scaling=bare, max_position_embeddings=16384))
+    assert filled.draft.config.rope_scaling["original_max_position_embeddings"] == 16384
+    with pytest.raises(DraftFormatError, match="partial_rotary_factor=0.5: vLLM would rotate part"):
+        load_draft(_folder(tmp_path / "part", draft, partial_rotary_factor=0.5))
