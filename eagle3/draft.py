@@ -108,7 +108,7 @@ class DraftConfig:
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"draft.draft_vocab_size={self.draft_vocab_size} exceeds vocab_size={self.vocab_size}")
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            kind = rope_kind(self.rope_scaling)
             if kind not in ROPE_TYPES:
                 raise ValueError(f"draft.rope_scaling type {kind!r} is not supported (one of {', '.join(ROPE_TYPES)})")
             needed = {"linear": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
@@ -133,7 +133,7 @@ class DraftConfig:
             hf_config = SimpleNamespace(**text) if isinstance(text, dict) else text
         theta, rope = read_rope(hf_config.to_dict() if hasattr(hf_config, "to_dict") else vars(hf_config))
         rope.pop("partial_rotary_factor", None)  # the draft rotates its whole head, whatever the target does
-        kind = rope.get("rope_type", rope.get("type", "default"))
+        kind = rope_kind(rope)
         hidden = hf_config.hidden_size
         heads = overrides.get("num_attention_heads", hf_config.num_attention_heads)
         values = dict(
@@ -152,7 +152,7 @@ class DraftConfig:
         )
         values.update(overrides)
         if values["rope_scaling"] is not None:
-            kind = values["rope_scaling"].get("rope_type", values["rope_scaling"].get("type", "default"))
+            kind = rope_kind(values["rope_scaling"])
             if kind not in ROPE_TYPES:
                 raise ValueError(f"the target's RoPE scaling {kind!r} is not implemented in the draft (one of "
                                  f"{', '.join(ROPE_TYPES)}); set train.draft_rope=plain for plain RoPE")
@@ -163,6 +163,12 @@ class DraftConfig:
                 raise
             raise ValueError(f"the target's rope_scaling / rope_parameters: {err}; set train.draft_rope=plain for "
                              "plain RoPE") from None
+
+
+def rope_kind(scaling: dict[str, Any] | None) -> str:
+    """A RoPE scaling dict's type (``rope_type``, or the older ``type``); default when unset."""
+    scaling = scaling or {}
+    return scaling.get("rope_type", scaling.get("type", "default"))
 
 
 def read_rope(config: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -179,7 +185,7 @@ def read_rope(config: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     theta = rope.pop("rope_theta", None) or config.get("rope_theta") or 10000.0  # as written: callers check it
     if config.get("partial_rotary_factor") is not None:
         rope.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
-    if rope.get("rope_type", rope.get("type")) in ("llama3", "yarn", "longrope"):
+    if rope_kind(rope) in ("llama3", "yarn", "longrope"):
         if config.get("original_max_position_embeddings") is not None:
             rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
         elif config.get("max_position_embeddings") is not None:
@@ -220,7 +226,7 @@ def rope_inv_freq(config: DraftConfig, device: torch.device | None = None) -> Te
     d = config.head_dim
     inv = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
     scaling = config.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = rope_kind(scaling)
     if kind == "linear":
         return inv / scaling["factor"]
     if kind == "llama3":
@@ -251,7 +257,7 @@ def rope_inv_freq(config: DraftConfig, device: torch.device | None = None) -> Te
 def rope_attention_factor(config: DraftConfig) -> float:
     """The factor on cos and sin (so the attention logits scale by its square): YaRN's mscale, else 1."""
     scaling = config.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+    if rope_kind(scaling) != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
@@ -581,5 +587,5 @@ class Eagle3Draft(nn.Module):
 
 __all__ = [
     "DraftConfig", "Eagle3Draft", "KVCache", "apply_rope", "read_rope", "rope_attention_factor", "rope_cos_sin",
-    "rope_inv_freq", "trainable_parameter_count",
+    "rope_inv_freq", "rope_kind", "trainable_parameter_count",
 ]

@@ -52,7 +52,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from eagle3.atomic import atomic_dir, holds_only
-from eagle3.draft import DraftConfig, Eagle3Draft, read_rope
+from eagle3.draft import DraftConfig, Eagle3Draft, read_rope, rope_kind
 
 FORMATS = ("vllm", "speculators", "sglang")
 OUR_META = "draft.json"
@@ -388,7 +388,7 @@ def draft_config_from_json(cfg: dict[str, Any], fmt: str, path: Path, num_aux_la
     if (partial := rope.pop("partial_rotary_factor", 1.0)) != 1.0:
         raise DraftFormatError(f"{path}: partial_rotary_factor={partial!r}: vLLM would rotate part of the draft's "
                                "head; the draft rotates all of it")
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    kind = rope_kind(rope)
 
     def num(key: str, value: Any, cast: type = int) -> Any:
         try:
