@@ -327,15 +327,18 @@ def detect_format(cfg: dict[str, Any], path: Path, names: Sequence[str] = ()) ->
                            "or a speculators config)")
 
 
+def _is_id_list(ids: Any) -> bool:
+    """A JSON list of layer ids: integers, booleans excluded."""
+    return isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+
+
 def _specforge_ids(cfg: dict[str, Any]) -> list[int] | None:
     """The ids of an unmarked plain config that names them only under ``eagle_config`` and
     starts at 1: SpecForge's and ModelOpt's convention (layer outputs; their default for N layers
     is [1, N/2 - 1, N - 4], the inputs of vLLM's default layers). None otherwise."""
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if MARKER in cfg or cfg.get("eagle_aux_hidden_state_layer_ids") or not isinstance(ids, list) or not ids:
-        return None
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        return None  # _aux_ids names the bad list
+    if MARKER in cfg or cfg.get("eagle_aux_hidden_state_layer_ids") or not ids or not _is_id_list(ids):
+        return None  # a bad list is named by _aux_ids
     return ids if min(ids) == 1 else None
 
 
@@ -352,7 +355,7 @@ def _aux_ids(cfg: dict[str, Any], fmt: str, path: Path) -> tuple[int, ...] | Non
     for key, (ids, add) in places.items():
         if ids is None or ids == []:
             continue
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        if not _is_id_list(ids):
             raise DraftFormatError(f"{path}: {key}={ids!r} is not a list of integers")
         found[key] = tuple(sorted(i + add for i in ids))
     if len(set(found.values())) > 1:

@@ -589,12 +589,13 @@ def _initial_draft(folder: str, spec: Any, target: Target, embedding: Tensor) ->
     except ValueError as err:
         raise TrainError(f"train.init_draft: {folder}: hidden_size={loaded.draft.config.hidden_size} cannot take "
                          f"the target's embedding ({err})") from None
-    served = loaded.draft.embed_tokens.weight.detach().float()
-    if own is not None and not any(torch.equal(own.float(), served.to(dtype).float())  # the same, stored rounded
-                                   for dtype in (torch.float32, torch.bfloat16, torch.float16)):
-        print0(f"train.init_draft: {folder} carries its own embedding, which differs from the target's (max "
-               f"|difference| {(own.float() - served).abs().max():.3g}); the draft "
-               "trains and is exported with the target's, as engines serve a draft without one")
+    if own is not None:
+        served = loaded.draft.embed_tokens.weight.detach().float()
+        if not any(torch.equal(own.float(), served.to(dtype).float())  # the same, stored rounded
+                   for dtype in (torch.float32, torch.bfloat16, torch.float16)):
+            print0(f"train.init_draft: {folder} carries its own embedding, which differs from the target's (max "
+                   f"|difference| {(own.float() - served).abs().max():.3g}); the draft trains and is exported "
+                   "with the target's, as engines serve a draft without one")
     if loaded.aux_layer_ids is None:
         print0(f"train.init_draft: {folder} names no aux layer ids; assuming the store's {list(spec.aux_layer_ids)}")
     return loaded.draft.float()
