@@ -36,7 +36,7 @@ from safetensors.torch import load_file
 from eagle3.atomic import atomic_write_text, remove_leftovers
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab
-from eagle3.export import export_draft_folder, load_draft
+from eagle3.export import DraftFormatError, export_draft_folder, load_draft
 
 LATEST = "latest"
 EXPORT_FORMAT = "eagle3-draft-2"
@@ -221,6 +221,9 @@ def load_exported_draft(folder: str | os.PathLike[str],
     """An exported draft and its ``draft.json`` (the embedding is the target's: pass it, or it
     stays at its random init)."""
     loaded = load_draft(folder, embed_tokens_weight=embed_tokens_weight)
+    if not loaded.has_lm_head:
+        raise DraftFormatError(f"{folder}: no lm_head.weight: load it with its target "
+                               "(eagle3.export.fit_to_target gives it the target's)")
     return loaded.draft, loaded.meta
 
 

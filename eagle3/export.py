@@ -80,6 +80,9 @@ class LoadedDraft:
     """Our draft.json when present (training step and eval figures), else {}."""
     has_embedding: bool = False
     """The checkpoint carried its own embedding (loaded); otherwise the target's must be given."""
+    has_lm_head: bool = True
+    """False: the checkpoint has no lm_head (engines serve it with the target's, as ModelOpt's
+    full-vocab drafts ship); :func:`fit_to_target` copies the target's in."""
 
 
 # ---------------------------------------------------------------- configs
@@ -470,11 +473,17 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
         raise DraftFormatError(f"{folder / 'config.json'}: eagle_config.use_aux_hidden_state=false: this draft "
                                "reads the target's last hidden state, not aux layers (EAGLE-1/2 style); not "
                                "supported")
-    if "lm_head.weight" not in tensors and "midlayer.self_attn.q_proj.weight" in tensors:
-        raise DraftFormatError(f"{folder}: no lm_head.weight: this draft serves with its target's lm_head "
-                               "(engines copy it in); not supported here")
     ids = _aux_ids(cfg, fmt, folder / "config.json")
     config = draft_config_from_json(cfg, fmt, folder / "config.json", len(ids) if ids else None)
+    has_lm_head = "lm_head.weight" in tensors
+    if not has_lm_head and config.draft_vocab_size != config.vocab_size:
+        raise DraftFormatError(f"{folder}: no lm_head.weight and draft_vocab_size={config.draft_vocab_size} < "
+                               f"vocab_size={config.vocab_size}: vLLM would give it the target's lm_head over the "
+                               "whole vocabulary, which its d2t does not index; not servable")
+    if not has_lm_head and config.hidden_size != config.target_hidden_size:
+        raise DraftFormatError(f"{folder}: no lm_head.weight and hidden_size={config.hidden_size} != "
+                               f"target_hidden_size={config.target_hidden_size}: the target's lm_head cannot "
+                               "read this draft's states")
     if "fc.weight" in tensors:  # the checkpoint decides how many aux states fc reads
         width = tensors["fc.weight"].shape[1]
         if width % config.target_hidden_size:
@@ -499,7 +508,7 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
     d2t, t2d = tensors.pop("d2t").long(), tensors.pop("t2d").bool()
     want = draft.state_dict()
     extra = sorted(set(tensors) - set(want))
-    missing = sorted(set(want) - set(tensors) - {"embed_tokens.weight", "d2t", "t2d"})
+    missing = sorted(set(want) - set(tensors) - {"embed_tokens.weight", "d2t", "t2d", "lm_head.weight"})
     if extra or missing:
         raise DraftFormatError(f"{folder}: the weights do not fit the config (unexpected {extra[:8]}, "
                                f"missing {missing[:8]})")
@@ -515,7 +524,7 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
         raise DraftFormatError(f"{folder}: d2t/t2d: {err}") from None
     meta = _read_json(folder / OUR_META) if (folder / OUR_META).is_file() else {}
     return LoadedDraft(draft=draft, aux_layer_ids=ids, format=fmt, path=folder, meta=meta,
-                       has_embedding=has_embedding)
+                       has_embedding=has_embedding, has_lm_head=has_lm_head)
 
 
 def check_draft_fits_target(loaded: LoadedDraft, *, hidden_size: int, vocab_size: int,
@@ -548,6 +557,20 @@ def fit_to_target(loaded: LoadedDraft, target: Any) -> None:
                                f"(tokenizer sha256 {trained_with[:12]}... != {served[:12]}...)")
     if not loaded.has_embedding:
         loaded.draft.load_embedding(target.embed_tokens.weight.detach().float())
+    if not loaded.has_lm_head:
+        give_target_lm_head(loaded, target.lm_head.weight)
+
+
+def give_target_lm_head(loaded: LoadedDraft, weight: Tensor) -> None:
+    """A draft that ships without lm_head reads the target's (as vLLM shares it); no-op otherwise."""
+    if loaded.has_lm_head:
+        return
+    try:
+        loaded.draft.init_lm_head_from_target(weight.detach().float(), loaded.draft.d2t)
+    except (ValueError, IndexError) as err:
+        raise DraftFormatError(f"{loaded.path}: no lm_head.weight, and the target's {tuple(weight.shape)} "
+                               f"does not fit it ({err})") from None
+    loaded.has_lm_head = True
 
 
 # ---------------------------------------------------------------- CLI
@@ -592,6 +615,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         verifier = args.verifier or loaded.meta.get("target")
         meta = {k: v for k, v in loaded.meta.items() if k != "format"} or None
         state = loaded.draft.state_dict()
+        if not loaded.has_lm_head:  # written without one too: engines give it the target's
+            del state["lm_head.weight"]
         export_draft_folder(args.out, state, loaded.draft.config, ids, args.format, dtype=args.dtype,
                             verifier=verifier, speculative_tokens=args.speculative_tokens, meta=meta)
     except (DraftFormatError, OSError) as err:
@@ -604,7 +629,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 __all__ = [
     "FORMATS", "DraftFormatError", "LoadedDraft", "check_draft_fits_target", "detect_format",
-    "draft_config_from_json", "engine_tensors", "export_draft_folder", "load_draft", "nonfinite_tensors",
+    "draft_config_from_json", "engine_tensors", "export_draft_folder", "fit_to_target", "give_target_lm_head",
+    "load_draft", "nonfinite_tensors",
     "sglang_config", "speculators_config", "vllm_config",
 ]
 

@@ -575,7 +575,7 @@ def _check_weights(target: Target, spec: Any) -> None:
 
 def _initial_draft(folder: str, spec: Any, target: Target, embedding: Tensor) -> Eagle3Draft:
     """A draft to continue training, checked against the store and the target."""
-    from eagle3.export import DraftFormatError, check_draft_fits_target, load_draft
+    from eagle3.export import DraftFormatError, check_draft_fits_target, give_target_lm_head, load_draft
 
     try:  # the target's embedding goes in once the draft is known to fit it
         loaded = load_draft(folder)
@@ -596,6 +596,12 @@ def _initial_draft(folder: str, spec: Any, target: Target, embedding: Tensor) ->
             print0(f"train.init_draft: {folder} carries its own embedding, which differs from the target's (max "
                    f"|difference| {(own.float() - served).abs().max():.3g}); the draft trains and is exported "
                    "with the target's, as engines serve a draft without one")
+    if not loaded.has_lm_head:
+        print0(f"train.init_draft: {folder} has no lm_head; it starts from the target's (as engines serve it)")
+        try:
+            give_target_lm_head(loaded, target.lm_head.weight)
+        except DraftFormatError as err:
+            raise TrainError(f"train.init_draft: {err}") from None
     if loaded.aux_layer_ids is None:
         print0(f"train.init_draft: {folder} names no aux layer ids; assuming the store's {list(spec.aux_layer_ids)}")
     return loaded.draft.float()

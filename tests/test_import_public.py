@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.export import DraftFormatError, load_draft
+from eagle3.checkpoint import load_exported_draft
+from eagle3.export import DraftFormatError, give_target_lm_head, load_draft
+from eagle3.export import main as export_main
 from tests.test_export import _public_config, _public_folder, make_draft, propose
 
 
@@ -77,13 +79,45 @@ def test_variants_we_cannot_serve_are_refused_by_name(tmp_path: Path, change: di
         load_draft(_folder(tmp_path / "x", make_draft(), **change))
 
 
-def test_a_draft_without_its_own_lm_head_is_refused_by_name(tmp_path: Path) -> None:
-    """nvidia/gpt-oss-120b-Eagle3 ships no lm_head (engines copy the target's in)."""
-    draft = make_draft(draft_vocab_size=128)
+def _headless(path: Path, draft) -> Path:
+    """The draft as nvidia/gpt-oss-120b-Eagle3 ships: full vocabulary, no lm_head, no mapping."""
     tensors = {k: v.contiguous() for k, v in draft.state_dict().items()
                if k not in ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d")}
-    folder = _public_folder(tmp_path / "nohead", _public_config(draft.config, draft_vocab_size=None), tensors)
-    with pytest.raises(DraftFormatError, match="no lm_head.weight: this draft serves with its target's lm_head"):
+    return _public_folder(path, _public_config(draft.config), tensors)
+
+
+def test_a_draft_without_its_own_lm_head_serves_with_the_targets(tmp_path: Path) -> None:
+    """vLLM gives such a draft the target's lm_head; so do fit_to_target, continued training
+    (train.init_draft) and the conversion CLI, which writes it without one again."""
+    draft = make_draft(seed=3, draft_vocab_size=128, target_hidden_size=64)  # the whole vocabulary
+    assert draft.config.draft_vocab_size == draft.config.vocab_size
+    target_head = draft.lm_head.weight.detach().clone()  # the target's lm_head the draft was trained with
+    folder = _headless(tmp_path / "nohead", draft)
+    loaded = load_draft(folder)
+    assert not loaded.has_lm_head
+    with pytest.raises(DraftFormatError, match="no lm_head.weight: load it with its target"):
+        load_exported_draft(folder)
+    with pytest.raises(DraftFormatError, match=r"no lm_head.weight, and the target's \(128, 16\) does not fit"):
+        give_target_lm_head(loaded, torch.randn(128, 16))
+    give_target_lm_head(loaded, target_head)
+    embedding = torch.randn(draft.config.vocab_size, draft.config.hidden_size)
+    assert loaded.has_lm_head and propose(loaded.draft, embedding) == propose(draft, embedding)
+    # converted without a target: still headless, and the same draft once given the target's head
+    assert export_main(["--draft", str(folder), "--out", str(tmp_path / "spec"), "--format", "speculators",
+                        "--dtype", "float32", "--verifier", "t", "--aux-layer-ids", "1,4,6"]) == 0
+    again = load_draft(tmp_path / "spec")
+    assert not again.has_lm_head
+    give_target_lm_head(again, target_head)
+    assert propose(again.draft, embedding) == propose(draft, embedding)
+
+
+def test_a_headless_draft_with_a_reduced_vocab_is_refused_by_name(tmp_path: Path) -> None:
+    """vLLM would give it the target's lm_head over the whole vocabulary, which d2t does not index."""
+    draft = make_draft(draft_vocab_size=64)
+    tensors = {k: v.contiguous() for k, v in draft.state_dict().items()
+               if k not in ("embed_tokens.weight", "lm_head.weight")}
+    folder = _public_folder(tmp_path / "nohead", _public_config(draft.config), tensors)
+    with pytest.raises(DraftFormatError, match="no lm_head.weight and draft_vocab_size=64 < vocab_size=128"):
         load_draft(folder)
 
 

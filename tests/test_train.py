@@ -721,6 +721,29 @@ def test_a_draft_with_its_own_embedding_trains_with_the_targets_and_says_so(tiny
         assert ("carries its own embedding, which differs from the target's" in capsys.readouterr().out) == noted
 
 
+def test_a_draft_without_lm_head_continues_from_the_targets(tiny: dict, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    """A full-vocab draft shipped without lm_head (engines serve it with the target's) starts
+    training from the target's lm_head, as it is served."""
+    target = tiny["target"]
+    first = tmp_path / "first"
+    train(_cfg(tiny, first, steps=2, eval_every=0, save_every=0, draft_vocab_size=target.vocab_size),
+          target=target)
+    folder = tmp_path / "headless"
+    folder.mkdir()
+    tensors = load_file(str(first / "final" / "model.safetensors"))
+    assert "d2t" not in tensors  # a full-vocab draft carries no mapping
+    save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text((first / "final" / "config.json").read_text())
+    capsys.readouterr()
+    train(_cfg(tiny, tmp_path / "again", steps=1, eval_every=0, save_every=0, lr=1e-12, warmup_steps=0,
+               init_draft=str(folder)), target=target)
+    assert "has no lm_head; it starts from the target's" in capsys.readouterr().out
+    continued = load_file(str(tmp_path / "again" / "final" / "model.safetensors"))
+    served = target.lm_head.weight.detach().float().to(continued["lm_head.weight"].dtype)
+    torch.testing.assert_close(continued["lm_head.weight"], served, rtol=0, atol=1e-6)
+
+
 def test_split_head_equals_the_full_product_ties_included(monkeypatch: pytest.MonkeyPatch) -> None:
     """TargetHead's fp32 path computes the outside-vocab logits in bf16 under an error bound;
     its targets must equal prepare_targets on the full product, including rows where an outside
