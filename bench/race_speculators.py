@@ -23,7 +23,7 @@ Equal for both: samples, TTT steps (3), draft vocab, sequence length per step (2
 speculators packs rows of that length, ours fills length buckets of at most that many tokens),
 optimizer steps. Each keeps its own optimizer, learning rate, schedule, loss weights and lm_head
 init (speculators: Muon + AdamW at 1e-3, linear decay, step weights 1.0, lm_head copied from the
-target and frozen, norm_before_fc / norm_output variant; ours: ``--ours-recipe``, by default the
+target and frozen, norms before the fc, the residual and the output; ours: ``--ours-recipe``, by default the
 pipeline's ``target-head`` draft recipe: the same layer variant, Muon at 2e-3, cosine, step weights
 1.0, lm_head started from the target's rows and trained): those are what is being compared. Both
 run in bf16 on CPUs with bf16 units (autocast for speculators, DeepSpeed's bf16 for ours) and in
