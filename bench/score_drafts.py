@@ -21,6 +21,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -38,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", action="append", required=True, metavar="NAME=DIR")
     parser.add_argument("--target", default=None, help="default: the store's target")
     parser.add_argument("--ttt-steps", type=int, default=3)
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     args = parser.parse_args(argv)
     drafts = []
     for item in args.draft:
@@ -46,12 +49,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--draft {item!r}: expected NAME=DIR")
         drafts.append((name, folder))
     store = HarvestStore(args.store)
-    target = load_target(args.target or store.spec.target, dtype="float32", device="cpu")
+    target = load_target(args.target or store.spec.target, dtype="float32", device=args.device)
     head, meta = target_head(target), read_sample_meta(args.records)
     for name, folder in drafts:
         loaded = load_draft(folder)
         fit_to_target(loaded, target)
-        scores = score_store(loaded.draft.float(), head, store, meta, ttt_steps=args.ttt_steps)
+        scores = score_store(loaded.draft.to(device=target.device, dtype=torch.float32), head, store, meta,
+                             ttt_steps=args.ttt_steps)
         overall = group_scores(scores, "all")["all"]
         row: dict = {"figure": "tau_sim", "draft": name, "store": args.store, "overall": round(overall.tau_sim, 4)}
         for key in ("domain", "language"):

@@ -2,14 +2,14 @@
 loop and against HF ``generate``, next to the cost model's prediction for the measured tau.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/spec_speedup.py --draft runs/train/best --pools runs/pools \\
-        [--per-set 5] [--max-new-tokens 96] [--k 3] [--mode chain|tree] [--target-dtype float32]
+        [--per-set 5] [--max-new-tokens 96] [--k 3] [--mode chain|tree] [--device auto] [--target-dtype auto]
 
 One JSON line per figure:
 
-* ``cost_model``: median times of a target forward over 1 and K+1 new tokens after a
-  ``--context``-token prefix (KV cache), and of one draft step; the predicted speedup for a tau is
-  ``tau * t(1) / (t(K+1) + K * t_draft)`` (the loop's ceiling: verifying K+1 tokens costs
-  t(K+1), drafting them K steps);
+* ``cost_model`` (:func:`eagle3.adaptive.measure_cost`, synchronised on CUDA): a target forward
+  over 1 and K+1 new tokens after a ``--context``-token prefix (KV cache), one draft step, the
+  break-even tau and the ceiling; the predicted speedup for a tau is
+  ``tau * t(1) / (t(K+1) + K * t_draft)`` (verifying K+1 tokens costs t(K+1), drafting them K steps);
 * ``baseline``: HF ``generate`` greedy (KV cache) vs our plain loop on the same prompts — the
   plain loop must be at least as fast, or the speedup is measured against a slow baseline;
 * ``speculative`` per eval set and overall: tau, acceptance per position, tokens/s of the
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,58 +30,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def cost_model(target, draft, context: int, k: int, repeats: int) -> dict[str, float]:
-    from transformers import DynamicCache
-
-    from eagle3.draft import KVCache
-    from eagle3.spec_decode import crop_cache
-
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, target.vocab_size, (1, context + k + 1), generator=g)  # timing only: any ids
-    cache = DynamicCache()
-    with torch.no_grad():
-        target(ids[:, :context], past_key_values=cache, use_cache=True)
-
-    def verify(n: int):
-        def run() -> None:
-            with torch.no_grad():
-                target(ids[:, context:context + n], past_key_values=cache, use_cache=True)
-            crop_cache(cache, context)
-        return run
-
-    t1, tk = median_time(verify(1), repeats), median_time(verify(k + 1), repeats)
-    dcache = KVCache()
-    h = draft.config.hidden_size
-    with torch.no_grad():
-        draft(ids[:, :context], torch.randn(1, context, h, dtype=draft.fc.weight.dtype),
-              torch.arange(context)[None], dcache)
-
-    def draft_step() -> None:
-        with torch.no_grad():
-            draft(ids[:, context:context + 1], torch.randn(1, 1, h, dtype=draft.fc.weight.dtype),
-                  torch.tensor([[context]]), dcache)
-        dcache.truncate(context)
-
-    return {"t1_ms": t1 * 1e3, f"t{k + 1}_ms": tk * 1e3, "t_draft_ms": median_time(draft_step, repeats) * 1e3,
-            "t1": t1, "tk": tk, "td": median_time(draft_step, repeats)}
+from eagle3.config import add_target_arguments  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", required=True)
-    parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--target-dtype", default="float32")
+    add_target_arguments(parser)
     parser.add_argument("--pools", default="runs/pools")
     parser.add_argument("--sets", default="mtbench,humaneval,gsm8k,multilingual")
     parser.add_argument("--per-set", type=int, default=5)
@@ -97,52 +51,54 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
+    from eagle3.adaptive import measure_cost
     from eagle3.chat import ChatFormat
     from eagle3.export import DraftFormatError
-    from eagle3.spec_decode import SpecConfig
-    from eagle3.target import TargetLoadError, TargetSourceError
+    from eagle3.spec_decode import SpecConfig, SpeculativeDecoder
+    from eagle3.target import TargetLoadError, TargetSourceError, synchronize
     from eagle3.verify import SamplingParams
     from serve_eval.evaluate import evaluate, load_pair, read_prompts, write_report
 
     try:
-        target, draft = load_pair(args.draft, args.target, args.target_dtype)
+        target, draft = load_pair(args.draft, args.target, args.target_dtype, args.device)
         chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
         prompts = {n: read_prompts(Path(args.pools), n, args.per_set, chat) for n in args.sets.split(",")}
     except (DraftFormatError, TargetLoadError, TargetSourceError, ValueError, OSError) as err:
         raise SystemExit(f"spec_speedup: error: {err}") from None
 
-    cost = cost_model(target, draft, args.context, args.k, args.repeats)
-    print(json.dumps({"figure": "cost_model", "context": args.context, "k": args.k,
-                      **{k: round(v, 2) for k, v in cost.items() if k.endswith("_ms")}}), flush=True)
+    config = SpecConfig(args.mode, args.k, args.topk, args.budget)
+    width = args.budget if args.mode == "tree" else args.k
+    cost = measure_cost(SpeculativeDecoder(target, draft, config), width, args.context, args.repeats)
+    print(json.dumps({"figure": "cost_model", "device": str(target.device), "context": args.context,
+                      **cost.explain(args.k, width=width)}), flush=True)
 
     # the honest baseline: HF generate greedy on the same prompts, against our plain loop
     flat = [p for items in prompts.values() for p in items]
     stops = sorted(chat.stop_ids)
     hf_tokens, hf_seconds = 0, 0.0
     for p in flat:
+        synchronize(target.device)
         start = time.perf_counter()
         with torch.no_grad():
-            out = target.model.generate(torch.tensor([p]), max_new_tokens=args.max_new_tokens, do_sample=False,
-                                        eos_token_id=stops, pad_token_id=stops[0])
+            out = target.model.generate(torch.tensor([p], device=target.device), max_new_tokens=args.max_new_tokens,
+                                        do_sample=False, eos_token_id=stops, pad_token_id=stops[0])
+        synchronize(target.device)
         hf_seconds += time.perf_counter() - start
         hf_tokens += out.shape[1] - len(p)
-    config = SpecConfig(args.mode, args.k, args.topk, args.budget)
     report = evaluate(target, draft, prompts, config=config, params=SamplingParams(),
                       max_new_tokens=args.max_new_tokens, stop_ids=stops, progress=False)
     plain_tps = report["overall"]["plain_tokens_per_s"]
     print(json.dumps({"figure": "baseline", "hf_generate_tokens_per_s": round(hf_tokens / hf_seconds, 2),
                       "plain_loop_tokens_per_s": plain_tps,
                       "plain_over_hf": round(plain_tps / (hf_tokens / hf_seconds), 3)}), flush=True)
-    tk = cost["tk"] if args.mode == "chain" else None
     for name, s in [*report["sets"].items(), ("overall", report["overall"])]:
         line = {"figure": "speculative", "set": name, "mode": args.mode, "k": args.k, "tau": s["tau"],
                 "accept_per_pos": s["accept_per_pos"], "spec_tokens_per_s": s["spec_tokens_per_s"],
                 "plain_tokens_per_s": s["plain_tokens_per_s"], "speedup": s["speedup"],
                 "equal": s.get("equal"), "prompts": s["prompts"]}
-        if tk is not None:
-            predicted = s["tau"] * cost["t1"] / (tk + args.k * cost["td"])
-            line.update(predicted_speedup=round(predicted, 3),
-                        measured_over_predicted=round(s["speedup"] / predicted, 3) if s["speedup"] else None)
+        predicted = cost.speedup(s["tau"], args.k, width)
+        line.update(predicted_speedup=round(predicted, 3),
+                    measured_over_predicted=round(s["speedup"] / predicted, 3) if s["speedup"] else None)
         print(json.dumps(line), flush=True)
     if args.out:
         report["draft"], report["target"] = args.draft, args.target

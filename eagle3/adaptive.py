@@ -14,6 +14,7 @@ Rounds at k = 0 teach nothing, so after ``probe_every`` of them one round propos
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Sequence
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from eagle3.target import synchronize
 
 
 @dataclass
@@ -40,15 +43,37 @@ class CostModel:
     def max_depth(self) -> int:
         return len(self.verify_s) - 1
 
-    def round_seconds(self, k: int) -> float:
+    def round_seconds(self, k: int, width: int | None = None) -> float:
         """A round of depth k: the verify and k draft forwards (the batched catch-up whose last row
         proposes the first token, then k - 1 chain steps); a depth-0 round runs no draft forward
-        (its catch-up rows join the next speculating round's)."""
-        return self.verify_s[k] + k * self.draft_step_s
+        (its catch-up rows join the next speculating round's). ``width``: draft tokens verified
+        when they are not k (a tree's budget)."""
+        return self.verify_s[k if width is None else width] + k * self.draft_step_s
 
     def as_dict(self) -> dict[str, Any]:
         return {"verify_ms": [round(1e3 * t, 2) for t in self.verify_s],
                 "draft_step_ms": round(1e3 * self.draft_step_s, 3)}
+
+    def speedup(self, tau: float, k: int, width: int | None = None) -> float:
+        """Predicted speedup over plain decoding of rounds at depth k emitting ``tau`` tokens each."""
+        return tau * self.verify_s[0] / self.round_seconds(k, width)
+
+    def explain(self, k: int, tau: float | None = None, width: int | None = None) -> dict[str, float]:
+        """Why a speedup is what it is here: t(1), t(w+1) (w = k, or a tree's budget), one draft step, the tau at which
+        speculation breaks even, the ceiling (every draft token accepted, tau = k + 1), the
+        prediction at ``tau``, and what that tau would give where verifying k + 1 tokens costs
+        what one does (batch-1 decoding on a GPU, bound by reading the weights), the draft step's
+        share of t(1) kept as measured here."""
+        w = k if width is None else width
+        t1, tw = self.verify_s[0], self.verify_s[w]
+        out = {"k": k, "verified": w + 1, "t1_ms": round(1e3 * t1, 3), "t_verify_ms": round(1e3 * tw, 3),
+               "draft_step_ms": round(1e3 * self.draft_step_s, 3),
+               "break_even_tau": round(self.round_seconds(k, w) / t1, 3),
+               "ceiling": round(self.speedup(k + 1, k, w), 3)}
+        if tau is not None:
+            out |= {"predicted_speedup": round(self.speedup(tau, k, w), 3),
+                    "speedup_if_verify_is_flat": round(tau * t1 / (t1 + k * self.draft_step_s), 3)}
+        return out
 
 
 def expected_tokens(conditional: Sequence[float], k: int) -> float:
@@ -175,18 +200,20 @@ def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int 
     from eagle3.spec_decode import crop_cache
 
     target, draft, device = decoder.target, decoder.draft, decoder.device
-    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)  # timing only: any ids
     vocab = target.vocab_size
-    prefix = torch.randint(0, vocab, (context,), generator=g).tolist()
+    prefix = [rng.randrange(vocab) for _ in range(context)]
     times: list[list[float]] = [[] for _ in range(max_depth + 1)]
     with torch.no_grad():
         cache = DynamicCache()
         out = decoder._target(prefix, cache)
         for _ in range(repeats):  # depths interleaved, so that a burst of load hits them alike
             for k in range(max_depth + 1):
-                ids = torch.randint(0, vocab, (1 + k,), generator=g).tolist()
+                ids = [rng.randrange(vocab) for _ in range(1 + k)]
+                synchronize(device)
                 t0 = time.perf_counter()
                 decoder._target(ids, cache)
+                synchronize(device)
                 times[k].append(time.perf_counter() - t0)
                 crop_cache(cache, context)
         verify = fit_linear([statistics.median(t) for t in times])
@@ -197,9 +224,11 @@ def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int 
             state = torch.zeros(1, 1, draft.config.hidden_size, dtype=draft.fc.weight.dtype, device=device)
             times = []
             for r in range(repeats + 1):
+                synchronize(device)
                 t0 = time.perf_counter()
                 draft(torch.tensor([[prefix[r]]], device=device), state, torch.tensor([[context + r]], device=device),
                       dcache)
+                synchronize(device)
                 times.append(time.perf_counter() - t0)
             step = statistics.median(times[1:])
     return CostModel(verify, step)

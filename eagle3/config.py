@@ -44,6 +44,17 @@ class TargetConfig:
             raise ValueError(f"target.device={self.device!r}: expected auto, cpu, cuda, cuda:N or mps")
 
 
+def add_target_arguments(parser: Any, *, target: str | None = None) -> None:
+    """``--target``, ``--target-dtype`` and ``--device`` on an argparse CLI that loads a target, with
+    :class:`TargetConfig`'s defaults and meanings (the one definition of these three flags)."""
+    parser.add_argument("--target", default=TargetConfig.name_or_path if target is None else target,
+                        help="embedded target name, model folder, .gguf file or hub id (default %(default)s)")
+    parser.add_argument("--target-dtype", default=TargetConfig.dtype, choices=_DTYPES,
+                        help="auto: bf16 on CUDA, fp32 elsewhere (default %(default)s)")
+    parser.add_argument("--device", default=TargetConfig.device,
+                        help="where the target (and draft) run: auto (CUDA when present), cpu, cuda, cuda:N")
+
+
 TRAIN_SOURCES = ["sharegpt", "codeio", "stdlib", "reasoning_gym", "mmath", "chatterbot", "dataset_build"]
 
 

@@ -81,7 +81,7 @@ def block_scales(x: Tensor, gscale: Tensor) -> Tensor:
     blocks = _blocks(x)  # [..., k/16, 16]
     raw = gscale * (blocks.abs().amax(-1) / FP4_MAX)  # [..., k/16]
     scale = raw.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return torch.where(scale.float() == 0, torch.tensor(FP8_EPS), scale.float()).to(torch.float8_e4m3fn)
+    return torch.where(scale.float() == 0, FP8_EPS, scale.float()).to(torch.float8_e4m3fn)
 
 
 def quantize(x: Tensor, gscale: Tensor) -> tuple[Tensor, Tensor]:

@@ -281,7 +281,9 @@ class ActivationFakeQuant:
         self.gscale = gscale
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple:
-        return (fp4.fake_quantize(args[0], self.gscale.to(args[0].device)), *args[1:])
+        if self.gscale.device != args[0].device:  # moved once, not on every call
+            self.gscale = self.gscale.to(args[0].device)
+        return (fp4.fake_quantize(args[0], self.gscale), *args[1:])
 
 
 def load_emulated(folder: str | Path, *, dtype: torch.dtype = torch.float32, mode: str = "auto",

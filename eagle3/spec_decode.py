@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from eagle3.draft import Eagle3Draft, KVCache
-from eagle3.target import Target
+from eagle3.target import Target, synchronize
 from eagle3.verify import (
     SamplingParams,
     greedy_chain,
@@ -236,7 +236,7 @@ class SpeculativeDecoder:
             # expand the best `topk` of this depth's nodes in one draft forward (tree mask)
             chosen = sorted(children, key=lambda i: -scores[i])[:topk]
             rows = len(cache)
-            mask = torch.zeros(len(chosen), rows + len(chosen), dtype=torch.bool, device=self.device)
+            mask = torch.zeros(len(chosen), rows + len(chosen), dtype=torch.bool)  # built on the host, moved once
             mask[:, :past] = True
             for r, node in enumerate(chosen):
                 mask[r, rows + r] = True
@@ -244,6 +244,7 @@ class SpeculativeDecoder:
                 while ancestor >= 0:
                     mask[r, cache_row[ancestor]] = True
                     ancestor = parents[ancestor]
+            mask = mask.to(self.device)
             fed = {node: state for node, state, _, _ in frontier}  # a child is fed its parent's output state
             states = torch.stack([fed[parents[node]] for node in chosen])[None]  # [1, C, H]
             ids = torch.tensor([[tokens[i] for i in chosen]], device=self.device)
@@ -275,8 +276,9 @@ class SpeculativeDecoder:
         if policy is not None and self.config.mode != "chain":
             raise ValueError("an adaptive depth policy needs mode=chain")
         speculate = speculate and self.draft is not None
-        g = torch.Generator(device="cpu").manual_seed(seed)
+        g = torch.Generator(device=self.device).manual_seed(seed)  # sampling happens where the logits are
         stats = DecodeStats(proposed=self.config.k if speculate else 0)
+        synchronize(self.device)
         start = time.perf_counter()
         from transformers import DynamicCache
 
@@ -300,6 +302,7 @@ class SpeculativeDecoder:
             if not speculate:
                 t0 = time.perf_counter()
                 out = self._target([x], cache)
+                synchronize(self.device)
                 stats.seconds_verify += time.perf_counter() - t0
                 stats.target_forwards += 1
                 emitted.append(self._pick(out.logits[0, -1], params, g))
@@ -323,18 +326,21 @@ class SpeculativeDecoder:
                 else:
                     tokens, parents, qs = self._propose_chain(root[0], root[1], n, draft_cache, params, g,
                                                               prompt + emitted, k)
+            synchronize(self.device)
             stats.seconds_draft += time.perf_counter() - t0
 
             t0 = time.perf_counter()
             if tree:  # each node sees the prefix, x and its ancestors, at position n + depth
                 m = len(tokens) + 1
-                mask = torch.zeros(m, n + m, dtype=torch.bool, device=self.device)
+                mask = torch.zeros(m, n + m, dtype=torch.bool)  # built on the host, moved once
                 mask[:, : n + 1] = True
-                mask[1:, n + 1:] = tree_attention_mask(parents).to(self.device)  # [N, N]
+                mask[1:, n + 1:] = tree_attention_mask(parents)  # [N, N]
+                mask = mask.to(self.device)
                 positions = [n, *(n + depth for depth in tree_depths(parents))]
                 out = self._target([x, *tokens], cache, positions, mask[None, None])
             else:  # a chain is plain causal attention
                 out = self._target([x, *tokens], cache)
+            synchronize(self.device)
             stats.seconds_verify += time.perf_counter() - t0
             stats.target_forwards += 1
             logits = out.logits[0]  # [1 + N, V]
@@ -362,6 +368,7 @@ class SpeculativeDecoder:
             pending.append((out.aux[:, [0, *(1 + p for p in path)]], acc.tokens))  # x and the accepted nodes
             n += 1 + len(path)
         stats.new_tokens = len(emitted)
+        synchronize(self.device)
         stats.seconds_total = time.perf_counter() - start
         return Generation(emitted, stats)
 

@@ -83,6 +83,14 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the work queued on ``device`` (a no-op on the CPU): read a clock after this, never
+    after a kernel launch alone."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -231,6 +239,11 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Target:
+        """Move (or cast) the model in place; returns self."""
+        self.model.to(device=device, dtype=dtype)
+        return self
 
     @torch.no_grad()
     def head(self, last: Tensor) -> Tensor:
@@ -624,4 +637,5 @@ __all__ = [
     "CAPTURE_TOLERANCE", "LogitTransform", "Target", "TargetLoadError", "TargetOutput", "TargetSourceError",
     "check_architecture", "check_aux_layer_ids", "check_capture", "verify_capture",
     "default_aux_layer_ids", "load_target", "load_target_head", "resolve_device", "resolve_dtype",
+    "synchronize",
 ]

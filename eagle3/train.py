@@ -327,12 +327,24 @@ class TTTModel(nn.Module):
 
 def _run(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: Tensor, dtype: torch.dtype,
          device: torch.device) -> TTTOutput:
+    """One batch (as the loader builds it, on the host) through the engine on ``device``."""
     batch = {k: v.to(device) for k, v in batch.items()}
     targets = head.targets(batch, t2d)
     loss, loss_sum, count, match, counted = engine(batch["input_ids"], batch["aux"].to(dtype), batch["position_ids"],
                                                    batch["document_ids"], batch["loss_mask"], targets.probs,
                                                    targets.argmax)
     return TTTOutput(loss=loss, loss_sum=loss_sum, count=count, match=match, counted=counted, valid=counted)
+
+
+def train_forward(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: Tensor, dtype: torch.dtype,
+                  device: torch.device, loss_positions: str = "replies") -> tuple[TTTOutput, Tensor]:
+    """A training micro-batch's forward: its output and its [loss, tokens] (float64, on ``device``,
+    to be summed over micro-batches and ranks without a host sync)."""
+    batch = {k: v.to(device) for k, v in batch.items()}
+    if loss_positions == "all":
+        batch["loss_mask"] = batch["document_ids"] >= 0  # [B, S] every token, padding excepted
+    out = _run(engine, head, batch, t2d, dtype, device)
+    return out, torch.stack([out.loss.detach().double(), (batch["document_ids"] >= 0).sum().double()])
 
 
 # ---------------------------------------------------------------- metrics over many batches and ranks
@@ -886,16 +898,14 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
             grad_norm = None
             for micro in range(cfg.gradient_accumulation):
                 idx = plan[rank_batch_index(step_in_epoch, micro, rt.rank, rt.world_size, cfg.gradient_accumulation)]
-                batch = load_batch(store, idx, cfg.batching)
-                if cfg.loss_positions == "all":
-                    batch["loss_mask"] = batch["document_ids"] >= 0  # [B, S] every token, padding excepted
-                out = _run(engine, head, batch, t2d, dtype, rt.device)
+                out, sums_now = train_forward(engine, head, load_batch(store, idx, cfg.batching), t2d, dtype,
+                                              rt.device, cfg.loss_positions)
                 engine.backward(out.loss)
                 if micro == cfg.gradient_accumulation - 1 and cfg.zero_stage == 0 and dtype == torch.float32:
                     grad_norm = _grad_norm(engine, params)
                 engine.step()
                 tally.add(out)
-                sums += torch.stack([out.loss.detach().double(), (batch["document_ids"] >= 0).sum().double()])
+                sums += sums_now
             _all_reduce_sum(sums)
             metrics = tally.all_reduce().summary(weights, "train")
             seconds = time.perf_counter() - t0

@@ -431,7 +431,7 @@ def simulated_tau(match: Tensor, counted: Tensor) -> Tensor:
     accepted = torch.cumprod(hit, dim=0).sum(0)  # [N] draft tokens accepted from each start
     start = counted[0].flatten()
     if not bool(start.any()):
-        return torch.tensor(1.0)
+        return torch.ones((), device=match.device)
     return 1.0 + accepted[start].float().mean()
 
 

@@ -111,7 +111,7 @@ def sample_chain(draft_tokens: Sequence[int], draft_probs: Tensor, probs: Tensor
     for i, token in enumerate(draft_tokens):
         p, q = probs[i], draft_probs[i]
         ratio = (p[token] / q[token]).item() if q[token] > 0 else float("inf")
-        if torch.rand((), generator=generator).item() < min(1.0, ratio):
+        if torch.rand((), generator=generator, device=p.device).item() < min(1.0, ratio):
             continue
         residual = (p - q).clamp_min(0)
         total = residual.sum()
@@ -179,7 +179,7 @@ def sample_tree(tokens: Sequence[int], parents: Sequence[int], probs: Tensor,
         for child in kids[node]:
             token = tokens[child]
             mass = p[token].item()
-            if mass > 0 and torch.rand((), generator=generator).item() < mass:
+            if mass > 0 and torch.rand((), generator=generator, device=p.device).item() < mass:
                 nxt = child
                 break
             rest = p.clone()

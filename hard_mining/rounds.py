@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from eagle3.atomic import atomic_write_text, output_dir
-from eagle3.config import HarvestConfig, MineConfig, RegenerateConfig, TargetConfig, TrainConfig
+from eagle3.config import HarvestConfig, MineConfig, RegenerateConfig, TargetConfig, TrainConfig, add_target_arguments
 from eagle3.conversations import iter_jsonl, take_in_turn
 from eagle3.shards import HarvestStore, StoreError, open_stores
 from hard_mining.score import (
@@ -117,12 +117,12 @@ def balanced_pick(records: Sequence[dict[str, Any]], n: int, seed: int) -> list[
 
 
 def load_scoring_draft(folder: str | Path, target: Any) -> Any:
-    """A draft folder checked against ``target`` (with its embedding), in fp32 for scoring."""
+    """A draft folder checked against ``target`` (with its embedding), in fp32 on the target's device, for scoring."""
     from eagle3.export import fit_to_target, load_draft
 
     loaded = load_draft(folder)
     fit_to_target(loaded, target)
-    return loaded.draft.float().eval()
+    return loaded.draft.to(device=target.device, dtype=torch.float32).eval()
 
 
 class Harvester:
@@ -211,7 +211,7 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
     base = HarvestStore(Path(cfg.store))
     eval_store = HarvestStore(Path(cfg.eval_store))
     if target is None:
-        target = load_target(target_cfg.name_or_path, dtype="float32", device="cpu",
+        target = load_target(target_cfg.name_or_path, dtype=target_cfg.dtype, device=target_cfg.device,
                              aux_layer_ids=base.spec.aux_layer_ids, nvfp4_mode=target_cfg.nvfp4_mode)
     base.check_target(target)
     eval_store.check_target(target)
@@ -384,7 +384,7 @@ def continued_training(recipe: str, **settings: Any) -> TrainConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hard_mining.rounds", description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=TargetConfig.name_or_path)
+    add_target_arguments(parser)
     parser.add_argument("--draft", required=True)
     parser.add_argument("--store", required=True)
     parser.add_argument("--records", nargs="+", required=True)
@@ -432,7 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             loss_positions=args.loss_positions, warmup_steps=max(1, args.steps // 20),
             micro_batch_tokens=args.micro_batch_tokens, batching="buckets", precision=args.precision, eval_every=0,
             save_every=0, progress=not args.no_progress, threads=args.threads)
-        manifest = run_rounds(cfg, train_cfg, TargetConfig(name_or_path=args.target), progress=not args.no_progress)
+        target_cfg = TargetConfig(name_or_path=args.target, dtype=args.target_dtype, device=args.device)
+        manifest = run_rounds(cfg, train_cfg, target_cfg, progress=not args.no_progress)
     except (MineError, StoreError, TrainError, CheckpointError, HarvestError, TargetLoadError, TargetSourceError,
             ValueError, OSError) as err:
         print(f"hard_mining: error: {err}", file=sys.stderr)

@@ -109,14 +109,15 @@ def target_head(target: Any) -> Any:
     """The trainer's frozen head (the target's final norm + lm_head, copied) for ``target``."""
     from eagle3.train import TargetHead
 
-    return TargetHead.of_target(target).float().eval()
+    return TargetHead.of_target(target).to(device=target.device, dtype=torch.float32).eval()
 
 
 @torch.no_grad()
 def score_sample(draft: Eagle3Draft, head: Any, batch: dict[str, torch.Tensor], ttt_steps: int,
                  step_decay: float = 0.8) -> tuple[list[int], float, list[int], list[int]]:
     """One sample (a batch of one row) -> accepted run per start, loss, per-step hits and counts."""
-    dtype = draft.fc.weight.dtype
+    dtype, device = draft.fc.weight.dtype, draft.fc.weight.device
+    batch = {k: v.to(device) for k, v in batch.items()}  # the loader builds it on the host
     targets = head.targets(batch, draft.t2d)
     out = ttt_forward(draft, batch["input_ids"], batch["aux"].to(dtype), batch["position_ids"],
                       batch["document_ids"], batch["loss_mask"], targets, num_steps=ttt_steps,

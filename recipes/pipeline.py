@@ -19,7 +19,7 @@ import torch
 
 from eagle3.atomic import atomic_write_text, sha256_file
 from eagle3.config import PipelineConfig
-from eagle3.target import check_capture, load_target
+from eagle3.target import check_capture, load_target, synchronize
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +73,12 @@ def stage_target(cfg: PipelineConfig) -> dict[str, Any]:
         text = _PROBE_MESSAGES[0]["content"]
     ids = torch.tensor([tok(text, add_special_tokens=tok.chat_template is None)["input_ids"]], device=target.device)
     errors = check_capture(target, ids)
+    synchronize(target.device)
     t0 = time.perf_counter()
     repeats = 3
     for _ in range(repeats):
         target(ids, return_logits=False)
+    synchronize(target.device)
     forward_tok_s = repeats * ids.shape[1] / (time.perf_counter() - t0)
     return {
         "target": target.name,
@@ -227,13 +229,14 @@ def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
     out = Path(e.out_dir)
     weights = Path(draft_path) / "model.safetensors"  # the draft's contents: a retrained one at the same path
     settings = {**asdict(e), "draft": draft_path, "target": cfg.target.name_or_path,
+                "target_dtype": cfg.target.dtype, "target_device": cfg.target.device,
                 "draft_sha256": sha256_file(weights) if weights.is_file() else None}
     done = out / "report.json"
     if done.is_file() and json.loads(done.read_text()).get("settings") == settings:
         print(f"eval: up to date in {out}")
         report = json.loads(done.read_text())
     else:
-        target, draft = load_pair(draft_path, cfg.target.name_or_path)
+        target, draft = load_pair(draft_path, cfg.target.name_or_path, cfg.target.dtype, cfg.target.device)
         chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
         try:
             prompts = {name: read_prompts(Path(cfg.pools.out_dir), name, e.per_set, chat) for name in e.sets}

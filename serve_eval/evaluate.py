@@ -14,6 +14,9 @@ and writes to ``--out``:
   count prompts whose output equals plain decoding and report each divergence with the target's
   top-2 logit margin at the first differing token (a near-tie below 1e-4 may flip under batched
   verification; anything else is a failure);
+* the machine's cost model (``overall.cost_model``: t(1), the verify forward, a draft step, the
+  break-even tau, the ceiling, the prediction at the measured tau and what that tau gives where a
+  verify costs what one token does), so a speedup below 1 on a CPU reads with its cause;
 * ``report.md`` (a table) and ``acceptance_by_position.png``, ``tau_by_set.png``, ``speedup.png``;
 * a wandb run under ``wandb/`` (offline by default) with the same figures and a per-prompt table.
 """
@@ -29,8 +32,11 @@ from typing import Any
 
 import torch
 
+from eagle3.adaptive import measure_cost
 from eagle3.atomic import atomic_write_text
+from eagle3.config import add_target_arguments
 from eagle3.spec_decode import DecodeStats, SpecConfig, SpeculativeDecoder
+from eagle3.target import context_length
 from eagle3.verify import SamplingParams
 
 EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "multilingual")
@@ -71,7 +77,7 @@ def read_prompts(pools: Path, name: str, per_set: int, chat: Any) -> list[list[i
 
 def top2_margin(target: Any, ids: list[int]) -> float:
     with torch.no_grad():
-        logits = target(torch.tensor([ids]), return_logits=True).logits[0, -1].float()
+        logits = target(torch.tensor([ids], device=target.device), return_logits=True).logits[0, -1].float()
     top = logits.topk(2).values
     return float(top[0] - top[1])
 
@@ -113,6 +119,10 @@ def evaluate(target: Any, draft: Any, prompts: dict[str, list[list[int]]], *, co
     from tqdm import tqdm
 
     decoder = SpeculativeDecoder(target, draft, config)
+    # the cost model of this machine, measured first (it also warms the device up): the report says why
+    width = config.budget if config.mode == "tree" else config.k
+    room = context_length(target.config) or 4096
+    cost = measure_cost(decoder, width, context=min(256, room // 2)) if draft is not None else None
     stops = frozenset(stop_ids)
     sets: dict[str, Any] = {}
     rows = []
@@ -147,9 +157,12 @@ def evaluate(target: Any, draft: Any, prompts: dict[str, list[list[int]]], *, co
     if params.greedy:
         overall["equal"] = sum(s["equal"] for s in sets.values())
         overall["lossless"] = all(s["lossless"] for s in sets.values())
+    if cost is not None:
+        overall["cost_model"] = cost.explain(config.k, overall["tau"], width)
     return {"config": {"mode": config.mode, "k": config.k, "topk": config.topk, "budget": config.budget,
                        "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-                       "max_new_tokens": max_new_tokens},
+                       "max_new_tokens": max_new_tokens, "device": str(target.device),
+                       "dtype": str(target.dtype).removeprefix("torch.")},
             "sets": sets, "overall": overall, "prompts": rows}
 
 
@@ -170,6 +183,15 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {name} | {s['prompts']} | {s['tau']:.3f} | {accept}"
                      f" | {s['spec_tokens_per_s']} | {s['plain_tokens_per_s']} | {s['speedup']} | {s['ttft_s']} | "
                      f"{s['time_split']['draft']:.2f} / {s['time_split']['verify']:.2f} | {eq} |")
+    if cost := report["overall"].get("cost_model"):
+        lines += ["", f"Cost model on this machine ({c.get('device', '?')}, {c.get('dtype', '?')}): one target "
+                  f"forward t(1) = {cost['t1_ms']} ms, verifying {cost['verified']} tokens "
+                  f"{cost['t_verify_ms']} ms, one draft step {cost['draft_step_ms']} ms. A round costs "
+                  f"{cost['break_even_tau']} plain steps, so speculation pays above tau = {cost['break_even_tau']}; "
+                  f"the ceiling (every draft token accepted) is {cost['ceiling']}x, and the measured tau "
+                  f"{report['overall']['tau']:.3f} predicts {cost['predicted_speedup']}x. Where verifying "
+                  f"{cost['verified']} tokens costs about what one does (batch-1 decoding on a GPU, bound by "
+                  f"reading the weights), the same tau would give about {cost['speedup_if_verify_is_flat']}x."]
     divergences = [(n, d) for n, s in report["sets"].items() for d in s.get("divergences", [])]
     if divergences:
         lines += ["", "Divergences from plain greedy decoding (target top-2 logit margin at the first difference):", ""]
@@ -244,16 +266,18 @@ def write_report(report: dict[str, Any], out: Path, wandb_mode: str = "offline",
 # ---------------------------------------------------------------- CLI
 
 
-def load_pair(draft_path: str, target_name: str, dtype: str = "float32") -> tuple[Any, Any]:
+def load_pair(draft_path: str, target_name: str, dtype: str = "auto", device: str = "auto") -> tuple[Any, Any]:
     """The target (capturing the draft's aux layers) and the draft: :func:`load_pair_meta` without the meta."""
-    target, draft, _ = load_pair_meta(draft_path, target_name, dtype)
+    target, draft, _ = load_pair_meta(draft_path, target_name, dtype, device)
     return target, draft
 
 
-def load_pair_meta(draft_path: str, target_name: str, dtype: str = "float32") -> tuple[Any, Any, dict[str, Any]]:
+def load_pair_meta(draft_path: str, target_name: str, dtype: str = "auto",
+                   device: str = "auto") -> tuple[Any, Any, dict[str, Any]]:
     """The target (capturing the draft's aux layers), the draft and its ``draft.json``, read once and
     checked against each other: hidden size, vocabulary, aux layer ids, and the tokenizer where the
-    draft recorded the fingerprint of the one it was trained with.
+    draft recorded the fingerprint of the one it was trained with. Both on ``device`` (``auto``: CUDA
+    when present) in the target's ``dtype`` (``auto``: bf16 on CUDA, fp32 elsewhere).
 
     A draft without its own embedding gets the target's; errors are :class:`DraftFormatError`,
     ``ValueError`` or ``OSError`` naming the file or the mismatch."""
@@ -261,16 +285,15 @@ def load_pair_meta(draft_path: str, target_name: str, dtype: str = "float32") ->
     from eagle3.target import load_target
 
     loaded = load_draft(draft_path)
-    target = load_target(target_name, dtype=dtype, device="cpu", aux_layer_ids=loaded.aux_layer_ids)
+    target = load_target(target_name, dtype=dtype, device=device, aux_layer_ids=loaded.aux_layer_ids)
     fit_to_target(loaded, target)
-    return target, loaded.draft.to(target.dtype).eval(), loaded.meta
+    return target, loaded.draft.to(device=target.device, dtype=target.dtype).eval(), loaded.meta
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve_eval.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("--draft", required=True, help="draft folder (ours, vLLM, speculators or SGLang format)")
-    parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--target-dtype", default="float32")
+    add_target_arguments(parser)
     parser.add_argument("--pools", default="runs/pools")
     parser.add_argument("--sets", default=",".join(EVAL_SETS))
     parser.add_argument("--per-set", type=int, default=10)
@@ -303,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = SpecConfig(args.mode, args.k, args.topk, args.budget)
         params = SamplingParams(args.temperature, args.top_k, args.top_p)
-        target, draft = load_pair(args.draft, args.target, args.target_dtype)
+        target, draft = load_pair(args.draft, args.target, args.target_dtype, args.device)
         chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
         prompts = {name: read_prompts(Path(args.pools), name, args.per_set, chat) for name in args.sets.split(",")}
     except (DraftFormatError, TargetLoadError, TargetSourceError, ValueError, OSError) as err:

@@ -36,9 +36,9 @@ from serve_eval.evaluate import EVAL_SETS, first_divergence, read_prompts
 @torch.no_grad()
 def compare_on(reference: Any, quantized: Any, prompt: list[int], continuation: list[int]) -> dict[str, Tensor]:
     """Per-token comparisons of two targets on ``prompt + continuation`` (the continuation scored)."""
-    ids = torch.tensor([prompt + continuation])
+    ids = torch.tensor([prompt + continuation], device=reference.device)
     ref = reference(ids, return_logits=True).logits[0].float().log_softmax(-1)  # [seq, vocab]
-    qua = quantized(ids, return_logits=True).logits[0].float().log_softmax(-1)  # [seq, vocab]
+    qua = quantized(ids.to(quantized.device), return_logits=True).logits[0].float().log_softmax(-1).to(ref.device)
     targets = ids[0, 1:]  # position t predicts token t+1
     ref, qua = ref[:-1], qua[:-1]  # [seq-1, vocab]
     start = len(prompt) - 1  # first position predicting a continuation token
@@ -48,7 +48,7 @@ def compare_on(reference: Any, quantized: Any, prompt: list[int], continuation: 
         "nll_q": -qua.gather(-1, targets[:, None])[:, 0],
         "agree": qua.argmax(-1) == ref.argmax(-1),
         "kl": kl,
-        "start": torch.tensor(start),
+        "start": torch.tensor(start, device=ids.device),
     }
 
 
@@ -120,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--per-set", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="auto", help="where both models run (fp32): auto (CUDA when present), "
+                        "cpu, cuda, cuda:N")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     for flag in ("per_set", "max_new_tokens", "threads"):
@@ -133,8 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from eagle3.target_source import TargetSourceError
 
     try:
-        reference = load_target(args.reference, dtype="float32", device="cpu")
-        quantized = load_target(args.quantized, dtype="float32", device="cpu", nvfp4_mode=args.quantized_mode)
+        reference = load_target(args.reference, dtype="float32", device=args.device)
+        quantized = load_target(args.quantized, dtype="float32", device=args.device, nvfp4_mode=args.quantized_mode)
     except (TargetLoadError, TargetSourceError) as err:
         print(f"serve_eval.quant_report: error: {err}", file=sys.stderr)
         return 2

@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException
 
 from eagle3.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_cost
 from eagle3.chat import ChatFormat, ChatFormatError
+from eagle3.config import add_target_arguments
 from eagle3.conversations import TEXT_PART_SEPARATOR
 from eagle3.spec_decode import DecodeStats, SpecConfig, SpeculativeDecoder
 from eagle3.verify import SamplingParams
@@ -601,7 +602,7 @@ def draft_prior(meta: dict[str, Any], k: int) -> list[float] | None:
 def build_engine(args: argparse.Namespace) -> Engine:
     from serve_eval.evaluate import load_pair_meta
 
-    target, draft, meta = load_pair_meta(args.draft, args.target, args.target_dtype)
+    target, draft, meta = load_pair_meta(args.draft, args.target, args.target_dtype, args.device)
     decoder = SpeculativeDecoder(target, draft, SpecConfig(args.mode, args.k, args.topk, args.budget))
     chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
     limit = int(getattr(target.model.config, "max_position_embeddings", 0) or 0) or 8192
@@ -618,8 +619,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve_eval.server", description=__doc__.splitlines()[0])
     parser.add_argument("--draft", required=True, help="draft folder (ours, vLLM, speculators or SGLang format)")
-    parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--target-dtype", default="float32")
+    add_target_arguments(parser)
     parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

@@ -1,0 +1,146 @@
+"""Device-clean library code, checked on a CPU-only machine: the model on a second device
+(:mod:`tests.fake_device`), the data as the library builds it. Each test fails where library code
+makes a tensor, an index or a generator without the device of the data it meets, which CUDA
+refuses and a CPU never notices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_gen.harvest import run as harvest
+from eagle3.config import HarvestConfig, TargetConfig
+from eagle3.draft import DraftConfig, Eagle3Draft
+from eagle3.draft_vocab import DraftVocab
+from eagle3.shards import HarvestStore
+from eagle3.spec_decode import SpecConfig, SpeculativeDecoder
+from eagle3.target import Target
+from eagle3.train import AcceptanceTally, TargetHead, TTTModel, train_forward
+from eagle3.train_data import load_batch
+from eagle3.ttt import step_weights
+from eagle3.verify import SamplingParams
+from hard_mining.score import score_store, target_head
+from serve_eval.evaluate import evaluate, top2_margin
+from tests.fake_device import DeviceMixError, other_device
+from tests.test_harvest import _data
+from tests.test_spec_decode import PROMPTS, make_draft, make_target
+from tests.tiny_targets import lively_target
+
+
+def test_the_fake_device_catches_what_cuda_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harness itself: mixing devices raises, moving does not, CPU scalars pass in elementwise ops."""
+    with other_device(monkeypatch) as dev:
+        x = torch.ones(3, device=dev)
+        assert x.device == dev and float((x * torch.tensor(2.0)).sum()) == 6.0  # a CPU 0-dim scalar: allowed
+        assert torch.equal((x + torch.ones(3).to(dev)).cpu(), torch.full((3,), 2.0))
+        with pytest.raises(DeviceMixError):
+            torch.stack([x.sum(), torch.ones(3).sum()])  # the trainer's step-1 CUDA crash (0-dim, but cat)
+        with pytest.raises(DeviceMixError):
+            x + torch.ones(3)
+        with pytest.raises(DeviceMixError):
+            torch.nn.functional.embedding(torch.tensor([[0, 1]]), torch.ones(4, 2, device=dev))  # CPU ids
+        with pytest.raises(DeviceMixError):
+            torch.multinomial(x, 1, generator=torch.Generator(device="cpu"))
+        assert int(torch.multinomial(x, 1, generator=torch.Generator(device=dev).manual_seed(0))) in (0, 1, 2)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_speculative_loop_runs_with_the_model_on_another_device(monkeypatch: pytest.MonkeyPatch, mode: str,
+                                                                   temperature: float) -> None:
+    target = make_target()
+    draft = make_draft(target)
+    config, params = SpecConfig(mode, k=3, topk=3, budget=8), SamplingParams(temperature=temperature)
+    want = SpeculativeDecoder(target, draft, config).generate(PROMPTS[1], 16, params=params, seed=3)
+    with other_device(monkeypatch) as dev:
+        target.to(dev)
+        draft.to(dev)
+        got = SpeculativeDecoder(target, draft, config).generate(PROMPTS[1], 16, params=params, seed=3)
+        plain = SpeculativeDecoder(target, None).generate(PROMPTS[1], 16, params=params, seed=3)
+    assert got.tokens == want.tokens  # the same computation on the same CPU underneath, the same generator stream
+    assert len(plain.tokens) == 16
+    assert all(0 <= t < target.vocab_size for t in got.tokens + plain.tokens)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Target, Path]:
+    """A lively tiny target and an fp32 store of 8 short conversations, harvested on the CPU."""
+    root = tmp_path_factory.mktemp("device")
+    target = lively_target()
+    harvest(HarvestConfig(data=str(_data(root / "data.jsonl", 8, turns=2)), out_dir=str(root / "store"),
+                          dtype="float32"), TargetConfig(name_or_path="lively"), target=target, progress=False)
+    return target, root / "store"
+
+
+def _draft_for(target: Target, vocab: DraftVocab) -> Eagle3Draft:
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size),
+                        target.embed_tokens.weight.detach().float())
+    draft.set_draft_vocab(vocab.d2t, vocab.t2d)
+    return draft
+
+
+@pytest.mark.parametrize("loss_positions", ["replies", "all"])
+def test_a_training_step_and_the_eval_tally_run_with_the_model_on_another_device(
+        monkeypatch: pytest.MonkeyPatch, store: tuple[Target, Path], loss_positions: str) -> None:
+    """The trainer's micro-batch (host batch in, engine on the device), its backward, the
+    acceptance tally and its summary: the code that crashed at step 1 on CUDA."""
+    target, folder = store
+    data = HarvestStore(folder)
+    batch = load_batch(data, [0, 1, 2], "pack")  # what the loader builds: host tensors
+    vocab = DraftVocab.from_target_ids(torch.arange(0, target.vocab_size, 2), target.vocab_size)
+    model = TTTModel(_draft_for(target, vocab), num_steps=3, step_decay=0.8)
+    head = TargetHead.of_target(target)
+    want, want_sums = train_forward(model, head, batch, vocab.t2d, torch.float32, torch.device("cpu"),
+                                    loss_positions)
+    with other_device(monkeypatch) as dev:
+        model.to(dev)
+        head.to(dev)
+        out, sums = train_forward(model, head, batch, vocab.t2d.to(dev), torch.float32, dev, loss_positions)
+        out.loss.backward()
+        tally = AcceptanceTally(3, dev)
+        tally.add(out)
+        metrics = tally.all_reduce().summary(step_weights(3), "train")
+        grads = [p.grad for p in model.parameters() if p.requires_grad]
+        assert all(g is not None and g.device == dev for g in grads)
+        assert sums.device == dev
+        got_sums = sums.cpu()
+    assert torch.allclose(got_sums, want_sums, rtol=1e-5)
+    assert metrics["train/loss"] == pytest.approx(float(want.loss), rel=1e-5)
+    assert int(got_sums[1]) == sum(len(data[i].input_ids) for i in range(3))
+
+
+def test_mining_scores_a_host_store_with_the_draft_on_another_device(monkeypatch: pytest.MonkeyPatch,
+                                                                     store: tuple[Target, Path]) -> None:
+    _, folder = store
+    target = lively_target()  # the store's target, a copy of our own to move
+    data = HarvestStore(folder)
+    vocab = DraftVocab.from_target_ids(torch.arange(0, target.vocab_size, 2), target.vocab_size)
+    draft = _draft_for(target, vocab)
+    want = score_store(draft, target_head(target), data, {}, ttt_steps=3)
+    with other_device(monkeypatch) as dev:
+        target.to(dev)
+        draft.to(dev)
+        got = score_store(draft, target_head(target), data, {}, ttt_steps=3)
+    assert [s.accepted for s in got] == [s.accepted for s in want]
+    assert [s.loss for s in got] == pytest.approx([s.loss for s in want], rel=1e-5)
+
+
+def test_evaluation_and_its_divergence_margin_run_with_the_model_on_another_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve_eval.evaluate end to end (cost model, plain and speculative loops, report) and
+    top2_margin, the line a bf16 divergence reaches first."""
+    target = make_target()
+    draft = make_draft(target)
+    want = top2_margin(target, PROMPTS[1])
+    with other_device(monkeypatch) as dev:
+        target.to(dev)
+        draft.to(dev)
+        report = evaluate(target, draft, {"a": PROMPTS}, config=SpecConfig("chain", k=2), params=SamplingParams(),
+                          max_new_tokens=8, stop_ids=[], progress=False)
+        margin = top2_margin(target, PROMPTS[1])
+    assert margin == pytest.approx(want, abs=1e-5)  # a difference of two logits ~1e1: fp32 rounding
+    assert report["overall"]["equal"] == 2 and report["config"]["device"] == str(dev)
+    assert report["overall"]["cost_model"]["t1_ms"] > 0
