@@ -34,7 +34,7 @@ from filelock import FileLock, Timeout
 
 from eagle3.atomic import atomic_write_text, remove_leftovers, sha256_file
 from eagle3.chat import ChatFormat, ChatFormatError
-from eagle3.config import HarvestConfig, TargetConfig
+from eagle3.config import HarvestConfig, TargetConfig, add_target_arguments
 from eagle3.fingerprint import UNKNOWN_WEIGHTS, tokenizer_fingerprint, weights_fingerprint
 from eagle3.regenerate import read_pool
 from eagle3.shards import (
@@ -415,8 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m data_gen.harvest", description=__doc__.splitlines()[0])
     parser.add_argument("--data", required=True, help="regenerated conversations (jsonl)")
     parser.add_argument("--out", required=True, help="store folder (resumed if it exists)")
-    parser.add_argument("--target", default=TargetConfig.name_or_path)
-    parser.add_argument("--target-dtype", default="float32", help="dtype the target runs in")
+    add_target_arguments(parser)
     parser.add_argument("--aux-layer-ids", default=None, help="comma-separated; default 2,N//2,N-3")
     defaults = HarvestConfig()
     parser.add_argument("--dtype", default=defaults.dtype, help="stored dtype: bfloat16, float8_e4m3fn, float32")
@@ -438,7 +437,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             layers = None if args.aux_layer_ids is None else [int(x) for x in args.aux_layer_ids.split(",")]
         except ValueError:
             parser.error(f"--aux-layer-ids={args.aux_layer_ids!r}: expected comma-separated integers")
-        target_cfg = TargetConfig(name_or_path=args.target, dtype=args.target_dtype, aux_layer_ids=layers)
+        target_cfg = TargetConfig(name_or_path=args.target, dtype=args.target_dtype, device=args.device,
+                                  aux_layer_ids=layers)
     except ValueError as err:
         parser.error(str(err))
     try:

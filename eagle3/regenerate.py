@@ -143,6 +143,7 @@ def make_backend(cfg: RegenerateConfig, target_cfg: TargetConfig,
     if cfg.backend == "hf":
         if target is None:
             target = load_target(target_cfg.name_or_path, dtype=target_cfg.dtype, device=target_cfg.device,
+                                 aux_layer_ids=target_cfg.aux_layer_ids,
                                  attn_implementation=target_cfg.attn_implementation,
                                  trust_remote_code=target_cfg.trust_remote_code,
                                  architecture=target_cfg.architecture, nvfp4_mode=target_cfg.nvfp4_mode)

@@ -93,17 +93,19 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"target": target, "store": root / "store", "topk": root / "topk", "model": save_lively(root / "model")}
 
 
+# These tests compare runs bit for bit (resume, two ranks against one), which CUDA kernels do not
+# promise: they run on the CPU on every machine. On a GPU, bench/gpu_check.py trains on the device.
 def _cfg(tiny: dict, out: Path, **kw) -> TrainConfig:
     base = dict(store=str(tiny["store"]), out_dir=str(out), steps=12, micro_batch_tokens=256, lr=3e-3,
                 warmup_steps=2, eval_fraction=0.2, eval_every=4, save_every=4, draft_vocab_size=64,
-                wandb_mode="disabled", progress=False)
+                wandb_mode="disabled", progress=False, device="cpu")
     return TrainConfig(**{**base, **kw})
 
 
 def _cli(tiny: dict, out: Path, *extra: str) -> list[str]:
     return ["--store", str(tiny["store"]), "--target", str(tiny["model"]), "--out", str(out),
             "--micro-batch-tokens", "256", "--draft-vocab-size", "64", "--lr", "3e-3", "--warmup-steps", "2",
-            "--eval-fraction", "0.2", "--wandb-mode", "disabled", "--no-progress", *extra]
+            "--eval-fraction", "0.2", "--wandb-mode", "disabled", "--no-progress", "--device", "cpu", *extra]
 
 
 def _losses(out: Path) -> list[tuple[int, str, float]]:
@@ -584,8 +586,10 @@ def test_kill_9_mid_training_then_resume_gives_the_same_losses(tiny: dict, tmp_p
     killed = tmp_path / "killed"
     rng = random.Random(0)
     for goal in (7, 22):  # two kills, each a random moment after the goal step's checkpoint
-        proc = subprocess.Popen([*cli, *_cli(tiny, killed)], cwd=REPO, env=_env(),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        errors = tmp_path / f"stderr-{goal}.txt"
+        with open(errors, "w") as err:
+            proc = subprocess.Popen([*cli, *_cli(tiny, killed)], cwd=REPO, env=_env(),
+                                    stdout=subprocess.DEVNULL, stderr=err)
         latest = killed / "checkpoints" / LATEST
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
@@ -593,6 +597,7 @@ def test_kill_9_mid_training_then_resume_gives_the_same_losses(tiny: dict, tmp_p
                 break
             time.sleep(0.005)
         time.sleep(rng.random() * 0.3)
+        assert proc.poll() is None, f"the run ended before it was killed:\n{errors.read_text()[-2000:]}"
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert not (killed / "summary.json").exists(), "the run finished before it was killed"

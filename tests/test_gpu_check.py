@@ -1,0 +1,34 @@
+"""The project's GPU check (bench/gpu_check.py) runs tiny on this CPU: every stage it covers on a
+GPU (pipeline stages, export and reload, the loop in each variant, the server sampling) passes
+here too, so the script a GPU session runs cannot rot unnoticed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.integration
+def test_the_gpu_check_passes_tiny_on_the_cpu(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "bench/gpu_check.py", "--size", "tiny", "--device", "cpu",
+                           "--out", str(tmp_path / "check")], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"check"')]
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    checks = {r["check"]: r for r in rows}
+    stages = ("target", "regenerate", "harvest", "val", "train", "mine", "eval")
+    wanted = [*(f"pipeline.{s}" for s in stages), "export.vllm", "export.speculators", "server.t0.8",
+              *(f"loop.{d}.{m}.t{t}" for d in ("float32", "bfloat16") for m in ("chain", "tree") for t in ("0", "1"))]
+    assert [w for w in wanted if w not in checks] == []
+    assert all(r["ok"] for r in rows) and checks["summary"]["failed"] == []
+    assert checks["loop.float32.chain.t0"]["equal"] == checks["loop.float32.chain.t0"]["prompts"]
+    assert checks["pipeline.eval"]["cost_model"]["break_even_tau"] > 1
+    assert checks["server.t0.8"]["completion_tokens"] > 0
