@@ -240,11 +240,6 @@ class Target:
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Target:
-        """Move (or cast) the model in place; returns self."""
-        self.model.to(device=device, dtype=dtype)
-        return self
-
     @torch.no_grad()
     def head(self, last: Tensor) -> Tensor:
         """Logits from pre-norm last-layer states: the target's final norm, lm_head and logit transform."""

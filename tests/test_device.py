@@ -55,7 +55,7 @@ def test_the_speculative_loop_runs_with_the_model_on_another_device(monkeypatch:
     config, params = SpecConfig(mode, k=3, topk=3, budget=8), SamplingParams(temperature=temperature)
     want = SpeculativeDecoder(target, draft, config).generate(PROMPTS[1], 16, params=params, seed=3)
     with other_device(monkeypatch) as dev:
-        target.to(dev)
+        target.model.to(dev)
         draft.to(dev)
         got = SpeculativeDecoder(target, draft, config).generate(PROMPTS[1], 16, params=params, seed=3)
         plain = SpeculativeDecoder(target, None).generate(PROMPTS[1], 16, params=params, seed=3)
@@ -121,7 +121,7 @@ def test_mining_scores_a_host_store_with_the_draft_on_another_device(monkeypatch
     draft = _draft_for(target, vocab)
     want = score_store(draft, target_head(target), data, {}, ttt_steps=3)
     with other_device(monkeypatch) as dev:
-        target.to(dev)
+        target.model.to(dev)
         draft.to(dev)
         got = score_store(draft, target_head(target), data, {}, ttt_steps=3)
     assert [s.accepted for s in got] == [s.accepted for s in want]
@@ -136,7 +136,7 @@ def test_evaluation_and_its_divergence_margin_run_with_the_model_on_another_devi
     draft = make_draft(target)
     want = top2_margin(target, PROMPTS[1])
     with other_device(monkeypatch) as dev:
-        target.to(dev)
+        target.model.to(dev)
         draft.to(dev)
         report = evaluate(target, draft, {"a": PROMPTS}, config=SpecConfig("chain", k=2), params=SamplingParams(),
                           max_new_tokens=8, stop_ids=[], progress=False)
