@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -27,7 +28,7 @@ from typing import Any
 
 from data_gen.sources import SOURCES, Prompt, read_source, wheel_of
 from eagle3.atomic import atomic_dir, check_replaceable, holds_only, sha256_file
-from eagle3.config import PoolsConfig
+from eagle3.config import PoolsConfig, UserFileConfig
 from eagle3.conversations import (
     ConversationError,
     LoadReport,
@@ -90,6 +91,11 @@ def _user_file_prompts(cfg: PoolsConfig, skips: Counter[str]) -> Iterable[Prompt
         report = LoadReport()
         for _, messages in iter_user_conversations(spec.path, strict=cfg.strict_user_files, report=report):
             yield Prompt(f"user:{Path(spec.path).name}", spec.domain, messages, language=spec.language)
+        if not report.kept and not report.skipped:  # nothing but blank lines (or an empty dataset)
+            if cfg.strict_user_files:
+                raise ConversationError(f"{spec.path}: no prompts in it (empty, or blank lines only)")
+            skips[f"user file {spec.path}: empty (no prompts)"] += 1
+            print(f"skipped {spec.path}: no prompts in it (empty, or blank lines only)")
         for reason, n in report.skipped.items():
             skips[f"user file {spec.path}: {reason}"] += n
         for line in report.first_errors:
@@ -266,13 +272,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=PoolsConfig.out_dir)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--per-generator", type=int, default=PoolsConfig.per_generator)
+    parser.add_argument("--user-file", action="append", default=[], metavar="PATH",
+                        help="your prompts, jsonl (ShareGPT or OpenAI messages) or an HF datasets folder; repeatable")
+    parser.add_argument("--user-domain", default=UserFileConfig.domain,
+                        help="the domain of the user files' prompts: coding, science, multilingual or general")
+    parser.add_argument("--user-language", default=None, help="their ISO 639 code (default: detected per prompt)")
+    parser.add_argument("--strict-user-files", action="store_true",
+                        help="stop at the first bad row of a user file (naming file:line) instead of skipping it")
     args = parser.parse_args(argv)
     if args.per_generator < 1:
         parser.error(f"--per-generator must be >= 1, got {args.per_generator}")
     try:
-        manifest = build_pools(PoolsConfig(out_dir=args.out, seed=args.seed, per_generator=args.per_generator))
-    except FileExistsError as err:
-        parser.error(str(err))
+        files = [UserFileConfig(path=p, domain=args.user_domain, language=args.user_language) for p in args.user_file]
+        cfg = PoolsConfig(out_dir=args.out, seed=args.seed, per_generator=args.per_generator, user_files=files,
+                          strict_user_files=args.strict_user_files)
+    except ValueError as err:  # names the setting; the flags spell it --user-domain / --user-language
+        parser.error(str(err).replace("pools.user_files.domain", "--user-domain")
+                     .replace("pools.user_files.language", "--user-language"))
+    missing = [p for p in args.user_file if not Path(p).exists()]
+    if missing:
+        sys.exit(f"pools: error: --user-file {missing[0]}: no such file or folder")
+    try:
+        manifest = build_pools(cfg)
+    except (FileExistsError, ConversationError) as err:
+        sys.exit(f"pools: error: {err}")
     print(format_counts(manifest))
     print(f"written to {args.out}")
 

@@ -53,6 +53,14 @@ def tag_of(step: int) -> str:
 # ---------------------------------------------------------------- RNG states
 
 
+def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's and torch's generators (torch's on every device): what a checkpoint's
+    ``rng-rank*.pt`` restores, so a resumed run continues the streams an uninterrupted one has."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def rng_state() -> dict[str, Any]:
     """python, numpy and torch (CPU, and CUDA when present) generator states; loadable with
     ``torch.load(weights_only=True)`` (plain tuples, ints and tensors only)."""
@@ -274,5 +282,5 @@ def write_draft_vocab(path: str | os.PathLike[str], vocab: DraftVocab) -> None:
 __all__ = [
     "EXPORT_FORMAT", "LATEST", "CheckpointError", "export_draft", "latest_tag", "load_checkpoint",
     "load_exported_draft", "read_draft_vocab", "read_trainer_state", "remove_partial", "rng_state", "save_checkpoint",
-    "set_rng_state", "tag_of", "write_draft_vocab",
+    "seed_everything", "set_rng_state", "tag_of", "write_draft_vocab",
 ]

@@ -68,12 +68,15 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
         if not isinstance(m, dict):
             raise ConversationError(f"message {i} is {type(m).__name__}, expected an object")
         role = m.get("role", m.get("from"))
+        key = "value" if "from" in m and "role" not in m else "content"  # ShareGPT's turn, or OpenAI's
         content = m.get("content", m.get("value"))
         if not isinstance(role, str) or role.strip().lower() not in ROLE_ALIASES:
             raise ConversationError(f"message {i} has unknown role {role!r}")
         role = ROLE_ALIASES[role.strip().lower()]
         if isinstance(content, list):
             content = _text_of_parts(content, f"message {i} ({role})")
+        if "content" not in m and "value" not in m:
+            raise ConversationError(f"message {i} ({role}) has no '{key}'")
         if not isinstance(content, str):
             raise ConversationError(f"message {i} ({role}) has non-text content of type {type(content).__name__}")
         if role == "system":

@@ -93,6 +93,7 @@ def read_pool(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
     ``file:line``: nothing is generated from a pool that cannot be read whole.
     """
     records = []
+    first_at: dict[str, str] = {}  # record id -> where it was first read
     for where, row in iter_jsonl(path):
         if limit is not None and len(records) >= limit:
             break
@@ -105,6 +106,12 @@ def read_pool(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
         record = {k: v for k, v in row.items() if k != "conversations"}
         record["messages"] = messages
         record.setdefault("id", record_id(messages))
+        if not isinstance(record["id"], str) or not record["id"]:
+            raise ValueError(f"{where}: 'id' {record['id']!r} is not a non-empty string")
+        if record["id"] in first_at:  # two records, one id: the harvest would refuse it after all the generation
+            raise ValueError(f"{where}: record id {record['id']!r} is also the id of {first_at[record['id']]}"
+                             + ("" if "id" in row else " (ids derived from the content: the same conversation twice)"))
+        first_at[record["id"]] = where
         records.append(record)
     return records
 
@@ -309,6 +316,11 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
     if target is None:
         torch.set_num_threads(cfg.threads)
     pool, out_dir = Path(cfg.pool), Path(cfg.out_dir)
+    if pool.is_dir():
+        raise RegenerateError(f"regenerate.pool={pool}: a folder; expected a jsonl file of conversations (ShareGPT "
+                              "or OpenAI messages), e.g. a pool's train.jsonl")
+    if not pool.is_file():
+        raise RegenerateError(f"regenerate.pool={pool}: no such file")
     pool_sha256 = sha256_file(pool)
     try:
         records = read_pool(pool, cfg.limit)

@@ -62,6 +62,7 @@ from eagle3.checkpoint import (
     read_trainer_state,
     remove_partial,
     save_checkpoint,
+    seed_everything,
     write_draft_vocab,
 )
 from eagle3.config import LR_SCHEDULES, TargetConfig, TrainConfig
@@ -737,7 +738,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     _barrier()
 
     # -- the draft (same seed on every rank), the target's head, the engine
-    torch.manual_seed(cfg.seed)
+    seed_everything(cfg.seed)
     if initial is not None:
         draft, draft_config = initial, initial.config
     else:
@@ -789,7 +790,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
 
     # -- resume
     state: dict[str, Any] = {"step": 0, "epoch": 0, "batch_index": 0, "best_tau": None, "best_step": None,
-                             "first_eval": None, "last_eval": None, "pinned": pinned}
+                             "first_eval": None, "last_eval": None, "first_loss": None, "pinned": pinned}
     if rt.rank == 0:  # what a kill left half-written
         remove_leftovers(out_dir, ["best", "final", "summary.json", "metrics.jsonl", "wandb_run_id",
                                    vocab_file.name])
@@ -873,7 +874,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         maybe_eval()
     bar = tqdm(total=cfg.steps, initial=state["step"], desc="train", unit="step", dynamic_ncols=True,
                disable=not (cfg.progress and rt.rank == 0), file=sys.stderr)
-    first_loss, tokens_total, train_seconds, last_loss = None, 0, 0.0, None
+    tokens_total, train_seconds, last_loss = 0, 0.0, None
     window = {"tokens": 0, "seconds": 0.0}
     with bar:
         while state["step"] < cfg.steps:
@@ -916,7 +917,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
                 raise TrainError(f"step {state['step']}: the loss is {loss}; stopping before a non-finite draft is "
                                  "saved or exported (check the store's states, train.init_draft and train.lr)")
             grad_norm = grad_norm if grad_norm is not None else _grad_norm(engine, params)
-            first_loss = loss if first_loss is None else first_loss
+            if state["step"] == 1:  # the run's first step, whichever process ran it (kept in checkpoints)
+                state["first_loss"] = loss
             last_loss = loss
             tokens_total += int(sums[1])
             train_seconds += seconds
@@ -949,7 +951,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         "device": str(rt.device), "train_samples": len(train_idx), "eval_samples": len(eval_idx),
         "draft_vocab_size": vocab.size, "trainable_parameters": trainable_parameter_count(draft_config)
         - (draft_config.draft_vocab_size * draft_config.hidden_size if cfg.freeze_lm_head else 0),
-        "first_loss": first_loss, "last_loss": last_loss,
+        "first_loss": state["first_loss"], "last_loss": last_loss,
         "tokens_per_s": round(tokens_total / train_seconds, 1) if train_seconds else None,
         "eval_first": state["first_eval"], "eval_last": ({k: v for k, v in state["last_eval"].items()
                                                           if k in ("eval/loss", "eval/tau_sim")}

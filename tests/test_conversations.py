@@ -40,6 +40,8 @@ def test_check_messages_accepts_sharegpt_and_openai_shapes() -> None:
     ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]}],
      "content part 1 is 'image_url', not text"),
     ([{"role": "user", "content": 3}], "non-text content of type int"),
+    ([{"from": "human"}], "message 0 (user) has no 'value'"),  # a ShareGPT turn without its text
+    ([{"role": "user"}], "message 0 (user) has no 'content'"),
     ([{"role": "user", "content": [{"type": "text", "text": None}]}], "content part 0 has no string 'text'"),
     ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], "system message after the start"),
     ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "user where assistant was expected"),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -116,6 +118,53 @@ def test_user_files_join_the_pool(tmp_path: Path, fake: None) -> None:
     with mine.open("a", encoding="utf-8") as f:
         f.write('{"messages": [{"role": "user", "content": "And in C++?"}]}\n')
     assert pools.pools_config_of(tmp_path / "p") != pools.pools_config_of(cfg)  # ... until the file changes
+
+
+def test_an_empty_user_file_is_named_in_strict_mode_and_counted_otherwise(tmp_path: Path, fake: None,
+                                                                        capsys: pytest.CaptureFixture) -> None:
+    from eagle3.config import UserFileConfig
+    from eagle3.conversations import ConversationError
+
+    for text in ("", "\n  \n\n"):
+        blank = tmp_path / "blank.jsonl"
+        blank.write_text(text, encoding="utf-8")
+        cfg = _cfg(tmp_path / "s")
+        cfg.user_files, cfg.strict_user_files = [UserFileConfig(path=str(blank))], True
+        with pytest.raises(ConversationError, match=r"blank.jsonl: no prompts in it \(empty, or blank lines only\)"):
+            build_pools(cfg)
+        assert not (tmp_path / "s").exists()
+        cfg = _cfg(tmp_path / "n")
+        cfg.user_files = [UserFileConfig(path=str(blank))]
+        assert build_pools(cfg)["skipped"][f"user file {blank}: empty (no prompts)"] == 1
+        assert "no prompts in it" in capsys.readouterr().out
+        shutil.rmtree(tmp_path / "n")
+
+
+def test_the_pools_cli_takes_user_files(tmp_path: Path, fake: None, capsys: pytest.CaptureFixture,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    small = {k: v for k, v in vars(_cfg(tmp_path)).items() if k not in ("out_dir", "user_files")}
+
+    class Small(PoolsConfig):  # the fake sources' sizes, whatever the CLI sets
+        def __init__(self, **kw: object) -> None:
+            super().__init__(**{**small, **kw})
+
+    monkeypatch.setattr(pools, "PoolsConfig", Small)
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"messages": [{"role": "user", "content": "Explain Rust lifetimes with an example."}]}\n',
+                    encoding="utf-8")
+    pools.main(["--out", str(tmp_path / "p"), "--user-file", str(mine), "--user-domain", "coding"])
+    train = read_jsonl(tmp_path / "p" / "train.jsonl") + read_jsonl(tmp_path / "p" / "val.jsonl")
+    assert [r["domain"] for r in train if r["source"] == "user:mine.jsonl"] == ["coding"]
+    (tmp_path / "empty.jsonl").write_text("", encoding="utf-8")
+    for args, reason in ((["--user-file", str(tmp_path / "none.jsonl")], "--user-file .*none.jsonl: no such file"),
+                         (["--user-file", str(tmp_path / "empty.jsonl"), "--strict-user-files"],
+                          "empty.jsonl: no prompts in it"),
+                         (["--user-file", str(mine), "--user-domain", "cooking"], "--user-domain='cooking'")):
+        with pytest.raises(SystemExit) as exit_:
+            pools.main(["--out", str(tmp_path / "q"), *args])
+        said = str(exit_.value.code) if exit_.value.code != 2 else capsys.readouterr().err
+        assert re.search(reason, said), said
+        assert not (tmp_path / "q").exists()
 
 
 def test_an_out_folder_that_is_not_a_pool_is_refused_before_any_work(tmp_path: Path, fake: None) -> None:

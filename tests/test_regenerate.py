@@ -331,3 +331,30 @@ def test_pool_rows_are_validated_with_file_and_line(target: Target, tmp_path: Pa
     out = tmp_path / "out"
     code = main(["--pool", str(pool), "--out", str(out), "--target", str(tmp_path / "no-such-model")])
     assert code == 2 and not (out / "dataset").exists()
+
+
+def test_duplicate_ids_and_a_wrong_pool_path_are_refused_before_any_generation(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The harvest refuses two records with one id, after the generation's time is spent: the
+    pool's validation names both lines first. A folder or a missing path is named, not an errno."""
+    from data_gen.regenerate import read_pool
+
+    pool = tmp_path / "dup.jsonl"
+    row = '{"messages": [{"role": "user", "content": "same question"}]}\n'
+    pool.write_text(row * 5, encoding="utf-8")
+    with pytest.raises(ValueError, match=r"dup.jsonl:2: record id '\w+' is also the id of .*dup.jsonl:1 \(ids "
+                                         r"derived from the content: the same conversation twice\)"):
+        read_pool(pool)
+    pool.write_text('{"id": "a", "messages": [{"role": "user", "content": "x"}]}\n'
+                    '{"id": "b", "messages": [{"role": "user", "content": "y"}]}\n'
+                    '{"id": "a", "messages": [{"role": "user", "content": "z"}]}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"dup.jsonl:3: record id 'a' is also the id of .*dup.jsonl:1$"):
+        read_pool(pool)
+    out = tmp_path / "out"
+    for where, reason in ((tmp_path, "a folder; expected a jsonl file"), (tmp_path / "nope.jsonl", "no such file")):
+        capsys.readouterr()
+        assert main(["--pool", str(where), "--out", str(out), "--target", "lively"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and reason in err[0] and "Errno" not in err[0], err
+    assert main(["--pool", str(pool), "--out", str(out), "--target", "lively"]) == 2  # before loading any target
+    assert "record id 'a'" in capsys.readouterr().err and not out.exists()
