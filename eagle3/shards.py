@@ -193,12 +193,14 @@ def read_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
         raise StoreError(f"{path}: not valid JSON ({err})") from err
 
 
-def verify_store(root: str | os.PathLike[str]) -> dict[str, Any]:
-    """Re-check every shard's sha256, tensor names, shapes and dtypes against the manifest."""
+def verify_store(root: str | os.PathLike[str], part: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+    """Re-check every shard's sha256, tensor names, shapes and dtypes against the manifest;
+    ``part=(i, n)``: only shards i, i+n, i+2n, ... (one worker's share)."""
     root = Path(root)
     manifest = read_manifest(root)
     spec = HarvestSpec.from_json(manifest["spec"])
-    for entry in manifest["shards"]:
+    i, n = part
+    for entry in manifest["shards"][i::n]:
         path = root / entry["file"]
         if not path.is_file():
             raise StoreError(f"{path}: missing shard")
@@ -206,6 +208,21 @@ def verify_store(root: str | os.PathLike[str]) -> dict[str, Any]:
             raise StoreError(f"{path}: sha256 differs from the manifest (corrupt or truncated shard)")
         _check_shard(path, spec, entry)
     return manifest
+
+
+def store_state(root: str | os.PathLike[str]) -> dict[str, Any]:
+    """What a verification of ``root`` vouches for, without reading a shard: the manifest's sha256
+    and each shard file's size and modification time (a store verified once need not be hashed
+    again while this is unchanged)."""
+    root = Path(root)
+    files = {}
+    for entry in read_manifest(root)["shards"]:
+        try:
+            stat = (root / entry["file"]).stat()
+        except OSError:
+            return {}  # a missing shard: never vouched for
+        files[entry["file"]] = [stat.st_size, stat.st_mtime_ns]
+    return {"manifest_sha256": sha256_file(root / MANIFEST), "shards": files}
 
 
 def _check_shard(path: Path, spec: HarvestSpec, entry: dict[str, Any]) -> None:

@@ -70,7 +70,7 @@ from eagle3.draft import DraftConfig, Eagle3Draft, trainable_parameter_count
 from eagle3.draft_vocab import DraftVocab, select_draft_vocab
 from eagle3.export import nonfinite_tensors
 from eagle3.home import eagle3_home
-from eagle3.shards import HarvestStore, StoreError, StoreUnion, open_stores
+from eagle3.shards import HarvestStore, StoreError, StoreUnion, open_stores, store_state, verify_store
 from eagle3.target import LogitTransform, Target, TargetLoadError, bf16_matmul_speedup, load_target_head
 from eagle3.target_source import TargetSourceError
 from eagle3.train_data import (
@@ -564,6 +564,42 @@ def check_pinned(saved: dict[str, Any], now: dict[str, Any], out_dir: Path) -> N
                              "(or --no-resume to start over)")
 
 
+VERIFIED = "verified_stores.json"
+
+
+def verify_stores(roots: Sequence[str], record: Path, rt: Runtime) -> list[str]:
+    """Every shard of ``roots`` checked against its manifest (sha256, tensor shapes) before the run
+    reads a sample, the shards split over the ranks. A store this run has verified and that is
+    unchanged since (its manifest, each shard's size and modification time, kept in ``record``) is
+    not hashed again, so a resume costs nothing. Returns the stores hashed now."""
+    try:
+        known = json.loads(record.read_text()) if record.is_file() else {}
+    except ValueError:
+        known = {}
+    states = {root: store_state(root) for root in dict.fromkeys(roots)}
+    todo = [root for root, state in states.items() if not state or known.get(os.path.realpath(root)) != state]
+    bad: StoreError | None = None
+    for root in todo:
+        try:
+            verify_store(root, (rt.rank, rt.world_size))
+        except StoreError as err:
+            bad = err
+            break
+    failed = _all_reduce_sum(torch.tensor([float(bad is not None)], device=rt.device))
+    if bad is not None:
+        raise TrainError(f"{bad}; nothing was trained (python -m data_gen.harvest verify <store> checks a store)")
+    if failed.item():
+        raise TrainError("a store failed its verification on another rank (its message names the shard); "
+                         "nothing was trained")
+    if rt.rank == 0 and todo:
+        from eagle3.atomic import atomic_write_text
+
+        record.parent.mkdir(parents=True, exist_ok=True)
+        known |= {os.path.realpath(root): states[root] for root in todo if states[root]}
+        atomic_write_text(record, json.dumps(known, indent=1) + "\n")
+    return todo
+
+
 def _load_target(target_cfg: TargetConfig, aux_layer_ids: Sequence[int]) -> Target:
     if target_cfg.aux_layer_ids is not None and sorted(target_cfg.aux_layer_ids) != sorted(aux_layer_ids):
         raise TrainError(f"target.aux_layer_ids={target_cfg.aux_layer_ids}, but the store was harvested with "
@@ -718,6 +754,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         raise TrainError(f"train.eval_fraction={cfg.eval_fraction} leaves {len(train_idx)} training and "
                          f"{len(eval_idx)} eval samples of {len(store)} in {cfg.store}")
 
+    verify_stores([cfg.store, *cfg.extra_stores, *([cfg.eval_store] if cfg.eval_store else [])],
+                  out_dir / VERIFIED, rt)
     embedding = target.embed_tokens.weight.detach().float().cpu()
     initial = _initial_draft(cfg.init_draft, spec, target, embedding) if cfg.init_draft else None
 
@@ -793,7 +831,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
                              "first_eval": None, "last_eval": None, "first_loss": None, "pinned": pinned}
     if rt.rank == 0:  # what a kill left half-written
         remove_leftovers(out_dir, ["best", "final", "summary.json", "metrics.jsonl", "wandb_run_id",
-                                   vocab_file.name])
+                                   vocab_file.name, VERIFIED])
     if rt.rank == 0 and resume_tag is None:  # starting over: no stale checkpoint or export survives
         for old in (ckpt_root, out_dir / "best", out_dir / "final"):
             shutil.rmtree(old, ignore_errors=True)

@@ -26,7 +26,7 @@ from eagle3.checkpoint import LATEST, CheckpointError, load_exported_draft, read
 from eagle3.config import HarvestConfig, TargetConfig, TrainConfig
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab
-from eagle3.shards import HarvestStore
+from eagle3.shards import HarvestStore, verify_store
 from eagle3.train import (
     AcceptanceTally,
     TargetHead,
@@ -348,6 +348,59 @@ def test_inputs_that_do_not_fit_the_run_fail_naming_the_key_or_file(tiny: dict, 
     with pytest.raises(TrainError, match="not the weights the store was harvested from"):
         train(cfg, TargetConfig(name_or_path=str(sibling)))
     assert train(cfg, TargetConfig(name_or_path=str(model)))["steps"] == 1
+
+
+def test_a_store_that_verify_rejects_is_not_trained_on(tiny: dict, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One byte flipped inside a shard (size unchanged), or a shard's sha256 edited in the manifest:
+    refused naming the shard, before any step, by the API and the CLI; a store verified once is not
+    hashed again on a rerun, and one changed since is."""
+    store = tmp_path / "store"
+    shutil.copytree(tiny["store"], store)
+    shard = sorted(store.glob("*.safetensors"))[0]
+    good = shard.read_bytes()
+    out = tmp_path / "run"
+    with open(shard, "r+b") as f:  # inside the tensor data, past the safetensors header
+        f.seek(len(good) - 100)
+        byte = f.read(1)
+        f.seek(len(good) - 100)
+        f.write(bytes([byte[0] ^ 255]))
+    with pytest.raises(TrainError, match=f"{shard}: sha256 differs from the manifest .*nothing was trained"):
+        train(_cfg(tiny, out, store=str(store), steps=1), target=tiny["target"])
+    assert not (out / "final").exists() and not (out / "checkpoints").exists()
+    cli = _cli(tiny, tmp_path / "cli")
+    cli[cli.index("--store") + 1] = str(store)
+    code = main(["--steps", "1", *cli])
+    assert code != 0 and f"{shard}: sha256 differs" in capsys.readouterr().err
+    assert not (tmp_path / "cli" / "final").exists()
+
+    shard.write_bytes(good)
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["shards"][-1]["sha256"] = "0" * 64
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TrainError, match="sha256 differs from the manifest"):
+        train(_cfg(tiny, out, store=str(store), steps=1), target=tiny["target"])
+
+    shutil.rmtree(store)
+    shutil.copytree(tiny["store"], store)
+    assert train(_cfg(tiny, out, store=str(store), steps=2, save_every=1), target=tiny["target"])["steps"] == 2
+    record = json.loads((out / "verified_stores.json").read_text())
+    assert set(record) == {os.path.realpath(store)}
+    hashed = []
+
+    def counting(root, part=(0, 1)):
+        hashed.append(str(root))
+        return verify_store(root, part)
+
+    monkeypatch.setattr("eagle3.train.verify_store", counting)
+    assert train(_cfg(tiny, out, store=str(store), steps=3, save_every=1), target=tiny["target"])["steps"] == 3
+    assert hashed == []  # resumed: verified by this run already, unchanged
+    with open(shard, "r+b") as f:  # changed since: hashed again, and refused
+        f.seek(len(good) - 100)
+        f.write(bytes([good[-100] ^ 1]))
+    with pytest.raises(TrainError, match="sha256 differs"):
+        train(_cfg(tiny, out, store=str(store), steps=4, save_every=1), target=tiny["target"])
+    assert hashed == [str(store)]
 
 
 def test_bf16_and_gradient_checkpointing_track_fp32(tiny: dict, tmp_path: Path) -> None:
