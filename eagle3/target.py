@@ -242,6 +242,26 @@ class Target:
         return self.embed_tokens.weight.dtype
 
     @torch.no_grad()
+    def final_norm_scale(self) -> Tensor | None:
+        """The weight [H] (fp32, CPU) a plain RMSNorm (``x / rms(x) * w``) needs to compute what the
+        target's final norm computes: Llama's ``weight``, Gemma's ``1 + weight`` (its convention
+        stores the offset). Read by probing the module, so any convention is covered; None where
+        the norm is not a per-channel scaling of ``x / rms(x)`` (a LayerNorm that subtracts the mean)."""
+        weight = getattr(self.norm, "weight", None)
+        if not isinstance(weight, Tensor) or weight.dim() != 1 or weight.device.type == "meta":
+            return None
+        h, c = weight.shape[0], 1e3  # x = c * ones: x / rms(x) = 1 to within eps / (2 c^2)
+        scale = self.norm(torch.full((1, h), c, dtype=weight.dtype, device=weight.device)).float()[0]
+        probe = torch.randn(4, h, generator=torch.Generator(device="cpu").manual_seed(0)).to(weight.device)
+        eps = float(getattr(self.norm, "variance_epsilon", getattr(self.norm, "eps", 1e-6)) or 0.0)
+        want = probe / (probe.pow(2).mean(-1, keepdim=True) + eps).sqrt() * scale
+        if not torch.allclose(self.norm(probe.to(weight.dtype)).float(), want, rtol=1e-2, atol=1e-3):
+            return None
+        scale = scale.cpu()
+        exact = weight.detach().float().cpu()
+        return exact if torch.allclose(scale, exact, rtol=1e-2, atol=1e-3) else scale  # the stored weight itself
+
+    @torch.no_grad()
     def head(self, last: Tensor) -> Tensor:
         """Logits from pre-norm last-layer states: the target's final norm, lm_head and logit transform."""
         return self.logit_transform(self.lm_head(self.norm(last)))

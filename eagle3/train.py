@@ -791,7 +791,11 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     if cfg.lm_head_init == "target" and not cfg.init_draft:
         # the target's logit scale folded into the rows (a soft cap has no linear equivalent)
         rows = target.lm_head.weight.detach().float().cpu() * target.logit_transform.scale
-        draft.init_lm_head_from_target(rows, vocab.d2t, target.norm.weight.detach().float().cpu())
+        norm_scale = target.final_norm_scale()
+        if norm_scale is None:
+            print0("train.lm_head_init=target: the target's final norm is not an RMSNorm; the draft's final norm "
+                   "starts at one")
+        draft.init_lm_head_from_target(rows, vocab.d2t, norm_scale)
     if cfg.layer_init == "readout" and not cfg.init_draft:
         try:
             draft.init_as_readout()

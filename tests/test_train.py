@@ -27,6 +27,7 @@ from eagle3.config import HarvestConfig, TargetConfig, TrainConfig
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab
 from eagle3.shards import HarvestStore, verify_store
+from eagle3.target import Target
 from eagle3.train import (
     AcceptanceTally,
     TargetHead,
@@ -59,6 +60,7 @@ from eagle3.ttt import (
     step_accuracy,
     ttt_forward,
 )
+from tests.conftest import TINY_VOCAB, tiny_tokenizer
 from tests.test_harvest import _data
 from tests.tiny_targets import lively_target, save_lively
 
@@ -555,6 +557,44 @@ def test_a_frozen_target_lm_head_stays_the_targets(tiny: dict, tmp_path: Path) -
     assert torch.equal(final["lm_head.weight"], rows)
     trainable = sum(v.numel() for k, v in final.items() if k not in ("d2t", "t2d", "lm_head.weight"))
     assert summary["trainable_parameters"] == trainable  # the frozen head is not counted
+
+
+def _gemma3(final_norm_offsets: torch.Tensor | None = None) -> Target:
+    """A tiny random Gemma-3 text target: tied and scaled embeddings, norms stored as offsets."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)).eval()
+    if final_norm_offsets is not None:
+        with torch.no_grad():
+            model.model.norm.weight.copy_(final_norm_offsets)
+    return Target(model, tiny_tokenizer(), aux_layer_ids=(1, 2, 4))
+
+
+def test_the_target_head_init_reproduces_the_targets_head_whatever_its_norm_convention() -> None:
+    """Gemma computes x / rms(x) * (1 + weight): its stored weight copied into the draft's norm
+    (x / rms(x) * weight) was off by one in every channel (as initialised, offsets 0: a head of zeros
+    whose training stalled; bench/init_check.py). The probed scale reproduces the target's head."""
+    offsets = torch.linspace(-0.5, 1.5, 64)
+    gemma = _gemma3(offsets)
+    assert torch.allclose(gemma.final_norm_scale(), 1 + offsets)
+    llama = lively_target()
+    assert torch.equal(llama.final_norm_scale(), llama.norm.weight.detach().float())  # the stored weight, exactly
+    for target in (gemma, llama):
+        vocab = DraftVocab.from_target_ids(torch.arange(0, target.vocab_size, 3), target.vocab_size)
+        draft = Eagle3Draft(DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size),
+                            target.embed_tokens.weight.detach().float())
+        draft.set_draft_vocab(vocab.d2t, vocab.t2d)
+        draft.init_lm_head_from_target(target.lm_head.weight.detach().float(), vocab.d2t, target.final_norm_scale())
+        last = torch.randn(5, target.hidden_size) * 30  # pre-norm states
+        with torch.no_grad():
+            assert torch.allclose(draft.lm_head(draft.norm(last)), target.head(last)[:, ::3], atol=1e-4)
+    layer_norm = lively_target()
+    layer_norm.norm = nn.LayerNorm(layer_norm.hidden_size)  # subtracts the mean: no RMSNorm weight equals it
+    assert layer_norm.final_norm_scale() is None
 
 
 def test_readout_init_is_what_training_starts_from(tiny: dict, tmp_path: Path) -> None:
