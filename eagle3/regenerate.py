@@ -106,8 +106,8 @@ def read_pool(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
         record = {k: v for k, v in row.items() if k != "conversations"}
         record["messages"] = messages
         record.setdefault("id", record_id(messages))
-        if not isinstance(record["id"], str) or not record["id"]:
-            raise ValueError(f"{where}: 'id' {record['id']!r} is not a non-empty string")
+        if not isinstance(record["id"], (str, int)) or record["id"] == "":
+            raise ValueError(f"{where}: 'id' {record['id']!r} is not a non-empty string or an integer")
         if record["id"] in first_at:  # two records, one id: the harvest would refuse it after all the generation
             raise ValueError(f"{where}: record id {record['id']!r} is also the id of {first_at[record['id']]}"
                              + ("" if "id" in row else " (ids derived from the content: the same conversation twice)"))
