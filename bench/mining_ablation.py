@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--candidates", type=int, default=64)
     parser.add_argument("--recipe", default="none",
                         help="draft recipe of the continued training (recipes/draft/NAME.yaml; none: the library's "
-                             "defaults, which the README's figures used)")
+                             "defaults, which the figures in docs/mining.md used)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--ttt-steps", type=int, default=3)
     parser.add_argument("--bootstrap", type=int, default=2000)

@@ -5,7 +5,7 @@ judged by real vLLM in one run.
         --pools runs/race/pools --out runs/race/bench --steps 180 [--variant "all=--loss-positions all"] \\
         [--extra fp8=runs/race/harvest-fp8] [--extra ids=runs/race/harvest-ids]
 
-The data: ``eagle3-run --config-name race`` (recipes/race.yaml; README, the race).
+The data: ``eagle3-run --config-name race`` (recipes/race.yaml; docs/benchmarks.md, the race).
 
 Needs the three venvs: ``.venv`` (ours), ``.venv-speculators`` (scripts/setup_speculators_env.sh)
 and ``.venv-vllm`` (scripts/setup_vllm_env.sh). Steps, one after the other so that neither trainer

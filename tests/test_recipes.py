@@ -139,7 +139,7 @@ def test_draft_and_serve_groups_set_their_fields() -> None:
         frozen = OmegaConf.to_object(compose(config_name="pipeline", overrides=["draft=frozen-head", "serve=tree"]))
         paper = OmegaConf.to_object(compose(config_name="pipeline", overrides=["draft=eagle3"]))
         big = OmegaConf.to_object(compose(config_name="llama-3.1-8b"))
-    # the default is the target-head recipe (README, Training: "Draft recipes")
+    # the default is the target-head recipe (docs/training.md, "Draft recipes")
     assert (default.train.draft_variant, default.train.lm_head_init, default.train.freeze_lm_head,
             default.train.optimizer, default.train.lr, default.eval.mode) == \
         ("speculators", "target", False, "muon", 2e-3, "chain")
