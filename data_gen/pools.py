@@ -38,6 +38,7 @@ from eagle3.conversations import (
     take_in_turn,
     user_turns,
 )
+from eagle3.errors import USER_ERRORS
 from eagle3.language import detect_language
 
 EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "math", "multilingual", "alpaca")
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"pools: error: --user-file {missing[0]}: no such file or folder")
     try:
         manifest = build_pools(cfg)
-    except (FileExistsError, ConversationError) as err:
+    except USER_ERRORS as err:
         sys.exit(f"pools: error: {err}")
     print(format_counts(manifest))
     print(f"written to {args.out}")

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from eagle3.errors import Eagle3Error
+
 FALLBACK_CHAT_TEMPLATE = (
     "{{ bos_token if bos_token else '' }}"
     "{% for m in messages %}"
@@ -40,7 +42,7 @@ _SENTINEL = "EAGLE3SENTINEL"
 Message = Mapping[str, str]
 
 
-class ChatFormatError(ValueError):
+class ChatFormatError(Eagle3Error, ValueError):
     """A conversation could not be rendered into a well-formed prompt."""
 
 

@@ -36,13 +36,14 @@ from safetensors.torch import load_file
 from eagle3.atomic import atomic_write_text, remove_leftovers
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab
+from eagle3.errors import Eagle3Error
 from eagle3.export import DraftFormatError, export_draft_folder, load_draft
 
 LATEST = "latest"
 EXPORT_FORMAT = "eagle3-draft-2"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(Eagle3Error, RuntimeError):
     """A checkpoint cannot be resumed from; the message names the file."""
 
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from eagle3.errors import Eagle3Error
+
 ROLE_ALIASES = {
     "system": "system",
     "user": "user", "human": "user", "prompter": "user",
@@ -36,7 +38,7 @@ DOMAINS = ("coding", "science", "multilingual", "general")
 TEXT_PART_SEPARATOR = "\n"  # between a message's text parts, as vLLM's chat endpoint joins them
 
 
-class ConversationError(ValueError):
+class ConversationError(Eagle3Error, ValueError):
     """A conversation is malformed; the message says where (file:line or record) and why."""
 
 

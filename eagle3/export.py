@@ -53,6 +53,7 @@ from torch import Tensor
 
 from eagle3.atomic import atomic_dir, holds_only
 from eagle3.draft import DraftConfig, Eagle3Draft, read_rope, rope_kind
+from eagle3.errors import USER_ERRORS, Eagle3Error
 
 FORMATS = ("vllm", "speculators", "sglang")
 OUR_META = "draft.json"
@@ -62,7 +63,7 @@ NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class DraftFormatError(ValueError):
+class DraftFormatError(Eagle3Error, ValueError):
     """A draft folder this library cannot read or write; the message names the file and key."""
 
 
@@ -619,7 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             del state["lm_head.weight"]
         export_draft_folder(args.out, state, loaded.draft.config, ids, args.format, dtype=args.dtype,
                             verifier=verifier, speculative_tokens=args.speculative_tokens, meta=meta)
-    except (DraftFormatError, OSError) as err:
+    except USER_ERRORS as err:
         print(f"export: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps({"stage": "export", "from": str(args.draft), "from_format": loaded.format, "out": args.out,

@@ -35,6 +35,7 @@ from filelock import FileLock, Timeout
 from eagle3.atomic import atomic_write_text, remove_leftovers, sha256_file
 from eagle3.chat import ChatFormat, ChatFormatError
 from eagle3.config import HarvestConfig, TargetConfig, add_target_arguments
+from eagle3.errors import USER_ERRORS, Eagle3Error
 from eagle3.fingerprint import UNKNOWN_WEIGHTS, tokenizer_fingerprint, weights_fingerprint
 from eagle3.regenerate import read_pool
 from eagle3.shards import (
@@ -51,13 +52,13 @@ from eagle3.shards import (
     write_manifest,
     write_shard,
 )
-from eagle3.target import Target, TargetLoadError, TargetSourceError, context_length, load_target
+from eagle3.target import Target, context_length, load_target
 from eagle3.target_source import target_identity
 
 PLAN = "plan.json"
 
 
-class HarvestError(RuntimeError):
+class HarvestError(Eagle3Error, RuntimeError):
     """The harvest cannot proceed; the message names the file, sample or setting."""
 
 
@@ -443,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(err))
     try:
         summary = run(cfg, target_cfg, progress=not args.no_progress)
-    except (HarvestError, StoreError, TargetLoadError, TargetSourceError, ValueError, OSError) as err:
+    except USER_ERRORS as err:
         print(f"harvest: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(summary))

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from eagle3 import fp4
 from eagle3.atomic import atomic_dir, check_replaceable
+from eagle3.errors import USER_ERRORS, Eagle3Error
 
 FORMAT = "nvfp4-pack-quantized"
 MODES = ("w4a4", "w4a16")
@@ -41,7 +42,7 @@ def _is_earlier_conversion(folder: Path) -> bool:
     return (folder / REPORT_FILE).is_file()
 
 
-class NVFP4Error(ValueError):
+class NVFP4Error(Eagle3Error, ValueError):
     """A checkpoint or conversion request that cannot be honoured; the message names the file or key."""
 
 
@@ -379,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from eagle3.target import resolve_dtype
-    from eagle3.target_source import TargetSourceError, resolve_target
+    from eagle3.target_source import resolve_target
 
     parser = argparse.ArgumentParser(
         prog="python -m data_gen.nvfp4",
@@ -408,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = convert(args.target, args.out, mode=args.mode, calibration=calib,
                          ignore=[i for i in args.ignore.split(",") if i],
                          dtype=resolve_dtype(args.dtype, torch.device("cpu")))
-    except (NVFP4Error, TargetSourceError, OSError, ValueError) as err:
+    except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     summary = {k: report[k] for k in ("mode", "quantized_linears", "calibration_sequences", "calibration_tokens",

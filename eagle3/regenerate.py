@@ -50,6 +50,7 @@ from eagle3.atomic import atomic_dir, atomic_write_text, output_dir, sha256_file
 from eagle3.chat import ChatFormat, messages_sha256
 from eagle3.config import RegenerateConfig, TargetConfig
 from eagle3.conversations import ConversationError, check_messages, iter_jsonl, messages_of, record_id
+from eagle3.errors import USER_ERRORS, Eagle3Error
 from eagle3.generate import (
     Generator,
     HFGenerator,
@@ -57,7 +58,7 @@ from eagle3.generate import (
     derive_seed,
     regenerate_conversations,
 )
-from eagle3.target import Target, TargetLoadError, TargetSourceError, context_length, load_target
+from eagle3.target import Target, context_length, load_target
 from eagle3.target_source import target_identity
 
 MANIFEST = "manifest.json"
@@ -67,7 +68,7 @@ STORE = "regenerated.jsonl"
 SUMMARY = "summary.json"
 
 
-class RegenerateError(RuntimeError):
+class RegenerateError(Eagle3Error, RuntimeError):
     """The output folder cannot be used by this run; the message says why."""
 
 
@@ -420,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg, target_cfg, progress = parse_args(argv)
     try:
         summary = run(cfg, target_cfg, progress=progress)
-    except (RegenerateError, TargetLoadError, TargetSourceError, ValueError, OSError) as err:
+    except USER_ERRORS as err:
         print(f"regenerate: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(summary))

@@ -39,6 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from eagle3.atomic import atomic_write_bytes, atomic_write_text, sha256_file
+from eagle3.errors import Eagle3Error
 from eagle3.fingerprint import UNKNOWN_WEIGHTS
 
 MANIFEST = "manifest.json"
@@ -46,7 +47,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 STORE_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32}
 
 
-class StoreError(RuntimeError):
+class StoreError(Eagle3Error, RuntimeError):
     """A store is incomplete, corrupt or does not match the target; the message names the file."""
 
 

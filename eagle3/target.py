@@ -27,13 +27,14 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from eagle3.errors import Eagle3Error
 from eagle3.nvfp4 import load_emulated, nvfp4_quantization
 from eagle3.target_source import TargetSourceError, resolve_target
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class TargetLoadError(RuntimeError):
+class TargetLoadError(Eagle3Error, RuntimeError):
     """A target folder could not be loaded as a supported causal LM; the message names it."""
 
 

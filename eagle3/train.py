@@ -54,7 +54,6 @@ from torch import Tensor, nn
 
 from eagle3.atomic import remove_leftovers, sha256_file
 from eagle3.checkpoint import (
-    CheckpointError,
     export_draft,
     latest_tag,
     load_checkpoint,
@@ -68,11 +67,11 @@ from eagle3.checkpoint import (
 from eagle3.config import LR_SCHEDULES, TargetConfig, TrainConfig
 from eagle3.draft import DraftConfig, Eagle3Draft, trainable_parameter_count
 from eagle3.draft_vocab import DraftVocab, select_draft_vocab
+from eagle3.errors import USER_ERRORS, Eagle3Error
 from eagle3.export import nonfinite_tensors
 from eagle3.home import eagle3_home
 from eagle3.shards import HarvestStore, StoreError, StoreUnion, open_stores, store_state, verify_store
-from eagle3.target import LogitTransform, Target, TargetLoadError, bf16_matmul_speedup, load_target_head
-from eagle3.target_source import TargetSourceError
+from eagle3.target import LogitTransform, Target, bf16_matmul_speedup, load_target_head
 from eagle3.train_data import (
     epoch_batches,
     eval_batches_for_rank,
@@ -87,7 +86,7 @@ from eagle3.train_log import NullSink, RunSink, print0
 from eagle3.ttt import TTTOutput, TTTTargets, prepare_targets, prepare_targets_from_topk, step_weights, ttt_forward
 
 
-class TrainError(RuntimeError):
+class TrainError(Eagle3Error, RuntimeError):
     """Training cannot start or go on; the message names the setting, store or file."""
 
 
@@ -1054,7 +1053,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(err))
     try:
         summary = train(cfg, target_cfg)
-    except (TrainError, StoreError, CheckpointError, TargetLoadError, TargetSourceError, ValueError, OSError) as err:
+    except USER_ERRORS as err:
         print(f"train: error: {err}", file=sys.stderr)
         return 2
     print0(json.dumps(summary))

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from eagle3.errors import Eagle3Error
 from eagle3.target import check_aux_layer_ids
 
 CONNECTOR_NAME = "SyncHiddenStatesConnector"
@@ -49,7 +50,7 @@ CONNECTOR_NAME = "SyncHiddenStatesConnector"
 _FORCED_OFF = ("enable_prefix_caching", "enable_chunked_prefill")
 
 
-class VllmCaptureError(RuntimeError):
+class VllmCaptureError(Eagle3Error, RuntimeError):
     """vLLM returned hidden states that do not match the request; the message says how."""
 
 

@@ -15,9 +15,10 @@ import zipfile
 from pathlib import Path
 
 from eagle3.atomic import atomic_dir, sha256_file
+from eagle3.errors import Eagle3Error
 
 
-class WheelError(RuntimeError):
+class WheelError(Eagle3Error, RuntimeError):
     """A wheel could not be fetched or read; the message names the file."""
 
 

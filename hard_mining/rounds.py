@@ -45,7 +45,8 @@ import torch
 from eagle3.atomic import atomic_write_text, output_dir
 from eagle3.config import HarvestConfig, MineConfig, RegenerateConfig, TargetConfig, TrainConfig, add_target_arguments
 from eagle3.conversations import iter_jsonl, take_in_turn
-from eagle3.shards import HarvestStore, StoreError, open_stores
+from eagle3.errors import USER_ERRORS, Eagle3Error
+from eagle3.shards import HarvestStore, open_stores
 from hard_mining.score import (
     SampleScore,
     group_scores,
@@ -72,7 +73,7 @@ from hard_mining.strategies import (
 MANIFEST = "manifest.json"
 
 
-class MineError(RuntimeError):
+class MineError(Eagle3Error, RuntimeError):
     pass
 
 
@@ -415,11 +416,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    from eagle3.checkpoint import CheckpointError
-    from eagle3.harvest import HarvestError
-    from eagle3.target import TargetLoadError
-    from eagle3.target_source import TargetSourceError
-    from eagle3.train import TrainError
     torch.set_num_threads(args.threads)
     try:
         cfg = MineConfig(draft=args.draft, store=args.store, records=args.records, eval_store=args.eval_store,
@@ -434,8 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             save_every=0, progress=not args.no_progress, threads=args.threads)
         target_cfg = TargetConfig(name_or_path=args.target, dtype=args.target_dtype, device=args.device)
         manifest = run_rounds(cfg, train_cfg, target_cfg, progress=not args.no_progress)
-    except (MineError, StoreError, TrainError, CheckpointError, HarvestError, TargetLoadError, TargetSourceError,
-            ValueError, OSError) as err:
+    except USER_ERRORS as err:
         print(f"hard_mining: error: {err}", file=sys.stderr)
         return 2
     for entry in manifest["rounds"]:

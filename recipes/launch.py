@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import LauncherConfig, PipelineConfig
+from eagle3.errors import Eagle3Error
 
 PREPARE = ("plan", "target", "pools", "quantize", "regenerate", "val")
 FINISH = ("mine", "eval", "report")
@@ -115,7 +116,7 @@ def _after(ex: Any, launcher: LauncherConfig, jobs: list[Any]) -> None:
     ex.update_parameters(slurm_additional_parameters=params)
 
 
-class LaunchError(RuntimeError):
+class LaunchError(Eagle3Error, RuntimeError):
     """Jobs could not be submitted or one failed; the message names the launcher and the reason."""
 
 

@@ -19,12 +19,13 @@ import torch
 
 from eagle3.atomic import atomic_write_text, sha256_file
 from eagle3.config import PipelineConfig
+from eagle3.errors import Eagle3Error
 from eagle3.target import check_capture, load_target, synchronize
 
 log = logging.getLogger(__name__)
 
 
-class PipelineError(ValueError):
+class PipelineError(Eagle3Error, ValueError):
     """The recipe cannot run as composed; the message names the key."""
 
 

@@ -16,23 +16,9 @@ ConfigStore.instance().store(name="pipeline_schema", node=PipelineConfig)
 def _user_errors() -> tuple[type[Exception], ...]:
     """What a stage raises for bad input or settings, with a message naming the key or file:
     printed as one line, not a traceback (bugs keep theirs)."""
-    from eagle3.checkpoint import CheckpointError
-    from eagle3.conversations import ConversationError
-    from eagle3.export import DraftFormatError
-    from eagle3.harvest import HarvestError
-    from eagle3.nvfp4 import NVFP4Error
-    from eagle3.regenerate import RegenerateError
-    from eagle3.shards import StoreError
-    from eagle3.target import TargetLoadError
-    from eagle3.target_source import TargetSourceError
-    from eagle3.train import TrainError
-    from hard_mining.rounds import MineError
-    from recipes.launch import LaunchError
-    from recipes.pipeline import PipelineError
+    from eagle3.errors import Eagle3Error
 
-    return (PipelineError, CheckpointError, ConversationError, DraftFormatError, HarvestError, NVFP4Error,
-            RegenerateError, StoreError, TargetLoadError, TargetSourceError, TrainError, MineError, LaunchError,
-            FileExistsError)
+    return (Eagle3Error, FileExistsError)
 
 
 @hydra.main(version_base="1.3", config_path=".", config_name="pipeline")

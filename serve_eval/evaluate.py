@@ -35,6 +35,7 @@ import torch
 from eagle3.adaptive import measure_cost
 from eagle3.atomic import atomic_write_text
 from eagle3.config import add_target_arguments
+from eagle3.errors import USER_ERRORS
 from eagle3.spec_decode import DecodeStats, SpecConfig, SpeculativeDecoder
 from eagle3.target import context_length
 from eagle3.verify import SamplingParams
@@ -319,9 +320,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     from eagle3.chat import ChatFormat
-    from eagle3.export import DraftFormatError
-    from eagle3.target import TargetLoadError
-    from eagle3.target_source import TargetSourceError
 
     try:
         config = SpecConfig(args.mode, args.k, args.topk, args.budget)
@@ -329,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         target, draft = load_pair(args.draft, args.target, args.target_dtype, args.device)
         chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
         prompts = {name: read_prompts(Path(args.pools), name, args.per_set, chat) for name in args.sets.split(",")}
-    except (DraftFormatError, TargetLoadError, TargetSourceError, ValueError, OSError) as err:
+    except USER_ERRORS as err:
         print(f"serve_eval: error: {err}", file=sys.stderr)
         return 2
     report = evaluate(target, draft, prompts, config=config, params=params, max_new_tokens=args.max_new_tokens,

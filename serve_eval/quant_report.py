@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from eagle3.atomic import atomic_write_text
+from eagle3.errors import USER_ERRORS
 from serve_eval.evaluate import EVAL_SETS, first_divergence, read_prompts
 
 
@@ -131,13 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from eagle3.chat import ChatFormat
     from eagle3.fingerprint import tokenizer_fingerprint
-    from eagle3.target import TargetLoadError, load_target
-    from eagle3.target_source import TargetSourceError
+    from eagle3.target import load_target
 
     try:
-        reference = load_target(args.reference, dtype="float32", device=args.device)
         quantized = load_target(args.quantized, dtype="float32", device=args.device, nvfp4_mode=args.quantized_mode)
-    except (TargetLoadError, TargetSourceError) as err:
+        reference = load_target(args.reference, dtype="float32", device=args.device)
+    except USER_ERRORS as err:
         print(f"serve_eval.quant_report: error: {err}", file=sys.stderr)
         return 2
     if tokenizer_fingerprint(reference.tokenizer) != tokenizer_fingerprint(quantized.tokenizer):

@@ -44,6 +44,7 @@ from eagle3.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_c
 from eagle3.chat import ChatFormat, ChatFormatError
 from eagle3.config import add_target_arguments
 from eagle3.conversations import TEXT_PART_SEPARATOR
+from eagle3.errors import USER_ERRORS
 from eagle3.spec_decode import DecodeStats, SpecConfig, SpeculativeDecoder
 from eagle3.verify import SamplingParams
 
@@ -650,12 +651,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import uvicorn
 
-    from eagle3.export import DraftFormatError
-    from eagle3.target import TargetLoadError
 
     try:
         engine = build_engine(args)
-    except (DraftFormatError, TargetLoadError, ValueError, OSError) as err:
+    except USER_ERRORS as err:
         print(f"serve_eval.server: error: {err}", file=sys.stderr)
         return 2
     uvicorn.run(build_app(engine, args.api_key), host=args.host, port=args.port, log_level="info")

@@ -1,0 +1,85 @@
+"""Every entry point prints a user error as one line naming the file or key, with no traceback:
+each CLI on a missing input (in this process, as ``python -m`` runs it), and ``eagle3-run``."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3.errors import Eagle3Error
+
+REPO = Path(__file__).resolve().parents[1]
+NOWHERE = "/nonexistent-eagle3"
+
+CASES = [
+    ("data_gen.pools", ["--out", "{tmp}/p", "--user-file", f"{NOWHERE}/a.jsonl"], f"{NOWHERE}/a.jsonl"),
+    ("data_gen.regenerate", ["--pool", f"{NOWHERE}/a.jsonl", "--out", "{tmp}/r"], f"{NOWHERE}/a.jsonl"),
+    ("data_gen.harvest", ["--data", f"{NOWHERE}/a.jsonl", "--out", "{tmp}/h"], f"{NOWHERE}/a.jsonl"),
+    ("data_gen.harvest", ["verify", f"{NOWHERE}/store"], f"{NOWHERE}/store"),
+    ("eagle3.train", ["--store", f"{NOWHERE}/store", "--out", "{tmp}/t"], "train.store"),
+    ("eagle3.export", ["--draft", f"{NOWHERE}/draft", "--out", "{tmp}/e"], f"{NOWHERE}/draft"),
+    ("serve_eval.evaluate", ["--draft", f"{NOWHERE}/draft", "--out", "{tmp}/v"], f"{NOWHERE}/draft"),
+    ("serve_eval.server", ["--draft", f"{NOWHERE}/draft"], f"{NOWHERE}/draft"),
+    ("serve_eval.quant_report", ["--quantized", f"{NOWHERE}/q", "--out", "{tmp}/q"], f"{NOWHERE}/q"),
+    ("hard_mining.rounds", ["--draft", f"{NOWHERE}/d", "--store", f"{NOWHERE}/s", "--records", f"{NOWHERE}/r.jsonl",
+                            "--eval-store", f"{NOWHERE}/e", "--eval-records", f"{NOWHERE}/e.jsonl",
+                            "--eval-sets", f"{NOWHERE}/sets", "--pool", f"{NOWHERE}/pool.jsonl", "--out", "{tmp}/m"],
+     NOWHERE),
+    ("data_gen.nvfp4", ["--target", f"{NOWHERE}/model", "--calibration", f"{NOWHERE}/c.jsonl", "--out", "{tmp}/n"],
+     NOWHERE),
+]
+
+
+def _run_module(module: str, argv: list[str]) -> int:
+    saved = sys.argv
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as done:
+        code = done.code
+        if isinstance(code, str):  # sys.exit("message"): printed to stderr, exit status 1
+            print(code, file=sys.stderr)
+            return 1
+        return int(code or 0)
+    finally:
+        sys.argv = saved
+    return 0
+
+
+@pytest.mark.parametrize(("module", "argv", "named"), CASES, ids=[f"{m}-{a[0]}" for m, a, _ in CASES])
+def test_a_bad_input_is_one_line_naming_it(module: str, argv: list[str], named: str, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture) -> None:
+    code = _run_module(module, [a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert code != 0 and "Traceback" not in err, err[-2000:]
+    assert len(errors) == 1 and named in errors[0], err[-2000:]
+    assert not any(tmp_path.iterdir()), "nothing is written for a bad input"
+
+
+def test_eagle3_run_prints_a_stage_error_as_one_line(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "recipes.run", f"target.name_or_path={NOWHERE}/model",
+                           "stages=[target]", f"out_dir={tmp_path}/run"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert errors == [e for e in errors if e.startswith("eagle3-run: error: ")] and len(errors) == 1
+    assert f"{NOWHERE}/model" in errors[0]
+
+
+def test_every_user_error_class_has_the_one_base() -> None:
+    import importlib
+
+    for name in ("eagle3.harvest:HarvestError", "eagle3.wheels:WheelError", "eagle3.target_source:TargetSourceError",
+                 "eagle3.export:DraftFormatError", "eagle3.chat:ChatFormatError", "eagle3.target:TargetLoadError",
+                 "eagle3.vllm_capture:VllmCaptureError", "eagle3.checkpoint:CheckpointError",
+                 "eagle3.conversations:ConversationError", "eagle3.shards:StoreError",
+                 "eagle3.regenerate:RegenerateError", "eagle3.train:TrainError", "eagle3.nvfp4:NVFP4Error",
+                 "hard_mining.rounds:MineError", "recipes.launch:LaunchError", "recipes.pipeline:PipelineError"):
+        module, cls = name.split(":")
+        assert issubclass(getattr(importlib.import_module(module), cls), Eagle3Error), name
