@@ -266,7 +266,7 @@ _WANDB_MODES = ("offline", "online", "disabled")
 
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
-"""What ``train.lr_schedule`` may name (see :func:`eagle3.train.warmup_decay`)."""
+"""What ``train.lr_schedule`` may name (see :func:`eagle3.optim.warmup_decay`)."""
 
 
 @dataclass

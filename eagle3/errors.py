@@ -13,8 +13,12 @@ class Eagle3Error(Exception):
     """Bad input or settings, named in the message."""
 
 
+class TrainError(Eagle3Error, RuntimeError):
+    """Training cannot start or go on; the message names the setting, store or file."""
+
+
 USER_ERRORS: tuple[type[Exception], ...] = (Eagle3Error, ValueError, OSError)
 """What an entry point prints as one line: the project's user errors, and the builtin errors of
 reading files and values (torch, transformers and json raise these with the file or value named)."""
 
-__all__ = ["USER_ERRORS", "Eagle3Error"]
+__all__ = ["USER_ERRORS", "Eagle3Error", "TrainError"]

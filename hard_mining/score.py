@@ -107,7 +107,7 @@ def meta_of(sample_id: str, meta: dict[str, dict[str, str]]) -> dict[str, str]:
 
 def target_head(target: Any) -> Any:
     """The trainer's frozen head (the target's final norm + lm_head, copied) for ``target``."""
-    from eagle3.train import TargetHead
+    from eagle3.target_head import TargetHead
 
     return TargetHead.of_target(target).to(device=target.device, dtype=torch.float32).eval()
 

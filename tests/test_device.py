@@ -14,10 +14,12 @@ from data_gen.harvest import run as harvest
 from eagle3.config import HarvestConfig, TargetConfig
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab
+from eagle3.metrics import AcceptanceTally
 from eagle3.shards import HarvestStore
 from eagle3.spec_decode import SpecConfig, SpeculativeDecoder
 from eagle3.target import Target
-from eagle3.train import AcceptanceTally, TargetHead, TTTModel, train_forward
+from eagle3.target_head import TargetHead
+from eagle3.train import TTTModel, train_forward
 from eagle3.train_data import load_batch
 from eagle3.ttt import step_weights
 from eagle3.verify import SamplingParams

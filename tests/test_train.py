@@ -26,23 +26,12 @@ from eagle3.checkpoint import LATEST, CheckpointError, load_exported_draft, read
 from eagle3.config import HarvestConfig, TargetConfig, TrainConfig
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab
+from eagle3.metrics import AcceptanceTally
+from eagle3.optim import muon_ns_in_fp32_where_bf16_is_slow, muon_ns_method, resolve_precision, warmup_decay
 from eagle3.shards import HarvestStore, verify_store
 from eagle3.target import Target
-from eagle3.train import (
-    AcceptanceTally,
-    TargetHead,
-    TrainError,
-    TTTModel,
-    add_feature_noise,
-    check_pinned,
-    choose_draft_vocab,
-    main,
-    muon_ns_in_fp32_where_bf16_is_slow,
-    muon_ns_method,
-    resolve_precision,
-    train,
-    warmup_decay,
-)
+from eagle3.target_head import TargetHead
+from eagle3.train import TrainError, TTTModel, add_feature_noise, main, train
 from eagle3.train_data import (
     collate,
     epoch_batches,
@@ -52,6 +41,7 @@ from eagle3.train_data import (
     steps_per_epoch,
 )
 from eagle3.train_log import read_metrics
+from eagle3.train_setup import check_pinned, choose_draft_vocab
 from eagle3.ttt import (
     TTTOutput,
     conditional_acceptance,
@@ -394,7 +384,7 @@ def test_a_store_that_verify_rejects_is_not_trained_on(tiny: dict, tmp_path: Pat
         hashed.append(str(root))
         return verify_store(root, part)
 
-    monkeypatch.setattr("eagle3.train.verify_store", counting)
+    monkeypatch.setattr("eagle3.train_setup.verify_store", counting)
     assert train(_cfg(tiny, out, store=str(store), steps=3, save_every=1), target=tiny["target"])["steps"] == 3
     assert hashed == []  # resumed: verified by this run already, unchanged
     with open(shard, "r+b") as f:  # changed since: hashed again, and refused
@@ -423,13 +413,13 @@ def test_auto_precision_is_bf16_only_where_bf16_is_faster(tiny: dict, tmp_path: 
     assert resolve_precision(_cfg(tiny, tmp_path / "a", precision="fp32"), torch.device("cuda")) == "fp32"
     muon0 = _cfg(tiny, tmp_path / "a", precision="auto", optimizer="muon", zero_stage=0)
     assert resolve_precision(muon0, torch.device("cuda")) == "fp32"  # DeepSpeed's Muon needs ZeRO for bf16
-    monkeypatch.setattr("eagle3.train.bf16_matmul_speedup", lambda device_type: 0.01)  # an AVX2-only CPU
+    monkeypatch.setattr("eagle3.optim.bf16_matmul_speedup", lambda device_type: 0.01)  # an AVX2-only CPU
     assert resolve_precision(auto, torch.device("cpu")) == "fp32"
     assert resolve_precision(_cfg(tiny, tmp_path / "a", precision="bf16"), torch.device("cpu")) == "bf16"
     summary = train(_cfg(tiny, tmp_path / "run", precision="auto", steps=2, eval_every=0, save_every=0),
                     target=tiny["target"])
     assert summary["precision"] == "fp32"
-    monkeypatch.setattr("eagle3.train.bf16_matmul_speedup", lambda device_type: 3.0)  # a CPU with AMX
+    monkeypatch.setattr("eagle3.optim.bf16_matmul_speedup", lambda device_type: 3.0)  # a CPU with AMX
     assert resolve_precision(auto, torch.device("cpu")) == "bf16"
 
 
@@ -480,10 +470,10 @@ def test_muon_iterates_in_fp32_on_a_cpu_without_bf16_units(monkeypatch: pytest.M
 
     # DeepSpeed's choice on CPUs (an earlier training test in this process may have replaced it already)
     monkeypatch.setattr(original_muon, "ns_compute_dtype", lambda ns_method="gram": torch.bfloat16)
-    monkeypatch.setattr("eagle3.train.bf16_matmul_speedup", lambda device_type: 3.0)
+    monkeypatch.setattr("eagle3.optim.bf16_matmul_speedup", lambda device_type: 3.0)
     assert not muon_ns_in_fp32_where_bf16_is_slow("cpu")
     assert original_muon.ns_compute_dtype("standard") == torch.bfloat16
-    monkeypatch.setattr("eagle3.train.bf16_matmul_speedup", lambda device_type: 0.01)
+    monkeypatch.setattr("eagle3.optim.bf16_matmul_speedup", lambda device_type: 0.01)
     assert not muon_ns_in_fp32_where_bf16_is_slow("cuda:0")
     assert muon_ns_in_fp32_where_bf16_is_slow("cpu")
     assert original_muon.ns_compute_dtype("standard") == original_muon.ns_compute_dtype("gram") == torch.float32
@@ -913,12 +903,12 @@ def test_split_head_equals_the_full_product_ties_included(monkeypatch: pytest.Mo
     batch = {"last": x, "loss_mask": torch.ones(1, 400, dtype=torch.long), "document_ids": torch.zeros(1, 400)}
     ref = prepare_targets(lm_head(norm(x[:, :-1])), t2d)
     # where bf16 is slower than fp32 (a CPU without bf16 units) the head takes the full fp32 product
-    monkeypatch.setattr("eagle3.train.bf16_matmul_speedup", lambda device_type: 0.01)
+    monkeypatch.setattr("eagle3.target_head.bf16_matmul_speedup", lambda device_type: 0.01)
     full = TargetHead(norm, lm_head)
     got = full.targets(batch, t2d)
     assert full._split is None
     assert torch.equal(got.argmax[:, :-1], ref.argmax) and torch.allclose(got.probs[:, :-1], ref.probs, atol=1e-6)
-    monkeypatch.setattr("eagle3.train.bf16_matmul_speedup", lambda device_type: 2.0)
+    monkeypatch.setattr("eagle3.target_head.bf16_matmul_speedup", lambda device_type: 2.0)
     head = TargetHead(norm, lm_head)
     got = head.targets(batch, t2d)
     assert head._split is not None  # the split path ran

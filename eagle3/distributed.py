@@ -1,0 +1,75 @@
+"""The trainer's processes and device: one place that chooses the device and joins the process
+group (gloo on CPU, nccl on CUDA), and the two collectives the trainer uses."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from eagle3.home import eagle3_home
+
+
+@dataclass(frozen=True)
+class Runtime:
+    device: torch.device
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_runtime(device: str = "auto") -> Runtime:
+    """Choose the device once and join (or create) the process group: gloo on CPU, nccl on CUDA.
+
+    Without a launcher this is a group of one (the rendezvous variables are filled in). Run again
+    in the same process, it reuses the existing group.
+    """
+    use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+    if use_cuda and not torch.cuda.is_available():
+        raise ValueError(f"train.device={device!r}, but CUDA is not available")
+    if not use_cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(eagle3_home() / "torch_extensions"))
+    dist = torch.distributed
+    if dist.is_initialized():  # an earlier call in this process
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+    else:
+        if "RANK" not in os.environ:  # no launcher: a group of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        rank, world, local = (int(os.environ.get(k, "0")) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if use_cuda:
+        index = int(device.split(":")[1]) if ":" in device else local
+        torch_device = torch.device("cuda", index)
+        torch.cuda.set_device(torch_device)
+    else:
+        torch_device = torch.device("cpu")
+    import deepspeed
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", verbose=False)
+    return Runtime(device=torch_device, rank=rank, world_size=world, local_rank=local)
+
+
+def all_reduce_sum(x: Tensor) -> Tensor:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(x)
+    return x
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+__all__ = ["Runtime", "all_reduce_sum", "barrier", "init_runtime"]
