@@ -40,11 +40,13 @@ def init_runtime(device: str = "auto") -> Runtime:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(eagle3_home() / "torch_extensions"))
     dist = torch.distributed
+    alone = False
     if dist.is_initialized():  # an earlier call in this process
         rank, world = dist.get_rank(), dist.get_world_size()
         local = int(os.environ.get("LOCAL_RANK", "0"))
     else:
-        if "RANK" not in os.environ:  # no launcher: a group of one
+        alone = "RANK" not in os.environ
+        if alone:  # no launcher: a group of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(_free_port()))
         rank, world, local = (int(os.environ.get(k, "0")) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
@@ -57,7 +59,10 @@ def init_runtime(device: str = "auto") -> Runtime:
     import deepspeed
 
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", verbose=False)
+        backend = "nccl" if use_cuda else "gloo"
+        if alone:  # its rendezvous in memory: no port for two runs on one machine to race for
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return Runtime(device=torch_device, rank=rank, world_size=world, local_rank=local)
 
 
