@@ -109,10 +109,11 @@ def read_pool(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
         record.setdefault("id", record_id(messages))
         if not isinstance(record["id"], (str, int)) or record["id"] == "":
             raise ValueError(f"{where}: 'id' {record['id']!r} is not a non-empty string or an integer")
-        if record["id"] in first_at:  # two records, one id: the harvest would refuse it after all the generation
-            raise ValueError(f"{where}: record id {record['id']!r} is also the id of {first_at[record['id']]}"
+        key = str(record["id"])  # as the harvest names samples: 1 and "1" are one id
+        if key in first_at:  # two records, one id: the harvest would refuse it after all the generation
+            raise ValueError(f"{where}: record id {record['id']!r} is also the id of {first_at[key]}"
                              + ("" if "id" in row else " (ids derived from the content: the same conversation twice)"))
-        first_at[record["id"]] = where
+        first_at[key] = where
         records.append(record)
     return records
 

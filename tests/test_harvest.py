@@ -141,7 +141,7 @@ def test_bad_input_is_counted_or_named(target: Target, tmp_path: Path, monkeypat
 
     twice = tmp_path / "twice.jsonl"  # samples are looked up by id: two records with one id are refused
     twice.write_text("".join(json.dumps({**rows[2], "messages": _conv(k)}) + "\n" for k in (1, 2)))
-    with pytest.raises(HarvestError, match="record id 'fine' appears twice"):
+    with pytest.raises(HarvestError, match=r"twice.jsonl:2: record id 'fine' is also the id of .*twice.jsonl:1$"):
         run(HarvestConfig(data=str(twice), out_dir=str(tmp_path / "t")), TargetConfig(name_or_path="lively"),
             target=target, progress=False)
     long = tmp_path / "long.jsonl"  # the target attends over 256 positions: a longer sample is cut there
