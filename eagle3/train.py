@@ -165,7 +165,7 @@ def train_forward(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: 
     return out, torch.stack([out.loss.detach().double(), (batch["document_ids"] >= 0).sum().double()])
 
 
-# ---------------------------------------------------------------- setup pieces
+# ---------------------------------------------------------------- the draft's weights and gradients
 
 
 def _draft_state(draft: Eagle3Draft, zero_stage: int) -> dict[str, Tensor]:
