@@ -22,6 +22,7 @@ import torch
 from eagle3.chat import ChatFormat
 from eagle3.generate import Generator, HFGenerator, SamplingConfig, generate
 from eagle3.target import load_target
+from eagle3.target_source import DEFAULT_TARGET
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
@@ -49,7 +50,7 @@ def _batches(items: list, size: int) -> list[list]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)

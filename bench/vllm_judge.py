@@ -46,6 +46,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from eagle3.target_source import DEFAULT_TARGET  # noqa: E402
+
 # the eval prompts and the divergence check are serve_eval's, so both judges read the same text
 from serve_eval.evaluate import EVAL_SETS, TIE_MARGIN, first_divergence, read_prompts, top2_margin  # noqa: E402
 
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         Path(argv[3]).write_text(json.dumps(result))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--draft", action="append", default=[], help="NAME=FOLDER (repeatable)")
     parser.add_argument("--ngram", action="store_true", help="also judge vLLM's n-gram speculator (as 'ngram')")
     parser.add_argument("--pools", default="runs/pools", help="pools folder with eval/*.jsonl")

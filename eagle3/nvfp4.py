@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from eagle3 import fp4
 from eagle3.atomic import atomic_dir, check_replaceable
 from eagle3.errors import USER_ERRORS, Eagle3Error
+from eagle3.target_source import DEFAULT_TARGET
 
 FORMAT = "nvfp4-pack-quantized"
 MODES = ("w4a4", "w4a16")
@@ -386,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m data_gen.nvfp4",
         description="Convert a target (BF16, or INT4 compressed-tensors pack-quantized) to a compressed-tensors "
                     "NVFP4 checkpoint; run it here by passing the output folder as the target.")
-    parser.add_argument("--target", default="smollm2-135m", help="embedded name, model folder or .gguf")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="embedded name, model folder or .gguf")
     parser.add_argument("--out", required=True, help="output folder (written atomically)")
     parser.add_argument("--mode", choices=MODES, default="w4a4",
                         help="w4a4: NVFP4 weights and activations (calibrated); w4a16: weights only")

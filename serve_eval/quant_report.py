@@ -31,6 +31,7 @@ from torch import Tensor
 
 from eagle3.atomic import atomic_write_text
 from eagle3.errors import USER_ERRORS
+from eagle3.target_source import DEFAULT_TARGET
 from serve_eval.evaluate import EVAL_SETS, first_divergence, read_prompts
 
 
@@ -115,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve_eval.quant_report", description=__doc__.splitlines()[0])
     parser.add_argument("--quantized", required=True, help="NVFP4 checkpoint folder (python -m data_gen.nvfp4)")
     parser.add_argument("--quantized-mode", choices=("auto", "w4a4", "w4a16"), default="auto")
-    parser.add_argument("--reference", default="smollm2-135m")
+    parser.add_argument("--reference", default=DEFAULT_TARGET)
     parser.add_argument("--pools", default="runs/pools")
     parser.add_argument("--sets", default=",".join(EVAL_SETS))
     parser.add_argument("--per-set", type=int, default=10)
