@@ -40,10 +40,8 @@ import math
 import shutil
 import sys
 import time
-import types
-import typing
 from collections.abc import Sequence
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +59,7 @@ from eagle3.checkpoint import (
     save_checkpoint,
     write_draft_vocab,
 )
+from eagle3.cli import add_dataclass_arguments
 from eagle3.config import TargetConfig, TrainConfig
 from eagle3.distributed import Runtime, all_reduce_sum, barrier, init_runtime
 from eagle3.draft import Eagle3Draft, trainable_parameter_count
@@ -511,34 +510,13 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
 # ---------------------------------------------------------------- CLI
 
 
-def _field_type(hint: Any) -> tuple[type, bool]:
-    """(scalar type, optional) of a TrainConfig field annotation."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return args[0], True
-    return hint, False
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """Every TrainConfig field a flag (its docstring the help), and the target's name and dtype."""
     parser = argparse.ArgumentParser(prog="python -m eagle3.train", description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=TargetConfig.name_or_path, help="target name or path (default %(default)s)")
-    parser.add_argument("--target-dtype", default="auto", help="dtype the target's head runs in")
+    parser.add_argument("--target-dtype", default=TargetConfig.dtype, help="dtype the target's head runs in")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    hints = typing.get_type_hints(TrainConfig)
-    defaults = TrainConfig()
-    for f in fields(TrainConfig):
-        flags = ["--" + f.name.replace("_", "-")] + (["--out"] if f.name == "out_dir" else [])
-        kind, optional = _field_type(hints[f.name])
-        default = getattr(defaults, f.name)
-        if kind is bool:
-            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
-        elif typing.get_origin(kind) is list:
-            parser.add_argument(*flags, dest=f.name, nargs="*", type=typing.get_args(kind)[0], default=default,
-                                help=f"default {default!r}; space-separated")
-        else:
-            parser.add_argument(*flags, dest=f.name, type=kind, default=default,
-                                required=f.name in ("store", "out_dir"),
-                                help=f"default {default!r}" + (" (None: unset)" if optional else ""))
+    add_dataclass_arguments(parser, TrainConfig, required=("store", "out_dir"), aliases={"out_dir": "--out"})
     return parser
 
 

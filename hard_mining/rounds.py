@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from eagle3.atomic import atomic_write_text, output_dir
+from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import HarvestConfig, MineConfig, RegenerateConfig, TargetConfig, TrainConfig, add_target_arguments
 from eagle3.conversations import iter_jsonl, take_in_turn
 from eagle3.errors import USER_ERRORS, Eagle3Error
@@ -383,48 +384,32 @@ def continued_training(recipe: str, **settings: Any) -> TrainConfig:
     return TrainConfig(**{**draft_recipe(recipe), **settings})
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every MineConfig field a flag (its docstring the help), the target's, and the continued training's."""
     parser = argparse.ArgumentParser(prog="python -m hard_mining.rounds", description=__doc__.splitlines()[0])
     add_target_arguments(parser)
-    parser.add_argument("--draft", required=True)
-    parser.add_argument("--store", required=True)
-    parser.add_argument("--records", nargs="+", required=True)
-    parser.add_argument("--eval-store", required=True)
-    parser.add_argument("--eval-records", nargs="+", required=True)
-    parser.add_argument("--pool", default="")
-    parser.add_argument("--eval-sets", required=True,
-                        help="folder of eval-set *.jsonl: new prompts are deduplicated against them")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--strategies", nargs="+", default=MineConfig().strategies)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--candidates", type=int, default=MineConfig.candidates)
-    parser.add_argument("--keep-fraction", type=float, default=MineConfig.keep_fraction)
-    parser.add_argument("--uniform", type=int, default=MineConfig.uniform)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--wandb-mode", default="offline")
+    add_dataclass_arguments(parser, MineConfig, aliases={"out_dir": "--out"}, required=(
+        "draft", "store", "records", "eval_store", "eval_records", "eval_sets", "out_dir"))
     # the continued training's settings: a draft recipe, as the pipeline's draft=<name>
     parser.add_argument("--recipe", default="target-head",
                         help="recipes/draft/NAME.yaml (optimizer, step weights, lr...; default the pipeline's), "
                              "or none for the library's defaults")
     parser.add_argument("--ttt-steps", type=int, default=TrainConfig.ttt_steps)
     parser.add_argument("--loss-positions", default=TrainConfig.loss_positions, help="assistant or all")
-    parser.add_argument("--lr", type=float, default=None,
-                        help="each round's peak learning rate (default a quarter of the recipe's)")
     parser.add_argument("--micro-batch-tokens", type=int, default=2048)
     parser.add_argument("--precision", default="auto", help="fp32, bf16 or auto (bf16 where it is the faster)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     try:
-        cfg = MineConfig(draft=args.draft, store=args.store, records=args.records, eval_store=args.eval_store,
-                         eval_records=args.eval_records, pool=args.pool, eval_sets=args.eval_sets, out_dir=args.out,
-                         rounds=args.rounds, strategies=args.strategies, steps=args.steps,
-                         candidates=args.candidates, keep_fraction=args.keep_fraction, uniform=args.uniform,
-                         seed=args.seed, wandb_mode=args.wandb_mode, lr=args.lr)
+        cfg = dataclass_from_args(MineConfig, args)
         train_cfg = continued_training(
-            args.recipe, store=args.store, out_dir=args.out, ttt_steps=args.ttt_steps,
+            args.recipe, store=args.store, out_dir=args.out_dir, ttt_steps=args.ttt_steps,
             loss_positions=args.loss_positions, warmup_steps=max(1, args.steps // 20),
             micro_batch_tokens=args.micro_batch_tokens, batching="buckets", precision=args.precision, eval_every=0,
             save_every=0, progress=not args.no_progress, threads=args.threads)

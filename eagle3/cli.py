@@ -1,0 +1,78 @@
+"""A CLI generated from a config dataclass: one flag per field, its default the field's, its help
+the field's docstring (read from the source once), so a setting is defined in one place."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import MISSING, fields
+from typing import Any
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field: its docstring}`` (the string literal under the field in the class body)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _scalar(hint: Any) -> tuple[Any, bool]:
+    """(the annotation without ``None``, whether ``None`` was allowed)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0], True
+    return hint, False
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, required: tuple[str, ...] = (),
+                            aliases: dict[str, str] | None = None, skip: tuple[str, ...] = (),
+                            defaults: dict[str, Any] | None = None) -> None:
+    """One ``--field-name`` per field of ``cls`` (``aliases``: an extra spelling, e.g. out_dir ->
+    --out): bools as ``--x/--no-x``, lists space-separated, ``X | None`` fields default None."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        flags = ["--" + f.name.replace("_", "-")] + ([aliases[f.name]] if aliases and f.name in aliases else [])
+        kind, optional = _scalar(hints[f.name])
+        if defaults and f.name in defaults:
+            default = defaults[f.name]
+        else:
+            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        text = docs.get(f.name, "")
+        shown = ("required" if f.name in required
+                 else f"default {default!r}" + (" (None: unset)" if optional and default is None else ""))
+        help_ = f"{text} ({shown})" if text else shown
+        if kind is bool:
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                help=help_)
+        elif typing.get_origin(kind) is list:
+            parser.add_argument(*flags, dest=f.name, nargs="+" if f.name in required else "*",
+                                type=typing.get_args(kind)[0], default=default, required=f.name in required,
+                                help=help_ + "; space-separated")
+        else:
+            parser.add_argument(*flags, dest=f.name, type=kind, default=default, required=f.name in required,
+                                help=help_)
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
+    """``cls`` built from the parsed flags of :func:`add_dataclass_arguments` (and ``overrides``)."""
+    return cls(**{**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}, **overrides})
+
+
+__all__ = ["add_dataclass_arguments", "dataclass_from_args", "field_docs"]
