@@ -134,8 +134,11 @@ def quantize_linear(weight: Tensor, weight_gscale: Tensor, input_amax: float | N
 
 def quantization_config(mode: str, ignore: Sequence[str]) -> dict[str, Any]:
     """The ``quantization_config`` of config.json, built with compressed-tensors' own schema."""
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
-    from compressed_tensors.quantization.quant_scheme import NVFP4, NVFP4A16
+    try:
+        from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+        from compressed_tensors.quantization.quant_scheme import NVFP4, NVFP4A16
+    except ImportError as err:
+        raise NVFP4Error(f"the NVFP4 conversion needs the [nvfp4] extra: pip install -e '.[nvfp4]' ({err})") from None
 
     preset = NVFP4 if mode == "w4a4" else NVFP4A16
     qc = QuantizationConfig(

@@ -81,7 +81,11 @@ def train_task(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def _executor(launcher: LauncherConfig, name: str, **params: Any) -> Any:
-    import submitit
+    try:
+        import submitit
+    except ImportError as err:
+        raise LaunchError(f"launcher={launcher.kind} needs the [slurm] extra: pip install -e '.[slurm]' "
+                          f"({err})") from None
 
     folder = Path(launcher.folder) / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{name}"
     if launcher.kind == "local":

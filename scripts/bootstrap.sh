@@ -30,7 +30,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
       "torch==${EAGLE3_TORCH_VERSION:-2.13.0}" >&2
   fi
   echo "installing the project and its dependencies into $venv" >&2
-  "${pip[@]}" install -q -e "$root[dev]" >&2
+  "${pip[@]}" install -q -e "$root[dev,serve,slurm,nvfp4]" >&2
   echo "$want" > "$stamp"
 fi
 echo "$venv"

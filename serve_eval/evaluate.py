@@ -202,7 +202,11 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def plots(report: dict[str, Any], out: Path) -> list[str]:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the [serve] extra brings it; the report stands without its pictures
+        print(f"serve_eval: no plots in {out} (matplotlib is in the [serve] extra)", file=sys.stderr)
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

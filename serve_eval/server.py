@@ -34,11 +34,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from starlette.exceptions import HTTPException
+
+try:
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
+except ImportError as err:  # the core install trains and harvests; serving is an extra
+    raise ImportError(f"serve_eval.server needs the [serve] extra: pip install -e '.[serve]' ({err})") from err
 
 from eagle3.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_cost
 from eagle3.chat import ChatFormat, ChatFormatError
