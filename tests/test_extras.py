@@ -44,7 +44,8 @@ SCRIPT = textwrap.dedent('''
                                 micro_batch_tokens=256, draft_vocab_size=64, eval_fraction=0.0, eval_every=0,
                                 save_every=0, wandb_mode="disabled", progress=False, device="cpu"), target=target)
     assert summary["steps"] == 2 and (out / "train" / "final" / "model.safetensors").is_file()
-    assert not any(m.split(".")[0] in HIDDEN for m in sys.modules), sorted(m for m in sys.modules if m.split(".")[0] in HIDDEN)
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in HIDDEN)
+    assert not loaded, loaded
     for module, extra in (("serve_eval.server", "[serve]"), ("recipes.launch", None)):
         try:
             __import__(module)
