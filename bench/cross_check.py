@@ -9,7 +9,7 @@ Rows (one JSON line each, then the table on stderr and in ``--out``):
 * ``ours-plain``: our loop without the draft (one target forward per token): the baseline of
   every ``ours-*`` speedup;
 * ``ours-k<K>``: fixed chain depth K; ``ours-adaptive``: depth 0..K chosen per round from the
-  request's running acceptance and the cost model measured at start (:mod:`eagle3.adaptive`),
+  request's running acceptance and the cost model measured at start (:mod:`serve_eval.adaptive`),
   acceptance carried across requests as the server does;
 * ``hf-generate`` and ``hf-prompt-lookup``: transformers ``generate`` greedy, without and with
   ``prompt_lookup_num_tokens``; the lookup's speedup is over ``hf-generate``;
@@ -154,11 +154,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    from eagle3.adaptive import AdaptiveSession, measure_cost
     from eagle3.chat import ChatFormat
-    from eagle3.spec_decode import SpecConfig, SpeculativeDecoder
+    from serve_eval.adaptive import AdaptiveSession, measure_cost
     from serve_eval.evaluate import load_pair_meta, read_prompts
     from serve_eval.server import draft_prior
+    from serve_eval.spec_decode import SpecConfig, SpeculativeDecoder
 
     target, draft, meta = load_pair_meta(args.draft, args.target)
     chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)

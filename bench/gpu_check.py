@@ -39,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from eagle3.target import resolve_device, synchronize  # noqa: E402
+from eagle3.device import resolve_device, synchronize  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
@@ -154,16 +154,11 @@ def write_pools(folder: Path) -> None:
 
 
 def pipeline_config(out: Path, target: Path, size: dict[str, Any], device: str) -> Any:
-    from eagle3.config import (
-        EvalConfig,
-        HarvestConfig,
-        MineConfig,
-        PipelineConfig,
-        RegenerateConfig,
-        SelectConfig,
-        TargetConfig,
-        TrainConfig,
-    )
+    from data_gen.config import HarvestConfig, RegenerateConfig, SelectConfig
+    from eagle3.config import TargetConfig, TrainConfig
+    from hard_mining.config import MineConfig
+    from recipes.config import PipelineConfig
+    from serve_eval.config import EvalConfig
 
     run = out / "run"
     cfg = PipelineConfig(
@@ -244,9 +239,9 @@ def check_export(draft: Path, out: Path, target: Path) -> None:
 
 def check_loop(draft: Path, target: Path, pools: Path, device: str, size: dict[str, Any]) -> None:
     from eagle3.chat import ChatFormat
-    from eagle3.spec_decode import SpecConfig, SpeculativeDecoder
-    from eagle3.verify import SamplingParams
+    from eagle3.config import SamplingConfig
     from serve_eval.evaluate import first_divergence, load_pair, read_prompts, top2_margin
+    from serve_eval.spec_decode import SpecConfig, SpeculativeDecoder
 
     n, new = size["loop_prompts"], size["loop_tokens"]
     for dtype in ("float32", "bfloat16"):
@@ -270,7 +265,7 @@ def check_loop(draft: Path, target: Path, pools: Path, device: str, size: dict[s
         for mode in ("chain", "tree"):
             decoder = SpeculativeDecoder(model, drafter, SpecConfig(mode, k=3, topk=4, budget=12))
             for temperature in (0.0, 1.0):
-                params = SamplingParams(temperature)
+                params = SamplingConfig(temperature=temperature)
                 reset_peak(dev)
                 equal, margins, taus, spec_t, plain_t, spec_n, plain_n = 0, [], [], 0.0, 0.0, 0, 0
                 try:

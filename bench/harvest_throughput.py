@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
+from data_gen.config import HarvestConfig
 from data_gen.harvest import run, tokenize_records
 from data_gen.regenerate import read_pool
 from eagle3.chat import ChatFormat
-from eagle3.config import HarvestConfig, TargetConfig
+from eagle3.config import TargetConfig
 from eagle3.target import load_target
 
 

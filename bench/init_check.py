@@ -74,13 +74,13 @@ def main() -> None:
     args = parser.parse_args()  # the pipeline's default draft recipe (target-head), in fp32
     torch.set_num_threads(1)
 
+    from data_gen.config import HarvestConfig
     from data_gen.harvest import run as harvest
-    from eagle3.config import HarvestConfig, TargetConfig, TrainConfig
+    from eagle3.config import TargetConfig, TrainConfig, draft_recipe
     from eagle3.shards import HarvestStore
     from eagle3.target import Target
     from eagle3.train import train
     from eagle3.train_log import read_metrics
-    from recipes import draft_recipe
     from tests.test_harvest import _data
 
     out = Path(args.out)

@@ -91,8 +91,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    from eagle3.config import MineConfig, TargetConfig
+    from eagle3.config import TargetConfig
     from eagle3.target import load_target
+    from hard_mining.config import MineConfig
     from hard_mining.rounds import continued_training, run_rounds
 
     out = Path(args.out)

@@ -71,7 +71,7 @@ def last_json(text: str) -> dict[str, Any]:
 
 def recipe_flags(name: str) -> list[str]:
     """A draft recipe (:func:`recipes.draft_recipe`) as ``eagle3.train`` flags."""
-    from recipes import draft_recipe
+    from eagle3.config import draft_recipe
 
     try:
         settings = draft_recipe(name)
@@ -126,7 +126,7 @@ def ran(out: Path, cmd: list[str], log: Path) -> dict[str, Any]:
 def cpu_dtype() -> str:
     """bfloat16 where this CPU's bf16 matmuls beat fp32 (AMX, AVX512-BF16), float32 on CPUs without
     bf16 units, where bf16 ran ~170x slower: what ``--precision auto`` picks for ours."""
-    from eagle3.target import bf16_matmul_speedup
+    from eagle3.device import bf16_matmul_speedup
 
     return "bfloat16" if bf16_matmul_speedup("cpu") > 1.0 else "float32"
 

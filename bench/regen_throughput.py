@@ -1,4 +1,4 @@
-"""Regeneration throughput: eagle3.generate at batch 1 vs batch 8, same prompts, same run.
+"""Regeneration throughput: data_gen.generate at batch 1 vs batch 8, same prompts, same run.
 
 Also plain ``target.model.generate`` at batch 1 (the wrapper's overhead), and how many
 rows batch 8 generated exactly as batch 1 did. One JSON line per figure. With ``--vllm``
@@ -19,8 +19,9 @@ import time
 
 import torch
 
+from data_gen.generate import Generator, HFGenerator, generate
 from eagle3.chat import ChatFormat
-from eagle3.generate import Generator, HFGenerator, SamplingConfig, generate
+from eagle3.config import SamplingConfig
 from eagle3.target import load_target
 from eagle3.target_source import DEFAULT_TARGET
 
@@ -64,13 +65,14 @@ def main() -> None:
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
     prompts = [chat.prompt_ids([{"role": "user", "content": p}]) for p in PROMPTS[:args.prompts]]
-    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens)
+    sampling = SamplingConfig()
     stops = sorted(chat.stop_ids)
-    generate(target, prompts[:1], stops, SamplingConfig(max_new_tokens=4))  # warm-up
+    generate(target, prompts[:1], stops, 4)  # warm-up
 
     def timed(generator: Generator, batch: int):
         t0 = time.perf_counter()
-        out = [g for chunk in _batches(prompts, batch) for g in generator.generate(chunk, stops, sampling)]
+        out = [g for chunk in _batches(prompts, batch)
+               for g in generator.generate(chunk, stops, args.max_new_tokens, sampling)]
         return out, time.perf_counter() - t0
 
     hf = HFGenerator(target)
@@ -105,10 +107,10 @@ def main() -> None:
          "value": sum(a == b for a, b in zip(alone, batched, strict=True)), "of": len(prompts)},
     ]
     if args.vllm:
-        from eagle3.vllm_generate import VllmGenerator
+        from data_gen.vllm_generate import VllmGenerator
 
         vllm = VllmGenerator(target.model.name_or_path, dtype=args.dtype)
-        vllm.generate(prompts[:1], stops, SamplingConfig(max_new_tokens=4))  # warm-up
+        vllm.generate(prompts[:1], stops, 4, SamplingConfig())  # warm-up
         v_alone, v_alone_s = timed(vllm, 1)
         v_batched, v_batched_s = timed(vllm, args.batch)
         v_alone_tokens = sum(g.num_generated for g in v_alone)

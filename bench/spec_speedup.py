@@ -6,7 +6,7 @@ loop and against HF ``generate``, next to the cost model's prediction for the me
 
 One JSON line per figure:
 
-* ``cost_model`` (:func:`eagle3.adaptive.measure_cost`, synchronised on CUDA): a target forward
+* ``cost_model`` (:func:`serve_eval.adaptive.measure_cost`, synchronised on CUDA): a target forward
   over 1 and K+1 new tokens after a ``--context``-token prefix (KV cache), one draft step, the
   break-even tau and the ceiling; the predicted speedup for a tau is
   ``tau * t(1) / (t(K+1) + K * t_draft)`` (verifying K+1 tokens costs t(K+1), drafting them K steps);
@@ -51,13 +51,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    from eagle3.adaptive import measure_cost
     from eagle3.chat import ChatFormat
-    from eagle3.export import DraftFormatError
-    from eagle3.spec_decode import SpecConfig, SpeculativeDecoder
-    from eagle3.target import TargetLoadError, TargetSourceError, synchronize
-    from eagle3.verify import SamplingParams
+    from eagle3.config import SamplingConfig
+    from eagle3.device import synchronize
+    from eagle3.formats import DraftFormatError
+    from eagle3.target import TargetLoadError, TargetSourceError
+    from serve_eval.adaptive import measure_cost
     from serve_eval.evaluate import evaluate, load_pair, read_prompts, write_report
+    from serve_eval.spec_decode import SpecConfig, SpeculativeDecoder
 
     try:
         target, draft = load_pair(args.draft, args.target, args.target_dtype, args.device)
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         synchronize(target.device)
         hf_seconds += time.perf_counter() - start
         hf_tokens += out.shape[1] - len(p)
-    report = evaluate(target, draft, prompts, config=config, params=SamplingParams(),
+    report = evaluate(target, draft, prompts, config=config, params=SamplingConfig(),
                       max_new_tokens=args.max_new_tokens, stop_ids=stops, progress=False)
     plain_tps = report["overall"]["plain_tokens_per_s"]
     print(json.dumps({"figure": "baseline", "hf_generate_tokens_per_s": round(hf_tokens / hf_seconds, 2),

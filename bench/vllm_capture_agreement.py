@@ -7,7 +7,7 @@ Run from the vLLM venv (scripts/setup_vllm_env.sh), on CPU with scripts/vllm_env
 
 For each aux-id set (one vLLM engine each, fp32) the same chat conversations are captured
 by :class:`eagle3.target.Target` (HF, one sequence at a time) and by
-:class:`eagle3.vllm_capture.VllmCapture` (all in one batch). One JSON line per state:
+:class:`data_gen.vllm_capture.VllmCapture` (all in one batch). One JSON line per state:
 
 * ``max_rel``: the largest over conversations of max |vllm - hf| / max |hf|;
 * ``mean_rel``: mean |vllm - hf| / mean |hf| over all rows;
@@ -86,9 +86,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported
 
+    from data_gen.vllm_capture import VllmCapture
     from eagle3.chat import ChatFormat
     from eagle3.target import default_aux_layer_ids, load_target
-    from eagle3.vllm_capture import VllmCapture
 
     hf = load_target(args.target, dtype="float32", device="cpu")
     fmt = ChatFormat.for_tokenizer(hf.tokenizer)

@@ -79,7 +79,7 @@ def run_engine(job: dict[str, Any]) -> dict[str, Any]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
 
-    from eagle3.nvfp4 import prepare_vllm_on_cpu
+    from data_gen.nvfp4 import prepare_vllm_on_cpu
 
     prepare_vllm_on_cpu(job["target"])  # an NVFP4 target on CPU: vLLM's emulation kernel
 

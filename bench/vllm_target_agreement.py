@@ -8,7 +8,7 @@ Run from the vLLM venv (scripts/setup_vllm_env.sh), on CPU with scripts/vllm_env
 Prints one JSON line per prompt (tokens equal up to the first divergence) and a summary.
 
 An NVFP4 checkpoint (``python -m data_gen.nvfp4``) is read by vLLM's compressed-tensors loader;
-vLLM registers no NVFP4 kernel for CPUs, so on CPU (``eagle3.nvfp4.prepare_vllm_on_cpu``) the engine
+vLLM registers no NVFP4 kernel for CPUs, so on CPU (``data_gen.nvfp4.prepare_vllm_on_cpu``) the engine
 runs in-process with vLLM's own emulation kernel (its fallback on GPUs without FP4) added to the
 CPU's list: vLLM's emulation judges ours.
 """
@@ -50,7 +50,7 @@ def main() -> None:
             out = target.model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False)
             hf.append(out[0, len(ids):].tolist())
 
-    from eagle3.nvfp4 import prepare_vllm_on_cpu
+    from data_gen.nvfp4 import prepare_vllm_on_cpu
 
     prepare_vllm_on_cpu(target.model.name_or_path)
     t0 = time.perf_counter()

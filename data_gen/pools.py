@@ -26,9 +26,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from data_gen.config import PoolsConfig, UserFileConfig
+from data_gen.language import detect_language
 from data_gen.sources import SOURCES, Prompt, read_source, wheel_of
 from eagle3.atomic import atomic_dir, check_replaceable, holds_only, sha256_file
-from eagle3.config import PoolsConfig, UserFileConfig
 from eagle3.conversations import (
     ConversationError,
     LoadReport,
@@ -39,7 +40,6 @@ from eagle3.conversations import (
     user_turns,
 )
 from eagle3.errors import USER_ERRORS
-from eagle3.language import detect_language
 
 EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "math", "multilingual", "alpaca")
 

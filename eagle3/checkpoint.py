@@ -37,7 +37,8 @@ from eagle3.atomic import atomic_write_text, remove_leftovers
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab
 from eagle3.errors import Eagle3Error
-from eagle3.export import DraftFormatError, export_draft_folder, load_draft
+from eagle3.export import export_draft_folder, load_draft
+from eagle3.formats import DraftFormatError
 
 LATEST = "latest"
 EXPORT_FORMAT = "eagle3-draft-2"

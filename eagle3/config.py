@@ -1,14 +1,21 @@
-"""The typed config tree. Hydra recipes in ``recipes/`` compose YAML over these dataclasses;
-the entry point converts once, and nothing below it sees a ``DictConfig``.
+"""The core's settings: the target, sampling, training, and the draft recipes that set training.
+
+Each stage keeps its own settings beside its code (``data_gen/config.py``, ``serve_eval/config.py``,
+``hard_mining/config.py``); ``recipes/config.py`` composes them into the pipeline's tree, over which
+the Hydra recipes compose YAML.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+WANDB_MODES = ("offline", "online", "disabled")
+DRAFT_RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "draft"
+"""The draft recipes (``recipes/draft/<name>.yaml``): ``train`` settings the pipeline's ``draft=<name>`` picks."""
 
 
 @dataclass
@@ -55,90 +62,13 @@ def add_target_arguments(parser: Any, *, target: str | None = None) -> None:
                         help="where the target (and draft) run: auto (CUDA when present), cpu, cuda, cuda:N")
 
 
-TRAIN_SOURCES = ["sharegpt", "codeio", "stdlib", "reasoning_gym", "mmath", "chatterbot", "dataset_build"]
-
-
-@dataclass
-class UserFileConfig:
-    """Prompts a user brings: jsonl (ShareGPT or OpenAI messages) or an HF datasets folder."""
-
-    path: str = "???"
-    domain: str = "general"
-    """coding, science, multilingual or general."""
-    language: str | None = None
-    """ISO 639-1 code; detected per prompt when unset."""
-
-    def __post_init__(self) -> None:
-        from eagle3.conversations import DOMAINS
-
-        if self.domain not in DOMAINS:
-            raise ValueError(f"pools.user_files.domain={self.domain!r}: expected one of {', '.join(DOMAINS)}")
-        if self.language is not None and not re.fullmatch(r"[a-z]{2,3}", self.language):
-            raise ValueError(f"pools.user_files.language={self.language!r}: expected an ISO 639 code such as en, zh "
-                             "or fil, quoted in YAML where it reads as a boolean ('no'), or unset: detected per prompt")
-
-
-@dataclass
-class PoolsConfig:
-    """Prompt pools and held-out eval sets (data_gen.pools)."""
-
-    out_dir: str = "runs/pools"
-    seed: int = 0
-    """Drives every sample, split and held-out selection."""
-    sources: list[str] = field(default_factory=lambda: list(TRAIN_SOURCES))
-    """Registered training sources (data_gen.sources.SOURCES) to include."""
-    user_files: list[UserFileConfig] = field(default_factory=list)
-    strict_user_files: bool = False
-    """Stop at the first bad row of a user file (naming file:line) instead of skipping and counting."""
-    val_fraction: float = 0.02
-    min_chars: int = 2
-    max_chars: int = 6000
-    """Per user turn; longer prompts are skipped and counted."""
-    max_user_turns: int = 2
-    per_generator: int = 60
-    """Items per reasoning-gym math generator."""
-    paragraphs_per_language: int = 60
-    eval_math: int = 100
-    eval_multilingual: int = 20
-    """MMATH problems held out; each appears in the 9 non-English languages."""
-    eval_gsm8k: int = 150
-    eval_alpaca: int = 100
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"pools.val_fraction={self.val_fraction}: must be in [0, 1)")
-        if "sharegpt" not in self.sources:
-            raise ValueError("pools.sources must include sharegpt (the Alpaca stand-in eval set is drawn from it)")
-
-
-@dataclass
-class SelectConfig:
-    """Which pool prompts the pipeline regenerates: a seeded, domain-balanced subset."""
-
-    num_prompts: int = 64
-    domains: list[str] = field(default_factory=lambda: ["coding", "science", "multilingual", "general"])
-    """Taken in turn, one prompt per domain per round, until ``num_prompts``."""
-    split: str = "train"
-    """Pool file to draw from: train or val."""
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        from eagle3.conversations import DOMAINS
-
-        unknown = [d for d in self.domains if d not in DOMAINS]
-        if unknown or not self.domains:
-            raise ValueError(f"select.domains={self.domains}: expected a non-empty subset of {', '.join(DOMAINS)}")
-        if self.split not in ("train", "val"):
-            raise ValueError(f"select.split={self.split!r}: expected train or val")
-        if self.num_prompts < 1:
-            raise ValueError(f"select.num_prompts={self.num_prompts}: must be >= 1")
-
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Decoding settings; ``temperature == 0`` is greedy (top_p/top_k then unused)."""
+    """How the target picks each token, everywhere it decodes (regeneration, the serving loop, the
+    server): ``temperature == 0`` is greedy (top_p/top_k then unused). How many tokens is the
+    caller's ``max_new_tokens``."""
 
-    max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     """Nucleus sampling mass, in (0, 1]; 1 disables it."""
@@ -146,8 +76,6 @@ class SamplingConfig:
     """Keep the k most likely tokens; 0 disables it."""
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 is greedy)")
         if not 0 < self.top_p <= 1:
@@ -160,111 +88,7 @@ class SamplingConfig:
         return self.temperature == 0
 
 
-@dataclass
-class RegenerateConfig:
-    """The regeneration stage: every assistant turn of a prompt pool rewritten by the target.
-
-    All fields but ``threads`` (and the paths) go into the output folder's manifest: a
-    rerun into the same folder must use the same values, so that resumed batches match.
-    """
-
-    pool: str = ""
-    """The prompt pool, jsonl of conversation records."""
-    out_dir: str = ""
-    """Output folder: manifest.json, parts/, dataset/regenerated.jsonl, summary.json."""
-    limit: int | None = None
-    """Only the first ``limit`` records of the pool."""
-    batch_size: int = 8
-    """Records per batch; batch b is always records [b*batch_size, (b+1)*batch_size)."""
-    max_new_tokens: int = 256
-    """Per assistant turn."""
-    temperature: float = 0.0
-    """0 is greedy decoding."""
-    top_p: float = 1.0
-    top_k: int = 0
-    """0 disables top-k."""
-    seed: int = 0
-    """Sampling seed; each batch and turn depth derives its own from it."""
-    max_prompt_tokens: int | None = 2048
-    """A turn whose prompt is longer is dropped with the turns after it (None: no limit)."""
-    threads: int = 1
-    """torch intra-op threads on CPU; 1 was fastest on a loaded 2-core machine."""
-    backend: str = "hf"
-    """hf (transformers) or vllm (run from the venv of scripts/setup_vllm_env.sh)."""
-
-    def __post_init__(self) -> None:
-        if self.backend not in ("hf", "vllm"):
-            raise ValueError(f"regenerate.backend={self.backend!r}: expected hf or vllm")
-        for name in ("batch_size", "threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"regenerate.{name}={getattr(self, name)}: must be >= 1")
-        if self.limit is not None and self.limit < 0:
-            raise ValueError(f"regenerate.limit={self.limit}: must be >= 0")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError(f"regenerate.max_prompt_tokens={self.max_prompt_tokens}: must be >= 1 or None")
-        try:
-            self.sampling  # noqa: B018  (validates the sampling settings)
-        except ValueError as err:
-            raise ValueError(f"regenerate.{err}") from None
-
-    @property
-    def sampling(self) -> SamplingConfig:
-        return SamplingConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                              top_p=self.top_p, top_k=self.top_k)
-
-
-@dataclass
-class HarvestConfig:
-    """The hidden-state harvest (data_gen.harvest): regenerated conversations -> shard store."""
-
-    data: str = ""
-    """Regenerated conversations (jsonl), e.g. <regenerate.out_dir>/dataset/regenerated.jsonl."""
-    out_dir: str = ""
-    dtype: str = "bfloat16"
-    """Stored state dtype: bfloat16, float8_e4m3fn (per-row scales; half the disk) or float32."""
-    store: str = "last"
-    """last: the pre-norm last-layer state (the trainer applies the target's norm and lm_head);
-    topk: the target's top-k next-token log-probs instead (smaller for large hidden sizes)."""
-    topk: int = 0
-    max_seq_len: int = 2048
-    """Longer conversations are truncated (counted)."""
-    batch_size: int = 4
-    max_shard_mb: float = 256
-    shard: str = "0/1"
-    """i/n: this worker harvests shards j with j % n == i (Slurm arrays, several processes)."""
-    backend: str = "hf"
-    """hf, or vllm (run from the venv of scripts/setup_vllm_env.sh)."""
-    threads: int = 1
-
-    def __post_init__(self) -> None:
-        if self.backend not in ("hf", "vllm"):
-            raise ValueError(f"harvest.backend={self.backend!r}: expected hf or vllm")
-        if self.dtype not in ("bfloat16", "float8_e4m3fn", "float32"):
-            raise ValueError(f"harvest.dtype={self.dtype!r}: expected bfloat16, float8_e4m3fn or float32")
-        if self.store not in ("last", "topk") or (self.store == "topk") != (self.topk > 0):
-            raise ValueError(f"harvest.store={self.store!r}, topk={self.topk}: use last, or topk with topk > 0")
-        for name in ("max_seq_len", "batch_size", "threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"harvest.{name}={getattr(self, name)}: must be >= 1")
-        if self.max_shard_mb <= 0:
-            raise ValueError(f"harvest.max_shard_mb={self.max_shard_mb}: must be > 0")
-        self.worker  # noqa: B018  (validates shard)
-
-    @property
-    def worker(self) -> tuple[int, int]:
-        try:
-            i, n = (int(x) for x in self.shard.split("/"))
-        except ValueError:
-            raise ValueError(f"harvest.shard={self.shard!r}: expected i/n, e.g. 0/4") from None
-        if not 0 <= i < n:
-            raise ValueError(f"harvest.shard={self.shard!r}: need 0 <= i < n")
-        return i, n
-
-
 _PRECISIONS = ("fp32", "bf16", "auto")
-_WANDB_MODES = ("offline", "online", "disabled")
-
-
 LR_SCHEDULES = ("cosine", "linear", "constant")
 """What ``train.lr_schedule`` may name (see :func:`eagle3.optim.warmup_decay`)."""
 
@@ -510,192 +334,29 @@ class TrainConfig:
         if self.freeze_lm_head and self.lm_head_init != "target" and not self.init_draft:
             raise ValueError("train.freeze_lm_head=true needs train.lm_head_init=target (or an init_draft): a frozen "
                              "random lm_head cannot be learnt around")
-        if self.wandb_mode not in _WANDB_MODES:
-            raise ValueError(f"train.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(_WANDB_MODES)}")
+        if self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"train.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(WANDB_MODES)}")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"train.device={self.device!r}: expected auto, cpu or cuda")
 
 
-MINE_STRATEGIES = ("reweight", "hardest", "synthesize", "uniform")
+def draft_recipe(name: str) -> dict[str, Any]:
+    """The ``train`` settings of ``recipes/draft/<name>.yaml`` (what the pipeline's ``draft=<name>``
+    sets), for the tools that train outside the pipeline; ``none``: no settings (the library's
+    defaults)."""
+    if name == "none":
+        return {}
+    from omegaconf import OmegaConf
 
-
-@dataclass
-class MineConfig:
-    """Hard-example mining rounds (hard_mining): score -> mine -> harvest -> continue training."""
-
-    draft: str = ""
-    """The draft of round 0 (a trained draft folder)."""
-    store: str = ""
-    """Its training store; rounds append stores next to it (``train.extra_stores``)."""
-    records: list[str] = field(default_factory=list)
-    """Regenerated conversations behind ``store`` (their ids, domains and languages)."""
-    eval_store: str = ""
-    """Held-out store scored before and after each round."""
-    eval_records: list[str] = field(default_factory=list)
-    pool: str = ""
-    """Not-yet-harvested prompts to mine candidates from (a pool JSONL)."""
-    eval_sets: str = ""
-    """Folder of eval-set JSONL files new prompts are deduplicated against (e.g. runs/pools/eval)."""
-    out_dir: str = ""
-    rounds: int = 1
-    strategies: list[str] = field(default_factory=lambda: ["reweight", "hardest", "synthesize"])
-    """Any of reweight, hardest, synthesize; or uniform (random pool prompts, the ablation's control)."""
-    candidates: int = 64
-    """hardest: pool prompts scored cheaply per round (balanced over domains)."""
-    candidate_tokens: int = 48
-    """hardest: new tokens regenerated per candidate for its cheap score."""
-    keep_fraction: float = 0.25
-    """hardest: the share of candidates kept (by loss, within each domain)."""
-    hard_examples: int = 8
-    """synthesize: the hardest training samples whose prompts get variations."""
-    variations: int = 1
-    variation_tokens: int = 96
-    """synthesize: new tokens the target may spend writing one variation (a question, not an answer)."""
-    procedural: int = 4
-    """synthesize: procedural math and code prompts each per round."""
-    uniform: int = 16
-    """uniform: random pool prompts per round."""
-    weight_power: float = 4.0
-    """reweight: domain weight (tau_best / tau_domain) ** power, clipped to [0.25, 4]."""
-    steps: int = 60
-    """Training steps per round (continuing from the previous round's draft, vocab frozen)."""
-    lr: float | None = None
-    """Peak learning rate of each round's training; None: a quarter of train.lr. The draft a round
-    starts from has decayed its rate already: in the quickstart, 40 more steps on the same data
-    re-warmed to the full train.lr raised the held-out loss (21.38 -> 22.04), at a quarter they
-    lowered it (21.22)."""
-    max_new_tokens: int = 160
-    """Regeneration length of the mined prompts."""
-    seed: int = 0
-    wandb_mode: str = "offline"
-    wandb_project: str = "eagle3"
-
-    def __post_init__(self) -> None:
-        bad = [s for s in self.strategies if s not in MINE_STRATEGIES]
-        if bad or not self.strategies:
-            raise ValueError(f"mine.strategies={self.strategies}: expected some of {', '.join(MINE_STRATEGIES)}")
-        for name in ("rounds", "steps", "max_new_tokens", "candidate_tokens", "variation_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"mine.{name}={getattr(self, name)}: must be >= 1")
-        for name in ("candidates", "hard_examples", "variations", "procedural", "uniform"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"mine.{name}={getattr(self, name)}: must be >= 0")
-        if self.lr is not None and self.lr <= 0:
-            raise ValueError(f"mine.lr={self.lr}: must be > 0 (or null: a quarter of train.lr)")
-        if not 0.0 < self.keep_fraction <= 1.0:
-            raise ValueError(f"mine.keep_fraction={self.keep_fraction}: must be in (0, 1]")
-        if self.wandb_mode not in _WANDB_MODES:
-            raise ValueError(f"mine.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(_WANDB_MODES)}")
-
-
-@dataclass
-class EvalConfig:
-    """The serving evaluation (serve_eval): the bundled loop, speculative vs plain, on the eval sets."""
-
-    draft: str | None = None
-    """Draft folder; None: the last mining round's draft, else the training run's final one."""
-    sets: list[str] = field(default_factory=lambda: ["mtbench", "humaneval", "gsm8k", "multilingual"])
-    per_set: int = 10
-    max_new_tokens: int = 96
-    mode: str = "chain"
-    k: int = 3
-    topk: int = 4
-    budget: int = 16
-    temperature: float = 0.0
-    out_dir: str = ""
-    wandb_mode: str = "offline"
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("chain", "tree"):
-            raise ValueError(f"eval.mode={self.mode!r}: expected chain or tree")
-        for name in ("per_set", "max_new_tokens", "k", "topk", "budget"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"eval.{name}={getattr(self, name)}: must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"eval.temperature={self.temperature}: must be >= 0")
-        if self.wandb_mode not in _WANDB_MODES:
-            raise ValueError(f"eval.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(_WANDB_MODES)}")
-
-
-@dataclass
-class QuantizeConfig:
-    """The ``quantize`` stage: convert the target to NVFP4 (as Blackwell serves it) and run every later
-    stage (regeneration, harvest, training, mining, evaluation) on the converted target, emulated."""
-
-    mode: str = "w4a4"
-    """w4a4 (weights and activations FP4, activation scales calibrated) or w4a16 (weights only)."""
-    calibration: str = ""
-    """Pool jsonl whose conversations calibrate; empty: the pools stage's train pool."""
-    samples: int = 64
-    max_tokens: int = 512
-    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
-    out_dir: str = ""
-    """The converted checkpoint; empty: ``<out_dir>/nvfp4-target``."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("w4a4", "w4a16"):
-            raise ValueError(f"quantize.mode={self.mode!r}: expected w4a4 or w4a16")
-        for name in ("samples", "max_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"quantize.{name}={getattr(self, name)}: must be >= 1")
-
-
-@dataclass
-class LauncherConfig:
-    """Where the pipeline runs: in this process (``none``), or as submitit jobs (recipes/launch.py)."""
-
-    kind: str = "none"
-    """none, local (submitit processes here, the groups one after the other) or slurm."""
-    folder: str = "runs/submitit"
-    """Job logs and pickles; each submission gets a fresh sub-folder."""
-    partition: str | None = None
-    timeout_min: int = 240
-    cpus_per_task: int = 2
-    mem_gb: int | None = None
-    gpus_per_node: int = 0
-    nodes: int = 1
-    """The training job's nodes ..."""
-    tasks_per_node: int = 1
-    """... and ranks per node (one per GPU on GPU nodes)."""
-    harvest_shards: int = 1
-    """The harvest array's tasks (``harvest.shard`` i/n each)."""
-    additional: dict[str, str] = field(default_factory=dict)
-    """Extra sbatch options (account, qos, constraint, ...)."""
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("none", "local", "slurm"):
-            raise ValueError(f"launcher.kind={self.kind!r}: expected none, local or slurm")
-        for name in ("timeout_min", "cpus_per_task", "nodes", "tasks_per_node", "harvest_shards"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"launcher.{name}={getattr(self, name)}: must be >= 1")
-
-
-@dataclass
-class PipelineConfig:
-    """One run of the pipeline: every stage reads its part of this tree."""
-
-    target: TargetConfig = field(default_factory=TargetConfig)
-    pools: PoolsConfig = field(default_factory=PoolsConfig)
-    select: SelectConfig = field(default_factory=SelectConfig)
-    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
-    harvest: HarvestConfig = field(default_factory=HarvestConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    val: SelectConfig = field(default_factory=lambda: SelectConfig(num_prompts=24, split="val"))
-    """The held-out prompts the ``val`` stage regenerates and harvests (mining scores on them)."""
-    mine: MineConfig = field(default_factory=MineConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
-    """Used when ``stages`` has ``quantize``: every stage after it runs on the NVFP4 target."""
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    out_dir: str = "runs/quickstart"
-    """Where every stage writes its outputs."""
-    stages: list[str] = field(default_factory=lambda: ["target", "pools", "regenerate", "harvest", "val", "train",
-                                                       "mine", "eval", "report"])
-    """Stages to run, in order."""
-    threads: int = 1
-    """torch intra-op threads on CPU; 1 was fastest on a loaded 2-core machine."""
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.threads < 1:
-            raise ValueError(f"threads={self.threads}: must be >= 1")
+    path = DRAFT_RECIPES / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in DRAFT_RECIPES.glob("*.yaml")))
+        raise ValueError(f"draft recipe {name!r}: no {path}; known: {known}, none")
+    settings = OmegaConf.to_container(OmegaConf.load(path))
+    known = {f.name for f in fields(TrainConfig)}
+    for key, value in settings.items():
+        if key not in known:
+            raise ValueError(f"{path}: {key!r} is not a train setting")
+        if value is None or isinstance(value, list | dict):
+            raise ValueError(f"{path}: {key}={value!r}: a draft recipe sets single values")
+    return settings

@@ -1,269 +1,149 @@
-"""NVFP4 targets: convert a BF16 (or INT4 compressed-tensors) model to the compressed-tensors
-NVFP4 checkpoint vLLM loads, and run such a checkpoint here as Blackwell computes it.
+"""NVFP4, the format: its arithmetic and running such a checkpoint here as Blackwell computes it.
 
-* :func:`convert` loads the source (an INT4 ``pack-quantized`` checkpoint, as Kimi K2.x ships, is
-  dequantised on load by transformers' compressed-tensors integration), runs calibration
-  conversations through it to find each Linear's input range, and writes every Linear (``ignore``
-  aside, ``lm_head`` by default) as ``weight_packed`` (two FP4 per byte), ``weight_scale`` (FP8 per
-  16 inputs), ``weight_global_scale`` and, for W4A4, ``input_global_scale``. Linears that vLLM fuses
-  (siblings reading the same input: q/k/v, gate/up) share one weight global scale, as vLLM keeps
-  one per fused layer.
-* :func:`load_emulated` builds the model from such a checkpoint with dequantised weights; in
-  ``w4a4`` mode every quantised Linear also fake-quantises its input per block of 16 with the
-  calibrated global scale (what the FP4 tensor cores multiply), in ``w4a16`` only weights are FP4.
+FP4 (E2M1) values in blocks of 16, an FP8 (E4M3) scale per block, an FP32 scale per tensor, with
+compressed-tensors' conventions (the format vLLM reads):
 
-The arithmetic is in :mod:`eagle3.fp4`; both are tested against compressed-tensors' reference.
+* global scale ``g = 448 * 6 / amax(tensor)``: a multiplier, stored as ``*_global_scale``;
+* block scale ``s = fp8(g * amax(block) / 6)``, stored as ``*_scale`` (float8_e4m3fn); a block
+  of zeros gets the smallest step of FP8's mantissa (0.125) instead of 0;
+* value ``x ~= code * (s / g)`` with ``code`` in 0, +-0.5, +-1, +-1.5, +-2, +-3, +-4, +-6.
+
+Rounding is to the nearest E2M1 value, ties to the even mantissa (0.25 -> 0, 0.75 -> 1,
+1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), beyond +-6 clamped.
+Storage packs two codes per byte, the even-indexed element in the low nibble; a nibble is
+``sign << 3 | index`` where ``index`` is the position of ``|code|`` in :data:`E2M1_VALUES`.
+
+:func:`load_emulated` builds the model from an NVFP4 checkpoint with dequantised weights; in
+``w4a4`` mode every quantised Linear also fake-quantises its input per block of 16 with the
+calibrated global scale (what the FP4 tensor cores multiply), in ``w4a16`` only weights are FP4.
+Converting a model to NVFP4 is :mod:`data_gen.nvfp4`'s. Both are tested against compressed-tensors'
+reference.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import shutil
-import sys
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from eagle3 import fp4
-from eagle3.atomic import atomic_dir, check_replaceable
-from eagle3.errors import USER_ERRORS, Eagle3Error
-from eagle3.target_source import DEFAULT_TARGET
+from eagle3.errors import Eagle3Error
 
 FORMAT = "nvfp4-pack-quantized"
 MODES = ("w4a4", "w4a16")
-REPORT_FILE = "eagle3_nvfp4.json"
-
-
-def _is_earlier_conversion(folder: Path) -> bool:
-    return (folder / REPORT_FILE).is_file()
 
 
 class NVFP4Error(Eagle3Error, ValueError):
     """A checkpoint or conversion request that cannot be honoured; the message names the file or key."""
 
 
-# --------------------------------------------------------------------------- calibration
+
+# --------------------------------------------------------------------------- arithmetic
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_MAX = 6.0
+FP8_MAX = 448.0  # largest float8_e4m3fn
+FP8_EPS = 0.125  # torch.finfo(torch.float8_e4m3fn).eps: the scale of an all-zero block
+BLOCK = 16
+
+# Between neighbouring E2M1 magnitudes: (threshold, a tie rounds up). Ties go to the even mantissa.
+_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
-@dataclass
-class Calibration:
-    """What the calibration conversations showed about each Linear's input."""
-
-    input_amax: dict[str, float] = field(default_factory=dict)
-    fused: list[list[str]] = field(default_factory=list)
-    """Sibling Linears that read the very same input tensor (vLLM fuses them into one GEMM)."""
-    tokens: int = 0
+def _boundaries(device: torch.device) -> Tensor:
+    """float32 thresholds such that the index of |x| is the count of thresholds strictly below it: a
+    threshold whose tie rounds up is moved one float32 step down (``x >= t`` is ``x > prev(t)``)."""
+    t = torch.tensor([b for b, _ in _THRESHOLDS], dtype=torch.float32, device=device)
+    up = torch.tensor([u for _, u in _THRESHOLDS], device=device)
+    return torch.where(up, torch.nextafter(t, torch.zeros_like(t)), t)
 
 
-def quantizable_linears(model: nn.Module, ignore: Sequence[str] = ("lm_head",)) -> dict[str, nn.Linear]:
-    """Every ``nn.Linear`` whose name is not ignored (a name matches an entry equal to it or
-    ending in ``.<entry>``); each must have a multiple of 16 inputs."""
-    chosen = {}
-    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    unmatched = [i for i in ignore if not any(name == i or name.endswith("." + i) for name in linears)]
-    if unmatched:  # a typo would quantise what it meant to keep
-        raise NVFP4Error(f"ignore {unmatched}: matches no Linear of the model (e.g. {', '.join(linears[:3])})")
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or any(name == i or name.endswith("." + i) for i in ignore):
-            continue
-        if module.in_features % fp4.BLOCK:
-            raise NVFP4Error(f"{name}: {module.in_features} inputs is not a multiple of {fp4.BLOCK}; "
-                             f"add it to ignore to keep it unquantised")
-        chosen[name] = module
-    return chosen
+def e2m1_index(x: Tensor) -> Tensor:
+    """Index into :data:`E2M1_VALUES` of the nearest magnitude to ``|x|`` (clamped at 6), int64."""
+    return torch.bucketize(x.float().abs(), _boundaries(x.device), right=False)
 
 
-@torch.no_grad()
-def calibrate(model: nn.Module, linears: dict[str, nn.Linear], batches: Iterable[Tensor]) -> Calibration:
-    """Run ``batches`` of token ids [1, seq] through ``model`` and record, per Linear, the largest
-    |input| seen (compressed-tensors' ``static_minmax`` observer), and which siblings share an input."""
-    calib = Calibration()
-    first_pass: dict[str, Tensor] = {}  # inputs of the first batch, held so that no id is reused
-
-    def observe(name: str, module: nn.Module, args: tuple) -> None:
-        x = args[0]
-        calib.input_amax[name] = max(calib.input_amax.get(name, 0.0), x.detach().abs().amax().item())
-        if calib.tokens == 0:
-            first_pass.setdefault(name, x)
-
-    handles = [m.register_forward_pre_hook(functools.partial(observe, n)) for n, m in linears.items()]
-    try:
-        for ids in batches:
-            model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
-            if calib.tokens == 0:
-                calib.fused = _siblings_sharing_input({n: id(x) for n, x in first_pass.items()})
-                first_pass.clear()
-            calib.tokens += ids.numel()
-    finally:
-        for h in handles:
-            h.remove()
-    if calib.tokens == 0:
-        raise NVFP4Error("calibration got no tokens: pass at least one conversation")
-    missing = sorted(set(linears) - set(calib.input_amax))
-    if missing:
-        raise NVFP4Error(f"calibration never reached {missing[:5]} ({len(missing)} Linears): "
-                         "they would have no input scale")
-    return calib
+def round_to_e2m1(x: Tensor) -> Tensor:
+    """``x`` rounded to the nearest FP4 value (same dtype as ``x``). The grid's step is 0.5 below 2,
+    1 in [2, 4) and 2 from 4 to 6, so rounding is torch.round (half to even) at the local step,
+    which sends each tie to the even mantissa as :data:`_THRESHOLDS` says."""
+    m = x.float().abs().clamp(max=FP4_MAX)
+    step = torch.where(m < 2, 0.5, torch.where(m < 4, 1.0, 2.0))
+    magnitude = torch.round(m / step) * step
+    return torch.where(x < 0, -magnitude, magnitude).to(x.dtype)
 
 
-def _siblings_sharing_input(input_ids: dict[str, int]) -> list[list[str]]:
-    groups: dict[tuple[str, int], list[str]] = {}
-    for name, tensor_id in input_ids.items():
-        parent = name.rsplit(".", 1)[0] if "." in name else ""
-        groups.setdefault((parent, tensor_id), []).append(name)
-    return [sorted(g) for g in groups.values() if len(g) > 1]
+def pack_fp4(codes: Tensor) -> Tensor:
+    """FP4 values [..., 2n] (exactly representable, e.g. from :func:`round_to_e2m1`) -> uint8 [..., n]."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_fp4: the last dimension ({codes.shape[-1]}) must be even")
+    nibble = e2m1_index(codes) | (torch.signbit(codes).long() << 3)  # [..., 2n]
+    pairs = nibble.unflatten(-1, (-1, 2))  # [..., n, 2]
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
 
 
-# --------------------------------------------------------------------------- conversion
+def unpack_fp4(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """uint8 [..., n] -> FP4 values [..., 2n] in ``dtype``."""
+    magnitudes = torch.tensor(E2M1_VALUES, dtype=dtype, device=packed.device)
+    table = torch.cat([magnitudes, -magnitudes])  # nibble -> value, sign in bit 3
+    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=-1).long()  # [..., n, 2]
+    return table[nibbles].flatten(-2)
 
 
-def quantize_linear(weight: Tensor, weight_gscale: Tensor, input_amax: float | None) -> dict[str, Tensor]:
-    """One Linear's tensors in the compressed-tensors NVFP4 layout (local names)."""
-    codes, scale = fp4.quantize(weight, weight_gscale)  # [out, in], [out, in/16]
-    tensors = {"weight_packed": fp4.pack_fp4(codes), "weight_scale": scale,
-               "weight_global_scale": weight_gscale.float().reshape(1).clone()}
-    if input_amax is not None:
-        tensors["input_global_scale"] = fp4.global_scale(input_amax)
-    return tensors
+def global_scale(amax: Tensor | float) -> Tensor:
+    """Per-tensor scale [1] float32 that maps ``amax`` onto FP8_MAX * FP4_MAX; 1 where amax is 0 or not finite."""
+    amax = torch.as_tensor(amax, dtype=torch.float32).abs()
+    scale = FP8_MAX * FP4_MAX / amax.clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.nan_to_num(scale, nan=1.0, posinf=1.0, neginf=1.0).reshape(1)
 
 
-def quantization_config(mode: str, ignore: Sequence[str]) -> dict[str, Any]:
-    """The ``quantization_config`` of config.json, built with compressed-tensors' own schema."""
-    try:
-        from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
-        from compressed_tensors.quantization.quant_scheme import NVFP4, NVFP4A16
-    except ImportError as err:
-        raise NVFP4Error(f"the NVFP4 conversion needs the [nvfp4] extra: pip install -e '.[nvfp4]' ({err})") from None
-
-    preset = NVFP4 if mode == "w4a4" else NVFP4A16
-    qc = QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], format=FORMAT, **preset)},
-        format=FORMAT, ignore=list(ignore), quantization_status="compressed",
-    )
-    out = qc.model_dump(mode="json")
-    out["quant_method"] = "compressed-tensors"
-    return out
+def block_scales(x: Tensor, gscale: Tensor) -> Tensor:
+    """FP8 scale per block of 16 along the last dim: ``x`` [..., k] -> float8_e4m3fn [..., k/16]."""
+    blocks = _blocks(x)  # [..., k/16, 16]
+    raw = gscale * (blocks.abs().amax(-1) / FP4_MAX)  # [..., k/16]
+    scale = raw.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return torch.where(scale.float() == 0, FP8_EPS, scale.float()).to(torch.float8_e4m3fn)
 
 
-def load_source(src: str, dtype: torch.dtype) -> tuple[nn.Module, Any, Path]:
-    """A dense model, its tokenizer and folder from a target spec (embedded name, folder, .gguf);
-    an INT4 compressed-tensors checkpoint is dequantised on load."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from eagle3.target import TargetLoadError, from_pretrained_complete  # target imports this module
-    from eagle3.target_source import resolve_target
-
-    folder = Path(resolve_target(src).location)
-    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
-    quant = config.get("quantization_config") or {}
-    kwargs: dict[str, Any] = {}
-    if quant:
-        if quant.get("quant_method") != "compressed-tensors":
-            raise NVFP4Error(f"{folder}/config.json: quantization_config.quant_method="
-                             f"{quant.get('quant_method')!r}; only compressed-tensors checkpoints are dequantised")
-        if quant.get("format") == FORMAT:
-            raise NVFP4Error(f"{folder}: already NVFP4 ({FORMAT})")
-        from transformers.utils.quantization_config import CompressedTensorsConfig
-
-        kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
-    try:
-        model = from_pretrained_complete(AutoModelForCausalLM, folder, dtype=dtype, use_safetensors=True, **kwargs)
-    except TargetLoadError as err:
-        raise NVFP4Error(str(err)) from None
-    return model.eval(), AutoTokenizer.from_pretrained(folder), folder
+def quantize(x: Tensor, gscale: Tensor) -> tuple[Tensor, Tensor]:
+    """``x`` [..., k] -> (FP4 values [..., k] as float32, FP8 block scales [..., k/16])."""
+    scale = block_scales(x.float(), gscale)  # [..., k/16]
+    step = scale.float() / gscale  # [..., k/16] the value of code 1 in each block
+    blocks = _blocks(x.float()) / step.unsqueeze(-1)  # [..., k/16, 16]
+    return round_to_e2m1(blocks.clamp(-FP4_MAX, FP4_MAX)).flatten(-2), scale
 
 
-@torch.no_grad()
-def convert(src: str, out: str | Path, *, mode: str = "w4a4", calibration: Sequence[Sequence[int]] = (),
-            ignore: Sequence[str] = ("lm_head",), dtype: torch.dtype = torch.float32,
-            max_shard_bytes: int = 4 << 30, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write ``src`` as an NVFP4 checkpoint at ``out`` (atomically) and return its report.
-
-    ``calibration``: token-id sequences run through the source to set the input global scales
-    (needed for w4a4; w4a16 writes no activation scales). ``extra`` is added to the report."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-
-    if mode not in MODES:
-        raise NVFP4Error(f"mode={mode!r}: expected one of {', '.join(MODES)}")
-    if mode == "w4a4" and not calibration:
-        raise NVFP4Error("w4a4 needs calibration conversations for the activation scales")
-    check_replaceable(out, _is_earlier_conversion)
-    model, tokenizer, folder = load_source(src, dtype)
-    linears = quantizable_linears(model, ignore)
-    # w4a16 needs no activation ranges, but one forward still shows which Linears share an input
-    sequences = [list(s) for s in calibration if len(s)] or [list(range(min(16, model.config.vocab_size)))]
-    calib = calibrate(model, linears, (torch.tensor([s]) for s in sequences))
-    shared_gscale = _shared_weight_gscales(linears, calib.fused)
-
-    state: dict[str, Tensor] = {}
-    errors: dict[str, float] = {}
-    for name, module in linears.items():
-        w = module.weight.float()
-        tensors = quantize_linear(w, shared_gscale[name], calib.input_amax[name] if mode == "w4a4" else None)
-        dq = fp4.dequantize(fp4.unpack_fp4(tensors["weight_packed"]), tensors["weight_scale"],
-                            tensors["weight_global_scale"])
-        errors[name] = ((dq - w).norm() / w.norm().clamp(min=1e-12)).item()
-        state.update({f"{name}.{k}": v for k, v in tensors.items()})
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    for key, tensor in model.state_dict().items():
-        module_name, _, leaf = key.rpartition(".")
-        if module_name in linears and leaf == "weight":
-            continue
-        if tied and key == "lm_head.weight":
-            continue  # written once, as the embedding
-        state[key] = tensor.contiguous()
-
-    # matrices written as they were: embeddings, ignored Linears, and anything that is not an nn.Linear
-    # (e.g. MoE experts stored as one fused 3D parameter): the report names them
-    unquantized = {k: int(v.numel()) for k, v in model.state_dict().items()
-                   if v.dim() >= 2 and k.rpartition(".")[0] not in linears and not (tied and k == "lm_head.weight")}
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["quantization_config"] = quantization_config(mode, ignore)
-    report = {
-        "source": str(folder), "mode": mode, "ignore": list(ignore),
-        "calibration_tokens": calib.tokens if calibration else 0, "calibration_sequences": len(calibration),
-        "quantized_linears": len(linears), "fused_groups": calib.fused,
-        "quantized_parameters": sum(m.weight.numel() for m in linears.values()),
-        "unquantized_matrices": unquantized,
-        "weight_relative_error": {"mean": sum(errors.values()) / max(len(errors), 1),
-                                  "max": max(errors.values(), default=0.0)},
-        "per_linear": {n: {"weight_relative_error": errors[n], "input_amax": calib.input_amax[n]} for n in linears},
-        **(extra or {}),
-    }
-    out = Path(out)
-    with atomic_dir(out, replaces=_is_earlier_conversion) as tmp:
-        split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_bytes)
-        for filename, keys in split.filename_to_tensors.items():
-            save_file({k: state[k] for k in keys}, tmp / filename, metadata={"format": "pt"})
-        if split.is_sharded:
-            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                     "weight_map": split.tensor_to_filename}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        tokenizer.save_pretrained(tmp)
-        for extra in ("generation_config.json", "chat_template.jinja"):
-            if (folder / extra).is_file() and not (tmp / extra).exists():
-                shutil.copy(folder / extra, tmp / extra)
-        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
-    return report
+def dequantize(codes: Tensor, scale: Tensor, gscale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """FP4 values [..., k], FP8 scales [..., k/16], global scale [1] -> values [..., k] in ``dtype``."""
+    step = scale.float() / gscale  # [..., k/16]
+    return (_blocks(codes.float()) * step.unsqueeze(-1)).flatten(-2).to(dtype)
 
 
-def _shared_weight_gscales(linears: dict[str, nn.Linear], fused: list[list[str]]) -> dict[str, Tensor]:
-    """Per Linear its weight global scale; a fused group gets the smallest of its members' (the
-    largest |w| of the group maps to the top of the grid, so no member overflows FP8)."""
-    scales = {n: fp4.global_scale(m.weight.detach().float().abs().amax()) for n, m in linears.items()}
-    for group in fused:
-        shared = torch.stack([scales[n] for n in group]).amin(0)
-        for n in group:
-            scales[n] = shared
-    return scales
+def fake_quantize(x: Tensor, gscale: Tensor) -> Tensor:
+    """Quantise and dequantise ``x`` along its last dim with a fixed global scale and scales per
+    block computed from ``x`` itself: how NVFP4 (W4A4) kernels see activations. Keeps ``x``'s dtype."""
+    codes, scale = quantize(x, gscale)
+    return dequantize(codes, scale, gscale, x.dtype)
+
+
+def quantization_error_bound(x: Tensor, gscale: Tensor) -> Tensor:
+    """Largest |x - dequantize(quantize(x))| the format allows, per element of ``x`` [..., k]:
+    half the gap between the E2M1 neighbours around ``x / step`` (1 above 4, 0.5 in [2, 4], ...),
+    times the block's step, plus whatever lies beyond 6 steps (the FP8 rounding of the scale can
+    put a block's largest value just past the grid)."""
+    step = (block_scales(x.float(), gscale).float() / gscale).unsqueeze(-1)  # [..., k/16, 1]
+    mag = _blocks(x.float()).abs() / step  # [..., k/16, 16]
+    half_gap = torch.where(mag >= 4, 1.0, torch.where(mag >= 2, 0.5, 0.25))
+    beyond = (mag - FP4_MAX).clamp(min=0)
+    return ((half_gap + beyond) * step).flatten(-2)
+
+
+def _blocks(x: Tensor) -> Tensor:
+    if x.shape[-1] % BLOCK:
+        raise ValueError(f"NVFP4 needs the last dimension ({x.shape[-1]}) to be a multiple of {BLOCK}")
+    return x.unflatten(-1, (-1, BLOCK))
 
 
 # --------------------------------------------------------------------------- emulated loading
@@ -288,7 +168,7 @@ class ActivationFakeQuant:
     def __call__(self, module: nn.Module, args: tuple) -> tuple:
         if self.gscale.device != args[0].device:  # moved once, not on every call
             self.gscale = self.gscale.to(args[0].device)
-        return (fp4.fake_quantize(args[0], self.gscale), *args[1:])
+        return (fake_quantize(args[0], self.gscale), *args[1:])
 
 
 def load_emulated(folder: str | Path, *, dtype: torch.dtype = torch.float32, mode: str = "auto",
@@ -328,7 +208,7 @@ def load_emulated(folder: str | Path, *, dtype: torch.dtype = torch.float32, mod
             scale, gscale = raw.pop(f"{name}.weight_scale"), raw.pop(f"{name}.weight_global_scale")
         except KeyError as err:
             raise NVFP4Error(f"{folder}: {name} has weight_packed but no {err.args[0]}") from None
-        state[f"{name}.weight"] = fp4.dequantize(fp4.unpack_fp4(packed), scale, gscale.float(), dtype)
+        state[f"{name}.weight"] = dequantize(unpack_fp4(packed), scale, gscale.float(), dtype)
         if f"{name}.input_global_scale" in raw:
             input_scales[name] = raw.pop(f"{name}.input_global_scale").float()
     state.update({k: v.to(dtype) if v.is_floating_point() else v for k, v in raw.items()})
@@ -355,89 +235,3 @@ def load_emulated(folder: str | Path, *, dtype: torch.dtype = torch.float32, mod
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(folder)
     return model.eval()
-
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def calibration_sequences(path: str | Path, tokenizer: Any, *, samples: int, max_tokens: int,
-                          seed: int = 0) -> list[list[int]]:
-    """Token ids of ``samples`` conversations from a pool or dataset jsonl (a seeded random pick,
-    whole conversations in the target's chat template, cut at ``max_tokens``)."""
-    import random
-
-    from eagle3.chat import ChatFormat
-    from eagle3.conversations import iter_user_conversations
-
-    chat = ChatFormat.for_tokenizer(tokenizer)
-    conversations = [messages for _, messages in iter_user_conversations(path, strict=True)]
-    if not conversations:
-        raise NVFP4Error(f"{path}: no conversations to calibrate on")
-    random.Random(seed).shuffle(conversations)
-    return [chat.tokenize_conversation(m)[0][:max_tokens] for m in conversations[:samples]]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
-    from transformers import AutoTokenizer
-
-    from eagle3.target import resolve_dtype
-    from eagle3.target_source import resolve_target
-
-    parser = argparse.ArgumentParser(
-        prog="python -m data_gen.nvfp4",
-        description="Convert a target (BF16, or INT4 compressed-tensors pack-quantized) to a compressed-tensors "
-                    "NVFP4 checkpoint; run it here by passing the output folder as the target.")
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="embedded name, model folder or .gguf")
-    parser.add_argument("--out", required=True, help="output folder (written atomically)")
-    parser.add_argument("--mode", choices=MODES, default="w4a4",
-                        help="w4a4: NVFP4 weights and activations (calibrated); w4a16: weights only")
-    parser.add_argument("--calibration", help="pool or dataset jsonl whose conversations set the activation scales")
-    parser.add_argument("--samples", type=int, default=64, help="calibration conversations")
-    parser.add_argument("--max-tokens", type=int, default=512, help="tokens per calibration conversation")
-    parser.add_argument("--ignore", default="lm_head", help="comma-separated Linear names left unquantised")
-    parser.add_argument("--dtype", default="float32", help="dtype the source is loaded and calibrated in")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    for flag, value in (("--samples", args.samples), ("--max-tokens", args.max_tokens)):
-        if value < 1:
-            parser.error(f"{flag} must be >= 1, got {value}")
-    calib: list[list[int]] = []
-    try:
-        if args.calibration:
-            tokenizer = AutoTokenizer.from_pretrained(resolve_target(args.target).location)
-            calib = calibration_sequences(args.calibration, tokenizer, samples=args.samples,
-                                          max_tokens=args.max_tokens, seed=args.seed)
-        report = convert(args.target, args.out, mode=args.mode, calibration=calib,
-                         ignore=[i for i in args.ignore.split(",") if i],
-                         dtype=resolve_dtype(args.dtype, torch.device("cpu")))
-    except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    summary = {k: report[k] for k in ("mode", "quantized_linears", "calibration_sequences", "calibration_tokens",
-                                      "weight_relative_error")}
-    summary["fused_groups"] = len(report["fused_groups"])
-    summary["quantized_parameters"] = report["quantized_parameters"]
-    summary["unquantized_matrices"] = {"count": len(report["unquantized_matrices"]),
-                                       "parameters": sum(report["unquantized_matrices"].values())}
-    print(json.dumps({"out": str(args.out), **summary}))
-    return 0
-
-
-def prepare_vllm_on_cpu(model: str | Path) -> bool:
-    """Let vLLM on a machine without CUDA run an NVFP4 checkpoint: vLLM registers no NVFP4 kernel
-    for CPUs, so its own emulation kernel (its fallback on GPUs without FP4) is added to the CPU's
-    list, and the engine runs in this process so that the registration reaches it. Call before
-    creating the ``LLM``; returns whether anything was changed (False for other checkpoints or on CUDA)."""
-    if torch.cuda.is_available() or nvfp4_quantization(model) is None:
-        return False
-    import os
-
-    from vllm.model_executor.kernels.linear import _POSSIBLE_NVFP4_KERNELS, EmulationNvFp4LinearKernel
-    from vllm.platforms import PlatformEnum
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    _POSSIBLE_NVFP4_KERNELS[PlatformEnum.CPU] = [EmulationNvFp4LinearKernel]
-    return True

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from eagle3.config import LR_SCHEDULES, TrainConfig
-from eagle3.target import bf16_matmul_speedup
+from eagle3.device import bf16_matmul_speedup
 
 
 def warmup_decay(warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0,

@@ -27,11 +27,10 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from eagle3.device import resolve_device, resolve_dtype
 from eagle3.errors import Eagle3Error
 from eagle3.nvfp4 import load_emulated, nvfp4_quantization
 from eagle3.target_source import TargetSourceError, resolve_target
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TargetLoadError(Eagle3Error, RuntimeError):
@@ -65,68 +64,6 @@ def context_length(config: Any) -> int | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     value = getattr(text, "max_position_embeddings", None)
     return int(value) if isinstance(value, int) and value > 0 else None
-
-
-def resolve_device(device: str) -> torch.device:
-    """auto (CUDA when available, else CPU), cpu, cuda or cuda:N; CUDA that this torch cannot use fails
-    here, naming the setting, rather than inside torch."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as err:
-        raise ValueError(f"device {device!r}: expected auto, cpu, cuda, cuda:N or mps ({err})") from None
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: this torch has no usable CUDA device (use cpu or auto)")
-        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
-    return resolved
-
-
-def synchronize(device: torch.device | str) -> None:
-    """Wait for the work queued on ``device`` (a no-op on the CPU): read a clock after this, never
-    after a kernel launch alone."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
-@functools.cache
-def bf16_matmul_speedup(device_type: str) -> float:
-    """How many times faster a bf16 matmul runs than an fp32 one on this kind of device.
-
-    Accelerators (CUDA and others): taken as fast (2.0) without measuring. CPUs differ by orders
-    of magnitude: with AMX or AVX512-BF16 units bf16 is the faster one, but on an AVX2-only CPU
-    (AMD EPYC, torch 2.13) a bf16 matmul ran ~170x slower than fp32. So a CPU is measured once
-    per process on a small product (best of three each, ~1 ms where bf16 is fast, ~0.3 s where
-    it is not).
-    """
-    if device_type != "cpu":
-        return 2.0
-    import time
-
-    g = torch.Generator(device="cpu").manual_seed(0)  # its own: the global stream is the trainer's, checkpointed
-    a, b = torch.randn(64, 512, generator=g), torch.randn(512, 512, generator=g)
-
-    def best(x: Tensor, y: Tensor) -> float:
-        x @ y  # warm-up
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            x @ y
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    return best(a, b) / max(best(a.bfloat16(), b.bfloat16()), 1e-9)
 
 
 _UNHANDLED_LOGIT_KEYS = ("logits_mup_width_multiplier", "unpadded_vocab_size")
@@ -653,6 +590,5 @@ def check_capture(target: Target, input_ids: Tensor) -> dict[str, float]:
 __all__ = [
     "CAPTURE_TOLERANCE", "LogitTransform", "Target", "TargetLoadError", "TargetOutput", "TargetSourceError",
     "check_architecture", "check_aux_layer_ids", "check_capture", "verify_capture",
-    "default_aux_layer_ids", "load_target", "load_target_head", "resolve_device", "resolve_dtype",
-    "synchronize",
+    "default_aux_layer_ids", "load_target", "load_target_head",
 ]

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from eagle3.target import LogitTransform, Target, bf16_matmul_speedup
+from eagle3.device import bf16_matmul_speedup
+from eagle3.target import LogitTransform, Target
 from eagle3.ttt import TTTTargets, prepare_targets, prepare_targets_from_topk
 
 
@@ -78,7 +79,7 @@ class TargetHead(nn.Module):
         before. The argmax needs the rest only to learn whether some token outside the draft
         vocab beats the best one inside: those logits are computed in bf16 (several times
         faster on CPUs with bf16 units; used only where bf16 is measured faster, see
-        :func:`eagle3.target.bf16_matmul_speedup`) with a rigorous bound on their error,
+        :func:`eagle3.device.bf16_matmul_speedup`) with a rigorous bound on their error,
         ``|bf16 - fp32| <= c * |x| * |w_j|`` (bf16 rounding of both operands and of the
         result, fp32 accumulation, Cauchy-Schwarz), taken per group of outside rows of similar
         norm; only the rows the bound cannot settle (~7% on the default target) get their

@@ -18,12 +18,13 @@ from torch import Tensor
 from eagle3.atomic import sha256_file
 from eagle3.checkpoint import read_draft_vocab, seed_everything
 from eagle3.config import TargetConfig, TrainConfig
+from eagle3.device import bf16_matmul_speedup
 from eagle3.distributed import Runtime, all_reduce_sum
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab, select_draft_vocab
 from eagle3.errors import TrainError
 from eagle3.shards import HarvestStore, StoreError, StoreUnion, open_stores, store_state, verify_store
-from eagle3.target import Target, bf16_matmul_speedup, load_target_head
+from eagle3.target import Target, load_target_head
 from eagle3.train_data import loss_token_counts, split_by_id
 from eagle3.train_log import print0
 
@@ -217,7 +218,8 @@ def check_weights(target: Target, spec: Any) -> None:
 
 def initial_draft(folder: str, spec: Any, target: Target, embedding: Tensor) -> Eagle3Draft:
     """A draft to continue training, checked against the store and the target."""
-    from eagle3.export import DraftFormatError, check_draft_fits_target, give_target_lm_head, load_draft
+    from eagle3.export import check_draft_fits_target, give_target_lm_head, load_draft
+    from eagle3.formats import DraftFormatError
 
     try:  # the target's embedding goes in once the draft is known to fit it
         loaded = load_draft(folder)

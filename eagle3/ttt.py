@@ -58,6 +58,7 @@ renormalised, averaged over the step's loss positions, weighted ``decay**k`` (0.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -340,41 +341,9 @@ def ttt_forward(
 
         # A snapshot of the keys so far: a checkpointed step replays against exactly these.
         earlier = ([list(d) for d in diagonal], list(step0_kv))
-
-        def run_step(hidden_prev: Tensor, k: int = k, ids_k: Tensor = ids_k, pos_k: Tensor = pos_k,
-                     valid: Tensor = valid_k, counted: Tensor = counted_k, at: Tensor | None = at,
-                     earlier: tuple = earlier) -> tuple[Tensor, ...]:
-            diag_before, window = earlier
-            new_kv: list[tuple[Tensor, Tensor]] = []
-
-            def attend_for(layer: int) -> Attend:
-                def attend(q: Tensor, key: Tensor, value: Tensor) -> Tensor:
-                    new_kv.append((key, value))
-                    if k == 0:  # step 0's keys are the step-0 window itself; the last layer's queries at `at`
-                        return ttt_attention(q, (key, value), [], read_mask if layer == num_layers - 1 else mask0)
-                    return ttt_attention(q, window[layer], [*diag_before[layer], (key, value)], read_mask)
-                return attend
-
-            prenorm = draft.decode(hidden_prev, draft.embed(ids_k), pos_k, [attend_for(i) for i in range(num_layers)],
-                                   at if k == 0 else None)  # [B, R, H]
-            flat_kv = [t for kv in new_kv for t in kv]
-            if return_logits:
-                logits = draft.compute_logits(prenorm)  # [B, S, Vd]
-                target_probs = shift_left(targets.probs, k + 1, 0.0)  # [B, S, Vd] p[t+k+1]
-                ce = soft_cross_entropy(logits, target_probs)  # [B, S]
-                loss_sum = torch.where(valid, ce, 0.0).sum()
-                draft_argmax = draft.draft_to_target_ids(logits.detach().argmax(-1))  # [B, S] target ids
-                return (draft.next_hidden(prenorm), loss_sum, draft_argmax, *flat_kv, logits)
-            # Only the rows this step counts need logits (the lm_head is most of a step's compute,
-            # and under half the rows are counted); every row's hidden state still goes on.
-            rows, cols = counted.nonzero(as_tuple=True)  # [M] each
-            t = cols if at is None else at[rows, cols]  # start positions
-            logits = draft.compute_logits(prenorm[rows, cols])  # [M, Vd]
-            ce = soft_cross_entropy(logits, targets.probs[rows, t + k + 1])  # [M]: p[t+k+1]
-            loss_sum = torch.where(valid[rows, cols], ce, 0.0).sum()
-            draft_argmax = torch.full_like(input_ids, -2)  # [B, S]; uncounted rows never match
-            draft_argmax[rows, t] = draft.draft_to_target_ids(logits.detach().argmax(-1))
-            return (draft.next_hidden(prenorm), loss_sum, draft_argmax, *flat_kv)
+        run_step = functools.partial(_unroll_step, draft, k=k, ids_k=ids_k, pos_k=pos_k, valid=valid_k,
+                                     counted=counted_k, at=at, earlier=earlier, masks=(mask0, read_mask),
+                                     targets=targets, input_ids=input_ids, return_logits=return_logits)
 
         if gradient_checkpointing and torch.is_grad_enabled():
             out = checkpoint(run_step, hidden, use_reentrant=False)
@@ -435,9 +404,51 @@ def simulated_tau(match: Tensor, counted: Tensor) -> Tensor:
     return 1.0 + accepted[start].float().mean()
 
 
+def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tensor, pos_k: Tensor, valid: Tensor,
+                 counted: Tensor, at: Tensor | None, earlier: tuple, masks: tuple[Tensor, Tensor],
+                 targets: TTTTargets, input_ids: Tensor, return_logits: bool) -> tuple[Tensor, ...]:
+    """One step of :func:`ttt_forward`, a pure function of its inputs (what checkpointing replays):
+    the next hidden state, the step's loss sum, its argmax in target ids, each layer's new keys and
+    values, and (``return_logits``) the logits."""
+    diag_before, window = earlier
+    mask0, read_mask = masks  # [B, S, S] step 0's window; [B, M, S] that of the rows read
+    num_layers = len(draft.decoder_layers)
+    new_kv: list[tuple[Tensor, Tensor]] = []
+
+    def attend_for(layer: int) -> Attend:
+        def attend(q: Tensor, key: Tensor, value: Tensor) -> Tensor:
+            new_kv.append((key, value))
+            if k == 0:  # step 0's keys are the step-0 window itself; the last layer's queries at `at`
+                return ttt_attention(q, (key, value), [], read_mask if layer == num_layers - 1 else mask0)
+            return ttt_attention(q, window[layer], [*diag_before[layer], (key, value)], read_mask)
+        return attend
+
+    prenorm = draft.decode(hidden_prev, draft.embed(ids_k), pos_k, [attend_for(i) for i in range(num_layers)],
+                           at if k == 0 else None)  # [B, R, H]
+    flat_kv = [t for kv in new_kv for t in kv]
+    if return_logits:
+        logits = draft.compute_logits(prenorm)  # [B, S, Vd]
+        target_probs = shift_left(targets.probs, k + 1, 0.0)  # [B, S, Vd] p[t+k+1]
+        ce = soft_cross_entropy(logits, target_probs)  # [B, S]
+        loss_sum = torch.where(valid, ce, 0.0).sum()
+        draft_argmax = draft.draft_to_target_ids(logits.detach().argmax(-1))  # [B, S] target ids
+        return (draft.next_hidden(prenorm), loss_sum, draft_argmax, *flat_kv, logits)
+    # Only the rows this step counts need logits (the lm_head is most of a step's compute,
+    # and under half the rows are counted); every row's hidden state still goes on.
+    rows, cols = counted.nonzero(as_tuple=True)  # [M] each
+    t = cols if at is None else at[rows, cols]  # start positions
+    logits = draft.compute_logits(prenorm[rows, cols])  # [M, Vd]
+    ce = soft_cross_entropy(logits, targets.probs[rows, t + k + 1])  # [M]: p[t+k+1]
+    loss_sum = torch.where(valid[rows, cols], ce, 0.0).sum()
+    draft_argmax = torch.full_like(input_ids, -2)  # [B, S]; uncounted rows never match
+    draft_argmax[rows, t] = draft.draft_to_target_ids(logits.detach().argmax(-1))
+    return (draft.next_hidden(prenorm), loss_sum, draft_argmax, *flat_kv)
+
+
 __all__ = [
     "TTTOutput", "TTTTargets", "conditional_acceptance", "read_rows", "prepare_targets",
     "prepare_targets_from_topk", "shift_left", "simulated_tau", "soft_cross_entropy", "step0_attention_mask",
     "step_accuracy", "step_counted", "step_input_ids", "step_positions", "step_weights", "ttt_attention",
     "ttt_forward",
 ]
+

@@ -36,18 +36,20 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from data_gen.config import HarvestConfig, RegenerateConfig
 from eagle3.atomic import atomic_write_text, output_dir
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
-from eagle3.config import HarvestConfig, MineConfig, RegenerateConfig, TargetConfig, TrainConfig, add_target_arguments
+from eagle3.config import TargetConfig, TrainConfig, add_target_arguments
 from eagle3.conversations import iter_jsonl, take_in_turn
 from eagle3.errors import USER_ERRORS, Eagle3Error
 from eagle3.shards import HarvestStore, open_stores
+from hard_mining.config import MineConfig
 from hard_mining.score import (
     SampleScore,
     group_scores,
@@ -138,9 +140,9 @@ class Harvester:
     def __call__(self, name: str, records: Sequence[dict[str, Any]], max_new_tokens: int,
                  temperature: float = 0.0) -> tuple[Path, Path] | None:
         """-> (store folder, regenerated records file), or None when there is nothing to harvest."""
-        from eagle3.harvest import NothingToHarvestError
-        from eagle3.harvest import run as harvest
-        from eagle3.regenerate import run as regenerate
+        from data_gen.harvest import NothingToHarvestError
+        from data_gen.harvest import run as harvest
+        from data_gen.regenerate import run as regenerate
 
         if not records:
             return None
@@ -248,58 +250,13 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
         write_scores(rdir / "scores_eval_before.jsonl", before)
         write_scores(rdir / "scores_train.jsonl", train_scores)
 
-        known = [*eval_sets, *eval_records, *records]
-        harvester = Harvester(rdir, target, target_cfg, base, seed, progress)
-        fresh = [p for p in pool if str(p.get("id")) not in harvested_ids]
-        added: dict[str, Any] = {}
-        new_records: list[dict[str, Any]] = []
-
-        if "reweight" in cfg.strategies:
-            # weak where it matters: the held-out acceptance per domain (the training set is already fitted)
-            counts: dict[str, int] = {}
-            for sc in train_scores:
-                counts[sc.domain] = counts.get(sc.domain, 0) + 1
-            w = domain_weights(group_scores(before, "domain"), power=cfg.weight_power, counts=counts)
-            weights_file = str(rdir / "sample_weights.json")
-            atomic_write_text(Path(weights_file), json.dumps(sample_weights(train_scores, w), indent=0))
-            added["reweight"] = {"domain_weights": {k: round(v, 4) for k, v in w.items()}}
-        if "hardest" in cfg.strategies and cfg.candidates:
-            cands, dropped = dedupe(balanced_pick(fresh, cfg.candidates, seed), known)
-            got = harvester("candidates", cands, cfg.candidate_tokens)
-            keep: list[dict[str, Any]] = []
-            if got is not None:
-                cand_meta = {str(x["id"]): {"domain": str(x.get("domain")), "language": str(x.get("language"))}
-                             for x in cands}
-                cand_scores = score_store(draft, head, HarvestStore(got[0]), cand_meta, ttt_steps=train_cfg.ttt_steps)
-                write_scores(rdir / "scores_candidates.jsonl", cand_scores)
-                ids = set(pick_hardest(per_record(cand_scores), cfg.keep_fraction))  # a fraction of the records
-                keep = [x for x in cands if str(x["id"]) in ids]
-            new_records += keep
-            added["hardest"] = {"candidates": len(cands), "kept": len(keep), "dropped": dropped}
-        if "synthesize" in cfg.strategies:
-            by_id = {str(x["id"]): x for x in records}
-            worst = hardest(train_scores, 4 * cfg.hard_examples)
-            parent_ids = dict.fromkeys(record_of(s.sample_id) for s in worst)
-            parents = [by_id[i] for i in parent_ids if i in by_id][: cfg.hard_examples]  # one per record
-            made: list[dict[str, Any]] = []
-            asked = variation_requests(parents, cfg.variations)
-            got = harvester("variations", asked, cfg.variation_tokens, temperature=0.8) if asked else None
-            if got is not None:
-                for rec in read_records([got[1]]):
-                    text = parse_variation(next(m["content"] for m in rec["messages"] if m["role"] == "assistant"))
-                    if text:
-                        made.append(prompt_record(text, str(rec.get("domain")), str(rec.get("language")),
-                                                  "mined-variation", {"parent": rec["meta"]["parent"]}))
-            made += math_problems(cfg.procedural, seed) + code_tasks(cfg.procedural, seed)
-            kept, dropped = dedupe(made, [*known, *new_records])
-            new_records += kept
-            added["synthesize"] = {"hard_parents": len(parents), "variations_asked": len(asked),
-                                   "made": len(made), "kept": len(kept), "dropped": dropped}
-        if "uniform" in cfg.strategies and cfg.uniform:
-            picked = random.Random(seed).sample(fresh, min(cfg.uniform, len(fresh)))
-            kept, dropped = dedupe(picked, [*known, *new_records])
-            new_records += kept
-            added["uniform"] = {"picked": len(picked), "kept": len(kept), "dropped": dropped}
+        rd = _Round(cfg=cfg, dir=rdir, seed=seed, draft=draft, head=head, ttt_steps=train_cfg.ttt_steps,
+                    train_scores=train_scores, before=before, records=records,
+                    known=[*eval_sets, *eval_records, *records],
+                    fresh=[p for p in pool if str(p.get("id")) not in harvested_ids],
+                    harvester=Harvester(rdir, target, target_cfg, base, seed, progress))
+        new_records, added, weights_file = _mine(rd, weights_file)
+        harvester = rd.harvester
 
         new_store = harvester("mined", new_records, cfg.max_new_tokens)
         round_stores = list(stores)
@@ -341,6 +298,95 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
     return manifest
 
 
+@dataclass
+class _Round:
+    """What one round's strategies read: its settings, folder and seed, the draft it scores with,
+    the scores before mining, the records so far, what new prompts must not repeat, the unmined pool."""
+
+    cfg: MineConfig
+    dir: Path
+    seed: int
+    draft: Any
+    head: Any
+    ttt_steps: int
+    train_scores: list[SampleScore]
+    before: list[SampleScore]
+    records: list[dict[str, Any]]
+    known: list[dict[str, Any]]
+    fresh: list[dict[str, Any]]
+    harvester: Harvester
+
+
+def _mine(rd: _Round, weights_file: str | None) -> tuple[list[dict[str, Any]], dict[str, Any], str | None]:
+    """Each strategy of the round in turn -> (new prompt records, what each added, the sample weights file)."""
+    cfg = rd.cfg
+    added: dict[str, Any] = {}
+    new_records: list[dict[str, Any]] = []
+    if "reweight" in cfg.strategies:
+        weights_file, added["reweight"] = _reweight(rd)
+    if "hardest" in cfg.strategies and cfg.candidates:
+        keep, added["hardest"] = _hardest(rd)
+        new_records += keep
+    if "synthesize" in cfg.strategies:
+        kept, added["synthesize"] = _synthesize(rd, new_records)
+        new_records += kept
+    if "uniform" in cfg.strategies and cfg.uniform:
+        picked = random.Random(rd.seed).sample(rd.fresh, min(cfg.uniform, len(rd.fresh)))
+        kept, dropped = dedupe(picked, [*rd.known, *new_records])
+        new_records += kept
+        added["uniform"] = {"picked": len(picked), "kept": len(kept), "dropped": dropped}
+    return new_records, added, weights_file
+
+
+def _reweight(rd: _Round) -> tuple[str, dict[str, Any]]:
+    """Weak where it matters: domain weights from the held-out acceptance (the training set is already fitted)."""
+    counts: dict[str, int] = {}
+    for sc in rd.train_scores:
+        counts[sc.domain] = counts.get(sc.domain, 0) + 1
+    w = domain_weights(group_scores(rd.before, "domain"), power=rd.cfg.weight_power, counts=counts)
+    weights_file = str(rd.dir / "sample_weights.json")
+    atomic_write_text(Path(weights_file), json.dumps(sample_weights(rd.train_scores, w), indent=0))
+    return weights_file, {"domain_weights": {k: round(v, 4) for k, v in w.items()}}
+
+
+def _hardest(rd: _Round) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Pool prompts scored cheaply (short regenerations), the hardest fraction per domain kept."""
+    cfg = rd.cfg
+    cands, dropped = dedupe(balanced_pick(rd.fresh, cfg.candidates, rd.seed), rd.known)
+    got = rd.harvester("candidates", cands, cfg.candidate_tokens)
+    keep: list[dict[str, Any]] = []
+    if got is not None:
+        cand_meta = {str(x["id"]): {"domain": str(x.get("domain")), "language": str(x.get("language"))}
+                     for x in cands}
+        cand_scores = score_store(rd.draft, rd.head, HarvestStore(got[0]), cand_meta, ttt_steps=rd.ttt_steps)
+        write_scores(rd.dir / "scores_candidates.jsonl", cand_scores)
+        ids = set(pick_hardest(per_record(cand_scores), cfg.keep_fraction))  # a fraction of the records
+        keep = [x for x in cands if str(x["id"]) in ids]
+    return keep, {"candidates": len(cands), "kept": len(keep), "dropped": dropped}
+
+
+def _synthesize(rd: _Round, so_far: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Variations of the hardest training prompts written by the target, plus procedural math and code."""
+    cfg = rd.cfg
+    by_id = {str(x["id"]): x for x in rd.records}
+    worst = hardest(rd.train_scores, 4 * cfg.hard_examples)
+    parent_ids = dict.fromkeys(record_of(s.sample_id) for s in worst)
+    parents = [by_id[i] for i in parent_ids if i in by_id][: cfg.hard_examples]  # one per record
+    made: list[dict[str, Any]] = []
+    asked = variation_requests(parents, cfg.variations)
+    got = rd.harvester("variations", asked, cfg.variation_tokens, temperature=0.8) if asked else None
+    if got is not None:
+        for rec in read_records([got[1]]):
+            text = parse_variation(next(m["content"] for m in rec["messages"] if m["role"] == "assistant"))
+            if text:
+                made.append(prompt_record(text, str(rec.get("domain")), str(rec.get("language")),
+                                          "mined-variation", {"parent": rec["meta"]["parent"]}))
+    made += math_problems(cfg.procedural, rd.seed) + code_tasks(cfg.procedural, rd.seed)
+    kept, dropped = dedupe(made, [*rd.known, *so_far])
+    return kept, {"hard_parents": len(parents), "variations_asked": len(asked), "made": len(made),
+                  "kept": len(kept), "dropped": dropped}
+
+
 def _wandb(cfg: MineConfig, out: Path) -> Any:
     if cfg.wandb_mode == "disabled":
         return None
@@ -378,8 +424,8 @@ def _log_round(run: Any, entry: dict[str, Any], records: dict[str, dict[str, Any
 
 def continued_training(recipe: str, **settings: Any) -> TrainConfig:
     """The train settings of the rounds' continued training outside the pipeline: a draft recipe
-    (:func:`recipes.draft_recipe`, ``none`` for the library's defaults), then ``settings``."""
-    from recipes import draft_recipe
+    (:func:`eagle3.config.draft_recipe`, ``none`` for the library's defaults), then ``settings``."""
+    from eagle3.config import draft_recipe
 
     return TrainConfig(**{**draft_recipe(recipe), **settings})
 

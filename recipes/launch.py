@@ -24,8 +24,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from eagle3.config import LauncherConfig, PipelineConfig
 from eagle3.errors import Eagle3Error
+from recipes.config import LauncherConfig, PipelineConfig
 
 PREPARE = ("plan", "target", "pools", "quantize", "regenerate", "val")
 FINISH = ("mine", "eval", "report")
@@ -49,7 +49,7 @@ def _record(cfg: PipelineConfig, stage: str, result: dict[str, Any]) -> None:
 def harvest_shard(cfg: PipelineConfig, shard: int, shards: int) -> dict[str, Any]:
     """One task of the harvest array: shard ``shard`` of ``shards``; the task that completes the
     store verifies it and records the stage."""
-    from eagle3.harvest import run
+    from data_gen.harvest import run
     from eagle3.shards import verify_store
 
     summary = run(replace(cfg.harvest, shard=f"{shard}/{shards}"), cfg.target)

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from eagle3.atomic import atomic_write_text, sha256_file
-from eagle3.config import PipelineConfig
+from eagle3.device import synchronize
 from eagle3.errors import Eagle3Error
-from eagle3.target import check_capture, load_target, synchronize
+from eagle3.target import check_capture, load_target
+from recipes.config import PipelineConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def _regenerate(cfg: PipelineConfig, regen: Any, text: str, stage: str, selectio
     before the prompts file is rewritten."""
     import hashlib
 
-    from eagle3.regenerate import ManifestMismatchError, check_manifest, run
+    from data_gen.regenerate import ManifestMismatchError, check_manifest, run
 
     names = {"pool_sha256": f"{selection} (the prompts chosen)", "target": "target.name_or_path"}
     try:
@@ -153,7 +154,7 @@ def stage_harvest(cfg: PipelineConfig) -> dict[str, Any]:
 
 def _harvest(cfg: PipelineConfig, harvest_cfg: Any, stage: str) -> dict[str, Any]:
     """Harvest; a store made with other settings fails naming the recipe key."""
-    from eagle3.harvest import HarvestMismatchError, run
+    from data_gen.harvest import HarvestMismatchError, run
 
     names = {"spec.target": "target.name_or_path", "spec.aux_layer_ids": "target.aux_layer_ids",
              "spec.weights_fingerprint": "target (its weights)", "spec.tokenizer_sha256": "target (its tokenizer)",
@@ -221,9 +222,9 @@ def eval_draft(cfg: PipelineConfig) -> str:
 def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
     """The bundled speculative loop vs plain decoding on the eval sets: report.md, PNG plots, wandb."""
     from eagle3.chat import ChatFormat
-    from eagle3.spec_decode import SpecConfig
-    from eagle3.verify import SamplingParams
+    from eagle3.config import SamplingConfig
     from serve_eval.evaluate import evaluate, load_pair, read_prompts, write_report
+    from serve_eval.spec_decode import SpecConfig
 
     e = cfg.eval
     draft_path = eval_draft(cfg)
@@ -244,7 +245,7 @@ def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
         except (ValueError, FileNotFoundError) as err:  # a missing, empty or malformed eval set, named
             raise PipelineError(f"eval.sets: {err}") from None
         report = evaluate(target, draft, prompts, config=SpecConfig(e.mode, e.k, e.topk, e.budget),
-                          params=SamplingParams(e.temperature), max_new_tokens=e.max_new_tokens,
+                          params=SamplingConfig(temperature=e.temperature), max_new_tokens=e.max_new_tokens,
                           stop_ids=sorted(chat.stop_ids), seed=cfg.seed)
         report.update(draft=draft_path, target=cfg.target.name_or_path, settings=settings)
         write_report(report, out, e.wandb_mode)
@@ -325,7 +326,7 @@ def stage_quantize(cfg: PipelineConfig) -> dict[str, Any]:
     reused when already converted from the same target with the same settings."""
     from transformers import AutoTokenizer
 
-    from eagle3.nvfp4 import REPORT_FILE, calibration_sequences, convert
+    from data_gen.nvfp4 import REPORT_FILE, calibration_sequences, convert
     from eagle3.target_source import resolve_target
 
     q = cfg.quantize

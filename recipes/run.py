@@ -8,7 +8,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from eagle3.config import PipelineConfig
+from recipes.config import PipelineConfig
 
 ConfigStore.instance().store(name="pipeline_schema", node=PipelineConfig)
 

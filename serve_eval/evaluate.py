@@ -5,7 +5,7 @@
         [--max-new-tokens 128] [--mode chain|tree] [--k 3] [--topk 4] [--budget 16] [--temperature 0]
 
 For every prompt (the first user turn, the target's chat template) it runs plain decoding and
-speculative decoding in the same loop (:class:`eagle3.spec_decode.SpeculativeDecoder`, batch 1),
+speculative decoding in the same loop (:class:`serve_eval.spec_decode.SpeculativeDecoder`, batch 1),
 and writes to ``--out``:
 
 * ``report.json``: per eval set and overall: tau (tokens per target forward, the bonus token
@@ -32,13 +32,12 @@ from typing import Any
 
 import torch
 
-from eagle3.adaptive import measure_cost
 from eagle3.atomic import atomic_write_text
-from eagle3.config import add_target_arguments
+from eagle3.config import SamplingConfig, add_target_arguments
 from eagle3.errors import USER_ERRORS
-from eagle3.spec_decode import DecodeStats, SpecConfig, SpeculativeDecoder
 from eagle3.target import context_length
-from eagle3.verify import SamplingParams
+from serve_eval.adaptive import measure_cost
+from serve_eval.spec_decode import DecodeStats, SpecConfig, SpeculativeDecoder
 
 EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "multilingual")
 TIE_MARGIN = 1e-4
@@ -114,7 +113,7 @@ def summarise(spec: list[DecodeStats], plain: list[DecodeStats]) -> dict[str, An
 
 
 def evaluate(target: Any, draft: Any, prompts: dict[str, list[list[int]]], *, config: SpecConfig,
-             params: SamplingParams, max_new_tokens: int, stop_ids: Sequence[int], seed: int = 0,
+             params: SamplingConfig, max_new_tokens: int, stop_ids: Sequence[int], seed: int = 0,
              progress: bool = True) -> dict[str, Any]:
     """Plain and speculative generation of every prompt; the report's data."""
     from tqdm import tqdm
@@ -327,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         config = SpecConfig(args.mode, args.k, args.topk, args.budget)
-        params = SamplingParams(args.temperature, args.top_k, args.top_p)
+        params = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         target, draft = load_pair(args.draft, args.target, args.target_dtype, args.device)
         chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
         prompts = {name: read_prompts(Path(args.pools), name, args.per_set, chat) for name in args.sets.split(",")}

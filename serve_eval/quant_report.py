@@ -80,17 +80,15 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run(reference: Any, quantized: Any, prompts: dict[str, list[list[int]]], max_new_tokens: int,
         stop_ids: Sequence[int]) -> dict[str, Any]:
-    from eagle3.config import SamplingConfig
-    from eagle3.generate import generate
+    from data_gen.generate import generate
 
-    sampling = SamplingConfig(max_new_tokens=max_new_tokens)
     per_set: dict[str, Any] = {}
     everything: list[dict[str, Any]] = []
     for name, items in prompts.items():
         rows = []
         for prompt in items:
-            ref_out = generate(reference, [prompt], stop_ids, sampling)[0].token_ids
-            q_out = generate(quantized, [prompt], stop_ids, sampling)[0].token_ids
+            ref_out = generate(reference, [prompt], stop_ids, max_new_tokens)[0].token_ids
+            q_out = generate(quantized, [prompt], stop_ids, max_new_tokens)[0].token_ids
             diverge = first_divergence(ref_out, q_out)
             rows.append({"cmp": compare_on(reference, quantized, prompt, ref_out), "equal": diverge is None,
                          "common": len(ref_out) if diverge is None else diverge, "length": len(ref_out)})

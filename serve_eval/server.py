@@ -13,7 +13,7 @@ Requests are served one at a time by a worker thread (batch-1 speculative decodi
 and draft's KV caches per request) from a bounded queue: a full queue answers 503. Every bad
 request is a 4xx with an OpenAI-style ``{"error": {"message", "type", "param"}}`` body naming the
 reason. With ``--adaptive`` each request's chain depth follows its running acceptance and the
-cost model measured at start-up (:mod:`eagle3.adaptive`); depth 0 is plain decoding.
+cost model measured at start-up (:mod:`serve_eval.adaptive`); depth 0 is plain decoding.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel
 
 try:
     from fastapi import FastAPI, Request
@@ -44,100 +44,12 @@ try:
 except ImportError as err:  # the core install trains and harvests; serving is an extra
     raise ImportError(f"serve_eval.server needs the [serve] extra: pip install -e '.[serve]' ({err})") from err
 
-from eagle3.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_cost
 from eagle3.chat import ChatFormat, ChatFormatError
-from eagle3.config import add_target_arguments
-from eagle3.conversations import TEXT_PART_SEPARATOR
+from eagle3.config import SamplingConfig, add_target_arguments
 from eagle3.errors import USER_ERRORS
-from eagle3.spec_decode import DecodeStats, SpecConfig, SpeculativeDecoder
-from eagle3.verify import SamplingParams
-
-# ---------------------------------------------------------------- requests
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.message, self.param, self.status, self.kind = message, param, status, kind
-
-
-class _StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    include_usage: bool = False
-
-
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    n: int = Field(default=1, ge=1)
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # int64, as vLLM's
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: _StreamOptions | None = None
-    logprobs: Any = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must be non-empty")
-        return v
-
-
-class _TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class _Message(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[_TextPart]
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else TEXT_PART_SEPARATOR.join(p.text for p in self.content)
-
-
-class ChatRequest(_Sampling):
-    messages: list[_Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = False
-
-
-def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
-    """Bytes of a request body -> the validated request, or :class:`BadRequest` naming the reason."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise BadRequest(f"the request body is not valid UTF-8 (byte {err.start})") from None
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise BadRequest(f"the request body is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") \
-            from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as err:
-        first = err.errors()[0]
-        param = ".".join(str(x) for x in first["loc"])
-        raise BadRequest(f"{param}: {first['msg']}" if param else first["msg"], param=param or None) from None
-
+from serve_eval.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_cost
+from serve_eval.openai_api import BadRequest, ChatRequest, CompletionRequest, parse_body
+from serve_eval.spec_decode import DecodeStats, SpecConfig, SpeculativeDecoder
 
 # ---------------------------------------------------------------- text
 
@@ -268,7 +180,7 @@ class Job:
     endpoint: str
     prompt: list[int]
     max_tokens: int
-    params: SamplingParams
+    params: SamplingConfig
     seed: int
     stops: list[str]
     emit: Callable[[dict[str, Any]], None]
@@ -361,7 +273,7 @@ class Engine:
                              f"{len(prompt)} and {asked or 1} more were requested", param="max_tokens")
         max_tokens = asked if asked is not None else min(room, self.default_max_tokens)
         try:
-            params = SamplingParams(req.temperature, max(req.top_k, 0), req.top_p)
+            params = SamplingConfig(temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p)
         except ValueError as err:
             raise BadRequest(str(err)) from None
         seed = req.seed if req.seed is not None else secrets.randbits(31)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3.adaptive import AcceptanceCounts, AdaptiveDepth, CostModel, best_depth, expected_tokens, measure_cost
-from eagle3.spec_decode import SpecConfig, SpeculativeDecoder
+from serve_eval.adaptive import AcceptanceCounts, AdaptiveDepth, CostModel, best_depth, expected_tokens, measure_cost
+from serve_eval.spec_decode import SpecConfig, SpeculativeDecoder
 from tests.test_spec_decode import make_draft, make_target
 
 
@@ -76,7 +76,7 @@ def test_measure_cost_on_a_tiny_model() -> None:
 
 
 def test_fit_linear_by_hand() -> None:
-    from eagle3.adaptive import fit_linear
+    from serve_eval.adaptive import fit_linear
 
     assert fit_linear([1.0, 2.0, 3.0]) == pytest.approx([1.0, 2.0, 3.0])
     # a noisy, non-monotonic set: 0.11, 0.086, 0.083, 0.163 -> mean 0.1105, slope 0.0156

@@ -10,21 +10,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
-from eagle3.config import HarvestConfig, TargetConfig
+from eagle3.config import SamplingConfig, TargetConfig
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab
 from eagle3.metrics import AcceptanceTally
 from eagle3.shards import HarvestStore
-from eagle3.spec_decode import SpecConfig, SpeculativeDecoder
 from eagle3.target import Target
 from eagle3.target_head import TargetHead
 from eagle3.train import TTTModel, train_forward
 from eagle3.train_data import load_batch
 from eagle3.ttt import step_weights
-from eagle3.verify import SamplingParams
 from hard_mining.score import score_store, target_head
 from serve_eval.evaluate import evaluate, top2_margin
+from serve_eval.spec_decode import SpecConfig, SpeculativeDecoder
 from tests.fake_device import DeviceMixError, other_device
 from tests.test_harvest import _data
 from tests.test_spec_decode import PROMPTS, make_draft, make_target
@@ -54,7 +54,7 @@ def test_the_speculative_loop_runs_with_the_model_on_another_device(monkeypatch:
                                                                    temperature: float) -> None:
     target = make_target()
     draft = make_draft(target)
-    config, params = SpecConfig(mode, k=3, topk=3, budget=8), SamplingParams(temperature=temperature)
+    config, params = SpecConfig(mode, k=3, topk=3, budget=8), SamplingConfig(temperature=temperature)
     want = SpeculativeDecoder(target, draft, config).generate(PROMPTS[1], 16, params=params, seed=3)
     with other_device(monkeypatch) as dev:
         target.model.to(dev)
@@ -140,7 +140,7 @@ def test_evaluation_and_its_divergence_margin_run_with_the_model_on_another_devi
     with other_device(monkeypatch) as dev:
         target.model.to(dev)
         draft.to(dev)
-        report = evaluate(target, draft, {"a": PROMPTS}, config=SpecConfig("chain", k=2), params=SamplingParams(),
+        report = evaluate(target, draft, {"a": PROMPTS}, config=SpecConfig("chain", k=2), params=SamplingConfig(),
                           max_new_tokens=8, stop_ids=[], progress=False)
         margin = top2_margin(target, PROMPTS[1])
     assert margin == pytest.approx(want, abs=1e-5)  # a difference of two logits ~1e1: fp32 rounding

@@ -29,7 +29,8 @@ SCRIPT = textwrap.dedent('''
     out = Path(sys.argv[1])
     from data_gen.harvest import run as harvest
     from data_gen.regenerate import run as regenerate
-    from eagle3.config import HarvestConfig, RegenerateConfig, TargetConfig, TrainConfig
+    from data_gen.config import HarvestConfig, RegenerateConfig
+    from eagle3.config import TargetConfig, TrainConfig
     from eagle3.train import train
     from tests.test_harvest import _data
     from tests.tiny_targets import lively_target
@@ -51,7 +52,7 @@ SCRIPT = textwrap.dedent('''
             __import__(module)
         except ImportError as err:
             assert extra and extra in str(err), err
-    from eagle3.nvfp4 import NVFP4Error, quantization_config
+    from data_gen.nvfp4 import NVFP4Error, quantization_config
     try:
         quantization_config("w4a4", ["lm_head"])
     except NVFP4Error as err:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from data_gen.generate import Generation, generate, left_pad, trim_generated
 from eagle3.chat import ChatFormat
-from eagle3.generate import Generation, SamplingConfig, generate, left_pad, trim_generated
+from eagle3.config import SamplingConfig
 from eagle3.target import Target
 from tests.tiny_targets import lively_target
 
@@ -51,18 +52,17 @@ def test_trim_cuts_at_the_first_stop_id_and_drops_it() -> None:
 def test_batch_of_eight_equals_each_row_alone(target: Target, chat: ChatFormat) -> None:
     prompts = [_prompt(chat, p) for p in PROMPTS]
     assert len({len(p) for p in prompts}) > 4  # really padded
-    sampling = SamplingConfig(max_new_tokens=24)
-    batched = generate(target, prompts, chat.stop_ids, sampling)
+    batched = generate(target, prompts, chat.stop_ids, 24)
     assert len({tuple(g.token_ids) for g in batched}) == len(PROMPTS)  # varied outputs, not one repeated token
     for row, prompt in enumerate(prompts):
-        alone = generate(target, [prompt], chat.stop_ids, sampling)[0]
+        alone = generate(target, [prompt], chat.stop_ids, 24)[0]
         assert alone == batched[row], f"row {row} differs between batch and alone"
         assert len(alone.token_ids) <= 24
 
 
 def test_greedy_equals_hf_greedy_and_manual_argmax(target: Target, chat: ChatFormat) -> None:
     prompt = _prompt(chat, PROMPTS[1])
-    ours = generate(target, [prompt], chat.stop_ids, SamplingConfig(max_new_tokens=6))[0]
+    ours = generate(target, [prompt], chat.stop_ids, 6)[0]
     ids = torch.tensor([prompt])
     for _ in range(6):  # no KV cache: every step recomputed from scratch
         ids = torch.cat([ids, target.model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
@@ -72,39 +72,41 @@ def test_greedy_equals_hf_greedy_and_manual_argmax(target: Target, chat: ChatFor
 
 def test_generation_stops_at_a_stop_id(target: Target, chat: ChatFormat) -> None:
     prompt = _prompt(chat, PROMPTS[1])
-    free = generate(target, [prompt], chat.stop_ids, SamplingConfig(max_new_tokens=24))[0].token_ids
+    free = generate(target, [prompt], chat.stop_ids, 24)[0].token_ids
     stop = free[5]
     first = free.index(stop)  # the stop token may already appear earlier
-    cut = generate(target, [prompt], [*chat.stop_ids, stop], SamplingConfig(max_new_tokens=24))[0]
+    cut = generate(target, [prompt], [*chat.stop_ids, stop], 24)[0]
     assert cut == Generation(free[:first], "stop", stop)
 
 
 def test_the_models_own_generation_defaults_are_ignored(chat: ChatFormat) -> None:
     target = lively_target()  # its own copy: the generation config is changed below
     prompt = _prompt(chat, PROMPTS[0])
-    want = generate(target, [prompt], chat.stop_ids, SamplingConfig(max_new_tokens=12))
+    want = generate(target, [prompt], chat.stop_ids, 12)
     shipped = target.model.generation_config
     shipped.update(do_sample=True, temperature=5.0, top_k=3, repetition_penalty=3.0)  # e.g. an instruct model's
-    assert generate(target, [prompt], chat.stop_ids, SamplingConfig(max_new_tokens=12)) == want
+    assert generate(target, [prompt], chat.stop_ids, 12) == want
     assert target.model.generation_config is shipped  # restored after the call
 
 
 def test_sampling_is_reproducible_per_seed_and_leaves_global_rng_alone(target: Target, chat: ChatFormat) -> None:
     prompts = [_prompt(chat, p) for p in PROMPTS[:3]]
-    sampling = SamplingConfig(max_new_tokens=16, temperature=1.0, top_p=0.95)
+    sampling = SamplingConfig(temperature=1.0, top_p=0.95)
     torch.manual_seed(123)
     before = torch.rand(1)
     torch.manual_seed(123)
-    a = generate(target, prompts, chat.stop_ids, sampling, seed=7)
+    a = generate(target, prompts, chat.stop_ids, 16, sampling, seed=7)
     assert torch.rand(1) == before  # the global RNG did not advance
-    assert generate(target, prompts, chat.stop_ids, sampling, seed=7) == a
-    assert generate(target, prompts, chat.stop_ids, sampling, seed=8) != a
-    assert generate(target, prompts, chat.stop_ids, SamplingConfig(max_new_tokens=16), seed=7) != a
+    assert generate(target, prompts, chat.stop_ids, 16, sampling, seed=7) == a
+    assert generate(target, prompts, chat.stop_ids, 16, sampling, seed=8) != a
+    assert generate(target, prompts, chat.stop_ids, 16, SamplingConfig(), seed=7) != a
 
 
-def test_sampling_config_validation(target: Target) -> None:
-    for bad in (dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-1)):
+def test_sampling_config_validation(target: Target, chat: ChatFormat) -> None:
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-1)):
         with pytest.raises(ValueError):
             SamplingConfig(**bad)
     with pytest.raises(ValueError, match="stop_ids is empty"):
-        generate(target, [[1, 2]], [], SamplingConfig(max_new_tokens=1))
+        generate(target, [[1, 2]], [], 1)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        generate(target, [[1, 2]], chat.stop_ids, 0)

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from data_gen import harvest
+from data_gen.config import HarvestConfig
 from data_gen.harvest import HarvestError, run
-from eagle3 import harvest
 from eagle3.chat import ChatFormat
-from eagle3.config import HarvestConfig, TargetConfig
+from eagle3.config import TargetConfig
 from eagle3.shards import HarvestStore, StoreError, verify_store
 from eagle3.target import Target
 from tests.tiny_targets import lively_target, save_lively
@@ -291,9 +292,9 @@ def test_a_dated_template_is_harvested_with_the_prompt_the_target_was_fed(monkey
 
     import transformers.utils.chat_template_utils as templates
 
-    from eagle3.config import RegenerateConfig
-    from eagle3.generate import SamplingConfig, regenerate_conversations
-    from eagle3.regenerate import output_record
+    from data_gen.config import RegenerateConfig
+    from data_gen.generate import regenerate_conversations
+    from data_gen.regenerate import output_record
 
     def clock(day: int) -> type:
         class Frozen(datetime):
@@ -308,7 +309,7 @@ def test_a_dated_template_is_harvested_with_the_prompt_the_target_was_fed(monkey
     conversation = [{"role": "user", "content": "Hi\n"}, {"role": "assistant", "content": "x"},
                     {"role": "user", "content": "More"}]
     monkeypatch.setattr(templates, "datetime", clock(24))
-    [result] = regenerate_conversations(target, chat, [conversation], SamplingConfig(max_new_tokens=4))
+    [result] = regenerate_conversations(target, chat, [conversation], 4)
     fed = [chat.prompt_ids(result.messages[:1]), chat.prompt_ids(result.messages[:3])]
     assert result.prompts == fed
     record = output_record({"id": "r", "messages": conversation}, result, RegenerateConfig(), "t", chat.renders_time)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from eagle3.checkpoint import load_exported_draft
-from eagle3.export import DraftFormatError, give_target_lm_head, load_draft
+from eagle3.export import give_target_lm_head, load_draft
 from eagle3.export import main as export_main
+from eagle3.formats import DraftFormatError
 from tests.test_export import _public_config, _public_folder, make_draft, propose
 
 

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.config import HarvestConfig, LauncherConfig, PipelineConfig, TargetConfig, TrainConfig
+from data_gen.config import HarvestConfig
+from eagle3.config import TargetConfig, TrainConfig
 from eagle3.shards import HarvestStore, verify_store
+from recipes.config import LauncherConfig, PipelineConfig
 from recipes.launch import LaunchError, submit
 from tests.test_harvest import _data
 from tests.tiny_targets import save_lively

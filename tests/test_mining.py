@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.config import HarvestConfig, MineConfig, TargetConfig, TrainConfig
-from eagle3.harvest import run as harvest
+from data_gen.config import HarvestConfig
+from data_gen.harvest import run as harvest
+from eagle3.config import TargetConfig, TrainConfig
 from eagle3.shards import HarvestStore
 from eagle3.train import train
 from eagle3.train_log import read_metrics
+from hard_mining.config import MineConfig
 from hard_mining.rounds import MineError, balanced_pick, run_rounds
 from hard_mining.score import (
     GroupScore,

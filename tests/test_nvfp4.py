@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3 import fp4, nvfp4
+from data_gen import nvfp4 as conversion
+from eagle3 import nvfp4
 from eagle3.target import load_target
 from tests.conftest import TINY_VOCAB, tiny_llama, tiny_tokenizer
 
@@ -31,28 +32,28 @@ def test_rounding_by_hand_and_against_compressed_tensors() -> None:
     x = torch.tensor([0.0, 0.2, 0.25, 0.26, 0.75, 1.25, 1.3, 1.75, 2.5, 2.6, 3.5, 4.9, 5.0, 5.1, 7.0,
                       -0.75, -5.0, -9.0])
     want = torch.tensor([0, 0, 0, 0.5, 1, 1, 1.5, 2, 2, 3, 4, 4, 4, 6, 6, -1, -4, -6])
-    assert torch.equal(fp4.round_to_e2m1(x), want)
+    assert torch.equal(nvfp4.round_to_e2m1(x), want)
     grid = torch.arange(-800, 801) / 100.0  # every tie and both sides of each
-    assert torch.equal(fp4.round_to_e2m1(grid), cast_to_fp4(grid.clone()))
+    assert torch.equal(nvfp4.round_to_e2m1(grid), cast_to_fp4(grid.clone()))
 
 
 def test_pack_unpack_exact_and_same_bytes_as_compressed_tensors() -> None:
     from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpack_fp4_from_uint8
 
-    values = torch.tensor(fp4.E2M1_VALUES)
+    values = torch.tensor(nvfp4.E2M1_VALUES)
     every = torch.cat([values, -values[1:]])  # the 15 distinct values
     codes = every[torch.randint(0, len(every), (37, 64), generator=torch.Generator().manual_seed(0))]
-    packed = fp4.pack_fp4(codes)
+    packed = nvfp4.pack_fp4(codes)
     assert packed.dtype == torch.uint8 and packed.shape == (37, 32)
-    assert torch.equal(fp4.unpack_fp4(packed), codes)
+    assert torch.equal(nvfp4.unpack_fp4(packed), codes)
     assert torch.equal(packed, pack_fp4_to_uint8(codes))
     assert torch.equal(unpack_fp4_from_uint8(packed, 37, 64), codes)
     # by hand: 1.5 (index 3) in the low nibble, -6 (sign 8 | index 7) in the high one
-    assert fp4.pack_fp4(torch.tensor([[1.5, -6.0]])).item() == 3 | (15 << 4)
-    assert torch.equal(fp4.unpack_fp4(torch.arange(256, dtype=torch.uint8)).view(256, 2)[0x5F],
+    assert nvfp4.pack_fp4(torch.tensor([[1.5, -6.0]])).item() == 3 | (15 << 4)
+    assert torch.equal(nvfp4.unpack_fp4(torch.arange(256, dtype=torch.uint8)).view(256, 2)[0x5F],
                        torch.tensor([-6.0, 3.0]))
     with pytest.raises(ValueError, match="even"):
-        fp4.pack_fp4(torch.zeros(3))
+        nvfp4.pack_fp4(torch.zeros(3))
 
 
 def test_scales_codes_and_fake_quant_equal_compressed_tensors() -> None:
@@ -67,29 +68,29 @@ def test_scales_codes_and_fake_quant_equal_compressed_tensors() -> None:
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(96, 128, generator=gen) * torch.rand(96, 1, generator=gen) * 0.1
     w[3, :16] = 0  # an all-zero block: its scale is FP8's epsilon, not 0
-    g = fp4.global_scale(w.abs().amax())
+    g = nvfp4.global_scale(w.abs().amax())
     assert torch.equal(g, generate_gparam(w.min(), w.max()))
     blocks = w.unflatten(-1, (-1, 16))
     ref_scale, zero = calculate_qparams(blocks.amin(-1), blocks.amax(-1), w_args, global_scale=g)
-    codes, scale = fp4.quantize(w, g)
-    assert scale.dtype == torch.float8_e4m3fn and scale[3, 0].float().item() == fp4.FP8_EPS
+    codes, scale = nvfp4.quantize(w, g)
+    assert scale.dtype == torch.float8_e4m3fn and scale[3, 0].float().item() == nvfp4.FP8_EPS
     assert torch.equal(scale.float(), ref_scale)
     assert torch.equal(codes, quantize(w, ref_scale, zero, w_args, global_scale=g))
-    assert torch.equal(fp4.dequantize(codes, scale, g), fake_quantize(w, ref_scale, zero, w_args, global_scale=g))
+    assert torch.equal(nvfp4.dequantize(codes, scale, g), fake_quantize(w, ref_scale, zero, w_args, global_scale=g))
 
     x = torch.randn(3, 7, 128, generator=gen) * 5  # activations: scales per block from x itself
-    gx = fp4.global_scale(30.0)
+    gx = nvfp4.global_scale(30.0)
     s, z = compute_dynamic_scales_and_zp(x, a_args, torch.nn.Linear(1, 1), global_scale=gx)
-    assert torch.equal(fp4.fake_quantize(x, gx), fake_quantize(x, s, z, a_args, global_scale=gx))
+    assert torch.equal(nvfp4.fake_quantize(x, gx), fake_quantize(x, s, z, a_args, global_scale=gx))
 
 
 def test_quantization_error_within_the_format_bounds() -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.cat([torch.randn(64, 256, generator=gen), torch.randn(64, 256, generator=gen).pow(3) * 10])
-    g = fp4.global_scale(x.abs().amax())
-    codes, scale = fp4.quantize(x, g)
-    err = (fp4.dequantize(codes, scale, g) - x).abs()
-    bound = fp4.quantization_error_bound(x, g)
+    g = nvfp4.global_scale(x.abs().amax())
+    codes, scale = nvfp4.quantize(x, g)
+    err = (nvfp4.dequantize(codes, scale, g) - x).abs()
+    bound = nvfp4.quantization_error_bound(x, g)
     assert bool((err <= bound * (1 + 1e-6)).all())
     assert (err / bound.clamp(min=1e-30)).max() > 0.9  # the bound is tight, not vacuous
     # each block's largest |value| lands on (or next to) the grid's top: the scales use FP8's range
@@ -98,7 +99,7 @@ def test_quantization_error_within_the_format_bounds() -> None:
     assert float(top.min()) > 5.0 and float(top.max()) < 7.0
     # relative error of Gaussian weights: FP4's ~4 levels per octave give roughly 10%
     w = torch.randn(256, 256, generator=gen)
-    wq = fp4.dequantize(*fp4.quantize(w, fp4.global_scale(w.abs().amax())), fp4.global_scale(w.abs().amax()))
+    wq = nvfp4.dequantize(*nvfp4.quantize(w, nvfp4.global_scale(w.abs().amax())), nvfp4.global_scale(w.abs().amax()))
     assert 0.05 < ((wq - w).norm() / w.norm()).item() < 0.15
 
 
@@ -131,7 +132,7 @@ def ct_reference_model(source: Path, checkpoint: Path):
 
 def test_w4a4_emulation_equals_compressed_tensors_fake_quant(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "nvfp4"
-    report = nvfp4.convert(str(tiny_model_dir), out, calibration=calib_ids())
+    report = conversion.convert(str(tiny_model_dir), out, calibration=calib_ids())
     assert report["quantized_linears"] == 8 * 7 and report["calibration_tokens"] == 160
     assert set(report["unquantized_matrices"]) == {"model.embed_tokens.weight", "lm_head.weight"}
     emulated = nvfp4.load_emulated(out)
@@ -154,7 +155,7 @@ def test_checkpoint_layout_is_what_vllm_reads(tiny_model_dir: Path, tmp_path: Pa
     from compressed_tensors.quantization import QuantizationConfig
 
     out = tmp_path / "nvfp4"
-    nvfp4.convert(str(tiny_model_dir), out, calibration=calib_ids())
+    conversion.convert(str(tiny_model_dir), out, calibration=calib_ids())
     config = json.loads((out / "config.json").read_text())
     qcfg = config["quantization_config"]
     assert qcfg["quant_method"] == "compressed-tensors" and qcfg["format"] == "nvfp4-pack-quantized"
@@ -174,7 +175,7 @@ def test_checkpoint_layout_is_what_vllm_reads(tiny_model_dir: Path, tmp_path: Pa
     assert len({t[f"{layer}.mlp.{p}_proj.weight_global_scale"].item() for p in ("gate", "up")}) == 1
     assert t[f"{layer}.self_attn.o_proj.weight_global_scale"] != t[f"{layer}.self_attn.q_proj.weight_global_scale"]
     # the input scale maps the calibrated |x| max onto FP8 * FP4 max
-    report = json.loads((out / nvfp4.REPORT_FILE).read_text())
+    report = json.loads((out / conversion.REPORT_FILE).read_text())
     amax = report["per_linear"][q]["input_amax"]
     assert t[f"{q}.input_global_scale"].item() == pytest.approx(448 * 6 / amax, rel=1e-6)
 
@@ -183,19 +184,19 @@ def test_calibration_records_the_largest_input(tiny_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    linears = nvfp4.quantizable_linears(model)
+    linears = conversion.quantizable_linears(model)
     assert "lm_head" not in linears and len(linears) == 56
     seen: dict[str, float] = {}
     down = "model.layers.3.mlp.down_proj"
     handle = linears[down].register_forward_pre_hook(
         lambda m, a: seen.__setitem__("x", max(seen.get("x", 0.0), a[0].abs().max().item())))
-    calib = nvfp4.calibrate(model, linears, (torch.tensor([s]) for s in calib_ids(3)))
+    calib = conversion.calibrate(model, linears, (torch.tensor([s]) for s in calib_ids(3)))
     handle.remove()
     assert calib.input_amax[down] == seen["x"]
     assert ["model.layers.3.mlp.gate_proj", "model.layers.3.mlp.up_proj"] in calib.fused
     assert not any(down in g for g in calib.fused)
     with pytest.raises(nvfp4.NVFP4Error, match="no tokens"):
-        nvfp4.calibrate(model, linears, iter(()))
+        conversion.calibrate(model, linears, iter(()))
 
 
 def test_int4_compressed_tensors_source_converts(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -232,7 +233,7 @@ def test_int4_compressed_tensors_source_converts(tiny_model_dir: Path, tmp_path:
     assert json.loads((int4 / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
 
     out = tmp_path / "nvfp4"
-    nvfp4.convert(str(int4), out, mode="w4a16")
+    conversion.convert(str(int4), out, mode="w4a16")
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["format"] == "nvfp4-pack-quantized"
     assert config["quantization_config"]["config_groups"]["group_0"]["input_activations"] is None
@@ -240,16 +241,16 @@ def test_int4_compressed_tensors_source_converts(tiny_model_dir: Path, tmp_path:
     name = "model.layers.2.mlp.down_proj"
     # the NVFP4 weight is the NVFP4 quantisation of the dequantised INT4 weight
     gscale = t[f"{name}.weight_global_scale"]
-    codes, scale = fp4.quantize(int4_weights[name], gscale)
-    assert torch.equal(fp4.pack_fp4(codes), t[f"{name}.weight_packed"])
+    codes, scale = nvfp4.quantize(int4_weights[name], gscale)
+    assert torch.equal(nvfp4.pack_fp4(codes), t[f"{name}.weight_packed"])
     assert torch.equal(scale.float(), t[f"{name}.weight_scale"].float())
     with pytest.raises(nvfp4.NVFP4Error, match="already NVFP4"):
-        nvfp4.convert(str(out), tmp_path / "again", mode="w4a16")
+        conversion.convert(str(out), tmp_path / "again", mode="w4a16")
 
 
 def test_load_target_runs_the_checkpoint_emulated(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "nvfp4"
-    nvfp4.convert(str(tiny_model_dir), out, calibration=calib_ids())
+    conversion.convert(str(tiny_model_dir), out, calibration=calib_ids())
     target = load_target(str(out), dtype="float32", device="cpu", aux_layer_ids=[1, 4, 6])
     assert target.model.nvfp4_mode == "w4a4" and target.model.name_or_path == str(out)
     ids = torch.randint(6, TINY_VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -260,16 +261,16 @@ def test_load_target_runs_the_checkpoint_emulated(tiny_model_dir: Path, tmp_path
     weight_only = load_target(str(out), dtype="float32", device="cpu", nvfp4_mode="w4a16")
     assert weight_only.model.nvfp4_mode == "w4a16"
     a16 = tmp_path / "a16"
-    nvfp4.convert(str(tiny_model_dir), a16, mode="w4a16")
+    conversion.convert(str(tiny_model_dir), a16, mode="w4a16")
     with pytest.raises(Exception, match="no input_global_scale"):
         load_target(str(a16), dtype="float32", device="cpu", nvfp4_mode="w4a4")
 
 
 def test_bad_requests_are_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(nvfp4.NVFP4Error, match="calibration"):
-        nvfp4.convert(str(tiny_model_dir), tmp_path / "x", mode="w4a4")
+        conversion.convert(str(tiny_model_dir), tmp_path / "x", mode="w4a4")
     with pytest.raises(nvfp4.NVFP4Error, match="mode"):
-        nvfp4.convert(str(tiny_model_dir), tmp_path / "x", mode="w8a8")
+        conversion.convert(str(tiny_model_dir), tmp_path / "x", mode="w8a8")
     assert not (tmp_path / "x").exists()
     with pytest.raises(nvfp4.NVFP4Error, match="no nvfp4-pack-quantized"):
         nvfp4.load_emulated(tiny_model_dir)
@@ -278,11 +279,11 @@ def test_bad_requests_are_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
     odd = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=40, intermediate_size=80, num_hidden_layers=1,
                                        num_attention_heads=4, num_key_value_heads=2))
     with pytest.raises(nvfp4.NVFP4Error, match="multiple of 16"):
-        nvfp4.quantizable_linears(odd)
+        conversion.quantizable_linears(odd)
     with pytest.raises(nvfp4.NVFP4Error, match=r"ignore \['lm_haed'\]: matches no Linear"):
-        nvfp4.quantizable_linears(odd, ignore=("lm_haed",))
+        conversion.quantizable_linears(odd, ignore=("lm_haed",))
     with pytest.raises(SystemExit):
-        nvfp4.main(["--target", str(tiny_model_dir), "--out", str(tmp_path / "y"), "--samples", "-3"])
+        conversion.main(["--target", str(tiny_model_dir), "--out", str(tmp_path / "y"), "--samples", "-3"])
     assert not (tmp_path / "y").exists()
 
 
@@ -290,7 +291,7 @@ def test_quality_report_figures(tiny_model_dir: Path, tmp_path: Path) -> None:
     from serve_eval.quant_report import compare_on, run
 
     out = tmp_path / "nvfp4"
-    nvfp4.convert(str(tiny_model_dir), out, calibration=calib_ids())
+    conversion.convert(str(tiny_model_dir), out, calibration=calib_ids())
     reference = load_target(str(tiny_model_dir), dtype="float32", device="cpu")
     quantized = load_target(str(out), dtype="float32", device="cpu")
     gen = torch.Generator().manual_seed(5)
@@ -313,8 +314,10 @@ def test_quality_report_figures(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 
 def test_pipeline_quantize_stage_runs_later_stages_on_the_nvfp4_target(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from eagle3.config import PipelineConfig, QuantizeConfig, TargetConfig
+    from eagle3.config import TargetConfig
+    from recipes.config import PipelineConfig
     from recipes.pipeline import run_pipeline
+    from serve_eval.config import QuantizeConfig
 
     calib = tmp_path / "calib.jsonl"
     calib.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}?"},
@@ -337,5 +340,5 @@ def test_pipeline_quantize_stage_runs_later_stages_on_the_nvfp4_target(tiny_mode
 
 def test_vllm_preparation_leaves_other_checkpoints_alone(tiny_model_dir: Path) -> None:
     """Only an NVFP4 checkpoint on a machine without CUDA changes vLLM's kernel list."""
-    assert nvfp4.prepare_vllm_on_cpu(tiny_model_dir) is False
+    assert conversion.prepare_vllm_on_cpu(tiny_model_dir) is False
     assert nvfp4.nvfp4_quantization(tiny_model_dir) is None

@@ -10,17 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.config import (
-    EvalConfig,
-    HarvestConfig,
-    PipelineConfig,
-    RegenerateConfig,
-    SelectConfig,
-    TargetConfig,
-    TrainConfig,
-    UserFileConfig,
-)
+from data_gen.config import HarvestConfig, RegenerateConfig, SelectConfig, UserFileConfig
+from eagle3.config import TargetConfig, TrainConfig
+from recipes.config import PipelineConfig
 from recipes.pipeline import PipelineError, run_pipeline
+from serve_eval.config import EvalConfig
 from tests.test_mining import _records
 from tests.tiny_targets import save_lively
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from data_gen import pools
+from data_gen.config import PoolsConfig
 from data_gen.pools import build_pools, check_no_overlap, read_jsonl
 from data_gen.sources import Prompt
-from eagle3.config import PoolsConfig
 
 
 def _u(*turns: str) -> list[dict[str, str]]:
@@ -103,7 +103,7 @@ def test_pools_are_deterministic_and_atomic(tmp_path: Path, fake: None, monkeypa
 
 
 def test_user_files_join_the_pool(tmp_path: Path, fake: None) -> None:
-    from eagle3.config import UserFileConfig
+    from data_gen.config import UserFileConfig
 
     mine = tmp_path / "mine.jsonl"
     mine.write_text('{"messages": [{"role": "user", "content": "Explain Rust lifetimes with an example."}]}\n'
@@ -122,7 +122,7 @@ def test_user_files_join_the_pool(tmp_path: Path, fake: None) -> None:
 
 def test_an_empty_user_file_is_named_in_strict_mode_and_counted_otherwise(tmp_path: Path, fake: None,
                                                                         capsys: pytest.CaptureFixture) -> None:
-    from eagle3.config import UserFileConfig
+    from data_gen.config import UserFileConfig
     from eagle3.conversations import ConversationError
 
     for text in ("", "\n  \n\n"):

@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 import recipes.run  # noqa: F401  (registers the schema)
-from eagle3.config import PipelineConfig, TargetConfig, TrainConfig
+from eagle3.config import TargetConfig, TrainConfig
+from recipes.config import PipelineConfig
 
 RECIPES = Path(recipes.run.__file__).parent
 TARGETS = sorted(p.stem for p in (RECIPES / "target").glob("*.yaml"))
@@ -177,14 +178,14 @@ def test_the_race_passes_a_draft_recipe_as_the_pipeline_applies_it(name: str) ->
 
 
 def test_a_draft_recipe_with_a_key_that_is_no_train_setting_is_named(tmp_path: Path, monkeypatch) -> None:
-    import recipes
+    from eagle3 import config
 
-    monkeypatch.setattr(recipes, "DRAFT_RECIPES", tmp_path)
+    monkeypatch.setattr(config, "DRAFT_RECIPES", tmp_path)
     (tmp_path / "typo.yaml").write_text("lr: 1e-3\nstep_decy: 1.0\n")
     (tmp_path / "unset.yaml").write_text("lr: null\n")
     with pytest.raises(ValueError, match=r"typo\.yaml: 'step_decy' is not a train setting"):
-        recipes.draft_recipe("typo")
+        config.draft_recipe("typo")
     with pytest.raises(ValueError, match=r"unset\.yaml: lr=None: a draft recipe sets single values"):
-        recipes.draft_recipe("unset")
+        config.draft_recipe("unset")
     with pytest.raises(ValueError, match=r"draft recipe 'gone'.*known: typo, unset, none"):
-        recipes.draft_recipe("gone")
+        config.draft_recipe("gone")

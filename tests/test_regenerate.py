@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import eagle3.generate as generation
+import data_gen.generate as generation
+from data_gen.config import RegenerateConfig
+from data_gen.generate import generate, regenerate_conversations
 from data_gen.regenerate import ManifestMismatchError, RegenerateError, main, part_path, run
 from eagle3.chat import ChatFormat
-from eagle3.config import RegenerateConfig, TargetConfig
-from eagle3.generate import SamplingConfig, generate, regenerate_conversations
+from eagle3.config import TargetConfig
 from eagle3.target import Target
 from eagle3.target_source import TargetSourceError
 from tests.tiny_targets import lively_target, save_lively
@@ -68,16 +69,15 @@ def chat(target: Target) -> ChatFormat:
 def test_turn_two_is_prompted_with_the_regenerated_turn_one(target: Target, chat: ChatFormat, monkeypatch) -> None:
     calls: list[list[list[int]]] = []
 
-    def spy(target, prompts, stop_ids, sampling, *, seed):
+    def spy(target, prompts, stop_ids, max_new_tokens, sampling, *, seed):
         calls.append([list(p) for p in prompts])
-        return generate(target, prompts, stop_ids, sampling, seed=seed)
+        return generate(target, prompts, stop_ids, max_new_tokens, sampling, seed=seed)
 
     monkeypatch.setattr(generation, "generate", spy)
     system = {"role": "system", "content": "Be brief."}
     two_turns = [system, _user("Hi there"), _assistant("ORIGINAL ONE"), _user("And then?"), _assistant("ORIGINAL TWO")]
     one_turn = [_user("Only once")]
-    sampling = SamplingConfig(max_new_tokens=8)
-    [a, b] = regenerate_conversations(target, chat, [two_turns, one_turn], sampling)
+    [a, b] = regenerate_conversations(target, chat, [two_turns, one_turn], 8)
 
     assert len(calls) == 2  # depth 1: both conversations in one batch; depth 2: only the first
     assert calls[0] == [chat.prompt_ids(two_turns[:2]), chat.prompt_ids(one_turn)]
@@ -88,7 +88,7 @@ def test_turn_two_is_prompted_with_the_regenerated_turn_one(target: Target, chat
     assert all("ORIGINAL" not in m["content"] for m in a.messages)
     assert [m["role"] for m in b.messages] == ["user", "assistant"] and len(b.turns) == 1
     # Turn 1 is what the target says to [system, user1] alone.
-    alone = generate(target, [chat.prompt_ids(two_turns[:2])], chat.stop_ids, sampling)[0]
+    alone = generate(target, [chat.prompt_ids(two_turns[:2])], chat.stop_ids, 8)[0]
     assert a.turns[0] == alone
     assert reply1 == target.tokenizer.decode(alone.token_ids)
 
@@ -245,7 +245,7 @@ def test_default_target_regeneration_equals_hf_greedy() -> None:
     chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
     conversations = [[_user("What is the capital of France?")],
                      [_user("Write a Python function that reverses a string.")]]
-    results = regenerate_conversations(target, chat, conversations, SamplingConfig(max_new_tokens=16))
+    results = regenerate_conversations(target, chat, conversations, 16)
     for conv, result in zip(conversations, results, strict=True):
         ids = torch.tensor([chat.prompt_ids(conv)])
         hf = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
@@ -267,7 +267,7 @@ THINK_DROPPING_TEMPLATE = (  # like reasoning templates: earlier replies lose th
 def test_records_stay_whole_and_the_harvest_splits_those_the_template_rewrites(tmp_path: Path) -> None:
     from collections import Counter
 
-    from eagle3.harvest import tokenize_records
+    from data_gen.harvest import tokenize_records
 
     thinking = lively_target(chat_template=THINK_DROPPING_TEMPLATE)
     pool = _write_pool(tmp_path / "pool.jsonl", [[_user("a"), _assistant("x"), _user("b")], [_user("solo")]])

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.spec_decode import SpecConfig
-from eagle3.verify import SamplingParams
+from eagle3.config import SamplingConfig
 from serve_eval.evaluate import evaluate, markdown, read_prompts, write_report
+from serve_eval.spec_decode import SpecConfig
 from tests.test_spec_decode import PROMPTS, make_draft, make_target
 
 
@@ -18,7 +18,7 @@ def test_report_has_every_figure_and_file(tmp_path: Path) -> None:
     draft = make_draft(target)
     prompts = {"a": PROMPTS, "b": PROMPTS[:1]}
     report = evaluate(target, draft, prompts, config=SpecConfig("tree", k=2, topk=2, budget=4),
-                      params=SamplingParams(), max_new_tokens=12, stop_ids=[2], progress=False)
+                      params=SamplingConfig(), max_new_tokens=12, stop_ids=[2], progress=False)
     assert set(report["sets"]) == {"a", "b"} and report["overall"]["prompts"] == 3
     for s in [*report["sets"].values(), report["overall"]]:
         assert s["tau"] >= 1.0 and len(s["accept_per_pos"]) == 2 and s["speedup"] > 0

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from eagle3.draft import DraftConfig, Eagle3Draft
-from eagle3.spec_decode import SpecConfig, SpeculativeDecoder
 from eagle3.target import Target
-from eagle3.verify import SamplingParams, target_probs
+from serve_eval.spec_decode import SpecConfig, SpeculativeDecoder
+from serve_eval.verify import SamplingConfig, target_probs
 from tests.conftest import tiny_llama, tiny_tokenizer
 
 PROMPTS = [[1, 17, 40, 9, 3], [1, 5, 5, 5, 5, 5, 5, 90, 4, 33, 12]]
@@ -166,7 +166,7 @@ def test_mismatched_draft_is_refused() -> None:
 def test_sampled_generation_matches_the_target_distribution(config: SpecConfig) -> None:
     target = make_target(vocab=32, layers=4)
     draft = make_draft(target)
-    params = SamplingParams(temperature=1.0, top_k=4)
+    params = SamplingConfig(temperature=1.0, top_k=4)
     prompt = [1, 7, 3]
     decoder = SpeculativeDecoder(target, draft, config)
     trials = 1500

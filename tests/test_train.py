@@ -20,10 +20,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
 from eagle3.atomic import atomic_dir, remove_leftovers
 from eagle3.checkpoint import LATEST, CheckpointError, load_exported_draft, read_draft_vocab
-from eagle3.config import HarvestConfig, TargetConfig, TrainConfig
+from eagle3.config import TargetConfig, TrainConfig
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab
 from eagle3.metrics import AcceptanceTally
@@ -483,7 +484,7 @@ def test_muon_iterates_in_fp32_on_a_cpu_without_bf16_units(monkeypatch: pytest.M
 
 
 def test_bf16_matmul_speedup_is_measured_on_cpus() -> None:
-    from eagle3.target import bf16_matmul_speedup
+    from eagle3.device import bf16_matmul_speedup
 
     assert bf16_matmul_speedup("cuda") == 2.0
     speedup = bf16_matmul_speedup("cpu")

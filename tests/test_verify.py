@@ -8,8 +8,8 @@ import itertools
 import pytest
 import torch
 
-from eagle3.verify import (
-    SamplingParams,
+from serve_eval.verify import (
+    SamplingConfig,
     greedy_chain,
     greedy_tree,
     sample_chain,
@@ -28,17 +28,17 @@ def one_hot_logits(tokens: list[int], vocab: int = V) -> torch.Tensor:
 
 def test_target_probs_by_hand() -> None:
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    assert target_probs(logits, SamplingParams()).tolist() == [1.0, 0.0, 0.0, 0.0]
-    torch.testing.assert_close(target_probs(logits, SamplingParams(temperature=1.0)), torch.tensor([.5, .3, .15, .05]))
-    torch.testing.assert_close(target_probs(logits, SamplingParams(temperature=1.0, top_k=2)),
+    assert target_probs(logits, SamplingConfig()).tolist() == [1.0, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(target_probs(logits, SamplingConfig(temperature=1.0)), torch.tensor([.5, .3, .15, .05]))
+    torch.testing.assert_close(target_probs(logits, SamplingConfig(temperature=1.0, top_k=2)),
                                torch.tensor([.625, .375, 0, 0]))
     # top-p 0.8: 0.5 + 0.3 reaches it, so two tokens stay
-    torch.testing.assert_close(target_probs(logits, SamplingParams(temperature=1.0, top_p=0.8)),
+    torch.testing.assert_close(target_probs(logits, SamplingConfig(temperature=1.0, top_p=0.8)),
                                torch.tensor([.625, .375, 0, 0]))
-    torch.testing.assert_close(target_probs(logits, SamplingParams(temperature=1.0, top_p=0.81)),
+    torch.testing.assert_close(target_probs(logits, SamplingConfig(temperature=1.0, top_p=0.81)),
                                torch.tensor([.5, .3, .15, 0]) / 0.95)
     with pytest.raises(ValueError, match="top_p=0"):
-        SamplingParams(top_p=0.0)
+        SamplingConfig(top_p=0.0)
 
 
 def test_greedy_chain_by_hand() -> None:
@@ -170,7 +170,7 @@ def test_tree_sampling_emits_the_target_distribution(width: int, depth: int) -> 
 
 
 def test_sampling_with_top_k_and_greedy_params_stays_lossless() -> None:
-    params = SamplingParams(temperature=0.7, top_k=3)
+    params = SamplingConfig(temperature=0.7, top_k=3)
     logits = torch.log(P)
     probs = target_probs(logits, params)  # [V, V]
     g = torch.Generator().manual_seed(3)

@@ -13,9 +13,9 @@ import torch
 
 pytest.importorskip("vllm")
 
+from data_gen.vllm_capture import VllmCapture  # noqa: E402
 from eagle3.target import Target, load_target  # noqa: E402
 from eagle3.target_source import DEFAULT_TARGET  # noqa: E402
-from eagle3.vllm_capture import VllmCapture  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

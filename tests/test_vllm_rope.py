@@ -56,7 +56,7 @@ def test_the_exported_config_gives_vllm_the_drafts_rope(case: str, fmt: str, tmp
     from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.transformers_utils.config import get_config
 
-    from eagle3.export import speculators_config, vllm_config
+    from eagle3.formats import speculators_config, vllm_config
 
     theta, scaling = CASES[case]
     config = DraftConfig(hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,

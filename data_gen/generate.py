@@ -75,20 +75,23 @@ def generate(
     target: Target,
     prompts: Sequence[Sequence[int]],
     stop_ids: Iterable[int],
+    max_new_tokens: int,
     sampling: SamplingConfig = SamplingConfig(),
     *,
     seed: int = 0,
 ) -> list[Generation]:
-    """Generate a reply for every prompt (token ids) in one left-padded batch."""
+    """Generate a reply of up to ``max_new_tokens`` for every prompt (token ids) in one left-padded batch."""
     from transformers import GenerationConfig
 
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
     stops = sorted(set(int(i) for i in stop_ids))
     if not stops:
         raise ValueError("stop_ids is empty: generation would only end at max_new_tokens; pass the EOS id")
     pad_id = target.tokenizer.pad_token_id
     pad_id = stops[0] if pad_id is None else pad_id
     input_ids, attention_mask = left_pad(prompts, pad_id, target.device)  # [batch, width] each
-    settings = dict(max_new_tokens=sampling.max_new_tokens, eos_token_id=stops, pad_token_id=pad_id,
+    settings = dict(max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad_id,
                     do_sample=not sampling.greedy, num_beams=1, use_cache=True)
     if not sampling.greedy:
         settings.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
@@ -99,12 +102,12 @@ def generate(
 
 
 class Generator(Protocol):
-    """Generates replies for a batch of prompts (token ids): HF below, vLLM in ``eagle3.vllm_generate``."""
+    """Generates replies for a batch of prompts (token ids): HF below, vLLM in ``data_gen.vllm_generate``."""
 
     name: str
 
-    def generate(self, prompts: Sequence[Sequence[int]], stop_ids: Iterable[int], sampling: SamplingConfig,
-                 *, seed: int = 0) -> list[Generation]: ...
+    def generate(self, prompts: Sequence[Sequence[int]], stop_ids: Iterable[int], max_new_tokens: int,
+                 sampling: SamplingConfig, *, seed: int = 0) -> list[Generation]: ...
 
 
 @dataclass
@@ -114,9 +117,9 @@ class HFGenerator:
     target: Target
     name: str = "hf"
 
-    def generate(self, prompts: Sequence[Sequence[int]], stop_ids: Iterable[int], sampling: SamplingConfig,
-                 *, seed: int = 0) -> list[Generation]:
-        return generate(self.target, prompts, stop_ids, sampling, seed=seed)
+    def generate(self, prompts: Sequence[Sequence[int]], stop_ids: Iterable[int], max_new_tokens: int,
+                 sampling: SamplingConfig, *, seed: int = 0) -> list[Generation]:
+        return generate(self.target, prompts, stop_ids, max_new_tokens, sampling, seed=seed)
 
 
 @contextlib.contextmanager
@@ -170,6 +173,7 @@ def regenerate_conversations(
     generator: Generator | Target,
     chat: ChatFormat,
     conversations: Sequence[Sequence[Mapping[str, str]]],
+    max_new_tokens: int,
     sampling: SamplingConfig = SamplingConfig(),
     *,
     seed: int = 0,
@@ -208,7 +212,7 @@ def regenerate_conversations(
             prompts.append(ids)
         if not rows:
             continue
-        replies = generator.generate(prompts, chat.stop_ids, sampling, seed=derive_seed(seed, depth))
+        replies = generator.generate(prompts, chat.stop_ids, max_new_tokens, sampling, seed=derive_seed(seed, depth))
         for row, prompt, reply in zip(rows, prompts, replies, strict=True):
             text = chat.tokenizer.decode(reply.token_ids, skip_special_tokens=False,
                                          clean_up_tokenization_spaces=False)
@@ -220,6 +224,6 @@ def regenerate_conversations(
 
 
 __all__ = [
-    "Generation", "Generator", "HFGenerator", "RegeneratedConversation", "SamplingConfig", "derive_seed",
+    "Generation", "Generator", "HFGenerator", "RegeneratedConversation", "derive_seed",
     "generate", "left_pad", "regenerate_conversations", "trim_generated",
 ]

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from eagle3.target import synchronize
+from eagle3.device import synchronize
 
 
 @dataclass
@@ -131,7 +131,7 @@ class AcceptanceCounts:
 
 @dataclass
 class AdaptiveDepth:
-    """A per-request :class:`eagle3.spec_decode.DepthPolicy`."""
+    """A per-request :class:`serve_eval.spec_decode.DepthPolicy`."""
 
     cost: CostModel
     prior: list[float]
@@ -197,7 +197,7 @@ def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int 
     from transformers import DynamicCache
 
     from eagle3.draft import KVCache
-    from eagle3.spec_decode import crop_cache
+    from serve_eval.spec_decode import crop_cache
 
     target, draft, device = decoder.target, decoder.draft, decoder.device
     rng = random.Random(seed)  # timing only: any ids

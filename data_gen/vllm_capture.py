@@ -65,7 +65,7 @@ class VllmCapture:
         from transformers import AutoConfig
         from vllm import LLM
 
-        from eagle3.nvfp4 import prepare_vllm_on_cpu
+        from data_gen.nvfp4 import prepare_vllm_on_cpu
 
         prepare_vllm_on_cpu(model)
 

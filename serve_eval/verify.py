@@ -34,29 +34,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the target samples: temperature 0 is greedy; top_k 0 and top_p 1.0 are off."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: must be >= 0")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k}: must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from eagle3.config import SamplingConfig
 
 
-def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
+def target_probs(logits: Tensor, params: SamplingConfig) -> Tensor:
     """[..., V] logits -> the distribution plain sampling draws from (temperature, top-k, top-p)."""
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
@@ -195,6 +176,6 @@ def sample_tree(tokens: Sequence[int], parents: Sequence[int], probs: Tensor,
 
 
 __all__ = [
-    "Acceptance", "SamplingParams", "children_of", "greedy_chain", "greedy_tree", "sample_chain", "sample_tree",
+    "Acceptance", "children_of", "greedy_chain", "greedy_tree", "sample_chain", "sample_tree",
     "target_probs", "tree_attention_mask", "tree_depths",
 ]

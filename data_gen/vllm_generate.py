@@ -3,7 +3,7 @@
 vLLM pins its own torch and transformers, so this runs from the separate venv made by
 ``scripts/setup_vllm_env.sh``; nothing else in the library imports vLLM. Prompts are
 token ids rendered by :class:`eagle3.chat.ChatFormat`, exactly as for the HF backend, and
-replies come back as :class:`eagle3.generate.Generation` with the same stop handling.
+replies come back as :class:`data_gen.generate.Generation` with the same stop handling.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from eagle3.generate import Generation, SamplingConfig, derive_seed, trim_generated
+from data_gen.generate import Generation, derive_seed, trim_generated
+from eagle3.config import SamplingConfig
 
 
 class VllmGenerator:
@@ -26,7 +27,7 @@ class VllmGenerator:
         import torch
         from vllm import LLM
 
-        from eagle3.nvfp4 import prepare_vllm_on_cpu
+        from data_gen.nvfp4 import prepare_vllm_on_cpu
 
         prepare_vllm_on_cpu(model)
 
@@ -40,14 +41,15 @@ class VllmGenerator:
         settings.update(engine_args)
         self.llm = LLM(**settings)
 
-    def generate(self, prompts: Sequence[Sequence[int]], stop_ids: Iterable[int], sampling: SamplingConfig,
+    def generate(self, prompts: Sequence[Sequence[int]], stop_ids: Iterable[int], max_new_tokens: int,
+                 sampling: SamplingConfig,
                  *, seed: int = 0) -> list[Generation]:
         from vllm import SamplingParams
 
         stops = sorted(set(int(i) for i in stop_ids))
         params = [
             SamplingParams(
-                max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                max_tokens=max_new_tokens, temperature=sampling.temperature,
                 top_p=sampling.top_p, top_k=sampling.top_k, stop_token_ids=stops,
                 seed=None if sampling.greedy else derive_seed(seed, row), detokenize=False,
             )

@@ -9,7 +9,7 @@ it; position ``n``); the draft's cache holds rows 0..n-1 (row t: target states a
               best ``budget`` nodes); node at depth d sits at position n + d
     verify    one target forward over [x, nodes...] (tree attention: a node sees the prefix and
               its ancestors) -> logits and aux states at every node
-    accept    eagle3.verify (greedy or rejection sampling) -> accepted path + one more token
+    accept    serve_eval.verify (greedy or rejection sampling) -> accepted path + one more token
     rollback  target cache: keep the prefix, x and the accepted path; draft cache: keep rows < n
     catch up  draft rows n..n+a from the target's aux states at x and the accepted nodes, tokens =
               the accepted tokens then the new one; its last row is the next root state (run
@@ -30,10 +30,12 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from eagle3.config import SamplingConfig
+from eagle3.device import synchronize
 from eagle3.draft import Eagle3Draft, KVCache
-from eagle3.target import Target, synchronize
-from eagle3.verify import (
-    SamplingParams,
+from eagle3.target import Target
+from serve_eval.verify import (
+    Acceptance,
     greedy_chain,
     greedy_tree,
     sample_chain,
@@ -66,7 +68,7 @@ class SpecConfig:
 
 
 class DepthPolicy(Protocol):
-    """Chooses each round's chain depth (adaptive speculation, :mod:`eagle3.adaptive`)."""
+    """Chooses each round's chain depth (adaptive speculation, :mod:`serve_eval.adaptive`)."""
 
     def choose(self) -> int: ...
 
@@ -187,7 +189,7 @@ class SpeculativeDecoder:
     # -- proposals
 
     def _propose_chain(self, root_state: Tensor, root_logits: Tensor, n: int, cache: KVCache,
-                       params: SamplingParams, g: torch.Generator | None,
+                       params: SamplingConfig, g: torch.Generator | None,
                        context: list[int], k: int) -> tuple[list[int], list[int], Tensor | None]:
         """k draft tokens (parents -1, 0, 1, ...) and, when sampling, their proposal
         distributions [k, V]. ``context``: prompt + emitted tokens (unused by the EAGLE draft)."""
@@ -262,7 +264,7 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: set[int] | frozenset[int] = frozenset(),
-                 params: SamplingParams = SamplingParams(), seed: int = 0, speculate: bool = True,
+                 params: SamplingConfig = SamplingConfig(), seed: int = 0, speculate: bool = True,
                  policy: DepthPolicy | None = None,
                  on_tokens: Callable[[list[int]], bool] | None = None) -> Generation:
         """Generate up to ``max_new_tokens`` after ``prompt`` (stopping after a stop id).
@@ -329,26 +331,7 @@ class SpeculativeDecoder:
             synchronize(self.device)
             stats.seconds_draft += time.perf_counter() - t0
 
-            t0 = time.perf_counter()
-            if tree:  # each node sees the prefix, x and its ancestors, at position n + depth
-                m = len(tokens) + 1
-                mask = torch.zeros(m, n + m, dtype=torch.bool)  # built on the host, moved once
-                mask[:, : n + 1] = True
-                mask[1:, n + 1:] = tree_attention_mask(parents)  # [N, N]
-                mask = mask.to(self.device)
-                positions = [n, *(n + depth for depth in tree_depths(parents))]
-                out = self._target([x, *tokens], cache, positions, mask[None, None])
-            else:  # a chain is plain causal attention
-                out = self._target([x, *tokens], cache)
-            synchronize(self.device)
-            stats.seconds_verify += time.perf_counter() - t0
-            stats.target_forwards += 1
-            logits = out.logits[0]  # [1 + N, V]
-            if params.greedy:
-                acc = greedy_tree(tokens, parents, logits) if tree else greedy_chain(tokens, logits)
-            else:
-                probs = target_probs(logits, params)
-                acc = sample_tree(tokens, parents, probs, g) if tree else sample_chain(tokens, qs, probs, g)
+            out, acc = self._verify(x, tokens, parents, qs, n, cache, params, g, stats)
             path = acc.path if acc.path is not None else list(range(acc.accepted))
             stats.accepted.append(acc.accepted)
             stats.depths.append(max(tree_depths(parents), default=0) if tree else len(tokens))
@@ -372,8 +355,35 @@ class SpeculativeDecoder:
         stats.seconds_total = time.perf_counter() - start
         return Generation(emitted, stats)
 
+    def _verify(self, x: int, tokens: list[int], parents: list[int], qs: Tensor | None, n: int, cache: Any,
+                params: SamplingConfig, g: torch.Generator | None, stats: DecodeStats) -> tuple[Any, Acceptance]:
+        """One target forward over ``x`` and the proposal (a chain, or a tree under its mask), then
+        acceptance: greedy, or speculative sampling against the proposal's distributions ``qs``."""
+        tree = self.config.mode == "tree"
+        t0 = time.perf_counter()
+        if tree:  # each node sees the prefix, x and its ancestors, at position n + depth
+            m = len(tokens) + 1
+            mask = torch.zeros(m, n + m, dtype=torch.bool)  # built on the host, moved once
+            mask[:, : n + 1] = True
+            mask[1:, n + 1:] = tree_attention_mask(parents)  # [N, N]
+            mask = mask.to(self.device)
+            positions = [n, *(n + depth for depth in tree_depths(parents))]
+            out = self._target([x, *tokens], cache, positions, mask[None, None])
+        else:  # a chain is plain causal attention
+            out = self._target([x, *tokens], cache)
+        synchronize(self.device)
+        stats.seconds_verify += time.perf_counter() - t0
+        stats.target_forwards += 1
+        logits = out.logits[0]  # [1 + N, V]
+        if params.greedy:
+            acc = greedy_tree(tokens, parents, logits) if tree else greedy_chain(tokens, logits)
+        else:
+            probs = target_probs(logits, params)
+            acc = sample_tree(tokens, parents, probs, g) if tree else sample_chain(tokens, qs, probs, g)
+        return out, acc
+
     @staticmethod
-    def _pick(logits: Tensor, params: SamplingParams, g: torch.Generator | None) -> int:
+    def _pick(logits: Tensor, params: SamplingConfig, g: torch.Generator | None) -> int:
         if params.greedy:
             return int(logits.argmax())
         return int(torch.multinomial(target_probs(logits, params), 1, generator=g))

@@ -1,0 +1,185 @@
+"""The data stages' settings: prompt pools, selection, regeneration, the hidden-state harvest."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from eagle3.config import SamplingConfig
+
+TRAIN_SOURCES = ["sharegpt", "codeio", "stdlib", "reasoning_gym", "mmath", "chatterbot", "dataset_build"]
+
+
+@dataclass
+class UserFileConfig:
+    """Prompts a user brings: jsonl (ShareGPT or OpenAI messages) or an HF datasets folder."""
+
+    path: str = "???"
+    domain: str = "general"
+    """coding, science, multilingual or general."""
+    language: str | None = None
+    """ISO 639-1 code; detected per prompt when unset."""
+
+    def __post_init__(self) -> None:
+        from eagle3.conversations import DOMAINS
+
+        if self.domain not in DOMAINS:
+            raise ValueError(f"pools.user_files.domain={self.domain!r}: expected one of {', '.join(DOMAINS)}")
+        if self.language is not None and not re.fullmatch(r"[a-z]{2,3}", self.language):
+            raise ValueError(f"pools.user_files.language={self.language!r}: expected an ISO 639 code such as en, zh "
+                             "or fil, quoted in YAML where it reads as a boolean ('no'), or unset: detected per prompt")
+
+
+@dataclass
+class PoolsConfig:
+    """Prompt pools and held-out eval sets (data_gen.pools)."""
+
+    out_dir: str = "runs/pools"
+    seed: int = 0
+    """Drives every sample, split and held-out selection."""
+    sources: list[str] = field(default_factory=lambda: list(TRAIN_SOURCES))
+    """Registered training sources (data_gen.sources.SOURCES) to include."""
+    user_files: list[UserFileConfig] = field(default_factory=list)
+    strict_user_files: bool = False
+    """Stop at the first bad row of a user file (naming file:line) instead of skipping and counting."""
+    val_fraction: float = 0.02
+    min_chars: int = 2
+    max_chars: int = 6000
+    """Per user turn; longer prompts are skipped and counted."""
+    max_user_turns: int = 2
+    per_generator: int = 60
+    """Items per reasoning-gym math generator."""
+    paragraphs_per_language: int = 60
+    eval_math: int = 100
+    eval_multilingual: int = 20
+    """MMATH problems held out; each appears in the 9 non-English languages."""
+    eval_gsm8k: int = 150
+    eval_alpaca: int = 100
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"pools.val_fraction={self.val_fraction}: must be in [0, 1)")
+        if "sharegpt" not in self.sources:
+            raise ValueError("pools.sources must include sharegpt (the Alpaca stand-in eval set is drawn from it)")
+
+
+@dataclass
+class SelectConfig:
+    """Which pool prompts the pipeline regenerates: a seeded, domain-balanced subset."""
+
+    num_prompts: int = 64
+    domains: list[str] = field(default_factory=lambda: ["coding", "science", "multilingual", "general"])
+    """Taken in turn, one prompt per domain per round, until ``num_prompts``."""
+    split: str = "train"
+    """Pool file to draw from: train or val."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from eagle3.conversations import DOMAINS
+
+        unknown = [d for d in self.domains if d not in DOMAINS]
+        if unknown or not self.domains:
+            raise ValueError(f"select.domains={self.domains}: expected a non-empty subset of {', '.join(DOMAINS)}")
+        if self.split not in ("train", "val"):
+            raise ValueError(f"select.split={self.split!r}: expected train or val")
+        if self.num_prompts < 1:
+            raise ValueError(f"select.num_prompts={self.num_prompts}: must be >= 1")
+
+@dataclass
+class RegenerateConfig:
+    """The regeneration stage: every assistant turn of a prompt pool rewritten by the target.
+
+    All fields but ``threads`` (and the paths) go into the output folder's manifest: a
+    rerun into the same folder must use the same values, so that resumed batches match.
+    """
+
+    pool: str = ""
+    """The prompt pool, jsonl of conversation records."""
+    out_dir: str = ""
+    """Output folder: manifest.json, parts/, dataset/regenerated.jsonl, summary.json."""
+    limit: int | None = None
+    """Only the first ``limit`` records of the pool."""
+    batch_size: int = 8
+    """Records per batch; batch b is always records [b*batch_size, (b+1)*batch_size)."""
+    max_new_tokens: int = 256
+    """Per assistant turn."""
+    temperature: float = 0.0
+    """0 is greedy decoding."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    seed: int = 0
+    """Sampling seed; each batch and turn depth derives its own from it."""
+    max_prompt_tokens: int | None = 2048
+    """A turn whose prompt is longer is dropped with the turns after it (None: no limit)."""
+    threads: int = 1
+    """torch intra-op threads on CPU; 1 was fastest on a loaded 2-core machine."""
+    backend: str = "hf"
+    """hf (transformers) or vllm (run from the venv of scripts/setup_vllm_env.sh)."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("hf", "vllm"):
+            raise ValueError(f"regenerate.backend={self.backend!r}: expected hf or vllm")
+        for name in ("batch_size", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"regenerate.{name}={getattr(self, name)}: must be >= 1")
+        if self.limit is not None and self.limit < 0:
+            raise ValueError(f"regenerate.limit={self.limit}: must be >= 0")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"regenerate.max_prompt_tokens={self.max_prompt_tokens}: must be >= 1 or None")
+        try:
+            self.sampling  # noqa: B018  (validates the sampling settings)
+        except ValueError as err:
+            raise ValueError(f"regenerate.{err}") from None
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+
+@dataclass
+class HarvestConfig:
+    """The hidden-state harvest (data_gen.harvest): regenerated conversations -> shard store."""
+
+    data: str = ""
+    """Regenerated conversations (jsonl), e.g. <regenerate.out_dir>/dataset/regenerated.jsonl."""
+    out_dir: str = ""
+    dtype: str = "bfloat16"
+    """Stored state dtype: bfloat16, float8_e4m3fn (per-row scales; half the disk) or float32."""
+    store: str = "last"
+    """last: the pre-norm last-layer state (the trainer applies the target's norm and lm_head);
+    topk: the target's top-k next-token log-probs instead (smaller for large hidden sizes)."""
+    topk: int = 0
+    max_seq_len: int = 2048
+    """Longer conversations are truncated (counted)."""
+    batch_size: int = 4
+    max_shard_mb: float = 256
+    shard: str = "0/1"
+    """i/n: this worker harvests shards j with j % n == i (Slurm arrays, several processes)."""
+    backend: str = "hf"
+    """hf, or vllm (run from the venv of scripts/setup_vllm_env.sh)."""
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("hf", "vllm"):
+            raise ValueError(f"harvest.backend={self.backend!r}: expected hf or vllm")
+        if self.dtype not in ("bfloat16", "float8_e4m3fn", "float32"):
+            raise ValueError(f"harvest.dtype={self.dtype!r}: expected bfloat16, float8_e4m3fn or float32")
+        if self.store not in ("last", "topk") or (self.store == "topk") != (self.topk > 0):
+            raise ValueError(f"harvest.store={self.store!r}, topk={self.topk}: use last, or topk with topk > 0")
+        for name in ("max_seq_len", "batch_size", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"harvest.{name}={getattr(self, name)}: must be >= 1")
+        if self.max_shard_mb <= 0:
+            raise ValueError(f"harvest.max_shard_mb={self.max_shard_mb}: must be > 0")
+        self.worker  # noqa: B018  (validates shard)
+
+    @property
+    def worker(self) -> tuple[int, int]:
+        try:
+            i, n = (int(x) for x in self.shard.split("/"))
+        except ValueError:
+            raise ValueError(f"harvest.shard={self.shard!r}: expected i/n, e.g. 0/4") from None
+        if not 0 <= i < n:
+            raise ValueError(f"harvest.shard={self.shard!r}: need 0 <= i < n")
+        return i, n

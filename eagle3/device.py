@@ -1,0 +1,68 @@
+"""Devices and dtypes: where the target and draft run, in what precision, and how to time work there."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+def resolve_device(device: str) -> torch.device:
+    """auto (CUDA when available, else CPU), cpu, cuda or cuda:N; CUDA that this torch cannot use fails
+    here, naming the setting, rather than inside torch."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"device {device!r}: expected auto, cpu, cuda, cuda:N or mps ({err})") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: this torch has no usable CUDA device (use cpu or auto)")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return resolved
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the work queued on ``device`` (a no-op on the CPU): read a clock after this, never
+    after a kernel launch alone."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+@functools.cache
+def bf16_matmul_speedup(device_type: str) -> float:
+    """How many times faster a bf16 matmul runs than an fp32 one on this kind of device.
+
+    Accelerators (CUDA and others): taken as fast (2.0) without measuring. CPUs differ by orders
+    of magnitude: with AMX or AVX512-BF16 units bf16 is the faster one, but on an AVX2-only CPU
+    (AMD EPYC, torch 2.13) a bf16 matmul ran ~170x slower than fp32. So a CPU is measured once
+    per process on a small product (best of three each, ~1 ms where bf16 is fast, ~0.3 s where
+    it is not).
+    """
+    if device_type != "cpu":
+        return 2.0
+    import time
+
+    g = torch.Generator(device="cpu").manual_seed(0)  # its own: the global stream is the trainer's, checkpointed
+    a, b = torch.randn(64, 512, generator=g), torch.randn(512, 512, generator=g)
+
+    def best(x: Tensor, y: Tensor) -> float:
+        x @ y  # warm-up
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            x @ y
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best(a, b) / max(best(a.bfloat16(), b.bfloat16()), 1e-9)

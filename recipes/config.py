@@ -1,0 +1,72 @@
+"""The pipeline's config tree (every stage reads its part) and where it runs. Hydra recipes in ``recipes/``
+compose YAML over these dataclasses; the entry point converts once, and nothing below it sees a ``DictConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from data_gen.config import HarvestConfig, PoolsConfig, RegenerateConfig, SelectConfig
+from eagle3.config import TargetConfig, TrainConfig
+from hard_mining.config import MineConfig
+from serve_eval.config import EvalConfig, QuantizeConfig
+
+
+@dataclass
+class LauncherConfig:
+    """Where the pipeline runs: in this process (``none``), or as submitit jobs (recipes/launch.py)."""
+
+    kind: str = "none"
+    """none, local (submitit processes here, the groups one after the other) or slurm."""
+    folder: str = "runs/submitit"
+    """Job logs and pickles; each submission gets a fresh sub-folder."""
+    partition: str | None = None
+    timeout_min: int = 240
+    cpus_per_task: int = 2
+    mem_gb: int | None = None
+    gpus_per_node: int = 0
+    nodes: int = 1
+    """The training job's nodes ..."""
+    tasks_per_node: int = 1
+    """... and ranks per node (one per GPU on GPU nodes)."""
+    harvest_shards: int = 1
+    """The harvest array's tasks (``harvest.shard`` i/n each)."""
+    additional: dict[str, str] = field(default_factory=dict)
+    """Extra sbatch options (account, qos, constraint, ...)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("none", "local", "slurm"):
+            raise ValueError(f"launcher.kind={self.kind!r}: expected none, local or slurm")
+        for name in ("timeout_min", "cpus_per_task", "nodes", "tasks_per_node", "harvest_shards"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"launcher.{name}={getattr(self, name)}: must be >= 1")
+
+
+@dataclass
+class PipelineConfig:
+    """One run of the pipeline: every stage reads its part of this tree."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    pools: PoolsConfig = field(default_factory=PoolsConfig)
+    select: SelectConfig = field(default_factory=SelectConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    harvest: HarvestConfig = field(default_factory=HarvestConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    val: SelectConfig = field(default_factory=lambda: SelectConfig(num_prompts=24, split="val"))
+    """The held-out prompts the ``val`` stage regenerates and harvests (mining scores on them)."""
+    mine: MineConfig = field(default_factory=MineConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
+    """Used when ``stages`` has ``quantize``: every stage after it runs on the NVFP4 target."""
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    out_dir: str = "runs/quickstart"
+    """Where every stage writes its outputs."""
+    stages: list[str] = field(default_factory=lambda: ["target", "pools", "regenerate", "harvest", "val", "train",
+                                                       "mine", "eval", "report"])
+    """Stages to run, in order."""
+    threads: int = 1
+    """torch intra-op threads on CPU; 1 was fastest on a loaded 2-core machine."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ValueError(f"threads={self.threads}: must be >= 1")

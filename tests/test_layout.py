@@ -1,0 +1,149 @@
+"""The house rules, checked: the stages form a one-way chain, the import graph has no cycle, and no
+file or function in the packages outgrows what a reader can hold (600 lines, 100 lines).
+
+The chain (a package may import from itself and from the packages before it, never after):
+
+    eagle3  ->  data_gen  ->  serve_eval  ->  hard_mining  ->  recipes
+
+``eagle3`` is the core (targets, capture, draft, TTT, trainer, store format, export, config);
+``data_gen`` makes the data; ``serve_eval`` runs and measures drafts; ``hard_mining`` uses both;
+``recipes`` drives everything.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAIN = ("eagle3", "data_gen", "serve_eval", "hard_mining", "recipes")
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 100
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package in CHAIN:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for n in ast.walk(node))
+    return skip
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """module -> {imported project module: line}, function-local imports included (they are
+    dependencies all the same), ``if TYPE_CHECKING`` blocks left out."""
+    modules = _modules()
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        skip = _type_checking_nodes(tree)
+        edges: dict[str, int] = {}
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name and target.split(".")[0] in CHAIN:
+                    edges.setdefault(target, node.lineno)
+        graph[name] = edges
+    return graph
+
+
+def chain_violations(graph: dict[str, dict[str, int]]) -> list[str]:
+    rank = {p: i for i, p in enumerate(CHAIN)}
+    return [f"{_modules()[m].relative_to(ROOT)}:{line}: {m} imports {t} ({t.split('.')[0]} comes after "
+            f"{m.split('.')[0]} in {' -> '.join(CHAIN)})"
+            for m, edges in graph.items() for t, line in edges.items()
+            if t.split(".")[0] in rank and rank[t.split(".")[0]] > rank[m.split(".")[0]]]
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Every strongly connected component of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def oversized() -> list[str]:
+    out = []
+    for path in _modules().values():
+        text = path.read_text()
+        lines = text.count("\n")
+        rel = path.relative_to(ROOT)
+        if lines > MAX_FILE_LINES:
+            out.append(f"{rel}: {lines} lines (> {MAX_FILE_LINES})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    out.append(f"{rel}:{node.lineno}: {node.name} is {length} lines (> {MAX_FUNCTION_LINES})")
+    return out
+
+
+def test_imports_follow_the_chain() -> None:
+    bad = chain_violations(import_graph())
+    assert not bad, "imports against the chain:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle() -> None:
+    found = cycles(import_graph())
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_files_and_functions_stay_readable() -> None:
+    bad = oversized()
+    assert not bad, "over the size limits:\n" + "\n".join(bad)
+
+
+def test_the_checks_catch_what_they_are_for() -> None:
+    """The checkers themselves, on a made-up graph: a core module importing a stage, and a cycle."""
+    graph = {"eagle3.draft": {"serve_eval.verify": 3}, "serve_eval.verify": {"eagle3.draft": 1},
+             "serve_eval.evaluate": {"eagle3.draft": 2}}
+    assert cycles(graph) == [["eagle3.draft", "serve_eval.verify"]]
+    assert cycles({"a.x": {"a.y": 1}, "a.y": {}}) == []
+    rank = {p: i for i, p in enumerate(CHAIN)}
+    against = [(m, t) for m, e in graph.items() for t in e if rank[t.split(".")[0]] > rank[m.split(".")[0]]]
+    assert against == [("eagle3.draft", "serve_eval.verify")]
