@@ -14,6 +14,7 @@ import time
 import torch
 
 from eagle3.target import load_target
+from eagle3.target_source import DEFAULT_TARGET
 
 
 def _tokens_per_s(fn, tokens: int, repeats: int) -> float:
@@ -28,7 +29,7 @@ def _tokens_per_s(fn, tokens: int, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=256)

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from eagle3.target_source import DEFAULT_TARGET
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -142,7 +144,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", required=True)
-    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--pools", default="runs/pools")
     parser.add_argument("--sets", default="mtbench,humaneval,gsm8k,multilingual")
     parser.add_argument("--per-set", type=int, default=5)
@@ -156,9 +158,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from eagle3.chat import ChatFormat
     from serve_eval.adaptive import AdaptiveSession, measure_cost
+    from serve_eval.config import SpecConfig
     from serve_eval.evaluate import load_pair_meta, read_prompts
     from serve_eval.server import draft_prior
-    from serve_eval.spec_decode import SpecConfig, SpeculativeDecoder
+    from serve_eval.spec_decode import SpeculativeDecoder
 
     target, draft, meta = load_pair_meta(args.draft, args.target)
     chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)

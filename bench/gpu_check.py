@@ -240,8 +240,9 @@ def check_export(draft: Path, out: Path, target: Path) -> None:
 def check_loop(draft: Path, target: Path, pools: Path, device: str, size: dict[str, Any]) -> None:
     from eagle3.chat import ChatFormat
     from eagle3.config import SamplingConfig
+    from serve_eval.config import SpecConfig
     from serve_eval.evaluate import first_divergence, load_pair, read_prompts, top2_margin
-    from serve_eval.spec_decode import SpecConfig, SpeculativeDecoder
+    from serve_eval.spec_decode import SpeculativeDecoder
 
     n, new = size["loop_prompts"], size["loop_tokens"]
     for dtype in ("float32", "bfloat16"):

@@ -25,12 +25,13 @@ from data_gen.regenerate import read_pool
 from eagle3.chat import ChatFormat
 from eagle3.config import TargetConfig
 from eagle3.target import load_target
+from eagle3.target_source import DEFAULT_TARGET
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="runs/quickstart/regenerate/dataset/regenerated.jsonl")
-    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--limit", type=int, default=48, help="conversations to harvest")
     args = parser.parse_args()

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from eagle3.target_source import DEFAULT_TARGET
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--records", nargs="+", required=True)
     parser.add_argument("--eval-records", nargs="+", required=True)
     parser.add_argument("--eval-sets", default="")
-    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, default=90)
     parser.add_argument("--candidates", type=int, default=64)

@@ -46,6 +46,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from eagle3.target_source import DEFAULT_TARGET
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -70,7 +72,7 @@ def last_json(text: str) -> dict[str, Any]:
 
 
 def recipe_flags(name: str) -> list[str]:
-    """A draft recipe (:func:`recipes.draft_recipe`) as ``eagle3.train`` flags."""
+    """A draft recipe (:func:`eagle3.config.draft_recipe`) as ``eagle3.train`` flags."""
     from eagle3.config import draft_recipe
 
     try:
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="NAME=ARGS: also train ours on --store with these eagle3.train arguments in place of "
                              "--ours-args (same recipe, vocab, steps and lr) and judge it, e.g. "
                              "'all=--loss-positions all' or an ablation of one setting")
-    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--pools", default="runs/pools")
     parser.add_argument("--out", default="runs/race/bench")
     parser.add_argument("--steps", type=int, default=180)

@@ -57,8 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     from eagle3.formats import DraftFormatError
     from eagle3.target import TargetLoadError, TargetSourceError
     from serve_eval.adaptive import measure_cost
+    from serve_eval.config import SpecConfig
     from serve_eval.evaluate import evaluate, load_pair, read_prompts, write_report
-    from serve_eval.spec_decode import SpecConfig, SpeculativeDecoder
+    from serve_eval.spec_decode import SpeculativeDecoder
 
     try:
         target, draft = load_pair(args.draft, args.target, args.target_dtype, args.device)

@@ -30,6 +30,8 @@ import time
 
 import torch
 
+from eagle3.target_source import DEFAULT_TARGET
+
 CONVERSATIONS = [
     [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number iteratively."}],
     [{"role": "user", "content": "What is 17 * 24? Show your steps."},
@@ -78,7 +80,7 @@ def best_time(fn, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--aux-layer-ids", nargs="+", default=["default", "1,10,20"],
                         help="comma-separated id sets, one vLLM engine each; 'default' = 2, N//2, N-3")
     parser.add_argument("--repeats", type=int, default=5)

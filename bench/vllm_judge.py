@@ -49,7 +49,8 @@ sys.path.insert(0, str(ROOT))
 from eagle3.target_source import DEFAULT_TARGET  # noqa: E402
 
 # the eval prompts and the divergence check are serve_eval's, so both judges read the same text
-from serve_eval.evaluate import EVAL_SETS, TIE_MARGIN, first_divergence, read_prompts, top2_margin  # noqa: E402
+from serve_eval.config import EVAL_SETS  # noqa: E402
+from serve_eval.evaluate import TIE_MARGIN, first_divergence, read_prompts, top2_margin  # noqa: E402
 
 SPEC_METRICS = {
     "vllm:spec_decode_num_drafts": "drafts",

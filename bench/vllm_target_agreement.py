@@ -19,6 +19,8 @@ import argparse
 import json
 import time
 
+from eagle3.target_source import DEFAULT_TARGET
+
 PROMPTS = [
     "What is 2+2?",
     "Write a Python function that checks whether a number is prime.",
@@ -29,7 +31,7 @@ PROMPTS = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--reference", help="a second target (e.g. the BF16 original of an NVFP4 checkpoint): "
                                             "its teacher-forced top-1 agreement with ours gives the scale")

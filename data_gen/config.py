@@ -111,7 +111,7 @@ class RegenerateConfig:
     seed: int = 0
     """Sampling seed; each batch and turn depth derives its own from it."""
     max_prompt_tokens: int | None = 2048
-    """A turn whose prompt is longer is dropped with the turns after it (None: no limit)."""
+    """A turn whose prompt is longer is dropped with the turns after it (None, or 0 on the command line: no limit)."""
     threads: int = 1
     """torch intra-op threads on CPU; 1 was fastest on a loaded 2-core machine."""
     backend: str = "hf"
@@ -183,3 +183,30 @@ class HarvestConfig:
         if not 0 <= i < n:
             raise ValueError(f"harvest.shard={self.shard!r}: need 0 <= i < n")
         return i, n
+
+
+@dataclass
+class QuantizeConfig:
+    """The ``quantize`` stage: convert the target to NVFP4 (as Blackwell serves it) and run every later
+    stage (regeneration, harvest, training, mining, evaluation) on the converted target, emulated."""
+
+    mode: str = "w4a4"
+    """w4a4 (weights and activations FP4, activation scales calibrated) or w4a16 (weights only)."""
+    calibration: str = ""
+    """Pool or dataset jsonl whose conversations set the activation scales (w4a4 needs it); in the
+    pipeline, empty means the pools stage's train pool."""
+    samples: int = 64
+    """Calibration conversations (a seeded random pick)."""
+    max_tokens: int = 512
+    """Tokens per calibration conversation."""
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    """Linear names left unquantised."""
+    out_dir: str = ""
+    """The converted checkpoint (written atomically); in the pipeline, empty means ``<out_dir>/nvfp4-target``."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("w4a4", "w4a16"):
+            raise ValueError(f"quantize.mode={self.mode!r}: expected w4a4 or w4a16")
+        for name in ("samples", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"quantize.{name}={getattr(self, name)}: must be >= 1")

@@ -36,6 +36,7 @@ from data_gen.config import HarvestConfig
 from data_gen.regenerate import read_pool
 from eagle3.atomic import atomic_write_text, remove_leftovers, sha256_file
 from eagle3.chat import ChatFormat, ChatFormatError
+from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import TargetConfig, add_target_arguments
 from eagle3.errors import USER_ERRORS, Eagle3Error
 from eagle3.fingerprint import UNKNOWN_WEIGHTS, tokenizer_fingerprint, weights_fingerprint
@@ -389,6 +390,16 @@ def finalize(out_dir: Path, spec: HarvestSpec, plan: list[tuple[int, int]], leng
         return write_manifest(out_dir, spec, shards, dict(counts), settings)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """Every HarvestConfig field a flag (its docstring the help), and the target's."""
+    parser = argparse.ArgumentParser(prog="python -m data_gen.harvest", description=__doc__.splitlines()[0])
+    add_dataclass_arguments(parser, HarvestConfig, required=("data", "out_dir"), aliases={"out_dir": "--out"})
+    add_target_arguments(parser)
+    parser.add_argument("--aux-layer-ids", default=None, help="comma-separated; default 2,N//2,N-3")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["compare"]:
@@ -414,27 +425,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps({"verified": argv[1], "shards": len(manifest["shards"]), "samples": manifest["samples"],
                           "tokens": manifest["tokens"], "bytes": manifest["bytes"]}))
         return 0
-    parser = argparse.ArgumentParser(prog="python -m data_gen.harvest", description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True, help="regenerated conversations (jsonl)")
-    parser.add_argument("--out", required=True, help="store folder (resumed if it exists)")
-    add_target_arguments(parser)
-    parser.add_argument("--aux-layer-ids", default=None, help="comma-separated; default 2,N//2,N-3")
-    defaults = HarvestConfig()
-    parser.add_argument("--dtype", default=defaults.dtype, help="stored dtype: bfloat16, float8_e4m3fn, float32")
-    parser.add_argument("--store", default=defaults.store, choices=["last", "topk"])
-    parser.add_argument("--topk", type=int, default=defaults.topk)
-    parser.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--max-shard-mb", type=float, default=defaults.max_shard_mb)
-    parser.add_argument("--shard", default=defaults.shard, help="i/n: this worker's share of the shards")
-    parser.add_argument("--backend", default=defaults.backend, choices=["hf", "vllm"])
-    parser.add_argument("--threads", type=int, default=defaults.threads)
-    parser.add_argument("--no-progress", action="store_true")
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        cfg = HarvestConfig(data=args.data, out_dir=args.out, dtype=args.dtype, store=args.store, topk=args.topk,
-                            max_seq_len=args.max_seq_len, batch_size=args.batch_size, max_shard_mb=args.max_shard_mb,
-                            shard=args.shard, backend=args.backend, threads=args.threads)
+        cfg = dataclass_from_args(HarvestConfig, args)
         try:
             layers = None if args.aux_layer_ids is None else [int(x) for x in args.aux_layer_ids.split(",")]
         except ValueError:

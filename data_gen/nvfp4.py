@@ -30,9 +30,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from data_gen.config import QuantizeConfig
 from eagle3 import nvfp4
 from eagle3.atomic import atomic_dir, check_replaceable
 from eagle3.chat import ChatFormat
+from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.conversations import iter_user_conversations
 from eagle3.device import resolve_dtype
 from eagle3.errors import USER_ERRORS
@@ -292,30 +294,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Convert a target (BF16, or INT4 compressed-tensors pack-quantized) to a compressed-tensors "
                     "NVFP4 checkpoint; run it here by passing the output folder as the target.")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="embedded name, model folder or .gguf")
-    parser.add_argument("--out", required=True, help="output folder (written atomically)")
-    parser.add_argument("--mode", choices=MODES, default="w4a4",
-                        help="w4a4: NVFP4 weights and activations (calibrated); w4a16: weights only")
-    parser.add_argument("--calibration", help="pool or dataset jsonl whose conversations set the activation scales")
-    parser.add_argument("--samples", type=int, default=64, help="calibration conversations")
-    parser.add_argument("--max-tokens", type=int, default=512, help="tokens per calibration conversation")
-    parser.add_argument("--ignore", default="lm_head", help="comma-separated Linear names left unquantised")
+    add_dataclass_arguments(parser, QuantizeConfig, required=("out_dir",), aliases={"out_dir": "--out"})
     parser.add_argument("--dtype", default="float32", help="dtype the source is loaded and calibrated in")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the calibration pick's seed")
     args = parser.parse_args(argv)
-    for flag, value in (("--samples", args.samples), ("--max-tokens", args.max_tokens)):
-        if value < 1:
-            parser.error(f"{flag} must be >= 1, got {value}")
     calib: list[list[int]] = []
-    try:
-        if args.calibration:
+    try:  # --ignore also as one comma-separated word, as earlier versions took it
+        cfg = dataclass_from_args(QuantizeConfig, args, ignore=[i for w in args.ignore for i in w.split(",") if i])
+        if cfg.calibration:
             tokenizer = AutoTokenizer.from_pretrained(resolve_target(args.target).location)
-            calib = calibration_sequences(args.calibration, tokenizer, samples=args.samples,
-                                          max_tokens=args.max_tokens, seed=args.seed)
-        report = convert(args.target, args.out, mode=args.mode, calibration=calib,
-                         ignore=[i for i in args.ignore.split(",") if i],
+            calib = calibration_sequences(cfg.calibration, tokenizer, samples=cfg.samples,
+                                          max_tokens=cfg.max_tokens, seed=args.seed)
+        report = convert(args.target, cfg.out_dir, mode=cfg.mode, calibration=calib, ignore=cfg.ignore,
                          dtype=resolve_dtype(args.dtype, torch.device("cpu")))
     except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"nvfp4: error: {err}", file=sys.stderr)
         return 2
     summary = {k: report[k] for k in ("mode", "quantized_linears", "calibration_sequences", "calibration_tokens",
                                       "weight_relative_error")}
@@ -323,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary["quantized_parameters"] = report["quantized_parameters"]
     summary["unquantized_matrices"] = {"count": len(report["unquantized_matrices"]),
                                        "parameters": sum(report["unquantized_matrices"].values())}
-    print(json.dumps({"out": str(args.out), **summary}))
+    print(json.dumps({"out": str(cfg.out_dir), **summary}))
     return 0
 
 

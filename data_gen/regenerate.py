@@ -56,7 +56,8 @@ from data_gen.generate import (
 )
 from eagle3.atomic import atomic_dir, atomic_write_text, output_dir, sha256_file
 from eagle3.chat import ChatFormat, messages_sha256
-from eagle3.config import TargetConfig
+from eagle3.cli import add_dataclass_arguments, dataclass_from_args
+from eagle3.config import TargetConfig, add_target_arguments
 from eagle3.conversations import ConversationError, check_messages, iter_jsonl, messages_of, record_id
 from eagle3.errors import USER_ERRORS, Eagle3Error
 from eagle3.target import Target, context_length, load_target
@@ -386,34 +387,13 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
 def parse_args(argv: Sequence[str] | None = None) -> tuple[RegenerateConfig, TargetConfig, bool]:
     parser = argparse.ArgumentParser(prog="python -m data_gen.regenerate",
                                      description="Regenerate a prompt pool's assistant turns with the target.")
-    parser.add_argument("--target", default=TargetConfig.name_or_path,
-                        help="embedded name, HF model folder, .gguf file or hub id (default %(default)s)")
-    parser.add_argument("--dtype", default=TargetConfig.dtype)
-    parser.add_argument("--device", default=TargetConfig.device)
-    parser.add_argument("--pool", required=True, help="prompt pool, jsonl of conversation records")
-    parser.add_argument("--out", required=True, help="output folder (resumed if it exists)")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N records")
-    parser.add_argument("--batch-size", type=int, default=RegenerateConfig.batch_size)
-    parser.add_argument("--max-new-tokens", type=int, default=RegenerateConfig.max_new_tokens)
-    parser.add_argument("--temperature", type=float, default=RegenerateConfig.temperature, help="0 is greedy")
-    parser.add_argument("--top-p", type=float, default=RegenerateConfig.top_p)
-    parser.add_argument("--top-k", type=int, default=RegenerateConfig.top_k, help="0 disables top-k")
-    parser.add_argument("--seed", type=int, default=RegenerateConfig.seed)
-    parser.add_argument("--max-prompt-tokens", type=int, default=RegenerateConfig.max_prompt_tokens,
-                        help="longer turns are dropped with the turns after them; 0: no limit (default %(default)s)")
-    parser.add_argument("--backend", choices=["hf", "vllm"], default=RegenerateConfig.backend,
-                        help="vllm: run from the venv of scripts/setup_vllm_env.sh (default %(default)s)")
-    parser.add_argument("--threads", type=int, default=RegenerateConfig.threads, help="torch CPU threads")
+    add_target_arguments(parser, dtype_aliases=("--dtype",))
+    add_dataclass_arguments(parser, RegenerateConfig, required=("pool", "out_dir"), aliases={"out_dir": "--out"})
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    try:
-        cfg = RegenerateConfig(
-            pool=args.pool, out_dir=args.out, limit=args.limit, batch_size=args.batch_size,
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            seed=args.seed, max_prompt_tokens=args.max_prompt_tokens or None, threads=args.threads,
-            backend=args.backend,
-        )
-        target_cfg = TargetConfig(name_or_path=args.target, dtype=args.dtype, device=args.device)
+    try:  # --max-prompt-tokens 0: no limit
+        cfg = dataclass_from_args(RegenerateConfig, args, max_prompt_tokens=args.max_prompt_tokens or None)
+        target_cfg = TargetConfig(name_or_path=args.target, dtype=args.target_dtype, device=args.device)
     except ValueError as err:
         parser.error(str(err))
     return cfg, target_cfg, not args.no_progress

@@ -54,7 +54,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, requi
             default = defaults[f.name]
         else:
             default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-        text = docs.get(f.name, "")
+        text = docs.get(f.name, "").replace("%", "%%")  # argparse formats help with %
         shown = ("required" if f.name in required
                  else f"default {default!r}" + (" (None: unset)" if optional and default is None else ""))
         help_ = f"{text} ({shown})" if text else shown

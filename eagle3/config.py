@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from eagle3.target_source import DEFAULT_TARGET
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 WANDB_MODES = ("offline", "online", "disabled")
 DRAFT_RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "draft"
@@ -22,7 +24,7 @@ DRAFT_RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "draft"
 class TargetConfig:
     """Which model the draft speculates for, and how to run it."""
 
-    name_or_path: str = "smollm2-135m"
+    name_or_path: str = DEFAULT_TARGET
     """An embedded target name, a local HF model folder, a local .gguf file, or a hub id."""
     dtype: str = "auto"
     """auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16."""
@@ -51,13 +53,13 @@ class TargetConfig:
             raise ValueError(f"target.device={self.device!r}: expected auto, cpu, cuda, cuda:N or mps")
 
 
-def add_target_arguments(parser: Any, *, target: str | None = None) -> None:
+def add_target_arguments(parser: Any, *, target: str | None = None, dtype_aliases: tuple[str, ...] = ()) -> None:
     """``--target``, ``--target-dtype`` and ``--device`` on an argparse CLI that loads a target, with
     :class:`TargetConfig`'s defaults and meanings (the one definition of these three flags)."""
     parser.add_argument("--target", default=TargetConfig.name_or_path if target is None else target,
                         help="embedded target name, model folder, .gguf file or hub id (default %(default)s)")
-    parser.add_argument("--target-dtype", default=TargetConfig.dtype, choices=_DTYPES,
-                        help="auto: bf16 on CUDA, fp32 elsewhere (default %(default)s)")
+    parser.add_argument("--target-dtype", *dtype_aliases, dest="target_dtype", default=TargetConfig.dtype,
+                        choices=_DTYPES, help="auto: bf16 on CUDA, fp32 elsewhere (default %(default)s)")
     parser.add_argument("--device", default=TargetConfig.device,
                         help="where the target (and draft) run: auto (CUDA when present), cpu, cuda, cuda:N")
 

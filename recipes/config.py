@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from data_gen.config import HarvestConfig, PoolsConfig, RegenerateConfig, SelectConfig
+from data_gen.config import HarvestConfig, PoolsConfig, QuantizeConfig, RegenerateConfig, SelectConfig
 from eagle3.config import TargetConfig, TrainConfig
 from hard_mining.config import MineConfig
-from serve_eval.config import EvalConfig, QuantizeConfig
+from serve_eval.config import EvalConfig
 
 
 @dataclass

@@ -222,9 +222,7 @@ def eval_draft(cfg: PipelineConfig) -> str:
 def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
     """The bundled speculative loop vs plain decoding on the eval sets: report.md, PNG plots, wandb."""
     from eagle3.chat import ChatFormat
-    from eagle3.config import SamplingConfig
     from serve_eval.evaluate import evaluate, load_pair, read_prompts, write_report
-    from serve_eval.spec_decode import SpecConfig
 
     e = cfg.eval
     draft_path = eval_draft(cfg)
@@ -244,8 +242,7 @@ def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
             prompts = {name: read_prompts(Path(cfg.pools.out_dir), name, e.per_set, chat) for name in e.sets}
         except (ValueError, FileNotFoundError) as err:  # a missing, empty or malformed eval set, named
             raise PipelineError(f"eval.sets: {err}") from None
-        report = evaluate(target, draft, prompts, config=SpecConfig(e.mode, e.k, e.topk, e.budget),
-                          params=SamplingConfig(temperature=e.temperature), max_new_tokens=e.max_new_tokens,
+        report = evaluate(target, draft, prompts, config=e.spec, params=e.sampling, max_new_tokens=e.max_new_tokens,
                           stop_ids=sorted(chat.stop_ids), seed=cfg.seed)
         report.update(draft=draft_path, target=cfg.target.name_or_path, settings=settings)
         write_report(report, out, e.wandb_mode)

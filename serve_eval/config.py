@@ -1,59 +1,86 @@
-"""The serving evaluation's and the NVFP4 stage's settings."""
+"""The serving settings: how the draft proposes (:class:`SpecConfig`, the loop's, the server's and
+the evaluation's), the serving evaluation, and the NVFP4 stage."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from eagle3.config import WANDB_MODES
+from eagle3.config import WANDB_MODES, SamplingConfig
+
+EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "multilingual")
+"""The pools' eval sets the evaluation runs by default (``<pools>/eval/<name>.jsonl``)."""
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How the draft proposes: a chain of ``k`` tokens, or a tree of depth ``k``."""
+
+    mode: str = "chain"
+    """chain or tree."""
+    k: int = 3
+    """Chain length, or tree depth."""
+    topk: int = 4
+    """Tree: children per expanded node, and nodes expanded per depth."""
+    budget: int = 16
+    """Tree: draft tokens verified per round (the best by cumulative draft log-prob)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("chain", "tree"):
+            raise ValueError(f"mode={self.mode!r}: expected chain or tree")
+        for name in ("k", "topk", "budget"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
 
 
 @dataclass
 class EvalConfig:
-    """The serving evaluation (serve_eval): the bundled loop, speculative vs plain, on the eval sets."""
+    """The serving evaluation (serve_eval): the bundled loop, speculative vs plain, on the eval sets.
+    Its speculation and sampling settings default to :class:`SpecConfig`'s and
+    :class:`~eagle3.config.SamplingConfig`'s, and are checked by them."""
 
     draft: str | None = None
-    """Draft folder; None: the last mining round's draft, else the training run's final one."""
-    sets: list[str] = field(default_factory=lambda: ["mtbench", "humaneval", "gsm8k", "multilingual"])
+    """Draft folder (any format eagle3.export reads); in the pipeline None: the last mining round's
+    draft, else the training run's final one."""
+    sets: list[str] = field(default_factory=lambda: list(EVAL_SETS))
+    """Eval sets to run, <pools>/eval/<name>.jsonl."""
     per_set: int = 10
+    """Prompts per set (the first user turn of each)."""
     max_new_tokens: int = 96
-    mode: str = "chain"
-    k: int = 3
-    topk: int = 4
-    budget: int = 16
-    temperature: float = 0.0
+    """New tokens per prompt, speculative and plain alike."""
+    mode: str = SpecConfig.mode
+    """chain or tree."""
+    k: int = SpecConfig.k
+    """Chain length, or tree depth."""
+    topk: int = SpecConfig.topk
+    """Tree: children per expanded node, and nodes expanded per depth."""
+    budget: int = SpecConfig.budget
+    """Tree: draft tokens verified per round."""
+    temperature: float = SamplingConfig.temperature
+    """0 is greedy (outputs equal plain decoding token for token); above, sampled as the target samples."""
+    top_p: float = SamplingConfig.top_p
+    top_k: int = SamplingConfig.top_k
     out_dir: str = ""
+    """Where report.json, report.md and the plots go."""
     wandb_mode: str = "offline"
 
     def __post_init__(self) -> None:
-        if self.mode not in ("chain", "tree"):
-            raise ValueError(f"eval.mode={self.mode!r}: expected chain or tree")
-        for name in ("per_set", "max_new_tokens", "k", "topk", "budget"):
+        for name in ("per_set", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"eval.{name}={getattr(self, name)}: must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"eval.temperature={self.temperature}: must be >= 0")
+        try:
+            self.spec  # noqa: B018  (the speculation and sampling settings are checked by their classes)
+            self.sampling  # noqa: B018
+        except ValueError as err:
+            raise ValueError(f"eval.{err}") from None
         if self.wandb_mode not in WANDB_MODES:
             raise ValueError(f"eval.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(WANDB_MODES)}")
 
+    @property
+    def spec(self) -> SpecConfig:
+        return SpecConfig(mode=self.mode, k=self.k, topk=self.topk, budget=self.budget)
 
-@dataclass
-class QuantizeConfig:
-    """The ``quantize`` stage: convert the target to NVFP4 (as Blackwell serves it) and run every later
-    stage (regeneration, harvest, training, mining, evaluation) on the converted target, emulated."""
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
-    mode: str = "w4a4"
-    """w4a4 (weights and activations FP4, activation scales calibrated) or w4a16 (weights only)."""
-    calibration: str = ""
-    """Pool jsonl whose conversations calibrate; empty: the pools stage's train pool."""
-    samples: int = 64
-    max_tokens: int = 512
-    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
-    out_dir: str = ""
-    """The converted checkpoint; empty: ``<out_dir>/nvfp4-target``."""
 
-    def __post_init__(self) -> None:
-        if self.mode not in ("w4a4", "w4a16"):
-            raise ValueError(f"quantize.mode={self.mode!r}: expected w4a4 or w4a16")
-        for name in ("samples", "max_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"quantize.{name}={getattr(self, name)}: must be >= 1")

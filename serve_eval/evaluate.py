@@ -2,7 +2,7 @@
 
     python -m serve_eval.evaluate --draft runs/train/best --pools runs/pools --out runs/serve \\
         [--target smollm2-135m] [--sets mtbench,humaneval,gsm8k,multilingual] [--per-set 10] \\
-        [--max-new-tokens 128] [--mode chain|tree] [--k 3] [--topk 4] [--budget 16] [--temperature 0]
+        [--max-new-tokens 96] [--mode chain|tree] [--k 3] [--topk 4] [--budget 16] [--temperature 0]
 
 For every prompt (the first user turn, the target's chat template) it runs plain decoding and
 speculative decoding in the same loop (:class:`serve_eval.spec_decode.SpeculativeDecoder`, batch 1),
@@ -33,13 +33,14 @@ from typing import Any
 import torch
 
 from eagle3.atomic import atomic_write_text
+from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import SamplingConfig, add_target_arguments
 from eagle3.errors import USER_ERRORS
 from eagle3.target import context_length
 from serve_eval.adaptive import measure_cost
-from serve_eval.spec_decode import DecodeStats, SpecConfig, SpeculativeDecoder
+from serve_eval.config import EvalConfig, SpecConfig
+from serve_eval.spec_decode import DecodeStats, SpeculativeDecoder
 
-EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "multilingual")
 TIE_MARGIN = 1e-4
 
 
@@ -294,50 +295,43 @@ def load_pair_meta(draft_path: str, target_name: str, dtype: str = "auto",
     return target, loaded.draft.to(device=target.device, dtype=target.dtype).eval(), loaded.meta
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every EvalConfig field a flag (its docstring the help), the target's, and the run's own."""
     parser = argparse.ArgumentParser(prog="python -m serve_eval.evaluate", description=__doc__.splitlines()[0])
-    parser.add_argument("--draft", required=True, help="draft folder (ours, vLLM, speculators or SGLang format)")
     add_target_arguments(parser)
-    parser.add_argument("--pools", default="runs/pools")
-    parser.add_argument("--sets", default=",".join(EVAL_SETS))
-    parser.add_argument("--per-set", type=int, default=10)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--mode", choices=("chain", "tree"), default="chain")
-    parser.add_argument("--k", type=int, default=3)
-    parser.add_argument("--topk", type=int, default=4)
-    parser.add_argument("--budget", type=int, default=16)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--wandb-mode", choices=("offline", "online", "disabled"), default="offline")
+    add_dataclass_arguments(parser, EvalConfig, required=("draft", "out_dir"), aliases={"out_dir": "--out"})
+    parser.add_argument("--pools", default="runs/pools", help="the pools folder whose eval/ holds the sets")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
     parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    for flag in ("per_set", "max_new_tokens", "k", "topk", "budget", "threads"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        parser.error(f"--out {args.out}: exists and is not a folder")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads < 1:
+        print(f"serve_eval: error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
 
     from eagle3.chat import ChatFormat
 
     try:
-        config = SpecConfig(args.mode, args.k, args.topk, args.budget)
-        params = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-        target, draft = load_pair(args.draft, args.target, args.target_dtype, args.device)
+        # sets also as one comma-separated word, as earlier versions took them
+        cfg = dataclass_from_args(EvalConfig, args, sets=[s for word in args.sets for s in word.split(",") if s])
+        if Path(cfg.out_dir).exists() and not Path(cfg.out_dir).is_dir():
+            raise ValueError(f"--out {cfg.out_dir}: exists and is not a folder")
+        target, draft = load_pair(cfg.draft, args.target, args.target_dtype, args.device)
         chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
-        prompts = {name: read_prompts(Path(args.pools), name, args.per_set, chat) for name in args.sets.split(",")}
+        prompts = {name: read_prompts(Path(args.pools), name, cfg.per_set, chat) for name in cfg.sets}
     except USER_ERRORS as err:
         print(f"serve_eval: error: {err}", file=sys.stderr)
         return 2
-    report = evaluate(target, draft, prompts, config=config, params=params, max_new_tokens=args.max_new_tokens,
+    report = evaluate(target, draft, prompts, config=cfg.spec, params=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
                       stop_ids=sorted(chat.stop_ids), seed=args.seed, progress=not args.no_progress)
-    report["draft"], report["target"] = str(args.draft), args.target
-    write_report(report, Path(args.out), args.wandb_mode)
-    print(json.dumps({"stage": "serve_eval", "out": args.out, "overall": report["overall"],
+    report["draft"], report["target"] = str(cfg.draft), args.target
+    write_report(report, Path(cfg.out_dir), cfg.wandb_mode)
+    print(json.dumps({"stage": "serve_eval", "out": cfg.out_dir, "overall": report["overall"],
                       "sets": {n: {k: s[k] for k in ("tau", "speedup", "spec_tokens_per_s", "plain_tokens_per_s")}
                                for n, s in report["sets"].items()}}))
     return 0

@@ -1,7 +1,7 @@
 """Stage: how far a quantised target (NVFP4, emulated) is from its reference, on the eval sets.
 
     python -m serve_eval.quant_report --quantized runs/nvfp4/smollm2 [--reference smollm2-135m] \\
-        --pools runs/pools --out runs/nvfp4/quality [--per-set 10] [--max-new-tokens 64]
+        --pools runs/pools --out runs/nvfp4/quality [--per-set 10] [--max-new-tokens 96]
 
 Per prompt (first user turn, chat template) the reference decodes greedily; then both models read
 prompt + that continuation and we compare them token by token:
@@ -32,7 +32,8 @@ from torch import Tensor
 from eagle3.atomic import atomic_write_text
 from eagle3.errors import USER_ERRORS
 from eagle3.target_source import DEFAULT_TARGET
-from serve_eval.evaluate import EVAL_SETS, first_divergence, read_prompts
+from serve_eval.config import EVAL_SETS, EvalConfig
+from serve_eval.evaluate import first_divergence, read_prompts
 
 
 @torch.no_grad()
@@ -117,8 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reference", default=DEFAULT_TARGET)
     parser.add_argument("--pools", default="runs/pools")
     parser.add_argument("--sets", default=",".join(EVAL_SETS))
-    parser.add_argument("--per-set", type=int, default=10)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--per-set", type=int, default=EvalConfig.per_set, help="prompts per set")
+    parser.add_argument("--max-new-tokens", type=int, default=EvalConfig.max_new_tokens,
+                        help="greedy tokens per prompt (the evaluation's default)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="auto", help="where both models run (fp32): auto (CUDA when present), "
                         "cpu, cuda, cuda:N")

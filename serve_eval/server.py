@@ -45,11 +45,13 @@ except ImportError as err:  # the core install trains and harvests; serving is a
     raise ImportError(f"serve_eval.server needs the [serve] extra: pip install -e '.[serve]' ({err})") from err
 
 from eagle3.chat import ChatFormat, ChatFormatError
+from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import SamplingConfig, add_target_arguments
 from eagle3.errors import USER_ERRORS
 from serve_eval.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_cost
+from serve_eval.config import SpecConfig
 from serve_eval.openai_api import BadRequest, ChatRequest, CompletionRequest, parse_body
-from serve_eval.spec_decode import DecodeStats, SpecConfig, SpeculativeDecoder
+from serve_eval.spec_decode import DecodeStats, SpeculativeDecoder
 
 # ---------------------------------------------------------------- text
 
@@ -519,8 +521,9 @@ def draft_prior(meta: dict[str, Any], k: int) -> list[float] | None:
 def build_engine(args: argparse.Namespace) -> Engine:
     from serve_eval.evaluate import load_pair_meta
 
+    spec = dataclass_from_args(SpecConfig, args)  # checked before the models load
     target, draft, meta = load_pair_meta(args.draft, args.target, args.target_dtype, args.device)
-    decoder = SpeculativeDecoder(target, draft, SpecConfig(args.mode, args.k, args.topk, args.budget))
+    decoder = SpeculativeDecoder(target, draft, spec)
     chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
     limit = int(getattr(target.model.config, "max_position_embeddings", 0) or 0) or 8192
     max_model_len = min(args.max_model_len, limit) if args.max_model_len else limit
@@ -541,11 +544,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("EAGLE3_API_KEY"))
-    parser.add_argument("--mode", choices=("chain", "tree"), default="chain")
-    parser.add_argument("--k", type=int, default=3, help="chain depth (the maximum with --adaptive)")
-    parser.add_argument("--adaptive", action="store_true", help="choose each round's depth (chain mode)")
-    parser.add_argument("--topk", type=int, default=4)
-    parser.add_argument("--budget", type=int, default=16)
+    add_dataclass_arguments(parser, SpecConfig)
+    parser.add_argument("--adaptive", action="store_true", help="choose each round's depth, up to --k (chain mode)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--default-max-tokens", type=int, default=1024)
     parser.add_argument("--max-queue", type=int, default=256)
@@ -553,8 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="requests whose own tau and acceptance /metrics shows")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
-    for flag, value, low in (("--k", args.k, 1), ("--topk", args.topk, 1), ("--budget", args.budget, 1),
-                             ("--default-max-tokens", args.default_max_tokens, 1), ("--max-queue", args.max_queue, 1),
+    for flag, value, low in (("--default-max-tokens", args.default_max_tokens, 1), ("--max-queue", args.max_queue, 1),
                              ("--recent-requests", args.recent_requests, 0),
                              ("--threads", args.threads, 1), ("--port", args.port, 0)):
         if value < low:
@@ -566,7 +565,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     import uvicorn
-
 
     try:
         engine = build_engine(args)

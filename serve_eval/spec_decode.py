@@ -34,6 +34,7 @@ from eagle3.config import SamplingConfig
 from eagle3.device import synchronize
 from eagle3.draft import Eagle3Draft, KVCache
 from eagle3.target import Target
+from serve_eval.config import SpecConfig
 from serve_eval.verify import (
     Acceptance,
     greedy_chain,
@@ -44,27 +45,6 @@ from serve_eval.verify import (
     tree_attention_mask,
     tree_depths,
 )
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    """How the draft proposes: a chain of ``k`` tokens, or a tree of depth ``k``."""
-
-    mode: str = "chain"
-    """chain or tree."""
-    k: int = 3
-    """Chain length, or tree depth."""
-    topk: int = 4
-    """Tree: children per expanded node, and nodes expanded per depth."""
-    budget: int = 16
-    """Tree: draft tokens verified per round (the best by cumulative draft log-prob)."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("chain", "tree"):
-            raise ValueError(f"mode={self.mode!r}: expected chain or tree")
-        for name in ("k", "topk", "budget"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
 
 
 class DepthPolicy(Protocol):
@@ -389,5 +369,5 @@ class SpeculativeDecoder:
         return int(torch.multinomial(target_probs(logits, params), 1, generator=g))
 
 
-__all__ = ["DecodeStats", "DepthPolicy", "Generation", "SpecConfig", "SpeculativeDecoder", "crop_cache",
+__all__ = ["DecodeStats", "DepthPolicy", "Generation", "SpeculativeDecoder", "crop_cache",
            "keep_accepted"]

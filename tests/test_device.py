@@ -23,8 +23,9 @@ from eagle3.train import TTTModel, train_forward
 from eagle3.train_data import load_batch
 from eagle3.ttt import step_weights
 from hard_mining.score import score_store, target_head
+from serve_eval.config import SpecConfig
 from serve_eval.evaluate import evaluate, top2_margin
-from serve_eval.spec_decode import SpecConfig, SpeculativeDecoder
+from serve_eval.spec_decode import SpeculativeDecoder
 from tests.fake_device import DeviceMixError, other_device
 from tests.test_harvest import _data
 from tests.test_spec_decode import PROMPTS, make_draft, make_target

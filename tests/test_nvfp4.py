@@ -266,7 +266,7 @@ def test_load_target_runs_the_checkpoint_emulated(tiny_model_dir: Path, tmp_path
         load_target(str(a16), dtype="float32", device="cpu", nvfp4_mode="w4a4")
 
 
-def test_bad_requests_are_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_bad_requests_are_refused(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(nvfp4.NVFP4Error, match="calibration"):
         conversion.convert(str(tiny_model_dir), tmp_path / "x", mode="w4a4")
     with pytest.raises(nvfp4.NVFP4Error, match="mode"):
@@ -282,8 +282,8 @@ def test_bad_requests_are_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
         conversion.quantizable_linears(odd)
     with pytest.raises(nvfp4.NVFP4Error, match=r"ignore \['lm_haed'\]: matches no Linear"):
         conversion.quantizable_linears(odd, ignore=("lm_haed",))
-    with pytest.raises(SystemExit):
-        conversion.main(["--target", str(tiny_model_dir), "--out", str(tmp_path / "y"), "--samples", "-3"])
+    assert conversion.main(["--target", str(tiny_model_dir), "--out", str(tmp_path / "y"), "--samples", "-3"]) == 2
+    assert "quantize.samples=-3: must be >= 1" in capsys.readouterr().err
     assert not (tmp_path / "y").exists()
 
 
@@ -314,10 +314,10 @@ def test_quality_report_figures(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 
 def test_pipeline_quantize_stage_runs_later_stages_on_the_nvfp4_target(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from data_gen.config import QuantizeConfig
     from eagle3.config import TargetConfig
     from recipes.config import PipelineConfig
     from recipes.pipeline import run_pipeline
-    from serve_eval.config import QuantizeConfig
 
     calib = tmp_path / "calib.jsonl"
     calib.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}?"},

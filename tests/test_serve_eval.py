@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from eagle3.config import SamplingConfig
+from serve_eval.config import SpecConfig
 from serve_eval.evaluate import evaluate, markdown, read_prompts, write_report
-from serve_eval.spec_decode import SpecConfig
 from tests.test_spec_decode import PROMPTS, make_draft, make_target
 
 

@@ -22,8 +22,9 @@ import torch
 from eagle3.chat import ChatFormat
 from eagle3.target import Target
 from serve_eval.adaptive import CostModel
+from serve_eval.config import SpecConfig
 from serve_eval.server import Engine, TextStream, build_app, main
-from serve_eval.spec_decode import SpecConfig, SpeculativeDecoder
+from serve_eval.spec_decode import SpeculativeDecoder
 from tests.conftest import TINY_VOCAB, tiny_llama, tiny_tokenizer
 from tests.test_spec_decode import make_draft
 

@@ -10,7 +10,8 @@ import torch
 
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.target import Target
-from serve_eval.spec_decode import SpecConfig, SpeculativeDecoder
+from serve_eval.config import SpecConfig
+from serve_eval.spec_decode import SpeculativeDecoder
 from serve_eval.verify import SamplingConfig, target_probs
 from tests.conftest import tiny_llama, tiny_tokenizer
 
