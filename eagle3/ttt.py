@@ -373,37 +373,6 @@ def ttt_forward(
                      logits=logits_all if return_logits else None)
 
 
-# ---------------------------------------------------------------- metrics (pure, [K, ...] inputs)
-
-
-def step_accuracy(match: Tensor, counted: Tensor) -> Tensor:
-    """[K] share of counted positions where the draft's argmax equals the target's, per step."""
-    hit = (match & counted).flatten(1)
-    return hit.sum(1) / counted.flatten(1).sum(1).clamp_min(1)
-
-
-def conditional_acceptance(match: Tensor, counted: Tensor) -> Tensor:
-    """[K] accuracy at step k among counted positions whose steps < k all matched."""
-    hit = (match & counted).flatten(1).long()  # [K, N]
-    upto = torch.cumprod(hit, dim=0)  # [K, N] steps 0..k all matched
-    before = torch.cat([torch.ones_like(upto[:1]), upto[:-1]])  # [K, N] steps 0..k-1 all matched
-    return upto.sum(1) / (before.bool() & counted.flatten(1)).sum(1).clamp_min(1)
-
-
-def simulated_tau(match: Tensor, counted: Tensor) -> Tensor:
-    """1 + mean over positions counted at step 0 of sum_k prod_{j<=k} 1[match_j].
-
-    The product runs per position (a miss or an uncounted step ends its run); averaging
-    per-step accuracies first and multiplying them would be biased.
-    """
-    hit = (match & counted).flatten(1).long()  # [K, N]
-    accepted = torch.cumprod(hit, dim=0).sum(0)  # [N] draft tokens accepted from each start
-    start = counted[0].flatten()
-    if not bool(start.any()):
-        return torch.ones((), device=match.device)
-    return 1.0 + accepted[start].float().mean()
-
-
 def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tensor, pos_k: Tensor, valid: Tensor,
                  counted: Tensor, at: Tensor | None, earlier: tuple, masks: tuple[Tensor, Tensor],
                  targets: TTTTargets, input_ids: Tensor, return_logits: bool) -> tuple[Tensor, ...]:
@@ -446,9 +415,9 @@ def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tens
 
 
 __all__ = [
-    "TTTOutput", "TTTTargets", "conditional_acceptance", "read_rows", "prepare_targets",
-    "prepare_targets_from_topk", "shift_left", "simulated_tau", "soft_cross_entropy", "step0_attention_mask",
-    "step_accuracy", "step_counted", "step_input_ids", "step_positions", "step_weights", "ttt_attention",
+    "TTTOutput", "TTTTargets", "read_rows", "prepare_targets",
+    "prepare_targets_from_topk", "shift_left", "soft_cross_entropy", "step0_attention_mask",
+    "step_counted", "step_input_ids", "step_positions", "step_weights", "ttt_attention",
     "ttt_forward",
 ]
 

@@ -27,6 +27,7 @@ import torch
 
 from eagle3.conversations import iter_jsonl
 from eagle3.draft import Eagle3Draft
+from eagle3.metrics import accepted_runs, step_hits
 from eagle3.shards import HarvestStore
 from eagle3.train_data import load_batch
 from eagle3.ttt import step_weights, ttt_forward
@@ -122,10 +123,9 @@ def score_sample(draft: Eagle3Draft, head: Any, batch: dict[str, torch.Tensor], 
     out = ttt_forward(draft, batch["input_ids"], batch["aux"].to(dtype), batch["position_ids"],
                       batch["document_ids"], batch["loss_mask"], targets, num_steps=ttt_steps,
                       weights=step_weights(ttt_steps, step_decay))
-    hit = (out.match & out.counted).flatten(1).long()  # [K, N]
-    run = torch.cumprod(hit, dim=0).sum(0)  # [N]
-    start = out.counted[0].flatten()  # [N]
-    return (run[start].tolist(), float(out.loss), hit.sum(1).tolist(), out.counted.flatten(1).sum(1).tolist())
+    run, start = accepted_runs(out.match, out.counted)  # [N] each
+    return (run[start].tolist(), float(out.loss), step_hits(out.match, out.counted).sum(1).tolist(),
+            out.counted.flatten(1).sum(1).tolist())
 
 
 def score_store(draft: Eagle3Draft, head: Any, store: HarvestStore, meta: dict[str, dict[str, str]],

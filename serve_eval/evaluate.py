@@ -36,6 +36,7 @@ from eagle3.atomic import atomic_write_text
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import SamplingConfig, add_target_arguments
 from eagle3.errors import USER_ERRORS
+from eagle3.metrics import acceptance_per_position, served_tau
 from eagle3.target import context_length
 from serve_eval.adaptive import measure_cost
 from serve_eval.config import EvalConfig, SpecConfig
@@ -93,8 +94,8 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def summarise(spec: list[DecodeStats], plain: list[DecodeStats]) -> dict[str, Any]:
     """One eval set (or all of them): pooled over prompts."""
     accepted = [a for s in spec for a in s.accepted]
+    depths = [d for s in spec for d in (s.depths or [s.proposed] * len(s.accepted))]
     k = max((s.proposed for s in spec), default=0)
-    rounds = max(len(accepted), 1)
     spec_s = sum(s.seconds_total for s in spec)
     plain_s = sum(s.seconds_total for s in plain)
     spec_tokens = sum(s.new_tokens for s in spec)
@@ -102,8 +103,8 @@ def summarise(spec: list[DecodeStats], plain: list[DecodeStats]) -> dict[str, An
     decode_s = sum(s.seconds_total - s.seconds_prefill for s in spec)
     return {
         "prompts": len(spec),
-        "tau": round(sum(a + 1 for a in accepted) / rounds, 4) if accepted else 1.0,
-        "accept_per_pos": [round(sum(a >= i for a in accepted) / rounds, 4) for i in range(1, k + 1)],
+        "tau": round(served_tau(accepted), 4),
+        "accept_per_pos": [round(a, 4) for a in acceptance_per_position(accepted, depths, k)],
         "spec_tokens_per_s": round(spec_tokens / spec_s, 2) if spec_s else None,
         "plain_tokens_per_s": round(plain_tokens / plain_s, 2) if plain_s else None,
         "speedup": round((plain_s / max(plain_tokens, 1)) / (spec_s / max(spec_tokens, 1)), 3) if spec_s else None,

@@ -33,6 +33,7 @@ from torch import Tensor
 from eagle3.config import SamplingConfig
 from eagle3.device import synchronize
 from eagle3.draft import Eagle3Draft, KVCache
+from eagle3.metrics import acceptance_per_position, served_tau
 from eagle3.target import Target
 from serve_eval.config import SpecConfig
 from serve_eval.verify import (
@@ -72,16 +73,12 @@ class DecodeStats:
     @property
     def tau(self) -> float:
         """Mean tokens per verify forward, the bonus token included (1.0 for plain decoding)."""
-        return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 1.0
+        return served_tau(self.accepted)
 
     def acceptance_per_position(self) -> list[float]:
         """Share of the rounds proposing a token at depth i (1-based) in which it was accepted."""
-        depths = self.depths or [self.proposed] * len(self.accepted)
-        out = []
-        for i in range(1, self.proposed + 1):
-            rounds = [a for a, d in zip(self.accepted, depths, strict=True) if d >= i]
-            out.append(sum(a >= i for a in rounds) / len(rounds) if rounds else 0.0)
-        return out
+        return acceptance_per_position(self.accepted, self.depths or [self.proposed] * len(self.accepted),
+                                       self.proposed)
 
     def as_dict(self) -> dict[str, Any]:
         decode = self.seconds_total - self.seconds_prefill

@@ -27,7 +27,7 @@ from eagle3.checkpoint import LATEST, CheckpointError, load_exported_draft, read
 from eagle3.config import TargetConfig, TrainConfig
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab
-from eagle3.metrics import AcceptanceTally
+from eagle3.metrics import AcceptanceTally, conditional_acceptance, simulated_tau, step_accuracy
 from eagle3.optim import muon_ns_in_fp32_where_bf16_is_slow, muon_ns_method, resolve_precision, warmup_decay
 from eagle3.shards import HarvestStore, verify_store
 from eagle3.target import Target
@@ -43,14 +43,7 @@ from eagle3.train_data import (
 )
 from eagle3.train_log import read_metrics
 from eagle3.train_setup import check_pinned, choose_draft_vocab
-from eagle3.ttt import (
-    TTTOutput,
-    conditional_acceptance,
-    prepare_targets,
-    simulated_tau,
-    step_accuracy,
-    ttt_forward,
-)
+from eagle3.ttt import TTTOutput, prepare_targets, ttt_forward
 from tests.conftest import TINY_VOCAB, tiny_tokenizer
 from tests.test_harvest import _data
 from tests.tiny_targets import lively_target, save_lively

@@ -9,15 +9,13 @@ import torch
 import eagle3.ttt as ttt
 from eagle3.draft import DraftConfig, Eagle3Draft, KVCache
 from eagle3.draft_vocab import DraftVocab
+from eagle3.metrics import conditional_acceptance, simulated_tau, step_accuracy
 from eagle3.ttt import (
-    conditional_acceptance,
     prepare_targets,
     prepare_targets_from_topk,
     shift_left,
-    simulated_tau,
     soft_cross_entropy,
     step0_attention_mask,
-    step_accuracy,
     step_counted,
     step_input_ids,
     step_positions,
