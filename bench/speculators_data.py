@@ -64,7 +64,7 @@ class ConvertError(RuntimeError):
 
 def read_draft_vocab_file(path: Path, vocab_size: int) -> DraftVocab:
     """Our ``draft_vocab.safetensors``, or a draft folder in any format ``eagle3.export`` reads."""
-    from eagle3.checkpoint import read_draft_vocab
+    from eagle3.draft_vocab import read_draft_vocab
 
     try:
         return read_draft_vocab(path, vocab_size)

@@ -53,16 +53,15 @@ from eagle3.checkpoint import (
     export_draft,
     latest_tag,
     load_checkpoint,
-    read_draft_vocab,
     read_trainer_state,
     remove_partial,
     save_checkpoint,
-    write_draft_vocab,
 )
 from eagle3.cli import add_dataclass_arguments
 from eagle3.config import TargetConfig, TrainConfig
 from eagle3.distributed import Runtime, all_reduce_sum, barrier, init_runtime
 from eagle3.draft import Eagle3Draft, trainable_parameter_count
+from eagle3.draft_vocab import read_draft_vocab, write_draft_vocab
 from eagle3.errors import USER_ERRORS, TrainError
 from eagle3.export import nonfinite_tensors
 from eagle3.metrics import AcceptanceTally

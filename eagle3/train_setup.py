@@ -16,12 +16,12 @@ import torch
 from torch import Tensor
 
 from eagle3.atomic import sha256_file
-from eagle3.checkpoint import read_draft_vocab, seed_everything
+from eagle3.checkpoint import seed_everything
 from eagle3.config import TargetConfig, TrainConfig
 from eagle3.device import bf16_matmul_speedup
 from eagle3.distributed import Runtime, all_reduce_sum
 from eagle3.draft import DraftConfig, Eagle3Draft
-from eagle3.draft_vocab import DraftVocab, select_draft_vocab
+from eagle3.draft_vocab import DraftVocab, read_draft_vocab, select_draft_vocab
 from eagle3.errors import TrainError
 from eagle3.shards import HarvestStore, StoreError, StoreUnion, open_stores, store_state, verify_store
 from eagle3.target import Target, load_target_head

@@ -12,9 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.checkpoint import read_draft_vocab
 from eagle3.draft import DraftConfig, Eagle3Draft, KVCache
-from eagle3.draft_vocab import DraftVocab
+from eagle3.draft_vocab import DraftVocab, read_draft_vocab
 from eagle3.export import check_draft_fits_target, export_draft_folder, load_draft, main
 from eagle3.formats import DraftFormatError
 from tests.test_draft import randomised, small_config

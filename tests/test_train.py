@@ -23,10 +23,10 @@ from torch import nn
 from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
 from eagle3.atomic import atomic_dir, remove_leftovers
-from eagle3.checkpoint import LATEST, CheckpointError, load_exported_draft, read_draft_vocab
+from eagle3.checkpoint import LATEST, CheckpointError, load_exported_draft
 from eagle3.config import TargetConfig, TrainConfig
 from eagle3.draft import DraftConfig, Eagle3Draft
-from eagle3.draft_vocab import DraftVocab
+from eagle3.draft_vocab import DraftVocab, read_draft_vocab
 from eagle3.metrics import AcceptanceTally, conditional_acceptance, simulated_tau, step_accuracy
 from eagle3.optim import muon_ns_in_fp32_where_bf16_is_slow, muon_ns_method, resolve_precision, warmup_decay
 from eagle3.shards import HarvestStore, verify_store
