@@ -7,7 +7,7 @@ import pytest
 from serve_eval.adaptive import AcceptanceCounts, AdaptiveDepth, CostModel, best_depth, expected_tokens, measure_cost
 from serve_eval.config import SpecConfig
 from serve_eval.spec_decode import SpeculativeDecoder
-from tests.test_spec_decode import make_draft, make_target
+from tests.helpers import make_draft, make_target
 
 
 def test_expected_tokens_by_hand() -> None:

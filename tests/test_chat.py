@@ -6,7 +6,7 @@ import pytest
 from transformers import GenerationConfig
 
 from eagle3.chat import FALLBACK_CHAT_TEMPLATE, ChatFormat, ChatFormatError, check_single_bos, eos_ids
-from tests.conftest import CHAT_TEMPLATE, tiny_tokenizer
+from tests.helpers import CHAT_TEMPLATE, SYSTEM_IN_LAST_USER, tiny_tokenizer
 
 # Tiny tokenizer ids: <pad> 0, <s> 1, </s> 2, <|system|> 3, <|user|> 4, <|assistant|> 5; bytes follow.
 CONVERSATION = [
@@ -81,16 +81,6 @@ def test_prompt_must_end_with_a_user_turn() -> None:
         chat.prompt_ids(CONVERSATION[:3])
 
 
-# Like Mistral v0.3: the system prompt is written into the *last* user turn, and only when the
-# conversation ends with that user turn, so a harvested conversation (ending in a reply) and its
-# rendering up to the reply differ before the reply.
-SYSTEM_IN_LAST_USER = (
-    "{{ bos_token }}{% set system = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
-    "{% for m in (messages[1:] if system else messages) %}"
-    "{% if m['role'] == 'user' %}[INST] {% if system and loop.last %}{{ system }}\n\n{% endif %}"
-    "{{ m['content'] }}[/INST]"
-    "{% else %} {{ m['content'] | trim }}{{ eos_token }}{% endif %}{% endfor %}"
-)
 
 
 def _masked_text(chat: ChatFormat, messages: list[dict[str, str]]) -> list[str]:

@@ -27,9 +27,7 @@ from serve_eval.config import SpecConfig
 from serve_eval.evaluate import evaluate, top2_margin
 from serve_eval.spec_decode import SpeculativeDecoder
 from tests.fake_device import DeviceMixError, other_device
-from tests.test_harvest import _data
-from tests.test_spec_decode import PROMPTS, make_draft, make_target
-from tests.tiny_targets import lively_target
+from tests.helpers import PROMPTS, lively_target, make_draft, make_target, regenerated_data
 
 
 def test_the_fake_device_catches_what_cuda_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -72,7 +70,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Target, Path]:
     """A lively tiny target and an fp32 store of 8 short conversations, harvested on the CPU."""
     root = tmp_path_factory.mktemp("device")
     target = lively_target()
-    harvest(HarvestConfig(data=str(_data(root / "data.jsonl", 8, turns=2)), out_dir=str(root / "store"),
+    harvest(HarvestConfig(data=str(regenerated_data(root / "data.jsonl", 8, turns=2)), out_dir=str(root / "store"),
                           dtype="float32"), TargetConfig(name_or_path="lively"), target=target, progress=False)
     return target, root / "store"
 

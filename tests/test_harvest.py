@@ -21,24 +21,21 @@ from eagle3.chat import ChatFormat
 from eagle3.config import TargetConfig
 from eagle3.shards import HarvestStore, StoreError, verify_store
 from eagle3.target import Target
-from tests.tiny_targets import lively_target, save_lively
+from tests.helpers import (
+    SYSTEM_IN_LAST_USER,
+    THINK_DROPPING_TEMPLATE,
+    conversation,
+    lively_target,
+    regenerated_data,
+    save_lively,
+    tiny_tokenizer,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _conv(i: int, turns: int = 1) -> list[dict[str, str]]:
-    messages = [{"role": "system", "content": "Be brief."}] if i % 3 == 0 else []
-    for t in range(turns):
-        messages += [{"role": "user", "content": f"question {i}.{t} " + "x" * (i % 7)},
-                     {"role": "assistant", "content": f"answer {i}.{t} " + "y" * (i * 3 % 11)}]
-    return messages
 
 
-def _data(path: Path, n: int, turns: int = 1) -> Path:
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"id": f"r{i}", "messages": _conv(i, 1 + (i % turns))}) + "\n")
-    return path
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -68,7 +65,7 @@ def test_loss_mask_is_exactly_the_assistant_tokens(target: Target) -> None:
 
 
 def test_store_holds_the_targets_own_states(target: Target, tmp_path: Path) -> None:
-    data = _data(tmp_path / "data.jsonl", 6, turns=2)
+    data = regenerated_data(tmp_path / "data.jsonl", 6, turns=2)
     cfg = HarvestConfig(data=str(data), out_dir=str(tmp_path / "h"), dtype="float32", batch_size=4)
     summary = run(cfg, TargetConfig(name_or_path="lively"), target=target, progress=False)
     assert summary["complete"] and summary["samples"] == 6
@@ -91,7 +88,7 @@ def test_store_holds_the_targets_own_states(target: Target, tmp_path: Path) -> N
 
 
 def test_batch_of_eight_equals_batch_of_one(target: Target, tmp_path: Path) -> None:
-    data = _data(tmp_path / "data.jsonl", 8, turns=3)
+    data = regenerated_data(tmp_path / "data.jsonl", 8, turns=3)
     stores = []
     for batch in (1, 8):
         cfg = HarvestConfig(data=str(data), out_dir=str(tmp_path / f"b{batch}"), dtype="float32", batch_size=batch)
@@ -104,7 +101,7 @@ def test_batch_of_eight_equals_batch_of_one(target: Target, tmp_path: Path) -> N
 
 
 def test_workers_split_shards_and_the_last_one_writes_the_manifest(target: Target, tmp_path: Path) -> None:
-    data = _data(tmp_path / "data.jsonl", 12)
+    data = regenerated_data(tmp_path / "data.jsonl", 12)
     common = dict(data=str(data), max_shard_mb=0.05, batch_size=2)
     whole = HarvestConfig(out_dir=str(tmp_path / "whole"), **common)
     run(whole, TargetConfig(name_or_path="lively"), target=target, progress=False)
@@ -119,7 +116,7 @@ def test_workers_split_shards_and_the_last_one_writes_the_manifest(target: Targe
 def test_a_local_target_typed_two_ways_resumes(target: Target, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     save_lively(tmp_path / "model")
-    cfg = HarvestConfig(data=str(_data(tmp_path / "data.jsonl", 3)), out_dir=str(tmp_path / "h"))
+    cfg = HarvestConfig(data=str(regenerated_data(tmp_path / "data.jsonl", 3)), out_dir=str(tmp_path / "h"))
     first = run(cfg, TargetConfig(name_or_path="model"), target=target, progress=False)
     assert HarvestStore(tmp_path / "h").spec.target == str(tmp_path / "model")
     plan = tmp_path / "h" / "plan.json"  # as an earlier version wrote it: the path as typed
@@ -133,7 +130,7 @@ def test_bad_input_is_counted_or_named(target: Target, tmp_path: Path, monkeypat
     data = tmp_path / "data.jsonl"
     rows = [{"id": "long", "messages": [{"role": "user", "content": "q" * 50}, {"role": "assistant", "content": "a"}]},
             {"id": "no-reply", "messages": [{"role": "user", "content": "only a question"}]},
-            {"id": "fine", "messages": _conv(1)}]
+            {"id": "fine", "messages": conversation(1)}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = HarvestConfig(data=str(data), out_dir=str(tmp_path / "h"), max_seq_len=40)
     summary = run(cfg, TargetConfig(name_or_path="lively"), target=target, progress=False)
@@ -141,7 +138,7 @@ def test_bad_input_is_counted_or_named(target: Target, tmp_path: Path, monkeypat
     assert (summary["truncated"], summary["skipped_empty_loss_mask"], summary["samples"]) == (1, 2, 1)
 
     twice = tmp_path / "twice.jsonl"  # samples are looked up by id: two records with one id are refused
-    twice.write_text("".join(json.dumps({**rows[2], "messages": _conv(k)}) + "\n" for k in (1, 2)))
+    twice.write_text("".join(json.dumps({**rows[2], "messages": conversation(k)}) + "\n" for k in (1, 2)))
     with pytest.raises(HarvestError, match=r"twice.jsonl:2: record id 'fine' is also the id of .*twice.jsonl:1$"):
         run(HarvestConfig(data=str(twice), out_dir=str(tmp_path / "t")), TargetConfig(name_or_path="lively"),
             target=target, progress=False)
@@ -186,7 +183,7 @@ def test_bad_input_is_counted_or_named(target: Target, tmp_path: Path, monkeypat
 
 def test_kill_9_at_three_points_then_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     model = save_lively(tmp_path / "model", num_layers=8)
-    data = _data(tmp_path / "data.jsonl", 48, turns=3)
+    data = regenerated_data(tmp_path / "data.jsonl", 48, turns=3)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cli = [sys.executable, "-m", "data_gen.harvest", "--data", str(data), "--target", str(model),
            "--max-shard-mb", "0.03", "--batch-size", "1", "--no-progress"]
@@ -226,8 +223,6 @@ def test_reasoning_templates_train_each_turn_once_in_the_context_the_target_saw(
     them), and a multi-turn record that did not come through regeneration is split the same way."""
     from collections import Counter
 
-    from tests.conftest import tiny_tokenizer
-    from tests.test_regenerate import THINK_DROPPING_TEMPLATE
 
     chat = ChatFormat.for_tokenizer(tiny_tokenizer(THINK_DROPPING_TEMPLATE))
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>r</think>x"},
@@ -253,8 +248,6 @@ def test_records_become_the_samples_the_target_saw() -> None:
     context (a Mistral-like template: the system prompt moves into the last user turn)."""
     from collections import Counter
 
-    from tests.conftest import tiny_tokenizer
-    from tests.test_chat import SYSTEM_IN_LAST_USER
 
     chat = ChatFormat.for_tokenizer(tiny_tokenizer(SYSTEM_IN_LAST_USER))
     tok = chat.tokenizer
@@ -326,7 +319,6 @@ def test_a_dated_template_is_harvested_with_the_prompt_the_target_was_fed(monkey
     for k in range(2):  # not the messages the kept ids were rendered from: rendered now
         assert "25 Nov 2026" in chat.tokenizer.decode(out[f"e-t{k}"])
     # a template without the date keeps no prompts
-    from tests.conftest import tiny_tokenizer
 
     assert not ChatFormat.for_tokenizer(tiny_tokenizer()).renders_time
     assert "prompt_ids" not in output_record(record, result, RegenerateConfig(), "t")["generation"]["turns"][0]

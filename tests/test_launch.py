@@ -13,13 +13,12 @@ from eagle3.config import TargetConfig, TrainConfig
 from eagle3.shards import HarvestStore, verify_store
 from recipes.config import LauncherConfig, PipelineConfig
 from recipes.launch import LaunchError, submit
-from tests.test_harvest import _data
-from tests.tiny_targets import save_lively
+from tests.helpers import regenerated_data, save_lively
 
 
 def tiny_pipeline(root: Path, kind: str = "local") -> PipelineConfig:
     model = save_lively(root / "model")
-    data = _data(root / "data.jsonl", 24, turns=2)
+    data = regenerated_data(root / "data.jsonl", 24, turns=2)
     return PipelineConfig(
         target=TargetConfig(name_or_path=str(model), dtype="float32", device="cpu"),
         harvest=HarvestConfig(data=str(data), out_dir=str(root / "harvest"), dtype="float32", max_shard_mb=0.02),

@@ -147,3 +147,16 @@ def test_the_checks_catch_what_they_are_for() -> None:
     rank = {p: i for i, p in enumerate(CHAIN)}
     against = [(m, t) for m, e in graph.items() for t in e if rank[t.split(".")[0]] > rank[m.split(".")[0]]]
     assert against == [("eagle3.draft", "serve_eval.verify")]
+
+
+def test_tests_share_builders_through_the_helpers_module_only() -> None:
+    """A test module imports shared builders from tests/helpers.py (or the fake device), never from
+    another test module or from conftest."""
+    allowed = {"tests.helpers", "tests.fake_device"}
+    bad = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tests."):
+                if node.module not in allowed:
+                    bad.append(f"tests/{path.name}:{node.lineno}: from {node.module} import ...")
+    assert not bad, "\n".join(bad)

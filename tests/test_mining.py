@@ -38,19 +38,11 @@ from hard_mining.strategies import (
     sample_weights,
     variation_requests,
 )
-from tests.test_harvest import _conv
-from tests.tiny_targets import lively_target
+from tests.helpers import lively_target, record_file
 
 DOMAINS = ["coding", "science", "general", "multilingual"]
 
 
-def _records(path: Path, ids: range, prefix: str = "r") -> Path:
-    with open(path, "w") as f:
-        for i in ids:
-            language = "de" if i % 4 == 3 else "en"
-            f.write(json.dumps({"id": f"{prefix}{i}", "domain": DOMAINS[i % 4], "language": language,
-                                "messages": _conv(i, 1 + i % 2)}) + "\n")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +50,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("mine")
     target = lively_target()
     lively = TargetConfig(name_or_path="lively")
-    data, val = _records(root / "data.jsonl", range(32)), _records(root / "val.jsonl", range(100, 112), "v")
+    data, val = record_file(root / "data.jsonl", range(32)), record_file(root / "val.jsonl", range(100, 112), "v")
     harvest(HarvestConfig(data=str(data), out_dir=str(root / "store"), dtype="float32"), lively, target=target,
             progress=False)
     harvest(HarvestConfig(data=str(val), out_dir=str(root / "val"), dtype="float32"), lively, target=target,
@@ -161,7 +153,7 @@ def test_variations_procedural_prompts_and_dedup() -> None:
 
 def test_one_mining_round_end_to_end(world: dict, tmp_path: Path) -> None:
     root, target = world["root"], world["target"]
-    pool = _records(tmp_path / "pool.jsonl", range(200, 216), "p")
+    pool = record_file(tmp_path / "pool.jsonl", range(200, 216), "p")
     cfg = MineConfig(draft=str(root / "train" / "final"), store=str(root / "store"), records=[str(world["data"])],
                      eval_store=str(root / "val"), eval_records=[str(world["val"])], pool=str(pool),
                      out_dir=str(tmp_path / "mine"), rounds=1, candidates=8, candidate_tokens=6, keep_fraction=0.5,

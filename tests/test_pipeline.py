@@ -15,15 +15,14 @@ from eagle3.config import TargetConfig, TrainConfig
 from recipes.config import PipelineConfig
 from recipes.pipeline import PipelineError, run_pipeline
 from serve_eval.config import EvalConfig
-from tests.test_mining import _records
-from tests.tiny_targets import save_lively
+from tests.helpers import record_file, save_lively
 
 
 def _pools(root: Path) -> Path:
     (root / "eval").mkdir(parents=True)
-    _records(root / "train.jsonl", range(24), "t")
-    _records(root / "val.jsonl", range(100, 108), "v")
-    _records(root / "eval" / "mtbench.jsonl", range(200, 204), "e")
+    record_file(root / "train.jsonl", range(24), "t")
+    record_file(root / "val.jsonl", range(100, 108), "v")
+    record_file(root / "eval" / "mtbench.jsonl", range(200, 204), "e")
     return root
 
 

@@ -21,7 +21,7 @@ from eagle3.chat import ChatFormat
 from eagle3.config import TargetConfig
 from eagle3.target import Target
 from eagle3.target_source import TargetSourceError
-from tests.tiny_targets import lively_target, save_lively
+from tests.helpers import THINK_DROPPING_TEMPLATE, lively_target, save_lively
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -256,12 +256,6 @@ def test_default_target_regeneration_equals_hf_greedy() -> None:
         assert result.messages[-1]["content"].strip()
 
 
-THINK_DROPPING_TEMPLATE = (  # like reasoning templates: earlier replies lose their <think> block
-    "{% for m in messages %}<|{{ m['role'] }}|>"
-    "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
-    "{% else %}{{ m['content'] }}{% endif %}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 
 def test_records_stay_whole_and_the_harvest_splits_those_the_template_rewrites(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 from eagle3.config import SamplingConfig
 from serve_eval.config import SpecConfig
 from serve_eval.evaluate import evaluate, markdown, read_prompts, write_report
-from tests.test_spec_decode import PROMPTS, make_draft, make_target
+from tests.helpers import PROMPTS, make_draft, make_target
 
 
 def test_report_has_every_figure_and_file(tmp_path: Path) -> None:

@@ -25,8 +25,7 @@ from serve_eval.adaptive import CostModel
 from serve_eval.config import SpecConfig
 from serve_eval.server import Engine, TextStream, build_app, main
 from serve_eval.spec_decode import SpeculativeDecoder
-from tests.conftest import TINY_VOCAB, tiny_llama, tiny_tokenizer
-from tests.test_spec_decode import make_draft
+from tests.helpers import TINY_VOCAB, make_draft, tiny_llama, tiny_tokenizer
 
 MODEL = "tiny"
 KEY = "test-key"

@@ -8,31 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.target import Target
 from serve_eval.config import SpecConfig
 from serve_eval.spec_decode import SpeculativeDecoder
 from serve_eval.verify import SamplingConfig, target_probs
-from tests.conftest import tiny_llama, tiny_tokenizer
-
-PROMPTS = [[1, 17, 40, 9, 3], [1, 5, 5, 5, 5, 5, 5, 90, 4, 33, 12]]
-
-
-def make_target(vocab: int = 128, layers: int = 6) -> Target:
-    return Target(tiny_llama(num_layers=layers, vocab=vocab), tiny_tokenizer(), aux_layer_ids=(1, 2, 3))
-
-
-def make_draft(target: Target, draft_vocab: int | None = None) -> Eagle3Draft:
-    torch.manual_seed(1)
-    config = DraftConfig.from_target_config(target.config, draft_vocab_size=draft_vocab or target.vocab_size,
-                                            initializer_range=0.2)
-    draft = Eagle3Draft(config, target.embed_tokens.weight.detach())
-    if draft_vocab is not None:  # every other token: the draft cannot propose odd ids
-        from eagle3.draft_vocab import DraftVocab
-
-        vocab = DraftVocab.from_target_ids(torch.arange(0, target.vocab_size, 2)[:draft_vocab], target.vocab_size)
-        draft.set_draft_vocab(vocab.d2t, vocab.t2d)
-    return draft.eval()
+from tests.helpers import PROMPTS, make_draft, make_target, tiny_llama, tiny_tokenizer
 
 
 class OracleDecoder(SpeculativeDecoder):

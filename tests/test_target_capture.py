@@ -19,7 +19,7 @@ from eagle3.target import (
     verify_capture,
 )
 from eagle3.target_head import TargetHead
-from tests.conftest import TINY_VOCAB, tiny_llama, tiny_tokenizer
+from tests.helpers import TINY_VOCAB, tiny_kimi_k25, tiny_llama, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -237,27 +237,6 @@ def tiny_model_folder(tmp_path):
     return folder
 
 
-def tiny_kimi_k25(folder):
-    """A tiny random Kimi-K2.5 (multimodal wrapper, DeepSeek-V3 text model: MLA + MoE), saved in
-    the checkpoint's own layout (``language_model.model.*``, ``language_model.lm_head``)."""
-    import transformers
-
-    text = dict(model_type="deepseek_v3", vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
-                num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-                num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
-                kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                max_position_embeddings=256, tie_word_embeddings=False)
-    config = transformers.Kimi_K25Config(
-        text_config=text, projection_hidden_size=32, tie_word_embeddings=False,
-        # as the real checkpoint: its own code is offered for AutoModelForCausalLM (not trusted here)
-        auto_map={"AutoConfig": "configuration_kimi_k25.KimiK25Config",
-                  "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
-        image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
-    torch.manual_seed(0)
-    transformers.AutoModelForImageTextToText.from_config(config).eval().save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
 
 
 def test_multimodal_target_runs_its_text_path(tmp_path) -> None:

@@ -13,8 +13,7 @@ from eagle3 import target_source
 from eagle3.atomic import atomic_dir
 from eagle3.target import TargetLoadError, load_target
 from eagle3.target_source import SOURCE_MARKER, TargetSourceError, WheelGGUF, resolve_target, target_identity
-from tests.conftest import tiny_llama, tiny_tokenizer
-from tests.test_wheels import _wheel
+from tests.helpers import tiny_llama, tiny_tokenizer, wheel_with
 
 
 def test_resolve_local_folder_and_hub_id(tiny_model_dir: Path, eagle3_home: Path) -> None:
@@ -67,7 +66,7 @@ def test_embedded_target_is_built_once_atomically(tmp_path: Path, eagle3_home: P
     sha = hashlib.sha256(payload).hexdigest()
     downloads = eagle3_home / "downloads"
     downloads.mkdir(parents=True)
-    _wheel(downloads / "tiny_pkg-0.1-py3-none-any.whl", "tiny_pkg/m.gguf", payload)
+    wheel_with(downloads / "tiny_pkg-0.1-py3-none-any.whl", "tiny_pkg/m.gguf", payload)
     monkeypatch.setitem(target_source.EMBEDDED_TARGETS, "tiny", WheelGGUF("tiny-pkg", "0.1", "tiny_pkg/m.gguf", sha))
     conversions: list[Path] = []
     fail = {"now": True}

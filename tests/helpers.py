@@ -1,0 +1,274 @@
+"""Builders the tests share: tiny random targets and drafts, data files, templates. A test module
+imports its helpers from here, never from another test module."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from eagle3.conversations import DOMAINS
+from eagle3.draft import DraftConfig, Eagle3Draft, KVCache
+from eagle3.draft_vocab import DraftVocab
+from eagle3.target import Target
+
+VOCAB, DRAFT_VOCAB, TARGET_HIDDEN = 128, 32, 48
+"""The TTT tests' tiny sizes: target vocabulary, draft vocabulary, target hidden size."""
+
+
+def tiny_llama(num_layers: int = 8, hidden: int = 64, vocab: int = 128, seed: int = 0):
+    """A random Llama small enough for unit tests (fp32, eager-free sdpa)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def tiny_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
+    """A byte-level tokenizer (no merges): 6 special tokens + 256 bytes = 262 ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {t: i for i, t in enumerate(specials + alphabet)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        additional_special_tokens=specials[3:],
+    )
+    tok.chat_template = chat_template
+    return tok
+
+
+TINY_VOCAB = 262
+
+
+PROMPTS = [[1, 17, 40, 9, 3], [1, 5, 5, 5, 5, 5, 5, 90, 4, 33, 12]]
+
+
+def make_target(vocab: int = 128, layers: int = 6) -> Target:
+    return Target(tiny_llama(num_layers=layers, vocab=vocab), tiny_tokenizer(), aux_layer_ids=(1, 2, 3))
+
+
+def make_draft(target: Target, draft_vocab: int | None = None) -> Eagle3Draft:
+    torch.manual_seed(1)
+    config = DraftConfig.from_target_config(target.config, draft_vocab_size=draft_vocab or target.vocab_size,
+                                            initializer_range=0.2)
+    draft = Eagle3Draft(config, target.embed_tokens.weight.detach())
+    if draft_vocab is not None:  # every other token: the draft cannot propose odd ids
+        from eagle3.draft_vocab import DraftVocab
+
+        vocab = DraftVocab.from_target_ids(torch.arange(0, target.vocab_size, 2)[:draft_vocab], target.vocab_size)
+        draft.set_draft_vocab(vocab.d2t, vocab.t2d)
+    return draft.eval()
+
+
+def conversation(i: int, turns: int = 1) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": "Be brief."}] if i % 3 == 0 else []
+    for t in range(turns):
+        messages += [{"role": "user", "content": f"question {i}.{t} " + "x" * (i % 7)},
+                     {"role": "assistant", "content": f"answer {i}.{t} " + "y" * (i * 3 % 11)}]
+    return messages
+
+
+def regenerated_data(path: Path, n: int, turns: int = 1) -> Path:
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"r{i}", "messages": conversation(i, 1 + (i % turns))}) + "\n")
+    return path
+
+
+def small_config(**kw) -> DraftConfig:
+    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=128, draft_vocab_size=32, target_hidden_size=48)
+    return DraftConfig(**{**base, **kw})
+
+
+def randomised(draft: Eagle3Draft, seed: int = 0) -> Eagle3Draft:
+    """Weights large enough to matter and norms away from 1, so swapped pieces would show."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g) if "norm" in name
+                    else 0.2 * torch.randn(p.shape, generator=g))
+    return draft.eval()
+
+
+def random_draft(seed: int = 0, **kw) -> Eagle3Draft:
+    config = small_config(**kw)
+    draft = randomised(Eagle3Draft(config), seed)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(config.vocab_size, generator=g)[: config.draft_vocab_size]
+    vocab = DraftVocab.from_target_ids(ids, config.vocab_size)
+    draft.set_draft_vocab(vocab.d2t, vocab.t2d)
+    return draft
+
+
+def propose(draft: Eagle3Draft, embedding: torch.Tensor, k: int = 5, seed: int = 1) -> list[list[int]]:
+    """Greedy chains of k target ids from random aux states, as at serving time (own KV cache)."""
+    g = torch.Generator().manual_seed(seed)
+    c = draft.config
+    draft.load_embedding(embedding)
+    aux = torch.randn(2, 6, c.num_aux_layers, c.target_hidden_size, generator=g)  # [B, S, A, H_t]
+    tokens = torch.randint(0, c.vocab_size, (2, 6), generator=g)
+    cache = KVCache()
+    with torch.no_grad():
+        hidden, logits = draft(tokens, draft.combine_aux(aux), torch.arange(6).expand(2, 6), cache)
+        hidden, out = hidden[:, -1:], []
+        for step in range(k):
+            token = draft.draft_to_target_ids(logits[:, -1].argmax(-1))  # [B]
+            out.append(token.tolist())
+            hidden, logits = draft(token[:, None], hidden, torch.full((2, 1), 6 + step), cache)
+    return out
+
+
+def public_folder(path: Path, config: dict, tensors: dict) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def public_config(c: DraftConfig, **kw) -> dict:
+    return {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads, "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope_theta, "max_position_embeddings": 2048, "vocab_size": c.vocab_size,
+            "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.target_hidden_size, **kw}
+
+
+def record_file(path: Path, ids: range, prefix: str = "r") -> Path:
+    with open(path, "w") as f:
+        for i in ids:
+            language = "de" if i % 4 == 3 else "en"
+            f.write(json.dumps({"id": f"{prefix}{i}", "domain": DOMAINS[i % 4], "language": language,
+                                "messages": conversation(i, 1 + i % 2)}) + "\n")
+    return path
+
+
+def wheel_with(path: Path, member: str, payload: bytes) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(member, payload)
+    return path
+
+
+def tiny_kimi_k25(folder):
+    """A tiny random Kimi-K2.5 (multimodal wrapper, DeepSeek-V3 text model: MLA + MoE), saved in
+    the checkpoint's own layout (``language_model.model.*``, ``language_model.lm_head``)."""
+    import transformers
+
+    text = dict(model_type="deepseek_v3", vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
+                kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                max_position_embeddings=256, tie_word_embeddings=False)
+    config = transformers.Kimi_K25Config(
+        text_config=text, projection_hidden_size=32, tie_word_embeddings=False,
+        # as the real checkpoint: its own code is offered for AutoModelForCausalLM (not trusted here)
+        auto_map={"AutoConfig": "configuration_kimi_k25.KimiK25Config",
+                  "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+        image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+    torch.manual_seed(0)
+    transformers.AutoModelForImageTextToText.from_config(config).eval().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def tiny_draft(num_layers: int = 1, seed: int = 0, **variant: bool) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    config = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=TARGET_HIDDEN,
+                         num_layers=num_layers, initializer_range=0.15, **variant)
+    draft = Eagle3Draft(config, embed_tokens_weight=torch.randn(VOCAB, 64))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # norms away from 1, so that a swapped norm would show
+        for name, p in draft.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    vocab = DraftVocab.from_target_ids(torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB], VOCAB)
+    draft.set_draft_vocab(vocab.d2t, vocab.t2d)
+    return draft.eval()
+
+
+def packed_batch(doc_lengths: list[list[int]], seed: int = 0, t2d: torch.Tensor | None = None) -> dict:
+    """Rows of packed documents (as eagle3.shards.pack builds them), with random states and targets
+    (with ``t2d``, the target's argmax mostly falls inside the draft vocab)."""
+    g = torch.Generator().manual_seed(seed)
+    s = sum(doc_lengths[0])
+    assert all(sum(row) == s for row in doc_lengths)
+    b = len(doc_lengths)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in doc_lengths])
+    doc = torch.stack([torch.cat([torch.full((n,), k) for k, n in enumerate(row)]) for row in doc_lengths])
+    return {
+        "input_ids": torch.randint(0, VOCAB, (b, s), generator=g),
+        "aux": torch.randn(b, s, 3, TARGET_HIDDEN, generator=g),
+        "position_ids": pos,
+        "document_ids": doc,
+        "loss_mask": torch.rand(b, s, generator=g) > 0.3,
+        "target_logits": 3 * torch.randn(b, s, VOCAB, generator=g) + (0 if t2d is None else 4.0 * t2d),
+    }
+
+
+THINK_DROPPING_TEMPLATE = (  # like reasoning templates: earlier replies lose their <think> block
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
+    "{% else %}{{ m['content'] }}{% endif %}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+# Like Mistral v0.3: the system prompt is written into the *last* user turn, and only when the
+# conversation ends with that user turn, so a harvested conversation (ending in a reply) and its
+# rendering up to the reply differ before the reply.
+SYSTEM_IN_LAST_USER = (
+    "{{ bos_token }}{% set system = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
+    "{% for m in (messages[1:] if system else messages) %}"
+    "{% if m['role'] == 'user' %}[INST] {% if system and loop.last %}{{ system }}\n\n{% endif %}"
+    "{{ m['content'] }}[/INST]"
+    "{% else %} {{ m['content'] | trim }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def sharpen(model: torch.nn.Module, factor: float = 8.0) -> torch.nn.Module:
+    """Scale a random model's weights (norms and MoE router gates aside) by ``factor``: sharper,
+    more varied next-token choices than the init's near-uniform ones."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name and not name.endswith("mlp.gate.weight") and ".router." not in name:
+                param.mul_(factor)
+    return model
+
+
+def lively_llama(num_layers: int = 8, seed: int = 0):
+    """tiny_llama with its weights (norms aside) scaled by 8: sharper, more varied next-token choices."""
+    return sharpen(tiny_llama(num_layers=num_layers, vocab=TINY_VOCAB, seed=seed))
+
+
+def lively_target(chat_template: str | None = None, **kwargs) -> Target:
+    tokenizer = tiny_tokenizer() if chat_template is None else tiny_tokenizer(chat_template)
+    return Target(lively_llama(**kwargs), tokenizer, name="lively")
+
+
+def save_lively(folder: Path, **kwargs) -> Path:
+    lively_llama(**kwargs).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
