@@ -249,7 +249,7 @@ def build_target(arch: str, folder: Path) -> Path:
 
     from eagle3.atomic import atomic_dir
     from tests.conftest import tiny_tokenizer
-    from tests.tiny_targets import sharpen
+    from tests.helpers import sharpen
 
     torch.manual_seed(0)
     model = sharpen(BUILDERS[arch]().eval())

@@ -37,7 +37,7 @@ def make_target(arch: str, scales: torch.Tensor | None) -> Any:
     with ``scales``, its final norm computes ``x / rms(x) * scales`` in the family's convention."""
     from eagle3.target import Target
     from tests.conftest import tiny_tokenizer
-    from tests.tiny_targets import sharpen
+    from tests.helpers import sharpen
 
     torch.manual_seed(0)
     model = sharpen(BUILDERS[arch]().eval())
