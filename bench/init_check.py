@@ -36,8 +36,7 @@ def make_target(arch: str, scales: torch.Tensor | None) -> Any:
     """A random ``arch`` target (the tests' byte-level tokenizer, weights sharpened as arch_check's);
     with ``scales``, its final norm computes ``x / rms(x) * scales`` in the family's convention."""
     from eagle3.target import Target
-    from tests.conftest import tiny_tokenizer
-    from tests.helpers import sharpen
+    from tests.helpers import sharpen, tiny_tokenizer
 
     torch.manual_seed(0)
     model = sharpen(BUILDERS[arch]().eval())
@@ -81,7 +80,7 @@ def main() -> None:
     from eagle3.target import Target
     from eagle3.train import train
     from eagle3.train_log import read_metrics
-    from tests.test_harvest import _data
+    from tests.helpers import regenerated_data as _data
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

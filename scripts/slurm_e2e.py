@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from eagle3.shards import HarvestStore, verify_store  # noqa: E402
 from recipes.launch import submit  # noqa: E402
-from tests.test_launch import tiny_pipeline  # noqa: E402
+from tests.helpers import tiny_pipeline  # noqa: E402
 
 
 def main() -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -272,3 +273,23 @@ def save_lively(folder: Path, **kwargs) -> Path:
     lively_llama(**kwargs).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder
+
+
+def tiny_pipeline(root: Path, kind: str = "local") -> Any:
+    """A harvest + two-rank training pipeline on a lively target, launched locally or on Slurm."""
+    from data_gen.config import HarvestConfig
+    from eagle3.config import TargetConfig, TrainConfig
+    from recipes.config import LauncherConfig, PipelineConfig
+
+    model = save_lively(root / "model")
+    data = regenerated_data(root / "data.jsonl", 24, turns=2)
+    return PipelineConfig(
+        target=TargetConfig(name_or_path=str(model), dtype="float32", device="cpu"),
+        harvest=HarvestConfig(data=str(data), out_dir=str(root / "harvest"), dtype="float32", max_shard_mb=0.02),
+        train=TrainConfig(store=str(root / "harvest"), out_dir=str(root / "train"), steps=2, micro_batch_tokens=256,
+                          batching="buckets", draft_vocab_size=64, eval_fraction=0.2, eval_every=0, save_every=0,
+                          warmup_steps=1, lr=1e-3, wandb_mode="disabled", progress=False),
+        stages=["harvest", "train"], out_dir=str(root),
+        launcher=LauncherConfig(kind=kind, folder=str(root / "submitit"), harvest_shards=2, tasks_per_node=2,
+                                timeout_min=10),
+    )
