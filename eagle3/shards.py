@@ -207,7 +207,7 @@ def verify_store(root: str | os.PathLike[str], part: tuple[int, int] = (0, 1)) -
             raise StoreError(f"{path}: missing shard")
         if sha256_file(path) != entry["sha256"]:
             raise StoreError(f"{path}: sha256 differs from the manifest (corrupt or truncated shard)")
-        _check_shard(path, spec, entry)
+        check_shard(path, spec, entry)
     return manifest
 
 
@@ -226,7 +226,7 @@ def store_state(root: str | os.PathLike[str]) -> dict[str, Any]:
     return {"manifest_sha256": sha256_file(root / MANIFEST), "shards": files}
 
 
-def _check_shard(path: Path, spec: HarvestSpec, entry: dict[str, Any]) -> None:
+def check_shard(path: Path, spec: HarvestSpec, entry: dict[str, Any]) -> None:
     t, n, a, h = entry["tokens"], entry["samples"], len(spec.aux_layer_ids), spec.hidden_size
     want = {"input_ids": [t], "loss_mask": [t], "offsets": [n + 1], "aux": [t, a, h]}
     want |= {"last": [t, h]} if spec.store == "last" else {"topk_ids": [t, spec.topk], "topk_logprobs": [t, spec.topk]}
@@ -259,6 +259,38 @@ def check_compatible(spec: HarvestSpec, *, tokenizer_sha256: str | None = None, 
 
 
 # ---------------------------------------------------------------- reading
+
+def _read_sample(f: Any, spec: HarvestSpec, sample_id: str, a: int, b: int) -> Sample:
+    """Tokens [a, b) of an open shard as one sample (fp8 states dequantised)."""
+    def rows(name: str) -> torch.Tensor:
+        return f.get_slice(name)[a:b]
+
+    def states(name: str) -> torch.Tensor:
+        scale = rows(f"{name}_scale") if spec.dtype == "float8_e4m3fn" else None
+        return dequantize(rows(name), scale)
+
+    sample = Sample(id=sample_id, input_ids=rows("input_ids").long(), loss_mask=rows("loss_mask").bool(),
+                    aux=states("aux"))
+    if spec.store == "last":
+        sample.last = states("last")
+    else:
+        sample.topk_ids = rows("topk_ids").long()
+        sample.topk_logprobs = rows("topk_logprobs")
+    return sample
+
+
+def read_shard(path: str | os.PathLike[str], spec: HarvestSpec) -> list[Sample]:
+    """Every sample of one shard file, in order."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            offsets = f.get_tensor("offsets").tolist()
+            ids = json.loads(f.metadata()["eagle3"])["samples"]
+            return [_read_sample(f, spec, ids[j], offsets[j], offsets[j + 1]) for j in range(len(ids))]
+    except StoreError:
+        raise
+    except Exception as err:  # safetensors raises its own error types for damaged files
+        raise StoreError(f"{path}: unreadable shard ({err})") from err
+
 
 @dataclass
 class _ShardIndex:
@@ -338,23 +370,8 @@ class HarvestStore:
     def __getitem__(self, i: int) -> Sample:
         k, j = self._index[i]
         shard = self._shards[k]
-        a, b = shard.offsets[j], shard.offsets[j + 1]
         with safe_open(str(shard.path), framework="pt") as f:
-            def rows(name: str) -> torch.Tensor:
-                return f.get_slice(name)[a:b]
-
-            def states(name: str) -> torch.Tensor:
-                scale = rows(f"{name}_scale") if self.spec.dtype == "float8_e4m3fn" else None
-                return dequantize(rows(name), scale)
-
-            sample = Sample(id=shard.ids[j], input_ids=rows("input_ids").long(),
-                            loss_mask=rows("loss_mask").bool(), aux=states("aux"))
-            if self.spec.store == "last":
-                sample.last = states("last")
-            else:
-                sample.topk_ids = rows("topk_ids").long()
-                sample.topk_logprobs = rows("topk_logprobs")
-        return sample
+            return _read_sample(f, self.spec, shard.ids[j], shard.offsets[j], shard.offsets[j + 1])
 
     def __iter__(self) -> Iterator[Sample]:
         """Stream every sample, shard by shard."""
