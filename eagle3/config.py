@@ -122,6 +122,10 @@ class TrainConfig:
     batching: str = "pack"
     """pack: documents concatenated into rows of ``micro_batch_tokens`` (attention never crosses
     a document); buckets: similar lengths padded together."""
+    shard_window: int = 0
+    """Sample order: 0 shuffles the whole training set each epoch; N > 0 shuffles the store's
+    shards and batches N consecutive shards at a time (each shard needed only while its window
+    trains: the order online training reads its spool in)."""
     gradient_accumulation: int = 1
     """Micro-batches per rank per optimizer step; the global batch is world_size times this."""
     optimizer: str = "adamw"
@@ -313,6 +317,8 @@ class TrainConfig:
             raise ValueError(f"train.target_temperature={self.target_temperature}: must be > 0")
         if not 0.0 < self.step_decay <= 1.0:
             raise ValueError(f"train.step_decay={self.step_decay}: must be in (0, 1]")
+        if self.shard_window < 0:
+            raise ValueError(f"train.shard_window={self.shard_window}: must be >= 0 (0: the whole set shuffled)")
         if self.batching not in ("pack", "buckets"):
             raise ValueError(f"train.batching={self.batching!r}: expected pack or buckets")
         if self.precision not in _PRECISIONS:

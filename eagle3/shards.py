@@ -367,6 +367,11 @@ class HarvestStore:
                          num_layers=target.num_layers, hidden_size=target.hidden_size,
                          vocab_size=target.vocab_size, where=str(self.root / MANIFEST))
 
+    @property
+    def shard_of(self) -> list[int]:
+        """The shard of every sample, by index."""
+        return [k for k, _ in self._index]
+
     def __getitem__(self, i: int) -> Sample:
         k, j = self._index[i]
         shard = self._shards[k]
@@ -409,6 +414,15 @@ class StoreUnion:
     @property
     def sample_ids(self) -> list[str]:
         return [sid for st in self.stores for sid in st.sample_ids]
+
+    @property
+    def shard_of(self) -> list[int]:
+        """The shard of every sample, numbered through the stores in order."""
+        out, first = [], 0
+        for st in self.stores:
+            out += [first + k for k in st.shard_of]
+            first += len(st.manifest["shards"])
+        return out
 
     def token_columns(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, j = self._where[i]

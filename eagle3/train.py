@@ -327,7 +327,8 @@ class _Loop:
             epoch_idx = (weighted_indices(self.train_idx, self.store.sample_ids, self.weights_by_id, cfg.seed,
                                           state["epoch"]) if self.weights_by_id else self.train_idx)
             self.plan = epoch_batches(self.store.lengths, epoch_idx, cfg.batching, cfg.micro_batch_tokens, cfg.seed,
-                                      state["epoch"])
+                                      state["epoch"], shard_of=self.store.shard_of if cfg.shard_window else None,
+                                      window=cfg.shard_window)
             self.plan_epoch = state["epoch"]
             if steps_per_epoch(len(self.plan), rt.world_size, cfg.gradient_accumulation) == 0:
                 raise TrainError(f"{cfg.store}: {len(self.plan)} micro-batches of train.micro_batch_tokens="

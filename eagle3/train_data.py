@@ -39,18 +39,46 @@ def split_by_id(ids: Sequence[str], fraction: float) -> tuple[list[int], list[in
 
 
 def epoch_batches(lengths: Sequence[int], indices: Sequence[int], batching: str, max_tokens: int,
-                  seed: int, epoch: int) -> list[list[int]]:
+                  seed: int, epoch: int, *, shard_of: Sequence[int] | None = None,
+                  window: int = 0) -> list[list[int]]:
     """One epoch's micro-batches (lists of store indices), shuffled by (seed, epoch).
 
     ``pack``: first-fit rows of at most ``max_tokens`` tokens (a longer sample gets a row of its
     own); ``buckets``: similar lengths, padded size at most ``max_tokens``.
+
+    ``window`` > 0 (with ``shard_of``, each index's shard): the shards are shuffled by (seed,
+    epoch) and batched ``window`` consecutive shards at a time, so the epoch reads its shards in
+    that order, each needed only while its window is trained (what online training's spool holds).
     """
+    if window <= 0 or shard_of is None:
+        return _batches(lengths, indices, batching, max_tokens, seed * 1_000_003 + epoch)
+    by_shard: dict[int, list[int]] = {}
+    for i in indices:
+        by_shard.setdefault(shard_of[i], []).append(i)
+    order = sorted(by_shard)
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    out = []
+    for w in range(0, len(order), window):
+        part = [i for k in order[w:w + window] for i in by_shard[k]]
+        out += _batches(lengths, part, batching, max_tokens, (seed * 1_000_003 + epoch) * 1_000_003 + w)
+    return out
+
+
+def shard_sequence(shard_of: Sequence[int], indices: Sequence[int], seed: int, epoch: int) -> list[int]:
+    """The shards of ``indices`` in the order :func:`epoch_batches` with a window reads them."""
+    order = sorted({shard_of[i] for i in indices})
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+def _batches(lengths: Sequence[int], indices: Sequence[int], batching: str, max_tokens: int,
+             seed: int) -> list[list[int]]:
     sub = [lengths[i] for i in indices]
     if batching == "pack":
         rows = pack_indices(sub, max_tokens)
-        random.Random(seed * 1_000_003 + epoch).shuffle(rows)
+        random.Random(seed).shuffle(rows)
     elif batching == "buckets":
-        rows = length_buckets(sub, max_tokens, seed=seed * 1_000_003 + epoch)
+        rows = length_buckets(sub, max_tokens, seed=seed)
     else:
         raise ValueError(f"batching={batching!r}: expected pack or buckets")
     return [[indices[j] for j in row] for row in rows]
@@ -132,5 +160,5 @@ def loss_token_counts(store: HarvestStore, indices: Sequence[int], vocab_size: i
 
 __all__ = [
     "collate", "epoch_batches", "eval_batches_for_rank", "held_out", "load_batch", "loss_token_counts",
-    "rank_batch_index", "split_by_id", "steps_per_epoch", "weighted_indices",
+    "rank_batch_index", "shard_sequence", "split_by_id", "steps_per_epoch", "weighted_indices",
 ]

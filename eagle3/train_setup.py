@@ -55,7 +55,8 @@ def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore | Sto
                     eval_store: HarvestStore | None = None) -> dict[str, Any]:
     """What a resumed run must share with the run that saved the checkpoint: the settings that
     decide the data order, the model and how DeepSpeed sharded its states."""
-    keys = ("batching", "micro_batch_tokens", "gradient_accumulation", "seed", "eval_fraction", "ttt_steps",
+    keys = ("batching", "shard_window", "micro_batch_tokens", "gradient_accumulation", "seed", "eval_fraction",
+            "ttt_steps",
             "init_draft", "num_layers", "draft_intermediate_size", "draft_num_attention_heads",
             "draft_num_key_value_heads", "draft_head_dim", "draft_rope", "draft_variant", "zero_stage", "precision",
             "freeze_lm_head", "optimizer", "muon_momentum", "lm_head_init", "layer_init", "step_decay",

@@ -23,7 +23,7 @@ from torch import nn
 from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
 from eagle3.atomic import atomic_dir, remove_leftovers
-from eagle3.checkpoint import LATEST, CheckpointError, load_exported_draft
+from eagle3.checkpoint import LATEST, CheckpointError, load_exported_draft, tag_of
 from eagle3.config import TargetConfig, TrainConfig
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab, read_draft_vocab
@@ -38,6 +38,7 @@ from eagle3.train_data import (
     epoch_batches,
     eval_batches_for_rank,
     rank_batch_index,
+    shard_sequence,
     split_by_id,
     steps_per_epoch,
 )
@@ -161,6 +162,28 @@ def test_split_and_rank_sharding_cover_every_batch_once() -> None:
         assert taken == list(range(s * world * accum, (s + 1) * world * accum))
     padded = eval_batches_for_rank([[0], [1], [2]], rank=1, world_size=2)
     assert padded == [[1], None] and eval_batches_for_rank([[0], [1], [2]], 0, 2) == [[0], [2]]
+
+
+@pytest.mark.parametrize("batching", ["pack", "buckets"])
+def test_a_shard_window_reads_the_shards_in_order_a_window_at_a_time(batching: str) -> None:
+    lengths = [5 + i % 37 for i in range(400)]
+    shard_of = [i // 25 for i in range(400)]  # 16 shards of 25 samples
+    train_idx, _ = split_by_id([f"s{i}" for i in range(400)], 0.1)
+    for window in (1, 3):
+        plan = epoch_batches(lengths, train_idx, batching, 64, seed=3, epoch=1, shard_of=shard_of, window=window)
+        assert sorted(i for b in plan for i in b) == sorted(train_idx)  # every sample once
+        order = shard_sequence(shard_of, train_idx, seed=3, epoch=1)
+        assert sorted(order) == list(range(16)) and order != list(range(16))
+        windows = [set(order[w:w + window]) for w in range(0, 16, window)]
+        seen = [next(n for n, win in enumerate(windows) if {shard_of[i] for i in b} <= win) for b in plan]
+        assert seen == sorted(seen)  # each micro-batch inside one window, the windows in order
+        assert plan == epoch_batches(lengths, train_idx, batching, 64, seed=3, epoch=1, shard_of=shard_of,
+                                     window=window)
+        assert plan != epoch_batches(lengths, train_idx, batching, 64, seed=3, epoch=2, shard_of=shard_of,
+                                     window=window)
+    # window 0 is the whole set shuffled, as before the option existed
+    assert epoch_batches(lengths, train_idx, batching, 64, 3, 1, shard_of=shard_of, window=0) == \
+        epoch_batches(lengths, train_idx, batching, 64, 3, 1)
 
 
 def test_buckets_collate_pads_outside_every_document(tiny: dict) -> None:
@@ -296,6 +319,33 @@ def test_rerun_resumes_and_other_settings_fail_naming_the_key(tiny: dict, tmp_pa
               target=tiny["target"])
     assert train(_cfg(tiny, out, steps=1, micro_batch_tokens=128, resume=False),
                  target=tiny["target"])["resumed_from_step"] is None
+
+
+def test_a_run_in_shard_windows_resumes_bit_for_bit(tiny: dict, tmp_path: Path) -> None:
+    store = tmp_path / "small-shards"
+    harvest(HarvestConfig(data=str(regenerated_data(tmp_path / "d.jsonl", 24, turns=2)), out_dir=str(store),
+                          dtype="float32", max_shard_mb=0.03), TargetConfig(name_or_path="lively"),
+            target=tiny["target"], progress=False)
+    assert max(HarvestStore(store).shard_of) >= 3  # several shards
+
+    def run(out: Path, **kw) -> dict:
+        return train(_cfg(tiny, out, **{"store": str(store), "steps": 6, "shard_window": 1, "eval_every": 0,
+                                 "save_every": 3, "micro_batch_tokens": 128, **kw}), target=tiny["target"])
+
+    whole = run(tmp_path / "whole")
+    cut = tmp_path / "cut"  # the same run stopped after its step-3 checkpoint
+    shutil.copytree(tmp_path / "whole", cut)
+    for gone in ("final", "best", f"checkpoints/{tag_of(6)}"):
+        shutil.rmtree(cut / gone, ignore_errors=True)
+    (cut / "summary.json").unlink()
+    (cut / "checkpoints" / LATEST).write_text(tag_of(3))
+    resumed = run(cut)
+    assert resumed["resumed_from_step"] == 3 and resumed["last_loss"] == whole["last_loss"]
+    assert (cut / "final" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "final" /
+                                                                  "model.safetensors").read_bytes()
+    with pytest.raises(TrainError, match="trained with train.shard_window=1, this run has 0"):
+        run(cut, shard_window=0)
+    assert run(tmp_path / "global", shard_window=0)["last_loss"] != whole["last_loss"]  # the order is another
 
 
 def test_settings_pinned_by_one_version_only_are_not_compared(tmp_path: Path) -> None:
