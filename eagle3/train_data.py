@@ -55,8 +55,7 @@ def epoch_batches(lengths: Sequence[int], indices: Sequence[int], batching: str,
     by_shard: dict[int, list[int]] = {}
     for i in indices:
         by_shard.setdefault(shard_of[i], []).append(i)
-    order = sorted(by_shard)
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    order = [k for k in shard_sequence(max(shard_of) + 1, seed, epoch) if k in by_shard]
     out = []
     for w in range(0, len(order), window):
         part = [i for k in order[w:w + window] for i in by_shard[k]]
@@ -64,9 +63,11 @@ def epoch_batches(lengths: Sequence[int], indices: Sequence[int], batching: str,
     return out
 
 
-def shard_sequence(shard_of: Sequence[int], indices: Sequence[int], seed: int, epoch: int) -> list[int]:
-    """The shards of ``indices`` in the order :func:`epoch_batches` with a window reads them."""
-    order = sorted({shard_of[i] for i in indices})
+def shard_sequence(num_shards: int, seed: int, epoch: int) -> list[int]:
+    """Every shard of a store in the order an epoch with a window reads them (:func:`epoch_batches`
+    skips those holding no sample it trains on): a function of the shard count, seed and epoch
+    only, so producers of online training know it without the trainer's split or weights."""
+    order = list(range(num_shards))
     random.Random(seed * 1_000_003 + epoch).shuffle(order)
     return order
 

@@ -172,7 +172,7 @@ def test_a_shard_window_reads_the_shards_in_order_a_window_at_a_time(batching: s
     for window in (1, 3):
         plan = epoch_batches(lengths, train_idx, batching, 64, seed=3, epoch=1, shard_of=shard_of, window=window)
         assert sorted(i for b in plan for i in b) == sorted(train_idx)  # every sample once
-        order = shard_sequence(shard_of, train_idx, seed=3, epoch=1)
+        order = shard_sequence(16, seed=3, epoch=1)
         assert sorted(order) == list(range(16)) and order != list(range(16))
         windows = [set(order[w:w + window]) for w in range(0, 16, window)]
         seen = [next(n for n, win in enumerate(windows) if {shard_of[i] for i in b} <= win) for b in plan]
@@ -181,6 +181,11 @@ def test_a_shard_window_reads_the_shards_in_order_a_window_at_a_time(batching: s
                                      window=window)
         assert plan != epoch_batches(lengths, train_idx, batching, 64, seed=3, epoch=2, shard_of=shard_of,
                                      window=window)
+    # a shard left with nothing to train on is skipped, the others keep their order
+    odd = [i for i in train_idx if shard_of[i] != 5]
+    plan = epoch_batches(lengths, odd, batching, 64, seed=3, epoch=1, shard_of=shard_of, window=1)
+    firsts = list(dict.fromkeys(shard_of[b[0]] for b in plan))
+    assert firsts == [k for k in shard_sequence(16, seed=3, epoch=1) if k != 5]
     # window 0 is the whole set shuffled, as before the option existed
     assert epoch_batches(lengths, train_idx, batching, 64, 3, 1, shard_of=shard_of, window=0) == \
         epoch_batches(lengths, train_idx, batching, 64, 3, 1)
