@@ -319,6 +319,25 @@ def _remove_stale_temps(out_dir: Path, worker: int, workers: int) -> None:
             tmp.unlink(missing_ok=True)
 
 
+def harvest_shard(backend: Any, samples: Sequence[tuple[str, list[int], list[int]]], span: tuple[int, int],
+                  batch_size: int, on_batch: Any = None) -> list[Sample]:
+    """The samples ``span`` = [a, b) of the plan with their states: similar lengths batched together
+    (fixed for the shard, so a rerun, or an online producer, computes the very same batches and
+    bytes); ``on_batch(tokens)`` after each batch."""
+    a, b = span
+    rows: dict[int, dict[str, torch.Tensor]] = {}
+    order = sorted(range(a, b), key=lambda i: (len(samples[i][1]), i))
+    for k in range(0, len(order), batch_size):
+        batch = order[k : k + batch_size]
+        for i, row in zip(batch, backend.capture([samples[i][1] for i in batch]), strict=True):
+            _states_ok(samples[i][0], row)
+            rows[i] = row
+        if on_batch is not None:
+            on_batch(sum(len(samples[i][1]) for i in batch))
+    return [Sample(id=samples[i][0], input_ids=torch.tensor(samples[i][1]),
+                   loss_mask=torch.tensor(samples[i][2], dtype=torch.bool), **rows[i]) for i in range(a, b)]
+
+
 def _harvest_shards(cfg: HarvestConfig, out_dir: Path, spec: HarvestSpec, backend: Any,
                     samples: list[tuple[str, list[int], list[int]]], lengths: list[int], plan: list[tuple[int, int]],
                     counts: Counter[str], settings: dict[str, Any], started: float, progress: bool) -> dict[str, Any]:
@@ -334,22 +353,10 @@ def _harvest_shards(cfg: HarvestConfig, out_dir: Path, spec: HarvestSpec, backen
                file=sys.stderr, dynamic_ncols=True)
     with bar:
         for j in mine:
-            a, b = plan[j]
-            rows: dict[int, dict[str, torch.Tensor]] = {}
-            # Similar lengths batched together (fixed for the shard): little padding, same bytes on rerun.
-            order = sorted(range(a, b), key=lambda i: (lengths[i], i))
-            for k in range(0, len(order), cfg.batch_size):
-                batch = order[k : k + cfg.batch_size]
-                t0 = time.perf_counter()
-                for i, row in zip(batch, backend.capture([samples[i][1] for i in batch]), strict=True):
-                    _states_ok(samples[i][0], row)
-                    rows[i] = row
-                capture_s += time.perf_counter() - t0
-                n = sum(lengths[i] for i in batch)
-                done_tokens += n
-                bar.update(n)
-            shard = [Sample(id=samples[i][0], input_ids=torch.tensor(samples[i][1]),
-                            loss_mask=torch.tensor(samples[i][2], dtype=torch.bool), **rows[i]) for i in range(a, b)]
+            t0 = time.perf_counter()
+            shard = harvest_shard(backend, samples, plan[j], cfg.batch_size, on_batch=bar.update)
+            capture_s += time.perf_counter() - t0
+            done_tokens += sum(lengths[slice(*plan[j])])
             write_shard(out_dir / shard_name(j), shard, spec)
             used = sum(p.stat().st_size for p in out_dir.glob("shard-*.safetensors"))
             bar.set_postfix_str(f"{done_tokens / max(capture_s, 1e-9):.0f} tok/s, disk {used >> 20} MiB of "
