@@ -25,7 +25,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -273,11 +273,24 @@ def _states_ok(sample_id: str, row: dict[str, torch.Tensor]) -> None:
                                "the sample is rejected (check the target's dtype and weights)")
 
 
-def run(cfg: HarvestConfig, target_cfg: TargetConfig, *, target: Target | None = None,
-        progress: bool = True) -> dict[str, Any]:
-    """Harvest this worker's shards of ``cfg.data`` into ``cfg.out_dir``; finalise the store if complete."""
+@dataclass
+class HarvestPlan:
+    """What a harvest (or an online producer) works from: the spec, the capture backend, the
+    tokenised samples, their shard plan, and the record ``plan.json`` pins in the output folder."""
 
-    started = time.perf_counter()
+    spec: HarvestSpec
+    backend: Any
+    samples: list[tuple[str, list[int], list[int]]]
+    lengths: list[int]
+    plan: list[tuple[int, int]]
+    counts: Counter[str]
+    settings: dict[str, Any]
+    record: dict[str, Any]
+
+
+def plan_harvest(cfg: HarvestConfig, target_cfg: TargetConfig, target: Target | None = None) -> HarvestPlan:
+    """Read and tokenise ``cfg.data``, load the target (or use ``target``), plan the shards, and pin the
+    plan in ``cfg.out_dir`` (a rerun with other settings or data fails naming the key)."""
     if target is None and cfg.backend == "hf":
         torch.set_num_threads(cfg.threads)
     out_dir, data = Path(cfg.out_dir), Path(cfg.data)
@@ -296,9 +309,22 @@ def run(cfg: HarvestConfig, target_cfg: TargetConfig, *, target: Target | None =
     lengths = [len(ids) for _, ids, _ in samples]
     plan = shard_plan(lengths, bytes_per_token(spec), int(cfg.max_shard_mb * 2**20))
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("data", "out_dir", "shard", "threads")}
+    record = {"spec": spec.to_json(), "settings": settings, "data_sha256": sha256_file(data), "shards": plan,
+              "counts": dict(counts)}
     out_dir.mkdir(parents=True, exist_ok=True)
-    _check_plan(out_dir, {"spec": spec.to_json(), "settings": settings, "data_sha256": sha256_file(data),
-                          "shards": plan, "counts": dict(counts)})
+    _check_plan(out_dir, record)
+    return HarvestPlan(spec, backend, samples, lengths, plan, counts, settings, record)
+
+
+def run(cfg: HarvestConfig, target_cfg: TargetConfig, *, target: Target | None = None,
+        progress: bool = True) -> dict[str, Any]:
+    """Harvest this worker's shards of ``cfg.data`` into ``cfg.out_dir``; finalise the store if complete."""
+
+    started = time.perf_counter()
+    out_dir = Path(cfg.out_dir)
+    hp = plan_harvest(cfg, target_cfg, target)
+    spec, backend, samples, lengths, plan, counts, settings = (hp.spec, hp.backend, hp.samples, hp.lengths, hp.plan,
+                                                               hp.counts, hp.settings)
     worker, workers = cfg.worker
     lock = FileLock(str(out_dir / f".worker-{worker}-of-{workers}.lock"))
     try:
