@@ -4,9 +4,12 @@ folder (local, or a shared filesystem across nodes) that never holds more than i
 A spool is a folder::
 
     spool.json                     what every shard must be: the harvest spec, the plan's digest
+    plan.json, index.safetensors   the harvest plan and every sample's tokens (written by producers)
     cursor-<reader>.json           the seq each reader waits for
-    <name>.safetensors             one shard, exactly as a store's (``eagle3.shards.encode_shard``)
-    <name>.json                    written after it, atomically: its sha256, tokens, samples (the commit)
+    released.json                  the seq below which every shard was consumed and deleted
+    done                           the readers finished: producers stop
+    shards/<name>.safetensors      one shard, exactly as a store's (``eagle3.shards.encode_shard``)
+    shards/<name>.json             written after it, atomically: its seq, sha256, tokens, samples (the commit)
 
 Shards carry their position in the readers' order (``seq``). A producer ``put``s a shard when the
 committed shards plus this one fit the budget, when the spool is empty, or when it is the shard a
@@ -23,50 +26,127 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import itertools
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
 from eagle3.atomic import atomic_write_bytes, atomic_write_text, sha256_file
-from eagle3.shards import HarvestSpec, Sample, StoreError, check_shard, encode_shard, read_shard
+from eagle3.shards import (
+    HarvestSpec,
+    Sample,
+    StoreError,
+    check_compatible,
+    check_shard,
+    encode_shard,
+    read_shard,
+    shard_name,
+)
+from eagle3.train_data import shard_sequence
 
 HEADER = "spool.json"
+PLAN = "plan.json"  # the harvest's plan (data_gen.harvest.plan_harvest pins it)
+INDEX = "index.safetensors"
+RELEASED = "released.json"
+DONE = "done"
 LOCK = ".lock"
 
 
+def shard_key(epoch: int, shard: int) -> str:
+    """The spool name of a store shard's states in an epoch."""
+    return f"e{epoch:04d}-{shard_name(shard).removesuffix('.safetensors')}"
+
+
+def write_index(root: str | os.PathLike[str], samples: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> None:
+    """Every sample's id and tokens (input ids, loss mask), what a trainer plans an epoch from
+    before any state exists; the same file from every producer (rewritten only when missing)."""
+    path = Path(root) / INDEX
+    if path.is_file():
+        return
+    lengths = [len(ids) for _, ids, _ in samples]
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
+    tensors = {"input_ids": torch.tensor([t for _, ids, _ in samples for t in ids], dtype=torch.int32),
+               "loss_mask": torch.tensor([m for _, _, mask in samples for m in mask], dtype=torch.uint8),
+               "offsets": offsets}
+    meta = {"eagle3": json.dumps({"format": "eagle3-spool-index-1", "samples": [sid for sid, _, _ in samples]})}
+    atomic_write_bytes(path, save(tensors, metadata=meta))
+
+
+def read_index(root: str | os.PathLike[str]) -> tuple[list[str], torch.Tensor, torch.Tensor, list[int]]:
+    """(sample ids, input ids [T] int64, loss mask [T] bool, offsets [n + 1]) of a spool's index."""
+    path = Path(root) / INDEX
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            ids = json.loads(f.metadata()["eagle3"])["samples"]
+            return ids, f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool(), \
+                f.get_tensor("offsets").tolist()
+    except FileNotFoundError:
+        raise StoreError(f"{path}: missing; start a producer (python -m data_gen.produce) on this spool first") \
+            from None
+    except Exception as err:  # safetensors raises its own error types for damaged files
+        raise StoreError(f"{path}: unreadable spool index ({err})") from err
+
+
+def _read_header(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StoreError(f"{path}: missing; no producer has created this spool") from None
+    except json.JSONDecodeError as err:
+        raise StoreError(f"{path}: not valid JSON ({err})") from None
+
+
+def _check_header(path: Path, mine: dict[str, Any]) -> None:
+    """Raise naming the first key of ``mine`` that the spool's header has otherwise."""
+    found = _read_header(path)
+    for key in ("format", "spec", "plan_sha256", "seed"):
+        ours, theirs = mine[key], found.get(key)
+        if key == "spec" and isinstance(theirs, dict) and isinstance(ours, dict):
+            differ = sorted(k for k in ours if ours[k] != theirs.get(k))
+            if differ:
+                raise StoreError(f"{path}: a spool of another harvest ({', '.join(f'spec.{k}' for k in differ)} "
+                                 f"differ: {theirs.get(differ[0])!r} there, {ours[differ[0]]!r} here)")
+        elif ours != theirs:
+            raise StoreError(f"{path}: {key} is {theirs!r} there, {ours!r} here; a spool of another run")
+
+
 class Spool:
-    """One spool folder. Producers and readers must agree on the harvest spec and the plan's digest:
-    opening an existing spool with others fails, naming the key. The budget may change on a rerun."""
+    """One spool folder. Producers and readers must agree on the harvest spec, the plan's digest
+    and the seed of the shard order: opening an existing spool with others fails, naming the key.
+    The budget may change on a rerun."""
 
     def __init__(self, root: str | os.PathLike[str], spec: HarvestSpec, *, budget_bytes: int,
-                 plan_sha256: str, poll_s: float = 0.05) -> None:
+                 plan_sha256: str, seed: int = 0, poll_s: float = 0.05) -> None:
         if budget_bytes < 1:
             raise ValueError(f"spool budget_bytes={budget_bytes}: must be >= 1")
         self.root, self.spec, self.budget_bytes, self.poll_s = Path(root), spec, budget_bytes, poll_s
         self.header = {"format": "eagle3-spool-1", "spec": spec.to_json(), "plan_sha256": plan_sha256,
-                       "budget_bytes": budget_bytes}
+                       "seed": seed, "budget_bytes": budget_bytes}
         self.root.mkdir(parents=True, exist_ok=True)
         with self._locked():
             path = self.root / HEADER
             if not path.is_file():
                 atomic_write_text(path, json.dumps(self.header, indent=1) + "\n")
                 return
-            try:
-                found = json.loads(path.read_text())
-            except json.JSONDecodeError as err:
-                raise StoreError(f"{path}: not valid JSON ({err})") from None
-        for key in ("format", "spec", "plan_sha256"):
-            mine, theirs = self.header[key], found.get(key)
-            if key == "spec" and isinstance(theirs, dict):
-                differ = sorted(k for k in mine if mine[k] != theirs.get(k))
-                if differ:
-                    raise StoreError(f"{path}: a spool of another harvest ({', '.join(f'spec.{k}' for k in differ)} "
-                                     f"differ: {theirs.get(differ[0])!r} there, {mine[differ[0]]!r} here)")
-            elif mine != theirs:
-                raise StoreError(f"{path}: {key} is {theirs!r} there, {mine!r} here; a spool of another run")
+        _check_header(path, self.header)
+
+    @classmethod
+    def open(cls, root: str | os.PathLike[str], *, plan_sha256: str, seed: int, poll_s: float = 0.05) -> Spool:
+        """A spool a producer created (its spec and budget), checked against this run's plan and seed."""
+        path = Path(root) / HEADER
+        found = _read_header(path)
+        _check_header(path, {"format": "eagle3-spool-1", "spec": found.get("spec"), "plan_sha256": plan_sha256,
+                             "seed": seed})
+        return cls(root, HarvestSpec.from_json(found["spec"]), budget_bytes=int(found["budget_bytes"]),
+                   plan_sha256=plan_sha256, seed=seed, poll_s=poll_s)
 
     # -- the folder
 
@@ -82,10 +162,9 @@ class Spool:
     def committed(self) -> dict[str, dict[str, Any]]:
         """``{name: its commit record}`` of every committed shard."""
         out = {}
-        for path in self.root.glob("*.json"):
-            if path.name != HEADER and not path.name.startswith("cursor-"):
-                with contextlib.suppress(OSError, json.JSONDecodeError):  # a release racing this listing
-                    out[path.stem] = json.loads(path.read_text())
+        for path in (self.root / "shards").glob("*.json"):
+            with contextlib.suppress(OSError, json.JSONDecodeError):  # a release racing this listing
+                out[path.stem] = json.loads(path.read_text())
         return out
 
     def used_bytes(self) -> int:
@@ -102,6 +181,22 @@ class Spool:
                 seqs.append(int(json.loads(path.read_text())["seq"]))
         return min(seqs, default=None)
 
+    def is_committed(self, name: str) -> bool:
+        return (self.root / "shards" / f"{name}.json").is_file()
+
+    def released_below(self) -> int:
+        """Every shard of a seq below this was consumed and deleted: producers need not make it again."""
+        with contextlib.suppress(OSError, json.JSONDecodeError, KeyError):
+            return int(json.loads((self.root / RELEASED).read_text())["seq"])
+        return 0
+
+    def done(self) -> bool:
+        return (self.root / DONE).is_file()
+
+    def finish(self) -> None:
+        """The readers are done: producers stop."""
+        atomic_write_text(self.root / DONE, "")
+
     def put(self, name: str, seq: int, samples: Sequence[Sample], *,
             alive: Callable[[], bool] = lambda: True) -> int:
         """Commit ``samples`` as shard ``name`` (position ``seq`` in the readers' order) once it may
@@ -109,17 +204,19 @@ class Spool:
         data, tokens = encode_shard(samples, self.spec)
         while True:
             with self._locked():
+                if seq < self.released_below():  # consumed already (a producer rerun after a reader's release)
+                    return 0
                 done = self.committed()
                 if name in done:  # a rerun of a producer that had committed it: nothing to do
                     return int(done[name]["bytes"])
                 used = sum(int(c["bytes"]) for c in done.values())
                 if used == 0 or used + len(data) <= self.budget_bytes or seq == self._waited_for():
-                    path = self.root / f"{name}.safetensors"
+                    path = self.root / "shards" / f"{name}.safetensors"
                     atomic_write_bytes(path, data)
                     record = {"file": path.name, "seq": seq, "sha256": sha256_file(path), "bytes": len(data),
                               "tokens": tokens,
                               "samples": len(samples), "loss_tokens": int(sum(int(s.loss_mask.sum()) for s in samples))}
-                    atomic_write_text(self.root / f"{name}.json", json.dumps(record) + "\n")
+                    atomic_write_text(self.root / "shards" / f"{name}.json", json.dumps(record) + "\n")
                     return len(data)
             if not alive():
                 raise StoreError(f"{self.root}: gave up waiting for room for {name} (the readers stopped)")
@@ -135,7 +232,7 @@ class Spool:
         with self._locked():
             atomic_write_text(self.root / f"cursor-{reader}.json", json.dumps({"seq": seq}) + "\n")
         start = time.monotonic()
-        commit = self.root / f"{name}.json"
+        commit = self.root / "shards" / f"{name}.json"
         while not commit.is_file():
             if not alive():
                 raise StoreError(f"{commit}: not produced, and no producer is left to produce it")
@@ -143,7 +240,7 @@ class Spool:
                 raise StoreError(f"{commit}: not produced within {timeout_s:.0f} s")
             time.sleep(self.poll_s)
         record = json.loads(commit.read_text())
-        path = self.root / record["file"]
+        path = self.root / "shards" / record["file"]
         if not path.is_file() or sha256_file(path) != record["sha256"]:
             raise StoreError(f"{path}: missing, or its sha256 differs from {commit.name} "
                              "(a truncated or corrupt shard)")
@@ -153,9 +250,110 @@ class Spool:
     def release(self, name: str) -> None:
         """Delete shard ``name`` (its commit first, so a reader never sees a commit without its shard)."""
         with self._locked():
-            for suffix in (".json", ".safetensors"):
-                with contextlib.suppress(FileNotFoundError):
-                    (self.root / f"{name}{suffix}").unlink()
+            self._delete(name)
+
+    def _delete(self, name: str) -> None:
+        for suffix in (".json", ".safetensors"):
+            with contextlib.suppress(FileNotFoundError):
+                (self.root / "shards" / f"{name}{suffix}").unlink()
+
+    def release_below(self, seq: int) -> list[str]:
+        """Delete every committed shard of a seq below ``seq`` and record that none is needed again."""
+        with self._locked():
+            if seq > self.released_below():
+                atomic_write_text(self.root / RELEASED, json.dumps({"seq": seq}) + "\n")
+            gone = [n for n, c in self.committed().items() if int(c.get("seq", -1)) < seq]
+            for name in gone:
+                self._delete(name)
+        return gone
 
 
-__all__ = ["HEADER", "Spool"]
+def plan_digest(root: str | os.PathLike[str]) -> str:
+    """The digest of the harvest plan (``plan.json``) a spool's shards follow."""
+    path = Path(root) / PLAN
+    try:
+        return hashlib.sha256(json.dumps(json.loads(path.read_text()), sort_keys=True).encode()).hexdigest()
+    except (OSError, json.JSONDecodeError) as err:
+        raise StoreError(f"{path}: unreadable ({err})") from None
+
+
+class SpoolStore:
+    """The trainer's store in online training: the plan and every sample's tokens from the index
+    the producers wrote (planning, the draft vocab and the split need no state), and each shard's
+    states from the spool when a micro-batch needs them. Epoch ``e`` reads shard ``k`` as
+    :func:`shard_key` (e, k), at position ``seq = e * shards + `` its place in
+    :func:`eagle3.train_data.shard_sequence` (e): the order producers make them in."""
+
+    def __init__(self, root: str | os.PathLike[str], *, seed: int, reader: int = 0, wait_s: float = 600.0,
+                 poll_s: float = 0.2) -> None:
+        self.root, self.reader, self.wait_s, self.seed = Path(root), reader, wait_s, seed
+        start = time.monotonic()
+        while not (self.root / HEADER).is_file():  # the first producer writes the plan, the index, then this
+            if time.monotonic() - start > wait_s:
+                raise StoreError(f"{self.root / HEADER}: no producer has started on this spool within {wait_s:.0f} s "
+                                 "(python -m data_gen.produce)")
+            time.sleep(poll_s)
+        plan = json.loads((self.root / PLAN).read_text())
+        self.spec = HarvestSpec.from_json(plan["spec"])
+        self.plan = [(int(a), int(b)) for a, b in plan["shards"]]
+        self.sample_ids, self._input_ids, self._loss_mask, self._offsets = read_index(self.root)
+        self.lengths = [b - a for a, b in itertools.pairwise(self._offsets)]
+        if len(self.lengths) != (self.plan[-1][1] if self.plan else 0):
+            raise StoreError(f"{self.root / INDEX}: {len(self.lengths)} samples, the plan has "
+                             f"{self.plan[-1][1] if self.plan else 0}")
+        self.shard_of = [k for k, (a, b) in enumerate(self.plan) for _ in range(a, b)]
+        digest = plan_digest(self.root)
+        self.manifest = {"spec": plan["spec"], "shards": [{"sha256": f"{digest}:{k}"} for k in range(len(self.plan))]}
+        self.spool = Spool.open(self.root, plan_sha256=digest, seed=seed)
+        self.epoch = 0
+        self._positions: dict[int, int] = {}
+        self._cache: dict[str, list[Sample]] = {}
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def token_columns(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = self._offsets[i], self._offsets[i + 1]
+        return self._input_ids[a:b], self._loss_mask[a:b]
+
+    def token_digests(self) -> list[bytes]:
+        ids = self._input_ids.numpy()
+        return [hashlib.blake2b(ids[a:b].tobytes(), digest_size=16).digest()
+                for a, b in itertools.pairwise(self._offsets)]
+
+    def check_target(self, target: Any) -> None:
+        from eagle3.fingerprint import tokenizer_fingerprint
+
+        check_compatible(self.spec, tokenizer_sha256=tokenizer_fingerprint(target.tokenizer),
+                         num_layers=target.num_layers, hidden_size=target.hidden_size,
+                         vocab_size=target.vocab_size, where=str(self.root / PLAN))
+
+    def begin_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self._positions = {k: p for p, k in enumerate(shard_sequence(len(self.plan), self.seed, epoch))}
+
+    def seq_of(self, shard: int) -> int:
+        return self.epoch * len(self.plan) + self._positions[shard]
+
+    def __getitem__(self, i: int) -> Sample:
+        k = self.shard_of[i]
+        name = shard_key(self.epoch, k)
+        if name not in self._cache:
+            self._cache[name] = self.spool.get(name, self.seq_of(k), reader=self.reader, timeout_s=self.wait_s)
+        return self._cache[name][i - self.plan[k][0]]
+
+    def release_unneeded(self, remaining: Iterable[Sequence[int]], *, delete: bool = True) -> None:
+        """After a checkpoint: forget and delete every shard of this epoch before the first one the
+        ``remaining`` micro-batches of the epoch read (and everything of earlier epochs)."""
+        seqs = [self.seq_of(self.shard_of[i]) for batch in remaining for i in batch]
+        floor = min(seqs, default=(self.epoch + 1) * len(self.plan))
+        self._cache = {n: v for n, v in self._cache.items() if n.startswith(f"e{self.epoch:04d}-")
+                       and self.seq_of(int(n.rsplit("-", 1)[1])) >= floor}
+        if delete:  # one reader deletes; every reader forgets
+            self.spool.release_below(floor)
+
+    def finish(self) -> None:
+        self.spool.finish()
+
+
+__all__ = ["HEADER", "INDEX", "Spool", "SpoolStore", "plan_digest", "read_index", "shard_key", "write_index"]

@@ -74,6 +74,7 @@ from eagle3.optim import (
     unclip_muon_updates_under_zero,
     warmup_decay,
 )
+from eagle3.spool import SpoolStore
 from eagle3.target import Target
 from eagle3.target_head import TargetHead
 from eagle3.train_data import (
@@ -298,6 +299,9 @@ class _Loop:
         client = {"trainer": dict(self.state), "draft_config": asdict(self.draft.config)}
         save_checkpoint(self.engine, Path(self.cfg.out_dir) / "checkpoints", self.state["step"], client,
                         rank=self.rt.rank, keep=self.cfg.keep_checkpoints, readable=client["trainer"])
+        if isinstance(self.store, SpoolStore) and self.plan_epoch == self.state["epoch"]:
+            # a resume starts from this checkpoint: the shards before what is left of the epoch go
+            self.store.release_unneeded(self.plan[self.state["batch_index"]:], delete=self.rt.rank == 0)
 
     def maybe_eval(self) -> dict[str, float] | None:
         """Evaluate; a better held-out tau_sim exports the draft to ``best/``."""
@@ -330,6 +334,8 @@ class _Loop:
                                       state["epoch"], shard_of=self.store.shard_of if cfg.shard_window else None,
                                       window=cfg.shard_window)
             self.plan_epoch = state["epoch"]
+            if isinstance(self.store, SpoolStore):
+                self.store.begin_epoch(state["epoch"])
             if steps_per_epoch(len(self.plan), rt.world_size, cfg.gradient_accumulation) == 0:
                 raise TrainError(f"{cfg.store}: {len(self.plan)} micro-batches of train.micro_batch_tokens="
                                  f"{cfg.micro_batch_tokens} per epoch, fewer than world_size x "
@@ -428,7 +434,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     ckpt_root = out_dir / "checkpoints"
 
     # -- data, checked against the target before anything is read for training
-    store = open_train_store(cfg)
+    store = open_train_store(cfg, rt.rank)
     spec = store.spec
     weights_by_id = sample_weights(cfg, store)
     if target is None:
@@ -436,8 +442,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     check_weights(target, spec)
     store.check_target(target)
     eval_store, train_idx, eval_idx = eval_split(cfg, store, target)
-    verify_stores([cfg.store, *cfg.extra_stores, *([cfg.eval_store] if cfg.eval_store else [])],
-                  out_dir / VERIFIED, rt)
+    offline = [cfg.store, *cfg.extra_stores] if cfg.data == "offline" else []  # a spool's shards: checked as read
+    verify_stores([*offline, *([cfg.eval_store] if cfg.eval_store else [])], out_dir / VERIFIED, rt)
     embedding = target.embed_tokens.weight.detach().float().cpu()
     initial = initial_draft(cfg.init_draft, spec, target, embedding) if cfg.init_draft else None
 
@@ -486,6 +492,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         export_draft(out_dir / "final", final_state, draft.config,
                      {**info, "step": state["step"], "eval": state["last_eval"] or {}})
     sink.close()
+    if isinstance(store, SpoolStore) and rt.rank == 0:
+        store.finish()  # the producers stop
     summary = {
         "stage": "train", "out": str(out_dir), "steps": state["step"], "resumed_from_step": resumed_step,
         "world_size": rt.world_size, "zero_stage": cfg.zero_stage, "precision": cfg.precision,

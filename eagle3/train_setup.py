@@ -24,6 +24,7 @@ from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab, read_draft_vocab, select_draft_vocab
 from eagle3.errors import TrainError
 from eagle3.shards import HarvestStore, StoreError, StoreUnion, open_stores, store_state, verify_store
+from eagle3.spool import SpoolStore
 from eagle3.target import Target, load_target_head
 from eagle3.train_data import loss_token_counts, split_by_id
 from eagle3.train_log import print0
@@ -132,8 +133,14 @@ def verify_stores(roots: Sequence[str], record: Path, rt: Runtime) -> list[str]:
     return todo
 
 
-def open_train_store(cfg: TrainConfig) -> HarvestStore | StoreUnion:
-    """The training store (with ``train.extra_stores``), each named by its key when it cannot be read."""
+def open_train_store(cfg: TrainConfig, rank: int = 0) -> HarvestStore | StoreUnion | SpoolStore:
+    """The training store (with ``train.extra_stores``), each named by its key when it cannot be read;
+    online, the spool (this rank its reader)."""
+    if cfg.data == "online":
+        try:
+            return SpoolStore(cfg.store, seed=cfg.seed, reader=rank, wait_s=cfg.spool_wait_s)
+        except StoreError as err:
+            raise TrainError(f"train.store: {err}") from None
     try:
         store = open_stores([cfg.store, *cfg.extra_stores])
     except StoreError as err:

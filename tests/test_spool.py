@@ -38,7 +38,7 @@ def test_a_shard_goes_through_unchanged_and_is_gone_once_released(tmp_path: Path
         assert torch.equal(a.aux, b.aux) and torch.equal(a.last, b.last)
     assert spool.put("e0-00000", 0, want) == shard_bytes()  # a rerun of its producer: already there
     spool.release("e0-00000")
-    assert spool.used_bytes() == 0 and not list(tmp_path.glob("e0-*"))
+    assert spool.used_bytes() == 0 and not list((tmp_path / "shards").glob("e0-*"))
 
 
 def test_producers_wait_for_room_and_never_pass_the_budget_by_more_than_one_shard(tmp_path: Path) -> None:
@@ -84,7 +84,7 @@ def test_bad_spools_and_shards_are_named(tmp_path: Path) -> None:
     Spool(tmp_path, SPEC, budget_bytes=2000, plan_sha256="p")  # another budget on a rerun is fine
     spool = Spool(tmp_path, SPEC, budget_bytes=10**6, plan_sha256="p")
     spool.put("x", 0, samples(1))
-    path = tmp_path / "x.safetensors"
+    path = tmp_path / "shards" / "x.safetensors"
     path.write_bytes(path.read_bytes()[:-7])  # truncated
     with pytest.raises(StoreError, match=r"x.safetensors: missing, or its sha256 differs from x.json"):
         spool.get("x", 0)

@@ -1,0 +1,114 @@
+"""Online training's producers: the harvest, shard by shard, into a bounded spool that trainers read.
+
+    python -m data_gen.produce --data runs/regen/dataset/regenerated.jsonl --out runs/online/spool \\
+        [--shard i/n] [--seed 0] [--budget-mb 1024] [--target smollm2-135m] [harvest settings]
+
+A producer plans the data exactly as the offline harvest does (:func:`data_gen.harvest.plan_harvest`:
+the same tokenisation, shard plan and ``plan.json``), writes every sample's tokens once
+(``index.safetensors``: what the trainer plans its epochs from), then makes the states of the
+plan's shards epoch after epoch in the trainer's order (:func:`eagle3.train_data.shard_sequence`
+with the run's seed), each shard with the same batches as the offline harvest
+(:func:`data_gen.harvest.harvest_shard`), so the states are the same bytes. Worker ``i/n`` makes
+the shards at positions ``seq % n == i``. A shard waits while the spool is at its budget; one a
+trainer has already consumed is skipped; when the trainer writes ``done`` the producers stop.
+Killed at any moment and restarted, a producer goes on from what the spool holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from data_gen.config import HarvestConfig
+from data_gen.harvest import build_parser as harvest_parser
+from data_gen.harvest import harvest_shard, plan_harvest
+from eagle3.cli import dataclass_from_args
+from eagle3.config import TargetConfig
+from eagle3.errors import USER_ERRORS
+from eagle3.shards import StoreError
+from eagle3.spool import Spool, plan_digest, shard_key, write_index
+from eagle3.target import Target
+from eagle3.train_data import shard_sequence
+
+
+def produce(cfg: HarvestConfig, target_cfg: TargetConfig, *, seed: int = 0, budget_mb: float = 1024.0,
+            target: Target | None = None, max_epochs: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """Fill the spool ``cfg.out_dir`` as worker ``cfg.shard`` until the trainer is done (or
+    ``max_epochs`` epochs are made); returns what this producer made."""
+    started = time.perf_counter()
+    hp = plan_harvest(cfg, target_cfg, target)
+    root = Path(cfg.out_dir)
+    write_index(root, hp.samples)
+    spool = Spool(root, hp.spec, budget_bytes=int(budget_mb * 2**20), plan_sha256=plan_digest(root), seed=seed)
+    worker, workers = cfg.worker
+    shards = len(hp.plan)
+    made = tokens = 0
+    capture_s = 0.0
+    for epoch in itertools.count() if max_epochs is None else range(max_epochs):
+        for position, k in enumerate(shard_sequence(shards, seed, epoch)):
+            seq = epoch * shards + position
+            if seq % workers != worker or seq < spool.released_below() or spool.is_committed(shard_key(epoch, k)):
+                continue
+            if spool.done():
+                return _summary(cfg, made, tokens, capture_s, started, "the trainer is done")
+            t0 = time.perf_counter()
+            samples = harvest_shard(hp.backend, hp.samples, hp.plan[k], cfg.batch_size)
+            capture_s += time.perf_counter() - t0
+            try:
+                spool.put(shard_key(epoch, k), seq, samples, alive=lambda: not spool.done())
+            except StoreError:
+                if spool.done():
+                    return _summary(cfg, made, tokens, capture_s, started, "the trainer is done")
+                raise
+            made += 1
+            tokens += sum(len(s) for s in samples)
+            if progress:
+                print(f"produce {cfg.shard}: epoch {epoch} shard {k} (seq {seq}), {tokens / capture_s:.0f} tok/s",
+                      file=sys.stderr)
+    return _summary(cfg, made, tokens, capture_s, started, f"{max_epochs} epochs made")
+
+
+def _summary(cfg: HarvestConfig, made: int, tokens: int, capture_s: float, started: float,
+             why: str) -> dict[str, Any]:
+    return {"stage": "produce", "spool": cfg.out_dir, "worker": cfg.shard, "shards": made, "tokens": tokens,
+            "capture_tokens_per_s": round(tokens / capture_s, 1) if capture_s else None,
+            "wall_seconds": round(time.perf_counter() - started, 2), "stopped": why}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The harvest's flags (the spool is its --out) and the online run's own."""
+    parser = harvest_parser()
+    parser.prog = "python -m data_gen.produce"
+    parser.description = __doc__.splitlines()[0]
+    parser.add_argument("--seed", type=int, default=0, help="the training run's seed (the shard order follows it)")
+    parser.add_argument("--budget-mb", type=float, default=1024.0, help="the spool's byte budget (backpressure)")
+    parser.add_argument("--max-epochs", type=int, default=None, help="stop after this many epochs (default: when "
+                        "the trainer is done)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = dataclass_from_args(HarvestConfig, args)
+        layers = None if args.aux_layer_ids is None else [int(x) for x in args.aux_layer_ids.split(",")]
+        target_cfg = TargetConfig(name_or_path=args.target, dtype=args.target_dtype, device=args.device,
+                                  aux_layer_ids=layers)
+        summary = produce(cfg, target_cfg, seed=args.seed, budget_mb=args.budget_mb, max_epochs=args.max_epochs,
+                          progress=not args.no_progress)
+    except USER_ERRORS as err:
+        print(f"produce: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Online training: producers fill a bounded spool while the trainer reads it, and the run equals
+an offline run over the same conversations, bit for bit."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from data_gen.config import HarvestConfig
+from data_gen.harvest import run as harvest
+from data_gen.produce import produce
+from eagle3.config import TargetConfig, TrainConfig
+from eagle3.errors import TrainError
+from eagle3.shards import HarvestStore
+from eagle3.spool import Spool, plan_digest
+from eagle3.train import train
+from tests.helpers import lively_target, regenerated_data
+
+LIVELY = TargetConfig(name_or_path="lively")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("online")
+    target = lively_target()
+    data = regenerated_data(root / "data.jsonl", 24, turns=2)
+    harvest(HarvestConfig(data=str(data), out_dir=str(root / "store"), dtype="float32", max_shard_mb=0.03), LIVELY,
+            target=target, progress=False)
+    return {"root": root, "target": target, "data": data}
+
+
+def _train_cfg(store: Path, out: Path, **kw) -> TrainConfig:
+    base = dict(store=str(store), out_dir=str(out), steps=8, micro_batch_tokens=128, lr=3e-3, warmup_steps=2,
+                eval_fraction=0.0, eval_every=0, save_every=3, draft_vocab_size=64, shard_window=1,
+                wandb_mode="disabled", progress=False, device="cpu")
+    return TrainConfig(**{**base, **kw})
+
+
+def _producers(setup: dict, spool: Path, workers: int, budget_mb: float) -> list[threading.Thread]:
+    threads = []
+    for w in range(workers):
+        cfg = HarvestConfig(data=str(setup["data"]), out_dir=str(spool), dtype="float32", max_shard_mb=0.03,
+                            shard=f"{w}/{workers}")
+        # each producer its own target (the same weights), as each producer process loads one
+        threads.append(threading.Thread(target=produce, args=(cfg, LIVELY), daemon=True,
+                                        kwargs={"target": lively_target(), "budget_mb": budget_mb, "progress": False}))
+    for t in threads:
+        t.start()
+    return threads
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_online_equals_offline_bit_for_bit(setup: dict, tmp_path: Path, workers: int) -> None:
+    offline = train(_train_cfg(setup["root"] / "store", tmp_path / "offline"), target=setup["target"])
+    spool = tmp_path / "spool"
+    shard_bytes = max(e["bytes"] for e in HarvestStore(setup["root"] / "store").manifest["shards"])
+    producers = _producers(setup, spool, workers, budget_mb=2.5 * shard_bytes / 2**20)
+    online = train(_train_cfg(spool, tmp_path / "online", data="online", spool_wait_s=60), target=setup["target"])
+    for t in producers:
+        t.join(timeout=60)
+        assert not t.is_alive()  # the trainer's `done` stopped them
+    assert online["first_loss"] == offline["first_loss"] and online["last_loss"] == offline["last_loss"]
+    assert ((tmp_path / "online" / "final" / "model.safetensors").read_bytes()
+            == (tmp_path / "offline" / "final" / "model.safetensors").read_bytes())
+    left = Spool.open(spool, plan_sha256=plan_digest(spool), seed=0).used_bytes()
+    assert left <= 3.5 * shard_bytes  # what the last window held, never the store
+
+
+def test_online_settings_that_cannot_work_are_named(setup: dict, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="train.data=online .* needs train.shard_window >= 1"):
+        _train_cfg(tmp_path / "spool", tmp_path / "o", data="online", shard_window=0)
+    with pytest.raises(TrainError, match=r"train.store: .*spool.json: no producer has started on this spool"):
+        train(_train_cfg(tmp_path / "nothing", tmp_path / "o", data="online", spool_wait_s=0.0),
+              target=setup["target"])
