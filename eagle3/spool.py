@@ -44,6 +44,7 @@ from eagle3.shards import (
     HarvestSpec,
     Sample,
     StoreError,
+    bytes_per_token,
     check_compatible,
     check_shard,
     encode_shard,
@@ -305,6 +306,8 @@ class SpoolStore:
         digest = plan_digest(self.root)
         self.manifest = {"spec": plan["spec"], "shards": [{"sha256": f"{digest}:{k}"} for k in range(len(self.plan))]}
         self.spool = Spool.open(self.root, plan_sha256=digest, seed=seed)
+        if reader == 0:
+            (self.root / DONE).unlink(missing_ok=True)  # a run (or a resumed one) reads again
         self.epoch = 0
         self._positions: dict[int, int] = {}
         self._cache: dict[str, list[Sample]] = {}
@@ -334,6 +337,22 @@ class SpoolStore:
 
     def seq_of(self, shard: int) -> int:
         return self.epoch * len(self.plan) + self._positions[shard]
+
+    def check_budget(self, window: int) -> None:
+        """The spool must hold a window of shards and the next one, or the trainer would wait for a
+        shard that cannot be committed without passing the budget by more than one shard."""
+        per_token = bytes_per_token(self.spec)
+        largest = max((sum(self.lengths[a:b]) for a, b in self.plan), default=0) * per_token
+        if self.spool.budget_bytes < (window + 1) * largest:
+            raise StoreError(f"{self.root / HEADER}: budget_bytes={self.spool.budget_bytes} holds fewer than "
+                             f"train.shard_window + 1 = {window + 1} shards of up to {largest:.0f} bytes; give the "
+                             "producers a larger --budget-mb or train with a smaller shard_window")
+
+    def unreleased_bytes(self) -> int:
+        """Bytes of the committed shards this trainer has read and not yet released (a checkpoint
+        releases them; the trainer saves one early when they fill half the budget)."""
+        done = self.spool.committed()
+        return sum(int(done[n]["bytes"]) for n in self._cache if n in done)
 
     def __getitem__(self, i: int) -> Sample:
         k = self.shard_of[i]

@@ -295,6 +295,12 @@ class _Loop:
         self.engine.train()
         return tally.all_reduce().summary(self.weights, "eval")
 
+    def _spool_full(self) -> bool:
+        """Online: whether the shards some rank read since the last save fill half the spool (every
+        rank gets the same answer, so all of them save together)."""
+        full = self.store.unreleased_bytes() > self.store.spool.budget_bytes // 2
+        return bool(all_reduce_sum(torch.tensor([float(full)], device=self.rt.device)).item())
+
     def save(self) -> None:
         client = {"trainer": dict(self.state), "draft_config": asdict(self.draft.config)}
         save_checkpoint(self.engine, Path(self.cfg.out_dir) / "checkpoints", self.state["step"], client,
@@ -413,8 +419,9 @@ class _Loop:
                 if self.eval_store is not None and ((cfg.eval_every and state["step"] % cfg.eval_every == 0)
                                                     or at_end):
                     self.maybe_eval()
-                if (cfg.save_every and state["step"] % cfg.save_every == 0) or at_end:
-                    self.save()
+                spool_full = isinstance(self.store, SpoolStore) and self._spool_full()
+                if (cfg.save_every and state["step"] % cfg.save_every == 0) or at_end or spool_full:
+                    self.save()  # online, also when the shards read since the last save fill half the spool
 
 
 def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: Target | None = None) -> dict[str, Any]:

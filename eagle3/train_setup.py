@@ -138,7 +138,9 @@ def open_train_store(cfg: TrainConfig, rank: int = 0) -> HarvestStore | StoreUni
     online, the spool (this rank its reader)."""
     if cfg.data == "online":
         try:
-            return SpoolStore(cfg.store, seed=cfg.seed, reader=rank, wait_s=cfg.spool_wait_s)
+            store = SpoolStore(cfg.store, seed=cfg.seed, reader=rank, wait_s=cfg.spool_wait_s)
+            store.check_budget(cfg.shard_window)
+            return store
         except StoreError as err:
             raise TrainError(f"train.store: {err}") from None
     try:

@@ -74,3 +74,32 @@ def test_online_settings_that_cannot_work_are_named(setup: dict, tmp_path: Path)
     with pytest.raises(TrainError, match=r"train.store: .*spool.json: no producer has started on this spool"):
         train(_train_cfg(tmp_path / "nothing", tmp_path / "o", data="online", spool_wait_s=0.0),
               target=setup["target"])
+
+
+def test_the_spool_stays_within_its_budget_the_trainer_saving_early_to_release(setup: dict, tmp_path: Path) -> None:
+    shard_bytes = max(e["bytes"] for e in HarvestStore(setup["root"] / "store").manifest["shards"])
+    budget = int(2.2 * shard_bytes)
+    spool = tmp_path / "spool"
+    producers = _producers(setup, spool, 2, budget_mb=budget / 2**20)
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            if (spool / "spool.json").is_file():
+                peak[0] = max(peak[0], sum(p.stat().st_size for p in (spool / "shards").glob("*.safetensors")
+                                           if not p.name.startswith(".")))
+            stop.wait(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    online = train(_train_cfg(spool, tmp_path / "online", data="online", save_every=0, spool_wait_s=60),
+                   target=setup["target"])
+    stop.set()
+    for t in [*producers, watcher]:
+        t.join(timeout=60)
+    offline = train(_train_cfg(setup["root"] / "store", tmp_path / "offline", save_every=0), target=setup["target"])
+    assert online["last_loss"] == offline["last_loss"]  # the early saves change nothing trained
+    assert len(list((tmp_path / "online" / "checkpoints").glob("step-*"))) >= 1  # saved to release shards
+    assert peak[0] <= budget + shard_bytes  # never more than one shard over the budget
+    with pytest.raises(TrainError, match=r"budget_bytes=\d+ holds fewer than train.shard_window \+ 1 = 4 shards"):
+        train(_train_cfg(spool, tmp_path / "wide", data="online", shard_window=3), target=setup["target"])
