@@ -159,6 +159,9 @@ class HarvestConfig:
     backend: str = "hf"
     """hf, or vllm (run from the venv of scripts/setup_vllm_env.sh)."""
     threads: int = 1
+    spool_budget_mb: float = 1024.0
+    """Online training (train.data=online): out_dir is the spool producers fill, at most this many MiB
+    (plus the one shard the trainer waits for)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("hf", "vllm"):

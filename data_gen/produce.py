@@ -1,7 +1,7 @@
 """Online training's producers: the harvest, shard by shard, into a bounded spool that trainers read.
 
     python -m data_gen.produce --data runs/regen/dataset/regenerated.jsonl --out runs/online/spool \\
-        [--shard i/n] [--seed 0] [--budget-mb 1024] [--target smollm2-135m] [harvest settings]
+        [--shard i/n] [--seed 0] [--spool-budget-mb 1024] [--target smollm2-135m] [harvest settings]
 
 A producer plans the data exactly as the offline harvest does (:func:`data_gen.harvest.plan_harvest`:
 the same tokenisation, shard plan and ``plan.json``), writes every sample's tokens once
@@ -37,15 +37,16 @@ from eagle3.target import Target
 from eagle3.train_data import shard_sequence
 
 
-def produce(cfg: HarvestConfig, target_cfg: TargetConfig, *, seed: int = 0, budget_mb: float = 1024.0,
-            target: Target | None = None, max_epochs: int | None = None, progress: bool = True) -> dict[str, Any]:
+def produce(cfg: HarvestConfig, target_cfg: TargetConfig, *, seed: int = 0, target: Target | None = None,
+            max_epochs: int | None = None, progress: bool = True) -> dict[str, Any]:
     """Fill the spool ``cfg.out_dir`` as worker ``cfg.shard`` until the trainer is done (or
     ``max_epochs`` epochs are made); returns what this producer made."""
     started = time.perf_counter()
     hp = plan_harvest(cfg, target_cfg, target)
     root = Path(cfg.out_dir)
     write_index(root, hp.samples)
-    spool = Spool(root, hp.spec, budget_bytes=int(budget_mb * 2**20), plan_sha256=plan_digest(root), seed=seed)
+    spool = Spool(root, hp.spec, budget_bytes=int(cfg.spool_budget_mb * 2**20), plan_sha256=plan_digest(root),
+                  seed=seed)
     worker, workers = cfg.worker
     shards = len(hp.plan)
     made = tokens = 0
@@ -87,7 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.prog = "python -m data_gen.produce"
     parser.description = __doc__.splitlines()[0]
     parser.add_argument("--seed", type=int, default=0, help="the training run's seed (the shard order follows it)")
-    parser.add_argument("--budget-mb", type=float, default=1024.0, help="the spool's byte budget (backpressure)")
     parser.add_argument("--max-epochs", type=int, default=None, help="stop after this many epochs (default: when "
                         "the trainer is done)")
     return parser
@@ -101,8 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         layers = None if args.aux_layer_ids is None else [int(x) for x in args.aux_layer_ids.split(",")]
         target_cfg = TargetConfig(name_or_path=args.target, dtype=args.target_dtype, device=args.device,
                                   aux_layer_ids=layers)
-        summary = produce(cfg, target_cfg, seed=args.seed, budget_mb=args.budget_mb, max_epochs=args.max_epochs,
-                          progress=not args.no_progress)
+        summary = produce(cfg, target_cfg, seed=args.seed, max_epochs=args.max_epochs, progress=not args.no_progress)
     except USER_ERRORS as err:
         print(f"produce: error: {err}", file=sys.stderr)
         return 2

@@ -68,5 +68,8 @@ class PipelineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.train.data == "online" and self.train.store != self.harvest.out_dir:
+            raise ValueError(f"train.data=online: train.store={self.train.store!r} must be the spool the producers "
+                             f"fill, harvest.out_dir={self.harvest.out_dir!r}")
         if self.threads < 1:
             raise ValueError(f"threads={self.threads}: must be >= 1")

@@ -10,6 +10,11 @@
                     rank, first hostname; the port from the job id)   after every shard succeeded
     job "finish"    one task: mine, eval, report                       after "train" succeeded
 
+With ``train.data=online`` there is no harvest array: job "produce", an array of
+``launcher.harvest_shards`` producers (``data_gen.produce``, worker i of n), starts with the
+training job (both after "prepare"); the trainer waits for the first shard, and the producers stop
+when it writes ``done``.
+
 On Slurm the dependencies are ``afterok`` and :func:`submit` returns at once with the job ids;
 ``launcher=local`` runs the same jobs as local processes one group after the other (what the tests
 use without a Slurm). Job folders are ``launcher.folder/<timestamp>-<name>`` (fresh per submission:
@@ -57,6 +62,14 @@ def harvest_shard(cfg: PipelineConfig, shard: int, shards: int) -> dict[str, Any
         verify_store(cfg.harvest.out_dir)
         _record(cfg, "harvest", summary)
     return summary
+
+
+def produce_task(cfg: PipelineConfig, worker: int, workers: int) -> dict[str, Any]:
+    """One task of the producer array of online training."""
+    from data_gen.produce import produce
+
+    return produce(replace(cfg.harvest, shard=f"{worker}/{workers}"), cfg.target, seed=cfg.train.seed,
+                   progress=False)
 
 
 def rendezvous_from_job(port_base: int = 20000) -> dict[str, str]:
@@ -155,7 +168,8 @@ def _submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None) ->
         from recipes.pipeline import on_quantized_target
 
         cfg = on_quantized_target(cfg)
-    if "harvest" in cfg.stages:
+    online = cfg.train.data == "online" and "train" in cfg.stages
+    if "harvest" in cfg.stages and not online:
         ex = _executor(launcher, "harvest")
         _after(ex, launcher, previous)
         n = launcher.harvest_shards
@@ -163,10 +177,20 @@ def _submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None) ->
         settle(jobs["harvest"])
         previous = jobs["harvest"]
     if "train" in cfg.stages:
+        if online:  # the producers start with the trainer, and end when it is done
+            from eagle3.spool import DONE
+
+            (Path(cfg.harvest.out_dir) / DONE).unlink(missing_ok=True)
+            ex = _executor(launcher, "produce")
+            _after(ex, launcher, previous)
+            n = launcher.harvest_shards
+            jobs["produce"] = ex.map_array(produce_task, [cfg] * n, list(range(n)), [n] * n)
         ex = _executor(launcher, "train", nodes=launcher.nodes, tasks_per_node=launcher.tasks_per_node)
         _after(ex, launcher, previous)
         jobs["train"] = [ex.submit(train_task, cfg)]
         settle(jobs["train"])
+        if online:
+            settle(jobs["produce"])
         previous = jobs["train"]
     if finish:
         ex = _executor(launcher, "finish")
@@ -181,4 +205,4 @@ def _submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None) ->
     return out
 
 
-__all__ = ["LaunchError", "harvest_shard", "rendezvous_from_job", "run_stages", "submit", "train_task"]
+__all__ = ["LaunchError", "harvest_shard", "produce_task", "rendezvous_from_job", "run_stages", "submit", "train_task"]

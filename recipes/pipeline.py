@@ -6,11 +6,12 @@ mine -> eval); each writes its outputs under ``out_dir`` atomically.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -143,8 +144,12 @@ def stage_regenerate(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def stage_harvest(cfg: PipelineConfig) -> dict[str, Any]:
-    """Hidden states of the regenerated conversations into a shard store (resumable, verified)."""
+    """Hidden states of the regenerated conversations into a shard store (resumable, verified);
+    with ``train.data=online`` nothing: the train stage's producers make the states."""
     from eagle3.shards import verify_store
+
+    if cfg.train.data == "online":
+        return {"skipped": "train.data=online: the train stage's producers fill the spool harvest.out_dir"}
 
     summary = _harvest(cfg, cfg.harvest, "harvest")
     if summary["complete"]:
@@ -170,10 +175,42 @@ def _harvest(cfg: PipelineConfig, harvest_cfg: Any, stage: str) -> dict[str, Any
 
 
 def stage_train(cfg: PipelineConfig) -> dict[str, Any]:
-    """Train the draft head on the harvest store (DeepSpeed, one process here; resumable)."""
+    """Train the draft head on the harvest store (DeepSpeed, one process here; resumable); online,
+    with ``launcher.harvest_shards`` producer processes filling the spool beside it."""
     from eagle3.train import train
 
-    return train(cfg.train, cfg.target)
+    if cfg.train.data != "online":
+        return train(cfg.train, cfg.target)
+    with producers(cfg, cfg.launcher.harvest_shards):
+        return train(cfg.train, cfg.target)
+
+
+@contextlib.contextmanager
+def producers(cfg: PipelineConfig, n: int) -> Iterator[None]:
+    """``n`` producer processes (``data_gen.produce``, worker i of n) for the body's online training;
+    afterwards they stop (the trainer writes ``done``; a failed run is marked done for them too)."""
+    import multiprocessing
+
+    from data_gen.produce import produce
+    from eagle3.spool import DONE
+
+    done = Path(cfg.harvest.out_dir) / DONE
+    done.unlink(missing_ok=True)  # an earlier run's: this one trains again
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=produce, args=(replace(cfg.harvest, shard=f"{i}/{n}"), cfg.target),
+                         kwargs={"seed": cfg.train.seed, "progress": False}, daemon=True) for i in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        yield
+    finally:
+        if not done.is_file():
+            done.parent.mkdir(parents=True, exist_ok=True)
+            done.touch()
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.terminate()
 
 
 def stage_val(cfg: PipelineConfig) -> dict[str, Any]:

@@ -4,6 +4,7 @@ an offline run over the same conversations, bit for bit."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -42,10 +43,10 @@ def _producers(setup: dict, spool: Path, workers: int, budget_mb: float) -> list
     threads = []
     for w in range(workers):
         cfg = HarvestConfig(data=str(setup["data"]), out_dir=str(spool), dtype="float32", max_shard_mb=0.03,
-                            shard=f"{w}/{workers}")
+                            shard=f"{w}/{workers}", spool_budget_mb=budget_mb)
         # each producer its own target (the same weights), as each producer process loads one
         threads.append(threading.Thread(target=produce, args=(cfg, LIVELY), daemon=True,
-                                        kwargs={"target": lively_target(), "budget_mb": budget_mb, "progress": False}))
+                                        kwargs={"target": lively_target(), "progress": False}))
     for t in threads:
         t.start()
     return threads
@@ -103,3 +104,39 @@ def test_the_spool_stays_within_its_budget_the_trainer_saving_early_to_release(s
     assert peak[0] <= budget + shard_bytes  # never more than one shard over the budget
     with pytest.raises(TrainError, match=r"budget_bytes=\d+ holds fewer than train.shard_window \+ 1 = 4 shards"):
         train(_train_cfg(spool, tmp_path / "wide", data="online", shard_window=3), target=setup["target"])
+
+
+@pytest.mark.parametrize("launcher", ["none", "local"])
+def test_the_pipeline_trains_online_with_producer_processes(tmp_path: Path, launcher: str) -> None:
+    """The pipeline's train stage with train.data=online: producer processes (launcher none: beside
+    the in-process trainer; local: a submitit array beside the training job) fill the spool, and the
+    draft equals the offline pipeline's."""
+    from recipes.config import LauncherConfig, PipelineConfig
+    from recipes.launch import submit
+    from recipes.pipeline import run_pipeline
+    from tests.helpers import save_lively
+
+    model = save_lively(tmp_path / "model")
+    data = regenerated_data(tmp_path / "data.jsonl", 24, turns=2)
+
+    def pipeline(name: str, online: bool) -> PipelineConfig:
+        out = tmp_path / name
+        return PipelineConfig(
+            target=TargetConfig(name_or_path=str(model), dtype="float32", device="cpu"),
+            harvest=HarvestConfig(data=str(data), out_dir=str(out / "harvest"), dtype="float32", max_shard_mb=0.03,
+                                  spool_budget_mb=0.5),
+            train=_train_cfg(out / "harvest", out / "train", data="online" if online else "offline", steps=6,
+                             spool_wait_s=120),
+            stages=["harvest", "train"], out_dir=str(out),
+            launcher=LauncherConfig(kind=launcher, folder=str(out / "submitit"), harvest_shards=2, timeout_min=10))
+
+    run_pipeline(replace(pipeline("offline", False), launcher=LauncherConfig()))
+    online = pipeline("online", True)
+    if launcher == "none":
+        run_pipeline(online)
+    else:
+        submit(online, online.launcher)
+    assert ((tmp_path / "online" / "train" / "final" / "model.safetensors").read_bytes()
+            == (tmp_path / "offline" / "train" / "final" / "model.safetensors").read_bytes())
+    assert not (tmp_path / "online" / "harvest" / "manifest.json").exists()  # no store was written
+    assert (tmp_path / "online" / "harvest" / "done").is_file()
