@@ -482,6 +482,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     _start_over_or_resume(cfg, engine, rt, state, resume_tag)
     resumed_step = state["step"] if resume_tag is not None else None
     if (done := _finished_earlier(cfg, rt, resumed_step)) is not None:
+        if isinstance(store, SpoolStore) and rt.rank == 0:
+            store.finish()  # nothing to read: the producers stop
         return done
 
     sink = (RunSink(out_dir, wandb_mode=cfg.wandb_mode, project=cfg.wandb_project, run_name=cfg.wandb_run_name,

@@ -140,3 +140,73 @@ def test_the_pipeline_trains_online_with_producer_processes(tmp_path: Path, laun
             == (tmp_path / "offline" / "train" / "final" / "model.safetensors").read_bytes())
     assert not (tmp_path / "online" / "harvest" / "manifest.json").exists()  # no store was written
     assert (tmp_path / "online" / "harvest" / "done").is_file()
+
+
+def test_producer_and_trainer_killed_at_random_moments_resume_to_the_same_draft(tmp_path: Path) -> None:
+    """kill -9 of the trainer (after a checkpoint, at a random moment) and of the producer (at random
+    moments), three times each, every one restarted: the run ends with the draft of a run never
+    killed, and each epoch trained its planned samples once (the same losses, step by step)."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from eagle3.checkpoint import LATEST
+    from eagle3.train_log import read_metrics
+    from tests.helpers import save_lively
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    model = save_lively(tmp_path / "model")
+    data = regenerated_data(tmp_path / "data.jsonl", 24, turns=2)
+
+    def producer(spool: Path) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "data_gen.produce", "--data", str(data), "--out", str(spool),
+                                 "--target", str(model), "--device", "cpu", "--dtype", "float32",
+                                 "--max-shard-mb", "0.03", "--spool-budget-mb", "0.5", "--no-progress"],
+                                cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def trainer(spool: Path, out: Path) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "eagle3.train", "--data", "online", "--store", str(spool),
+                                 "--target", str(model), "--out", str(out), "--steps", "40", "--save-every", "2",
+                                 "--eval-every", "0", "--shard-window", "1", "--eval-fraction", "0",
+                                 "--micro-batch-tokens", "128", "--draft-vocab-size", "64", "--lr", "3e-3",
+                                 "--warmup-steps", "2", "--wandb-mode", "disabled", "--no-progress", "--device", "cpu",
+                                 "--spool-wait-s", "120"], cwd=repo, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+
+    straight = tmp_path / "straight"
+    p, t = producer(straight / "spool"), trainer(straight / "spool", straight / "train")
+    assert t.wait(timeout=300) == 0, t.stderr.read()[-2000:]
+    p.wait(timeout=120)
+
+    rng = random.Random(0)
+    spool, out = tmp_path / "killed" / "spool", tmp_path / "killed" / "train"
+    p, t = producer(spool), trainer(spool, out)
+    for goal in (3, 13, 23):
+        deadline = time.monotonic() + 300
+        latest = out / "checkpoints" / LATEST
+        while time.monotonic() < deadline and t.poll() is None:
+            if latest.is_file() and int(latest.read_text().strip().split("-")[1] or 0) >= goal:
+                break
+            time.sleep(0.005)
+        time.sleep(rng.random() * 0.2)
+        for proc in (t, p):  # both die; the producer at its own random moment
+            assert proc.poll() is None, "a process ended before it was killed"
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            time.sleep(rng.random() * 0.1)
+        assert not (out / "summary.json").exists()  # killed mid-run
+        p, t = producer(spool), trainer(spool, out)
+    assert t.wait(timeout=300) == 0, t.stderr.read()[-2000:]
+    p.wait(timeout=120)
+    assert ((out / "final" / "model.safetensors").read_bytes()
+            == (straight / "train" / "final" / "model.safetensors").read_bytes())
+    keep = ("loss", "acc", "tau_sim")
+    losses = [[(r["step"], k, v) for r in read_metrics(d) for k, v in r.items() if any(w in k for w in keep)]
+              for d in (out, straight / "train")]
+    assert losses[0] == losses[1]
