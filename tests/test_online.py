@@ -72,6 +72,13 @@ def test_online_equals_offline_bit_for_bit(setup: dict, tmp_path: Path, workers:
 def test_online_settings_that_cannot_work_are_named(setup: dict, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="train.data=online .* needs train.shard_window >= 1"):
         _train_cfg(tmp_path / "spool", tmp_path / "o", data="online", shard_window=0)
+    from recipes.config import PipelineConfig
+
+    online = _train_cfg(tmp_path / "spool", tmp_path / "o", data="online")
+    with pytest.raises(ValueError, match="train.data=online keeps no store for the mine stage"):
+        PipelineConfig(train=online, harvest=HarvestConfig(out_dir=str(tmp_path / "spool")))
+    with pytest.raises(ValueError, match="train.store=.* must be the spool the producers fill, harvest.out_dir="):
+        PipelineConfig(train=online, harvest=HarvestConfig(out_dir=str(tmp_path / "other")), stages=["train"])
     with pytest.raises(TrainError, match=r"train.store: .*spool.json: no producer has started on this spool"):
         train(_train_cfg(tmp_path / "nothing", tmp_path / "o", data="online", spool_wait_s=0.0),
               target=setup["target"])
