@@ -346,7 +346,7 @@ def _remove_stale_temps(out_dir: Path, worker: int, workers: int) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def harvest_shard(backend: Any, samples: Sequence[tuple[str, list[int], list[int]]], span: tuple[int, int],
+def capture_shard(backend: Any, samples: Sequence[tuple[str, list[int], list[int]]], span: tuple[int, int],
                   batch_size: int, on_batch: Any = None) -> list[Sample]:
     """The samples ``span`` = [a, b) of the plan with their states: similar lengths batched together
     (fixed for the shard, so a rerun, or an online producer, computes the very same batches and
@@ -381,7 +381,7 @@ def _harvest_shards(cfg: HarvestConfig, out_dir: Path, spec: HarvestSpec, backen
     with bar:
         for j in mine:
             t0 = time.perf_counter()
-            shard = harvest_shard(backend, samples, plan[j], cfg.batch_size, on_batch=bar.update)
+            shard = capture_shard(backend, samples, plan[j], cfg.batch_size, on_batch=bar.update)
             capture_s += time.perf_counter() - t0
             done_tokens += sum(lengths[slice(*plan[j])])
             write_shard(out_dir / shard_name(j), shard, spec)

@@ -8,7 +8,7 @@ the same tokenisation, shard plan and ``plan.json``), writes every sample's toke
 (``index.safetensors``: what the trainer plans its epochs from), then makes the states of the
 plan's shards epoch after epoch in the trainer's order (:func:`eagle3.train_data.shard_sequence`
 with the run's seed), each shard with the same batches as the offline harvest
-(:func:`data_gen.harvest.harvest_shard`), so the states are the same bytes. Worker ``i/n`` makes
+(:func:`data_gen.harvest.capture_shard`), so the states are the same bytes. Worker ``i/n`` makes
 the shards at positions ``seq % n == i``. A shard waits while the spool is at its budget; one a
 trainer has already consumed is skipped; when the trainer writes ``done`` the producers stop.
 Killed at any moment and restarted, a producer goes on from what the spool holds.
@@ -27,7 +27,7 @@ from typing import Any
 
 from data_gen.config import HarvestConfig
 from data_gen.harvest import build_parser as harvest_parser
-from data_gen.harvest import harvest_shard, plan_harvest
+from data_gen.harvest import capture_shard, plan_harvest
 from eagle3.cli import dataclass_from_args
 from eagle3.config import TargetConfig
 from eagle3.errors import USER_ERRORS
@@ -59,7 +59,7 @@ def produce(cfg: HarvestConfig, target_cfg: TargetConfig, *, seed: int = 0, targ
             if spool.done():
                 return _summary(cfg, made, tokens, capture_s, started, "the trainer is done")
             t0 = time.perf_counter()
-            samples = harvest_shard(hp.backend, hp.samples, hp.plan[k], cfg.batch_size)
+            samples = capture_shard(hp.backend, hp.samples, hp.plan[k], cfg.batch_size)
             capture_s += time.perf_counter() - t0
             try:
                 spool.put(shard_key(epoch, k), seq, samples, alive=lambda: not spool.done())
