@@ -17,7 +17,6 @@ Killed at any moment and restarted, a producer goes on from what the spool holds
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
@@ -31,7 +30,6 @@ from data_gen.harvest import capture_shard, plan_harvest
 from eagle3.cli import dataclass_from_args
 from eagle3.config import TargetConfig
 from eagle3.errors import USER_ERRORS
-from eagle3.shards import StoreError
 from eagle3.spool import Spool, plan_digest, shard_key, write_index
 from eagle3.target import Target
 from eagle3.train_data import shard_sequence
@@ -49,29 +47,47 @@ def produce(cfg: HarvestConfig, target_cfg: TargetConfig, *, seed: int = 0, targ
                   seed=seed)
     worker, workers = cfg.worker
     shards = len(hp.plan)
+    end = None if max_epochs is None else max_epochs * shards
+    orders: dict[int, list[int]] = {}
+
+    def key(seq: int) -> str:
+        epoch = seq // shards
+        order = orders.setdefault(epoch, shard_sequence(shards, seed, epoch))
+        return shard_key(epoch, order[seq % shards])
+
+    def next_seq() -> int | None:
+        """This worker's first seq not in the spool, from the readers' floor (a shard evicted to make
+        room for one a reader waited for is made again)."""
+        seq = spool.released_below()
+        seq += (worker - seq) % workers
+        while end is None or seq < end:
+            if not spool.is_committed(key(seq)):
+                return seq
+            seq += workers
+        return None
+
+    def urgent(seq: int) -> bool:
+        """A reader waits for an earlier shard of this worker's that is not there: make that first."""
+        waited = spool.waited_for()
+        return (waited is not None and waited < seq and waited % workers == worker
+                and waited >= spool.released_below() and not spool.is_committed(key(waited)))
+
     made = tokens = 0
     capture_s = 0.0
-    for epoch in itertools.count() if max_epochs is None else range(max_epochs):
-        for position, k in enumerate(shard_sequence(shards, seed, epoch)):
-            seq = epoch * shards + position
-            if seq % workers != worker or seq < spool.released_below() or spool.is_committed(shard_key(epoch, k)):
-                continue
-            if spool.done():
-                return _summary(cfg, made, tokens, capture_s, started, "the trainer is done")
-            t0 = time.perf_counter()
-            samples = capture_shard(hp.backend, hp.samples, hp.plan[k], cfg.batch_size)
-            capture_s += time.perf_counter() - t0
-            try:
-                spool.put(shard_key(epoch, k), seq, samples, alive=lambda: not spool.done())
-            except StoreError:
-                if spool.done():
-                    return _summary(cfg, made, tokens, capture_s, started, "the trainer is done")
-                raise
-            made += 1
-            tokens += sum(len(s) for s in samples)
-            if progress:
-                print(f"produce {cfg.shard}: epoch {epoch} shard {k} (seq {seq}), {tokens / capture_s:.0f} tok/s",
-                      file=sys.stderr)
+    while (seq := next_seq()) is not None:
+        if spool.done():
+            return _summary(cfg, made, tokens, capture_s, started, "the trainer is done")
+        k = int(key(seq).rsplit("-", 1)[1])
+        t0 = time.perf_counter()
+        samples = capture_shard(hp.backend, hp.samples, hp.plan[k], cfg.batch_size)
+        capture_s += time.perf_counter() - t0
+        if not spool.put(key(seq), seq, samples, alive=lambda s=seq: not spool.done() and not urgent(s)):
+            continue  # done, consumed meanwhile, or another shard is needed first
+        made += 1
+        tokens += sum(len(x) for x in samples)
+        if progress:
+            print(f"produce {cfg.shard}: {key(seq)} (seq {seq}), {tokens / max(capture_s, 1e-9):.0f} tok/s",
+                  file=sys.stderr)
     return _summary(cfg, made, tokens, capture_s, started, f"{max_epochs} epochs made")
 
 

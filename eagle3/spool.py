@@ -12,9 +12,11 @@ A spool is a folder::
     shards/<name>.json             written after it, atomically: its seq, sha256, tokens, samples (the commit)
 
 Shards carry their position in the readers' order (``seq``). A producer ``put``s a shard when the
-committed shards plus this one fit the budget, when the spool is empty, or when it is the shard a
-reader waits for (so the spool exceeds the budget by at most one shard, and producers that finish
-out of order cannot fill it with shards nobody reads yet), and otherwise waits: backpressure.
+committed shards plus this one fit the budget or the spool is empty, and otherwise waits
+(backpressure); the shard a reader waits for goes in at once, evicting the shards made furthest
+ahead until it fits (producers make them again), so producers that finish out of order never fill
+the spool with shards nobody reads yet, and the spool passes its budget only by what the readers
+read and have not released (the trainer saves early to release it).
 The check and the write happen under one lock file, so concurrent producers cannot overshoot
 together (``fcntl`` locks; on NFS, use a filesystem whose locks work across nodes, e.g. Lustre).
 A reader ``get``s a committed shard (its sha256 and shapes checked), and ``release``s it once
@@ -182,6 +184,9 @@ class Spool:
                 seqs.append(int(json.loads(path.read_text())["seq"]))
         return min(seqs, default=None)
 
+    def waited_for(self) -> int | None:
+        return self._waited_for()
+
     def is_committed(self, name: str) -> bool:
         return (self.root / "shards" / f"{name}.json").is_file()
 
@@ -201,7 +206,8 @@ class Spool:
     def put(self, name: str, seq: int, samples: Sequence[Sample], *,
             alive: Callable[[], bool] = lambda: True) -> int:
         """Commit ``samples`` as shard ``name`` (position ``seq`` in the readers' order) once it may
-        (module docstring); returns its bytes. Waits as long as ``alive()`` (False: StoreError)."""
+        (module docstring); returns its bytes, or 0 when ``alive()`` turned False while it waited
+        (the readers are done, or the producer has a more urgent shard to make)."""
         data, tokens = encode_shard(samples, self.spec)
         while True:
             with self._locked():
@@ -211,7 +217,17 @@ class Spool:
                 if name in done:  # a rerun of a producer that had committed it: nothing to do
                     return int(done[name]["bytes"])
                 used = sum(int(c["bytes"]) for c in done.values())
-                if used == 0 or used + len(data) <= self.budget_bytes or seq == self._waited_for():
+                waited = seq == self._waited_for()
+                if waited and used + len(data) > self.budget_bytes:
+                    # the shard a reader waits for: evict work made furthest ahead (made again later);
+                    # what is left was read and not yet released, so this passes the budget by one shard at most
+                    for _, ahead, size in sorted(((int(c["seq"]), n, int(c["bytes"])) for n, c in done.items()
+                                                  if int(c["seq"]) > seq), reverse=True):
+                        if used + len(data) <= self.budget_bytes:
+                            break
+                        self._delete(ahead)
+                        used -= size
+                if used == 0 or used + len(data) <= self.budget_bytes or waited:
                     path = self.root / "shards" / f"{name}.safetensors"
                     atomic_write_bytes(path, data)
                     record = {"file": path.name, "seq": seq, "sha256": sha256_file(path), "bytes": len(data),
@@ -220,7 +236,7 @@ class Spool:
                     atomic_write_text(self.root / "shards" / f"{name}.json", json.dumps(record) + "\n")
                     return len(data)
             if not alive():
-                raise StoreError(f"{self.root}: gave up waiting for room for {name} (the readers stopped)")
+                return 0
             time.sleep(self.poll_s)
 
     # -- readers
