@@ -434,6 +434,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configs_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[HarvestConfig, TargetConfig]:
+    """The harvest's and the target's settings from :func:`build_parser`'s flags (a bad one: the
+    parser's one-line error, naming it)."""
+    try:
+        cfg = dataclass_from_args(HarvestConfig, args)
+        try:
+            layers = None if args.aux_layer_ids is None else [int(x) for x in args.aux_layer_ids.split(",")]
+        except ValueError:
+            parser.error(f"--aux-layer-ids={args.aux_layer_ids!r}: expected comma-separated integers")
+        target_cfg = TargetConfig(name_or_path=args.target, dtype=args.target_dtype, device=args.device,
+                                  aux_layer_ids=layers)
+    except ValueError as err:
+        parser.error(str(err))
+    return cfg, target_cfg
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["compare"]:
@@ -461,16 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        cfg = dataclass_from_args(HarvestConfig, args)
-        try:
-            layers = None if args.aux_layer_ids is None else [int(x) for x in args.aux_layer_ids.split(",")]
-        except ValueError:
-            parser.error(f"--aux-layer-ids={args.aux_layer_ids!r}: expected comma-separated integers")
-        target_cfg = TargetConfig(name_or_path=args.target, dtype=args.target_dtype, device=args.device,
-                                  aux_layer_ids=layers)
-    except ValueError as err:
-        parser.error(str(err))
+    cfg, target_cfg = configs_from_args(parser, args)
     try:
         summary = run(cfg, target_cfg, progress=not args.no_progress)
     except USER_ERRORS as err:

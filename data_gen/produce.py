@@ -26,8 +26,7 @@ from typing import Any
 
 from data_gen.config import HarvestConfig
 from data_gen.harvest import build_parser as harvest_parser
-from data_gen.harvest import capture_shard, plan_harvest
-from eagle3.cli import dataclass_from_args
+from data_gen.harvest import capture_shard, configs_from_args, plan_harvest
 from eagle3.config import TargetConfig
 from eagle3.errors import USER_ERRORS
 from eagle3.spool import Spool, plan_digest, shard_key, write_index
@@ -112,11 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    cfg, target_cfg = configs_from_args(parser, args)
     try:
-        cfg = dataclass_from_args(HarvestConfig, args)
-        layers = None if args.aux_layer_ids is None else [int(x) for x in args.aux_layer_ids.split(",")]
-        target_cfg = TargetConfig(name_or_path=args.target, dtype=args.target_dtype, device=args.device,
-                                  aux_layer_ids=layers)
         summary = produce(cfg, target_cfg, seed=args.seed, max_epochs=args.max_epochs, progress=not args.no_progress)
     except USER_ERRORS as err:
         print(f"produce: error: {err}", file=sys.stderr)
