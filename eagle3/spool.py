@@ -230,8 +230,8 @@ class Spool:
                 if used == 0 or used + len(data) <= self.budget_bytes or waited:
                     path = self.root / "shards" / f"{name}.safetensors"
                     atomic_write_bytes(path, data)
-                    record = {"file": path.name, "seq": seq, "sha256": sha256_file(path), "bytes": len(data),
-                              "tokens": tokens,
+                    record = {"file": path.name, "seq": seq, "sha256": hashlib.sha256(data).hexdigest(),
+                              "bytes": len(data), "tokens": tokens,
                               "samples": len(samples), "loss_tokens": int(sum(int(s.loss_mask.sum()) for s in samples))}
                     atomic_write_text(self.root / "shards" / f"{name}.json", json.dumps(record) + "\n")
                     return len(data)
