@@ -125,9 +125,11 @@ class TrainConfig:
     data: str = "offline"
     """offline: train.store is a harvest store; online: train.store is a spool that producers
     (python -m data_gen.produce, same seed) fill while this run trains, a window of shards at a
-    time (needs shard_window >= 1 and eval_fraction 0: held-out data comes from eval_store)."""
+    time (needs shard_window >= 1 and eval_fraction 0: held-out data comes from eval_store);
+    hybrid: online for the first epoch (producers with --max-epochs 1), whose shards are kept as a
+    harvest store in the spool's folder that later epochs (and mining) read offline."""
     spool_wait_s: float = 600.0
-    """online: how long the trainer waits for a shard (or the first producer) before it stops."""
+    """online/hybrid: how long the trainer waits for a shard (or the first producer) before it stops."""
     shard_window: int = 0
     """Sample order: 0 shuffles the whole training set each epoch; N > 0 shuffles the store's
     shards and batches N consecutive shards at a time (each shard needed only while its window
@@ -323,10 +325,10 @@ class TrainConfig:
             raise ValueError(f"train.target_temperature={self.target_temperature}: must be > 0")
         if not 0.0 < self.step_decay <= 1.0:
             raise ValueError(f"train.step_decay={self.step_decay}: must be in (0, 1]")
-        if self.data not in ("offline", "online"):
-            raise ValueError(f"train.data={self.data!r}: expected offline or online")
-        if self.data == "online" and (self.shard_window < 1 or self.eval_fraction > 0 or self.extra_stores):
-            raise ValueError("train.data=online reads its spool a window of shards at a time: it needs "
+        if self.data not in ("offline", "online", "hybrid"):
+            raise ValueError(f"train.data={self.data!r}: expected offline, online or hybrid")
+        if self.data != "offline" and (self.shard_window < 1 or self.eval_fraction > 0 or self.extra_stores):
+            raise ValueError(f"train.data={self.data} reads its spool a window of shards at a time: it needs "
                              "train.shard_window >= 1, train.eval_fraction=0 (held-out data: train.eval_store) and "
                              "no train.extra_stores")
         if self.shard_window < 0:

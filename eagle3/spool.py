@@ -43,7 +43,9 @@ from safetensors.torch import save
 
 from eagle3.atomic import atomic_write_bytes, atomic_write_text, sha256_file
 from eagle3.shards import (
+    MANIFEST,
     HarvestSpec,
+    HarvestStore,
     Sample,
     StoreError,
     bytes_per_token,
@@ -52,6 +54,7 @@ from eagle3.shards import (
     encode_shard,
     read_shard,
     shard_name,
+    write_manifest,
 )
 from eagle3.train_data import shard_sequence
 
@@ -274,15 +277,30 @@ class Spool:
             with contextlib.suppress(FileNotFoundError):
                 (self.root / "shards" / f"{name}{suffix}").unlink()
 
-    def release_below(self, seq: int) -> list[str]:
-        """Delete every committed shard of a seq below ``seq`` and record that none is needed again."""
+    def release_below(self, seq: int, keep: Callable[[str], Path | None] = lambda name: None) -> list[str]:
+        """Delete every committed shard of a seq below ``seq`` and record that none is needed again;
+        a shard ``keep(name)`` gives a path for is moved there instead (hybrid training keeps them)."""
         with self._locked():
             if seq > self.released_below():
                 atomic_write_text(self.root / RELEASED, json.dumps({"seq": seq}) + "\n")
             gone = [n for n, c in self.committed().items() if int(c.get("seq", -1)) < seq]
             for name in gone:
-                self._delete(name)
+                self._keep_or_delete(name, keep(name))
         return gone
+
+    def keep(self, name: str, dest: Path) -> None:
+        """Move committed shard ``name`` to ``dest`` (out of the spool and its budget)."""
+        with self._locked():
+            self._keep_or_delete(name, dest)
+
+    def _keep_or_delete(self, name: str, dest: Path | None) -> None:
+        """The shard file first, its commit after: killed between, the commit stays and a rerun
+        moves (or deletes) again; the shard is never lost."""
+        if dest is not None:
+            src = self.root / "shards" / f"{name}.safetensors"
+            if src.is_file():
+                os.replace(src, dest)
+        self._delete(name)
 
 
 def plan_digest(root: str | os.PathLike[str]) -> str:
@@ -302,8 +320,10 @@ class SpoolStore:
     :func:`eagle3.train_data.shard_sequence` (e): the order producers make them in."""
 
     def __init__(self, root: str | os.PathLike[str], *, seed: int, reader: int = 0, wait_s: float = 600.0,
-                 poll_s: float = 0.2) -> None:
+                 poll_s: float = 0.2, keep_first_epoch: bool = False) -> None:
         self.root, self.reader, self.wait_s, self.seed = Path(root), reader, wait_s, seed
+        self.keep_first_epoch, self.poll_s = keep_first_epoch, poll_s
+        self.kept: HarvestStore | None = None  # hybrid, from the second epoch: the first one's shards, a store
         start = time.monotonic()
         while not (self.root / HEADER).is_file():  # the first producer writes the plan, the index, then this
             if time.monotonic() - start > wait_s:
@@ -311,6 +331,7 @@ class SpoolStore:
                                  "(python -m data_gen.produce)")
             time.sleep(poll_s)
         plan = json.loads((self.root / PLAN).read_text())
+        self.plan_record = plan
         self.spec = HarvestSpec.from_json(plan["spec"])
         self.plan = [(int(a), int(b)) for a, b in plan["shards"]]
         self.sample_ids, self._input_ids, self._loss_mask, self._offsets = read_index(self.root)
@@ -324,9 +345,12 @@ class SpoolStore:
         self.spool = Spool.open(self.root, plan_sha256=digest, seed=seed)
         if reader == 0:
             (self.root / DONE).unlink(missing_ok=True)  # a run (or a resumed one) reads again
+        if keep_first_epoch and (self.root / MANIFEST).is_file():
+            self.kept = HarvestStore(self.root)  # a hybrid run's store is complete: every epoch reads it
         self.epoch = 0
         self._positions: dict[int, int] = {}
         self._cache: dict[str, list[Sample]] = {}
+        self.stall_s = 0.0  # time spent waiting for shards (the producers fell behind)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -349,6 +373,8 @@ class SpoolStore:
 
     def begin_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+        if self.keep_first_epoch and epoch >= 1 and self.kept is None:
+            self.kept = self._kept_store()
         self._positions = {k: p for p, k in enumerate(shard_sequence(len(self.plan), self.seed, epoch))}
 
     def seq_of(self, shard: int) -> int:
@@ -371,10 +397,14 @@ class SpoolStore:
         return sum(int(done[n]["bytes"]) for n in self._cache if n in done)
 
     def __getitem__(self, i: int) -> Sample:
+        if self.kept is not None:
+            return self.kept[i]
         k = self.shard_of[i]
         name = shard_key(self.epoch, k)
         if name not in self._cache:
+            t0 = time.perf_counter()
             self._cache[name] = self.spool.get(name, self.seq_of(k), reader=self.reader, timeout_s=self.wait_s)
+            self.stall_s += time.perf_counter() - t0
         return self._cache[name][i - self.plan[k][0]]
 
     def release_unneeded(self, remaining: Iterable[Sequence[int]], *, delete: bool = True) -> None:
@@ -384,10 +414,55 @@ class SpoolStore:
         floor = min(seqs, default=(self.epoch + 1) * len(self.plan))
         self._cache = {n: v for n, v in self._cache.items() if n.startswith(f"e{self.epoch:04d}-")
                        and self.seq_of(int(n.rsplit("-", 1)[1])) >= floor}
-        if delete:  # one reader deletes; every reader forgets
-            self.spool.release_below(floor)
+        if delete:  # one reader deletes (hybrid: keeps the first epoch's shards); every reader forgets
+            self.spool.release_below(floor, keep=self._keep_path)
+
+    def _keep_path(self, name: str) -> Path | None:
+        """Hybrid: where shard ``name`` of the first epoch goes in the store this run leaves."""
+        epoch, _, k = name.partition("-shard-")
+        return self.root / shard_name(int(k)) if self.keep_first_epoch and epoch == "e0000" else None
+
+    def _kept_store(self, wait: bool = True) -> HarvestStore | None:
+        """Hybrid: the first epoch's shards as a finished store in the spool's folder (reader 0 moves
+        what is left in the spool and writes the manifest, as the offline harvest writes it; other
+        readers wait for it). None when ``wait`` is False and a shard was never made."""
+        if (self.root / MANIFEST).is_file():
+            return HarvestStore(self.root)
+        if self.reader != 0:
+            start = time.monotonic()
+            while not (self.root / MANIFEST).is_file():
+                if time.monotonic() - start > self.wait_s:
+                    raise StoreError(f"{self.root / MANIFEST}: reader 0 has not kept the first epoch within "
+                                     f"{self.wait_s:.0f} s")
+                time.sleep(self.poll_s)
+            return HarvestStore(self.root)
+        committed = self.spool.committed()
+        for k in range(len(self.plan)):
+            path = self.root / shard_name(k)
+            if not path.is_file() and shard_key(0, k) not in committed:
+                if not wait:
+                    return None
+                raise StoreError(f"{path}: missing; the first epoch's shard {k} is neither kept nor in the spool "
+                                 "(train.data=hybrid keeps every shard the first epoch reads)")
+        entries = []
+        for k, (a, b) in enumerate(self.plan):
+            path = self.root / shard_name(k)
+            if not path.is_file():
+                self.spool.keep(shard_key(0, k), path)
+            entries.append({"file": path.name, "samples": b - a, "tokens": sum(self.lengths[a:b]),
+                            "loss_tokens": int(self._loss_mask[self._offsets[a]:self._offsets[b]].sum()),
+                            "bytes": path.stat().st_size, "sha256": sha256_file(path)})
+        write_manifest(self.root, self.spec, entries, self.plan_record.get("counts", {}),
+                       self.plan_record.get("settings", {}))
+        store = HarvestStore(self.root)
+        if store.sample_ids != self.sample_ids:
+            raise StoreError(f"{self.root}: the kept shards hold other samples than {INDEX} lists")
+        return store
 
     def finish(self) -> None:
+        """The run is done: producers stop; hybrid, the first epoch's shards become a store if all were made."""
+        if self.keep_first_epoch and self.kept is None and self.reader == 0:
+            self.kept = self._kept_store(wait=False)
         self.spool.finish()
 
 

@@ -517,6 +517,10 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         "best_step": state["best_step"], "best_tau_sim": state["best_tau"],
         "wall_seconds": round(time.perf_counter() - started, 2),
     }
+    if isinstance(store, SpoolStore):  # online: how long this rank waited for the producers
+        summary["spool_wait_seconds"] = round(store.stall_s, 2)
+        if cfg.data == "hybrid":  # the first epoch's shards as a store, once that epoch was made in full
+            summary["kept_store"] = str(store.root) if store.kept is not None else None
     if rt.rank == 0:
         from eagle3.atomic import atomic_write_text
 

@@ -136,9 +136,10 @@ def verify_stores(roots: Sequence[str], record: Path, rt: Runtime) -> list[str]:
 def open_train_store(cfg: TrainConfig, rank: int = 0) -> HarvestStore | StoreUnion | SpoolStore:
     """The training store (with ``train.extra_stores``), each named by its key when it cannot be read;
     online, the spool (this rank its reader)."""
-    if cfg.data == "online":
+    if cfg.data in ("online", "hybrid"):
         try:
-            store = SpoolStore(cfg.store, seed=cfg.seed, reader=rank, wait_s=cfg.spool_wait_s)
+            store = SpoolStore(cfg.store, seed=cfg.seed, reader=rank, wait_s=cfg.spool_wait_s,
+                               keep_first_epoch=cfg.data == "hybrid")
             store.check_budget(cfg.shard_window)
             return store
         except StoreError as err:

@@ -266,8 +266,8 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
             added_records.append(str(new_store[1]))
             records += read_records([new_store[1]])
 
-        summary = train(replace(train_cfg, store=cfg.store, extra_stores=round_stores, sample_weights=weights_file,
-                                init_draft=str(draft_dir), steps=cfg.steps,
+        summary = train(replace(train_cfg, data="offline", store=cfg.store, extra_stores=round_stores,
+                                sample_weights=weights_file, init_draft=str(draft_dir), steps=cfg.steps,
                                 lr=cfg.lr if cfg.lr is not None else train_cfg.lr / 4,
                                 out_dir=str(rdir / "train"), eval_store=cfg.eval_store, eval_fraction=0.0,
                                 seed=train_cfg.seed + r, resume=True, wandb_mode="disabled"),

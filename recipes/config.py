@@ -70,9 +70,9 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if self.train.data == "online" and "mine" in self.stages:
             raise ValueError("train.data=online keeps no store for the mine stage to score and extend: run without "
-                             "it (stages=[...] without mine), or train offline")
-        if self.train.data == "online" and self.train.store != self.harvest.out_dir:
-            raise ValueError(f"train.data=online: train.store={self.train.store!r} must be the spool the producers "
-                             f"fill, harvest.out_dir={self.harvest.out_dir!r}")
+                             "it (stages=[...] without mine), or train with train.data=hybrid or offline")
+        if self.train.data != "offline" and self.train.store != self.harvest.out_dir:
+            raise ValueError(f"train.data={self.train.data}: train.store={self.train.store!r} must be the spool the "
+                             f"producers fill, harvest.out_dir={self.harvest.out_dir!r}")
         if self.threads < 1:
             raise ValueError(f"threads={self.threads}: must be >= 1")

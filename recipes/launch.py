@@ -67,9 +67,10 @@ def harvest_shard(cfg: PipelineConfig, shard: int, shards: int) -> dict[str, Any
 def produce_task(cfg: PipelineConfig, worker: int, workers: int) -> dict[str, Any]:
     """One task of the producer array of online training."""
     from data_gen.produce import produce
+    from recipes.pipeline import producer_epochs
 
     return produce(replace(cfg.harvest, shard=f"{worker}/{workers}"), cfg.target, seed=cfg.train.seed,
-                   progress=False)
+                   progress=False, max_epochs=producer_epochs(cfg))
 
 
 def rendezvous_from_job(port_base: int = 20000) -> dict[str, str]:
@@ -168,7 +169,7 @@ def _submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None) ->
         from recipes.pipeline import on_quantized_target
 
         cfg = on_quantized_target(cfg)
-    online = cfg.train.data == "online" and "train" in cfg.stages
+    online = cfg.train.data != "offline" and "train" in cfg.stages
     if "harvest" in cfg.stages and not online:
         ex = _executor(launcher, "harvest")
         _after(ex, launcher, previous)

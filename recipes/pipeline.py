@@ -145,11 +145,12 @@ def stage_regenerate(cfg: PipelineConfig) -> dict[str, Any]:
 
 def stage_harvest(cfg: PipelineConfig) -> dict[str, Any]:
     """Hidden states of the regenerated conversations into a shard store (resumable, verified);
-    with ``train.data=online`` nothing: the train stage's producers make the states."""
+    with ``train.data=online`` (or hybrid) nothing: the train stage's producers make the states."""
     from eagle3.shards import verify_store
 
-    if cfg.train.data == "online":
-        return {"skipped": "train.data=online: the train stage's producers fill the spool harvest.out_dir"}
+    if cfg.train.data != "offline":
+        return {"skipped": f"train.data={cfg.train.data}: the train stage's producers fill the spool "
+                           "harvest.out_dir"}
 
     summary = _harvest(cfg, cfg.harvest, "harvest")
     if summary["complete"]:
@@ -179,10 +180,15 @@ def stage_train(cfg: PipelineConfig) -> dict[str, Any]:
     with ``launcher.harvest_shards`` producer processes filling the spool beside it."""
     from eagle3.train import train
 
-    if cfg.train.data != "online":
+    if cfg.train.data == "offline":
         return train(cfg.train, cfg.target)
     with producers(cfg, cfg.launcher.harvest_shards):
         return train(cfg.train, cfg.target)
+
+
+def producer_epochs(cfg: PipelineConfig) -> int | None:
+    """How many epochs the producers make: hybrid training reads only the first from them."""
+    return 1 if cfg.train.data == "hybrid" else None
 
 
 @contextlib.contextmanager
@@ -198,7 +204,8 @@ def producers(cfg: PipelineConfig, n: int) -> Iterator[None]:
     done.unlink(missing_ok=True)  # an earlier run's: this one trains again
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=produce, args=(replace(cfg.harvest, shard=f"{i}/{n}"), cfg.target),
-                         kwargs={"seed": cfg.train.seed, "progress": False}, daemon=True) for i in range(n)]
+                         kwargs={"seed": cfg.train.seed, "progress": False, "max_epochs": producer_epochs(cfg)},
+                         daemon=True) for i in range(n)]
     for p in procs:
         p.start()
     try:

@@ -39,14 +39,16 @@ def _train_cfg(store: Path, out: Path, **kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw})
 
 
-def _producers(setup: dict, spool: Path, workers: int, budget_mb: float) -> list[threading.Thread]:
+def _producers(setup: dict, spool: Path, workers: int, budget_mb: float,
+               max_epochs: int | None = None) -> list[threading.Thread]:
     threads = []
     for w in range(workers):
         cfg = HarvestConfig(data=str(setup["data"]), out_dir=str(spool), dtype="float32", max_shard_mb=0.03,
                             shard=f"{w}/{workers}", spool_budget_mb=budget_mb)
         # each producer its own target (the same weights), as each producer process loads one
         threads.append(threading.Thread(target=produce, args=(cfg, LIVELY), daemon=True,
-                                        kwargs={"target": lively_target(), "progress": False}))
+                                        kwargs={"target": lively_target(), "progress": False,
+                                                "max_epochs": max_epochs}))
     for t in threads:
         t.start()
     return threads
@@ -67,6 +69,33 @@ def test_online_equals_offline_bit_for_bit(setup: dict, tmp_path: Path, workers:
             == (tmp_path / "offline" / "final" / "model.safetensors").read_bytes())
     left = Spool.open(spool, plan_sha256=plan_digest(spool), seed=0).used_bytes()
     assert left <= 3.5 * shard_bytes  # what the last window held, never the store
+
+
+def test_hybrid_trains_as_offline_and_leaves_the_offline_harvest_store(setup: dict, tmp_path: Path) -> None:
+    """train.data=hybrid: the producers make one epoch; the trainer keeps its shards as a store and
+    reads it for the later epochs. The draft equals the offline run's, and the store the offline
+    harvest's (manifest and every shard's bytes), which `harvest verify` accepts."""
+    from data_gen.harvest import main as harvest_main
+
+    steps = 30  # the 24 conversations make 24 steps an epoch: the second epoch reads the kept store
+    offline = train(_train_cfg(setup["root"] / "store", tmp_path / "offline", steps=steps), target=setup["target"])
+    spool = tmp_path / "spool"
+    shard_bytes = max(e["bytes"] for e in HarvestStore(setup["root"] / "store").manifest["shards"])
+    producers = _producers(setup, spool, 2, budget_mb=2.5 * shard_bytes / 2**20, max_epochs=1)
+    hybrid = train(_train_cfg(spool, tmp_path / "hybrid", data="hybrid", steps=steps, spool_wait_s=60),
+                   target=setup["target"])
+    for t in producers:
+        t.join(timeout=60)
+        assert not t.is_alive()
+    assert hybrid["last_loss"] == offline["last_loss"]
+    assert ((tmp_path / "hybrid" / "final" / "model.safetensors").read_bytes()
+            == (tmp_path / "offline" / "final" / "model.safetensors").read_bytes())
+    kept, harvested = HarvestStore(spool), HarvestStore(setup["root"] / "store")
+    assert kept.manifest == harvested.manifest
+    for entry in kept.manifest["shards"]:
+        assert (spool / entry["file"]).read_bytes() == (setup["root"] / "store" / entry["file"]).read_bytes()
+    assert harvest_main(["verify", str(spool)]) == 0
+    assert not list((spool / "shards").glob("*.safetensors"))  # nothing left in the spool itself
 
 
 def test_online_settings_that_cannot_work_are_named(setup: dict, tmp_path: Path) -> None:
