@@ -29,7 +29,7 @@ from data_gen.harvest import build_parser as harvest_parser
 from data_gen.harvest import capture_shard, configs_from_args, plan_harvest
 from eagle3.config import TargetConfig
 from eagle3.errors import USER_ERRORS
-from eagle3.spool import Spool, plan_digest, shard_key, write_index
+from eagle3.spool import Heartbeat, Spool, plan_digest, shard_key, write_index
 from eagle3.target import Target
 from eagle3.train_data import shard_sequence
 
@@ -39,6 +39,20 @@ def produce(cfg: HarvestConfig, target_cfg: TargetConfig, *, seed: int = 0, targ
     """Fill the spool ``cfg.out_dir`` as worker ``cfg.shard`` until the trainer is done (or
     ``max_epochs`` epochs are made); returns what this producer made."""
     started = time.perf_counter()
+    root = Path(cfg.out_dir)
+    worker, workers = cfg.worker
+    root.mkdir(parents=True, exist_ok=True)
+    beat = Heartbeat(root, worker, workers)
+    beat.beat(state="running")  # first: a reader waiting on this worker's restart sees it alive
+    try:
+        return _produce(cfg, target_cfg, seed, target, max_epochs, progress, beat, started)
+    except BaseException as err:
+        beat.beat(state=f"failed: {type(err).__name__}: {err}"[:300])
+        raise
+
+
+def _produce(cfg: HarvestConfig, target_cfg: TargetConfig, seed: int, target: Target | None,
+             max_epochs: int | None, progress: bool, beat: Heartbeat, started: float) -> dict[str, Any]:
     hp = plan_harvest(cfg, target_cfg, target)
     root = Path(cfg.out_dir)
     write_index(root, hp.samples)
@@ -75,23 +89,30 @@ def produce(cfg: HarvestConfig, target_cfg: TargetConfig, *, seed: int = 0, targ
     capture_s = 0.0
     while (seq := next_seq()) is not None:
         if spool.done():
-            return _summary(cfg, made, tokens, capture_s, started, "the trainer is done")
+            return _summary(cfg, made, tokens, capture_s, started, "the trainer is done", beat)
         k = int(key(seq).rsplit("-", 1)[1])
         t0 = time.perf_counter()
-        samples = capture_shard(hp.backend, hp.samples, hp.plan[k], cfg.batch_size)
+        samples = capture_shard(hp.backend, hp.samples, hp.plan[k], cfg.batch_size, on_batch=lambda _: beat.beat())
         capture_s += time.perf_counter() - t0
-        if not spool.put(key(seq), seq, samples, alive=lambda s=seq: not spool.done() and not urgent(s)):
+
+        def waiting(s: int = seq) -> bool:
+            beat.beat()
+            return not spool.done() and not urgent(s)
+
+        if not spool.put(key(seq), seq, samples, alive=waiting):
             continue  # done, consumed meanwhile, or another shard is needed first
         made += 1
+        beat.beat(made=made)
         tokens += sum(len(x) for x in samples)
         if progress:
             print(f"produce {cfg.shard}: {key(seq)} (seq {seq}), {tokens / max(capture_s, 1e-9):.0f} tok/s",
                   file=sys.stderr)
-    return _summary(cfg, made, tokens, capture_s, started, f"{max_epochs} epochs made")
+    return _summary(cfg, made, tokens, capture_s, started, f"{max_epochs} epochs made", beat)
 
 
 def _summary(cfg: HarvestConfig, made: int, tokens: int, capture_s: float, started: float,
-             why: str) -> dict[str, Any]:
+             why: str, beat: Heartbeat) -> dict[str, Any]:
+    beat.beat(state=f"stopped: {why}")
     return {"stage": "produce", "spool": cfg.out_dir, "worker": cfg.shard, "shards": made, "tokens": tokens,
             "capture_tokens_per_s": round(tokens / capture_s, 1) if capture_s else None,
             "wall_seconds": round(time.perf_counter() - started, 2), "stopped": why}

@@ -7,6 +7,7 @@ A spool is a folder::
     plan.json, index.safetensors   the harvest plan and every sample's tokens (written by producers)
     cursor-<reader>.json           the seq each reader waits for
     released.json                  the seq below which every shard was consumed and deleted
+    producer-<i>-of-<n>.json       each producer's pid, host and heartbeat (a dead one is named)
     done                           the readers finished: producers stop
     shards/<name>.safetensors      one shard, exactly as a store's (``eagle3.shards.encode_shard``)
     shards/<name>.json             written after it, atomically: its seq, sha256, tokens, samples (the commit)
@@ -32,6 +33,7 @@ import hashlib
 import itertools
 import json
 import os
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -64,6 +66,7 @@ INDEX = "index.safetensors"
 RELEASED = "released.json"
 DONE = "done"
 LOCK = ".lock"
+PRODUCER_GRACE_S = 30.0  # a reader names a dead producer after this long (a restart may be on its way)
 
 
 def shard_key(epoch: int, shard: int) -> str:
@@ -303,6 +306,62 @@ class Spool:
         self._delete(name)
 
 
+class Heartbeat:
+    """What a producer tells the readers about itself (``producer-<i>-of-<n>.json``): pid, host,
+    the time of its last sign of life, its state and the shards it made; written at most every
+    ``every_s`` seconds unless forced."""
+
+    def __init__(self, root: str | os.PathLike[str], worker: int, workers: int, every_s: float = 2.0) -> None:
+        self.path = Path(root) / f"producer-{worker}-of-{workers}.json"
+        self.record: dict[str, Any] = {"worker": worker, "workers": workers, "pid": os.getpid(),
+                                       "host": socket.gethostname(), "state": "running", "made": 0}
+        self.every_s, self._last = every_s, -float("inf")
+
+    def beat(self, force: bool = False, **changes: Any) -> None:
+        self.record.update(changes)
+        now = time.monotonic()
+        if force or changes or now - self._last >= self.every_s:
+            self._last = now
+            atomic_write_text(self.path, json.dumps({**self.record, "time": time.time()}) + "\n")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def missing_producer(root: str | os.PathLike[str], seq: int, stale_s: float) -> str | None:
+    """Why the shard at ``seq`` will not come: every producer whose share it is has stopped, died
+    (its pid gone on this host) or fallen silent for ``stale_s``; None while one of them lives, or
+    before any producer has started (the reader's wait limit covers that)."""
+    records = []
+    for path in Path(root).glob("producer-*-of-*.json"):
+        with contextlib.suppress(OSError, json.JSONDecodeError):
+            records.append(json.loads(path.read_text()))
+    mine = [r for r in records if int(r.get("workers", 0)) > 0 and seq % int(r["workers"]) == int(r["worker"])]
+    if not mine:
+        return None
+    host, now, why = socket.gethostname(), time.time(), []
+    for r in mine:
+        who = f"producer {r['worker']}/{r['workers']} (pid {r['pid']} on {r['host']})"
+        age = now - float(r.get("time", 0))
+        if r.get("state") != "running":
+            why.append(f"{who} {r.get('state')} ({r.get('made', 0)} shards made)")
+        elif r.get("host") == host and not _pid_alive(int(r["pid"])):
+            why.append(f"{who} died (last heard of {age:.0f} s ago, {r.get('made', 0)} shards made)")
+        elif age > stale_s:
+            why.append(f"{who} silent for {age:.0f} s")
+        else:
+            return None
+    return "; ".join(why) + f": restart it (python -m data_gen.produce --shard {mine[0]['worker']}/" \
+        f"{mine[0]['workers']} ...) and rerun the trainer, which resumes"
+
+
 def plan_digest(root: str | os.PathLike[str]) -> str:
     """The digest of the harvest plan (``plan.json``) a spool's shards follow."""
     path = Path(root) / PLAN
@@ -403,9 +462,31 @@ class SpoolStore:
         name = shard_key(self.epoch, k)
         if name not in self._cache:
             t0 = time.perf_counter()
-            self._cache[name] = self.spool.get(name, self.seq_of(k), reader=self.reader, timeout_s=self.wait_s)
+            seq = self.seq_of(k)
+            self._cache[name] = self.spool.get(name, seq, reader=self.reader, timeout_s=self.wait_s,
+                                               alive=self._producers_alive(name, seq))
             self.stall_s += time.perf_counter() - t0
         return self._cache[name][i - self.plan[k][0]]
+
+    def _producers_alive(self, name: str, seq: int) -> Callable[[], bool]:
+        """For ``Spool.get``: raises naming the producer of ``seq`` once it has been dead for
+        ``PRODUCER_GRACE_S`` (a producer restarted meanwhile is not named; looked at each second)."""
+        last, dead_since = [time.monotonic()], [None]
+
+        def alive() -> bool:
+            now = time.monotonic()
+            if now - last[0] >= 1.0:
+                last[0] = now
+                why = missing_producer(self.root, seq, self.wait_s)
+                if why is None:
+                    dead_since[0] = None
+                elif dead_since[0] is None:
+                    dead_since[0] = now
+                elif now - dead_since[0] >= min(PRODUCER_GRACE_S, self.wait_s):
+                    raise StoreError(f"{self.root / 'shards' / name}: not produced: {why}")
+            return True
+
+        return alive
 
     def release_unneeded(self, remaining: Iterable[Sequence[int]], *, delete: bool = True) -> None:
         """After a checkpoint: forget and delete every shard of this epoch before the first one the
@@ -466,4 +547,5 @@ class SpoolStore:
         self.spool.finish()
 
 
-__all__ = ["HEADER", "INDEX", "Spool", "SpoolStore", "plan_digest", "read_index", "shard_key", "write_index"]
+__all__ = ["HEADER", "INDEX", "Heartbeat", "Spool", "SpoolStore", "missing_producer", "plan_digest", "read_index",
+           "shard_key", "write_index"]

@@ -14,7 +14,7 @@ from data_gen.harvest import run as harvest
 from data_gen.produce import produce
 from eagle3.config import TargetConfig, TrainConfig
 from eagle3.errors import TrainError
-from eagle3.shards import HarvestStore
+from eagle3.shards import HarvestStore, StoreError
 from eagle3.spool import Spool, plan_digest
 from eagle3.train import train
 from tests.helpers import lively_target, regenerated_data
@@ -96,6 +96,28 @@ def test_hybrid_trains_as_offline_and_leaves_the_offline_harvest_store(setup: di
         assert (spool / entry["file"]).read_bytes() == (setup["root"] / "store" / entry["file"]).read_bytes()
     assert harvest_main(["verify", str(spool)]) == 0
     assert not list((spool / "shards").glob("*.safetensors"))  # nothing left in the spool itself
+
+
+def test_a_producer_that_stopped_and_one_of_another_target_are_named(setup: dict, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Online training past the one epoch its producers were told to make: the trainer names the
+    producers that stopped, instead of waiting out its limit. A trainer with another target than
+    the producers' is refused before it trains."""
+    import eagle3.spool
+
+    monkeypatch.setattr(eagle3.spool, "PRODUCER_GRACE_S", 0.0)
+    spool = tmp_path / "spool"
+    shard_bytes = max(e["bytes"] for e in HarvestStore(setup["root"] / "store").manifest["shards"])
+    producers = _producers(setup, spool, 2, budget_mb=2.5 * shard_bytes / 2**20, max_epochs=1)
+    with pytest.raises(StoreError, match=r"e0001-shard-\d+: not produced: producer \d/2 \(pid \d+ on .*\) stopped: "
+                                         r"1 epochs made .*restart it"):
+        train(_train_cfg(spool, tmp_path / "online", data="online", steps=30, spool_wait_s=60), target=setup["target"])
+    for t in producers:
+        t.join(timeout=60)
+        assert not t.is_alive()  # they made their epoch and stopped
+    with pytest.raises(StoreError, match=r"plan.json: harvested with num_layers=8, but the target has 12"):
+        train(_train_cfg(spool, tmp_path / "other", data="online", spool_wait_s=60),
+              target=lively_target(num_layers=12))
 
 
 def test_online_settings_that_cannot_work_are_named(setup: dict, tmp_path: Path) -> None:

@@ -117,3 +117,30 @@ def test_bad_spools_and_shards_are_named(tmp_path: Path) -> None:
         spool.get("y", 1, timeout_s=0.0)
     with pytest.raises(StoreError, match=r"z.json: not produced, and no producer is left"):
         spool.get("z", 2, alive=lambda: False)
+
+
+def test_a_dead_silent_or_stopped_producer_is_named(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    from eagle3.spool import Heartbeat, missing_producer
+
+    assert missing_producer(tmp_path, 0, stale_s=60) is None  # no producer yet: the reader's wait limit decides
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = Heartbeat(tmp_path, 0, 2)
+    dead.record["pid"] = gone.pid
+    dead.beat(made=3)
+    Heartbeat(tmp_path, 1, 2).beat(force=True)  # this process: alive
+    assert missing_producer(tmp_path, 3, stale_s=60) is None  # seq 3 is worker 1's
+    why = missing_producer(tmp_path, 4, stale_s=60)
+    assert why is not None and f"producer 0/2 (pid {gone.pid} on " in why and "died" in why and "3 shards" in why
+    assert "--shard 0/2" in why
+    Heartbeat(tmp_path, 1, 2).beat(state="stopped: 1 epochs made")
+    assert "producer 1/2 (pid" in missing_producer(tmp_path, 5, stale_s=60) and "stopped: 1 epochs made" in \
+        missing_producer(tmp_path, 5, stale_s=60)
+    alive = Heartbeat(tmp_path, 1, 2)
+    alive.beat(force=True)
+    time.sleep(0.05)
+    assert "silent for" in missing_producer(tmp_path, 5, stale_s=0.01)  # a producer on another node: its heartbeat
