@@ -35,6 +35,7 @@ from filelock import FileLock, Timeout
 from data_gen.config import HarvestConfig
 from data_gen.regenerate import read_pool
 from eagle3.atomic import atomic_write_text, remove_leftovers, sha256_file
+from eagle3.capture import HFCapture, capture_shard
 from eagle3.chat import ChatFormat, ChatFormatError
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import TargetConfig, add_target_arguments
@@ -42,7 +43,6 @@ from eagle3.errors import USER_ERRORS, Eagle3Error
 from eagle3.fingerprint import UNKNOWN_WEIGHTS, tokenizer_fingerprint, weights_fingerprint
 from eagle3.shards import (
     HarvestSpec,
-    Sample,
     StoreError,
     bytes_per_token,
     compare_stores,
@@ -126,34 +126,6 @@ def _as_written(chat: ChatFormat, content: str, turn: dict[str, Any]) -> bool:
         return False
     ids = turn.get("token_ids")
     return not isinstance(ids, list) or chat.tokenizer(content, add_special_tokens=False)["input_ids"] == ids
-
-
-class HFCapture:
-    """Batched capture with the project's one HF capture (:class:`eagle3.target.Target`)."""
-
-    def __init__(self, target: Target, topk: int = 0) -> None:
-        self.target, self.topk = target, topk
-
-    def capture(self, sequences: Sequence[Sequence[int]]) -> list[dict[str, torch.Tensor]]:
-        width = max(len(s) for s in sequences)
-        pad = self.target.tokenizer.pad_token_id or 0
-        ids = torch.full((len(sequences), width), pad, dtype=torch.long)  # [batch, width], right-padded
-        mask = torch.zeros((len(sequences), width), dtype=torch.long)
-        for r, seq in enumerate(sequences):
-            ids[r, : len(seq)] = torch.tensor(list(seq))
-            mask[r, : len(seq)] = 1
-        out = self.target(ids.to(self.target.device), attention_mask=mask.to(self.target.device),
-                          return_logits=False)
-        rows = []
-        for r, seq in enumerate(sequences):
-            n = len(seq)
-            row = {"aux": out.aux[r, :n].float().cpu(), "last": out.last[r, :n].float().cpu()}  # [T, A, H], [T, H]
-            if self.topk:
-                logprobs = torch.log_softmax(self.target.head(out.last[r, :n]).float(), dim=-1)  # [T, V]
-                values, indices = logprobs.topk(self.topk, dim=-1)
-                row = {"aux": row["aux"], "topk_ids": indices.cpu(), "topk_logprobs": values.cpu()}
-            rows.append(row)
-        return rows
 
 
 class VllmRows:
@@ -266,13 +238,6 @@ def _check_plan(out_dir: Path, plan: dict[str, Any]) -> None:
                                    out_dir, section)
 
 
-def _states_ok(sample_id: str, row: dict[str, torch.Tensor]) -> None:
-    for name, tensor in row.items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise HarvestError(f"sample {sample_id}: the target produced NaN/Inf in {name}; "
-                               "the sample is rejected (check the target's dtype and weights)")
-
-
 @dataclass
 class HarvestPlan:
     """What a harvest (or an online producer) works from: the spec, the capture backend, the
@@ -344,25 +309,6 @@ def _remove_stale_temps(out_dir: Path, worker: int, workers: int) -> None:
         index = tmp.name.split(".")[1].removeprefix("shard-")
         if index.isdigit() and int(index) % workers == worker:
             tmp.unlink(missing_ok=True)
-
-
-def capture_shard(backend: Any, samples: Sequence[tuple[str, list[int], list[int]]], span: tuple[int, int],
-                  batch_size: int, on_batch: Any = None) -> list[Sample]:
-    """The samples ``span`` = [a, b) of the plan with their states: similar lengths batched together
-    (fixed for the shard, so a rerun, or an online producer, computes the very same batches and
-    bytes); ``on_batch(tokens)`` after each batch."""
-    a, b = span
-    rows: dict[int, dict[str, torch.Tensor]] = {}
-    order = sorted(range(a, b), key=lambda i: (len(samples[i][1]), i))
-    for k in range(0, len(order), batch_size):
-        batch = order[k : k + batch_size]
-        for i, row in zip(batch, backend.capture([samples[i][1] for i in batch]), strict=True):
-            _states_ok(samples[i][0], row)
-            rows[i] = row
-        if on_batch is not None:
-            on_batch(sum(len(samples[i][1]) for i in batch))
-    return [Sample(id=samples[i][0], input_ids=torch.tensor(samples[i][1]),
-                   loss_mask=torch.tensor(samples[i][2], dtype=torch.bool), **rows[i]) for i in range(a, b)]
 
 
 def _harvest_shards(cfg: HarvestConfig, out_dir: Path, spec: HarvestSpec, backend: Any,

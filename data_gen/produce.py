@@ -8,7 +8,7 @@ the same tokenisation, shard plan and ``plan.json``), writes every sample's toke
 (``index.safetensors``: what the trainer plans its epochs from), then makes the states of the
 plan's shards epoch after epoch in the trainer's order (:func:`eagle3.train_data.shard_sequence`
 with the run's seed), each shard with the same batches as the offline harvest
-(:func:`data_gen.harvest.capture_shard`), so the states are the same bytes. Worker ``i/n`` makes
+(:func:`eagle3.capture.capture_shard`), so the states are the same bytes. Worker ``i/n`` makes
 the shards at positions ``seq % n == i``. A shard waits while the spool is at its budget; one a
 trainer has already consumed is skipped; when the trainer writes ``done`` the producers stop.
 Killed at any moment and restarted, a producer goes on from what the spool holds.
@@ -26,7 +26,8 @@ from typing import Any
 
 from data_gen.config import HarvestConfig
 from data_gen.harvest import build_parser as harvest_parser
-from data_gen.harvest import capture_shard, configs_from_args, plan_harvest
+from data_gen.harvest import configs_from_args, plan_harvest
+from eagle3.capture import capture_shard
 from eagle3.config import TargetConfig
 from eagle3.errors import USER_ERRORS
 from eagle3.spool import Heartbeat, Spool, plan_digest, shard_key, write_index

@@ -167,6 +167,8 @@ def test_bad_input_is_counted_or_named(target: Target, tmp_path: Path, monkeypat
     with pytest.raises(HarvestError, match=r"harvested with spec.dtype='bfloat16', this run has 'float8_e4m3fn'"):
         run(changed, TargetConfig(name_or_path="lively"), target=target, progress=False)
 
+    from eagle3.capture import CaptureError
+
     real_capture = harvest.HFCapture.capture
 
     def poisoned(self, sequences):
@@ -176,7 +178,7 @@ def test_bad_input_is_counted_or_named(target: Target, tmp_path: Path, monkeypat
 
     monkeypatch.setattr(harvest.HFCapture, "capture", poisoned)
     fresh = HarvestConfig(data=str(data), out_dir=str(tmp_path / "nan"), max_seq_len=40)
-    with pytest.raises(HarvestError, match="sample fine: the target produced NaN/Inf in aux"):
+    with pytest.raises(CaptureError, match="sample fine: the target produced NaN/Inf in aux"):
         run(fresh, TargetConfig(name_or_path="lively"), target=target, progress=False)
     assert not list((tmp_path / "nan").glob("shard-*")) and not (tmp_path / "nan" / "manifest.json").exists()
 
