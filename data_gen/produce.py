@@ -30,7 +30,8 @@ from data_gen.harvest import configs_from_args, plan_harvest
 from eagle3.capture import capture_shard
 from eagle3.config import TargetConfig
 from eagle3.errors import USER_ERRORS
-from eagle3.spool import Heartbeat, Spool, plan_digest, shard_key, write_index
+from eagle3.planned import plan_digest, write_index
+from eagle3.spool import Heartbeat, Spool, shard_key
 from eagle3.target import Target
 from eagle3.train_data import shard_sequence
 

@@ -127,7 +127,9 @@ class TrainConfig:
     (python -m data_gen.produce, same seed) fill while this run trains, a window of shards at a
     time (needs shard_window >= 1 and eval_fraction 0: held-out data comes from eval_store);
     hybrid: online for the first epoch (producers with --max-epochs 1), whose shards are kept as a
-    harvest store in the spool's folder that later epochs (and mining) read offline."""
+    harvest store in the spool's folder that later epochs (and mining) read offline; colocated:
+    train.store is a plan without states (python -m data_gen.produce --max-epochs 0) and this
+    run's own target computes each micro-batch's states (targets that fit beside the draft)."""
     spool_wait_s: float = 600.0
     """online/hybrid: how long the trainer waits for a shard (or the first producer) before it stops."""
     shard_window: int = 0
@@ -325,9 +327,11 @@ class TrainConfig:
             raise ValueError(f"train.target_temperature={self.target_temperature}: must be > 0")
         if not 0.0 < self.step_decay <= 1.0:
             raise ValueError(f"train.step_decay={self.step_decay}: must be in (0, 1]")
-        if self.data not in ("offline", "online", "hybrid"):
-            raise ValueError(f"train.data={self.data!r}: expected offline, online or hybrid")
-        if self.data != "offline" and (self.shard_window < 1 or self.eval_fraction > 0 or self.extra_stores):
+        if self.data not in ("offline", "online", "hybrid", "colocated"):
+            raise ValueError(f"train.data={self.data!r}: expected offline, online, hybrid or colocated")
+        if self.data == "colocated" and self.extra_stores:
+            raise ValueError("train.data=colocated computes the states of train.store's plan: no train.extra_stores")
+        if self.data in ("online", "hybrid") and (self.shard_window < 1 or self.eval_fraction > 0 or self.extra_stores):
             raise ValueError(f"train.data={self.data} reads its spool a window of shards at a time: it needs "
                              "train.shard_window >= 1, train.eval_fraction=0 (held-out data: train.eval_store) and "
                              "no train.extra_stores")

@@ -143,6 +143,12 @@ def encode_shard(samples: Sequence[Sample], spec: HarvestSpec) -> tuple[bytes, i
     return save(tensors, metadata=metadata), int(offsets[-1])
 
 
+def as_stored(x: torch.Tensor, dtype: str) -> torch.Tensor:
+    """States as a reader of their shard gets them back: through the store's dtype, as fp32."""
+    encoded = _encode(x, dtype, "x")
+    return dequantize(encoded["x"], encoded.get("x_scale"))
+
+
 def write_shard(path: Path, samples: Sequence[Sample], spec: HarvestSpec) -> int:
     data, tokens = encode_shard(samples, spec)
     atomic_write_bytes(path, data)

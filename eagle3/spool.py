@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import itertools
 import json
 import os
 import socket
@@ -39,11 +38,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import safe_open
-from safetensors.torch import save
-
 from eagle3.atomic import atomic_write_bytes, atomic_write_text, sha256_file
+from eagle3.planned import INDEX, PlannedSamples
 from eagle3.shards import (
     MANIFEST,
     HarvestSpec,
@@ -51,7 +47,6 @@ from eagle3.shards import (
     Sample,
     StoreError,
     bytes_per_token,
-    check_compatible,
     check_shard,
     encode_shard,
     read_shard,
@@ -61,8 +56,6 @@ from eagle3.shards import (
 from eagle3.train_data import shard_sequence
 
 HEADER = "spool.json"
-PLAN = "plan.json"  # the harvest's plan (data_gen.harvest.plan_harvest pins it)
-INDEX = "index.safetensors"
 RELEASED = "released.json"
 DONE = "done"
 LOCK = ".lock"
@@ -72,36 +65,6 @@ PRODUCER_GRACE_S = 30.0  # a reader names a dead producer after this long (a res
 def shard_key(epoch: int, shard: int) -> str:
     """The spool name of a store shard's states in an epoch."""
     return f"e{epoch:04d}-{shard_name(shard).removesuffix('.safetensors')}"
-
-
-def write_index(root: str | os.PathLike[str], samples: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> None:
-    """Every sample's id and tokens (input ids, loss mask), what a trainer plans an epoch from
-    before any state exists; the same file from every producer (rewritten only when missing)."""
-    path = Path(root) / INDEX
-    if path.is_file():
-        return
-    lengths = [len(ids) for _, ids, _ in samples]
-    offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
-    tensors = {"input_ids": torch.tensor([t for _, ids, _ in samples for t in ids], dtype=torch.int32),
-               "loss_mask": torch.tensor([m for _, _, mask in samples for m in mask], dtype=torch.uint8),
-               "offsets": offsets}
-    meta = {"eagle3": json.dumps({"format": "eagle3-spool-index-1", "samples": [sid for sid, _, _ in samples]})}
-    atomic_write_bytes(path, save(tensors, metadata=meta))
-
-
-def read_index(root: str | os.PathLike[str]) -> tuple[list[str], torch.Tensor, torch.Tensor, list[int]]:
-    """(sample ids, input ids [T] int64, loss mask [T] bool, offsets [n + 1]) of a spool's index."""
-    path = Path(root) / INDEX
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            ids = json.loads(f.metadata()["eagle3"])["samples"]
-            return ids, f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool(), \
-                f.get_tensor("offsets").tolist()
-    except FileNotFoundError:
-        raise StoreError(f"{path}: missing; start a producer (python -m data_gen.produce) on this spool first") \
-            from None
-    except Exception as err:  # safetensors raises its own error types for damaged files
-        raise StoreError(f"{path}: unreadable spool index ({err})") from err
 
 
 def _read_header(path: Path) -> dict[str, Any]:
@@ -362,16 +325,7 @@ def missing_producer(root: str | os.PathLike[str], seq: int, stale_s: float) -> 
         f"{mine[0]['workers']} ...) and rerun the trainer, which resumes"
 
 
-def plan_digest(root: str | os.PathLike[str]) -> str:
-    """The digest of the harvest plan (``plan.json``) a spool's shards follow."""
-    path = Path(root) / PLAN
-    try:
-        return hashlib.sha256(json.dumps(json.loads(path.read_text()), sort_keys=True).encode()).hexdigest()
-    except (OSError, json.JSONDecodeError) as err:
-        raise StoreError(f"{path}: unreadable ({err})") from None
-
-
-class SpoolStore:
+class SpoolStore(PlannedSamples):
     """The trainer's store in online training: the plan and every sample's tokens from the index
     the producers wrote (planning, the draft vocab and the split need no state), and each shard's
     states from the spool when a micro-batch needs them. Epoch ``e`` reads shard ``k`` as
@@ -389,19 +343,8 @@ class SpoolStore:
                 raise StoreError(f"{self.root / HEADER}: no producer has started on this spool within {wait_s:.0f} s "
                                  "(python -m data_gen.produce)")
             time.sleep(poll_s)
-        plan = json.loads((self.root / PLAN).read_text())
-        self.plan_record = plan
-        self.spec = HarvestSpec.from_json(plan["spec"])
-        self.plan = [(int(a), int(b)) for a, b in plan["shards"]]
-        self.sample_ids, self._input_ids, self._loss_mask, self._offsets = read_index(self.root)
-        self.lengths = [b - a for a, b in itertools.pairwise(self._offsets)]
-        if len(self.lengths) != (self.plan[-1][1] if self.plan else 0):
-            raise StoreError(f"{self.root / INDEX}: {len(self.lengths)} samples, the plan has "
-                             f"{self.plan[-1][1] if self.plan else 0}")
-        self.shard_of = [k for k, (a, b) in enumerate(self.plan) for _ in range(a, b)]
-        digest = plan_digest(self.root)
-        self.manifest = {"spec": plan["spec"], "shards": [{"sha256": f"{digest}:{k}"} for k in range(len(self.plan))]}
-        self.spool = Spool.open(self.root, plan_sha256=digest, seed=seed)
+        super().__init__(self.root)
+        self.spool = Spool.open(self.root, plan_sha256=self.digest, seed=seed)
         if reader == 0:
             (self.root / DONE).unlink(missing_ok=True)  # a run (or a resumed one) reads again
         if keep_first_epoch and (self.root / MANIFEST).is_file():
@@ -410,25 +353,6 @@ class SpoolStore:
         self._positions: dict[int, int] = {}
         self._cache: dict[str, list[Sample]] = {}
         self.stall_s = 0.0  # time spent waiting for shards (the producers fell behind)
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def token_columns(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        a, b = self._offsets[i], self._offsets[i + 1]
-        return self._input_ids[a:b], self._loss_mask[a:b]
-
-    def token_digests(self) -> list[bytes]:
-        ids = self._input_ids.numpy()
-        return [hashlib.blake2b(ids[a:b].tobytes(), digest_size=16).digest()
-                for a, b in itertools.pairwise(self._offsets)]
-
-    def check_target(self, target: Any) -> None:
-        from eagle3.fingerprint import tokenizer_fingerprint
-
-        check_compatible(self.spec, tokenizer_sha256=tokenizer_fingerprint(target.tokenizer),
-                         num_layers=target.num_layers, hidden_size=target.hidden_size,
-                         vocab_size=target.vocab_size, where=str(self.root / PLAN))
 
     def begin_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -547,5 +471,4 @@ class SpoolStore:
         self.spool.finish()
 
 
-__all__ = ["HEADER", "INDEX", "Heartbeat", "Spool", "SpoolStore", "missing_producer", "plan_digest", "read_index",
-           "shard_key", "write_index"]
+__all__ = ["HEADER", "Heartbeat", "Spool", "SpoolStore", "missing_producer", "shard_key"]

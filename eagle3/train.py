@@ -58,6 +58,7 @@ from eagle3.checkpoint import (
     save_checkpoint,
 )
 from eagle3.cli import add_dataclass_arguments
+from eagle3.colocated import ColocatedStore
 from eagle3.config import TargetConfig, TrainConfig
 from eagle3.distributed import Runtime, all_reduce_sum, barrier, init_runtime
 from eagle3.draft import Eagle3Draft, trainable_parameter_count
@@ -445,9 +446,11 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     spec = store.spec
     weights_by_id = sample_weights(cfg, store)
     if target is None:
-        target = load_target_for(target_cfg, spec.aux_layer_ids)
+        target = load_target_for(target_cfg, spec.aux_layer_ids, full=cfg.data == "colocated")
     check_weights(target, spec)
     store.check_target(target)
+    if isinstance(store, ColocatedStore):
+        store.attach(target)  # this rank's target computes each micro-batch's states
     eval_store, train_idx, eval_idx = eval_split(cfg, store, target)
     offline = [cfg.store, *cfg.extra_stores] if cfg.data == "offline" else []  # a spool's shards: checked as read
     verify_stores([*offline, *([cfg.eval_store] if cfg.eval_store else [])], out_dir / VERIFIED, rt)
@@ -518,6 +521,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         "best_step": state["best_step"], "best_tau_sim": state["best_tau"],
         "wall_seconds": round(time.perf_counter() - started, 2),
     }
+    if isinstance(store, ColocatedStore):  # co-located: the target's share of the time
+        summary["capture_seconds"] = round(store.capture_s, 2)
     if isinstance(store, SpoolStore):  # online: how long this rank waited for the producers
         summary["spool_wait_seconds"] = round(store.stall_s, 2)
         if cfg.data == "hybrid":  # the first epoch's shards as a store, once that epoch was made in full

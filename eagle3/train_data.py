@@ -147,7 +147,9 @@ def collate(samples: Sequence[Sample], batching: str) -> dict[str, torch.Tensor]
 
 
 def load_batch(store: HarvestStore, indices: Sequence[int], batching: str) -> dict[str, torch.Tensor]:
-    return collate([store[i] for i in indices], batching)
+    """A micro-batch; a store that computes its states (co-located training) gets the indices at once."""
+    get_many = getattr(store, "get_many", None)
+    return collate(get_many(indices) if get_many is not None else [store[i] for i in indices], batching)
 
 
 def loss_token_counts(store: HarvestStore, indices: Sequence[int], vocab_size: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from eagle3.atomic import sha256_file
 from eagle3.checkpoint import seed_everything
+from eagle3.colocated import ColocatedStore
 from eagle3.config import TargetConfig, TrainConfig
 from eagle3.device import bf16_matmul_speedup
 from eagle3.distributed import Runtime, all_reduce_sum
@@ -25,7 +26,7 @@ from eagle3.draft_vocab import DraftVocab, read_draft_vocab, select_draft_vocab
 from eagle3.errors import TrainError
 from eagle3.shards import HarvestStore, StoreError, StoreUnion, open_stores, store_state, verify_store
 from eagle3.spool import SpoolStore
-from eagle3.target import Target, load_target_head
+from eagle3.target import Target, load_target, load_target_head
 from eagle3.train_data import loss_token_counts, split_by_id
 from eagle3.train_log import print0
 
@@ -133,9 +134,14 @@ def verify_stores(roots: Sequence[str], record: Path, rt: Runtime) -> list[str]:
     return todo
 
 
-def open_train_store(cfg: TrainConfig, rank: int = 0) -> HarvestStore | StoreUnion | SpoolStore:
+def open_train_store(cfg: TrainConfig, rank: int = 0) -> HarvestStore | StoreUnion | SpoolStore | ColocatedStore:
     """The training store (with ``train.extra_stores``), each named by its key when it cannot be read;
-    online, the spool (this rank its reader)."""
+    online, the spool (this rank its reader); co-located, the plan (its states captured by the trainer)."""
+    if cfg.data == "colocated":
+        try:
+            return ColocatedStore(cfg.store)
+        except StoreError as err:
+            raise TrainError(f"train.store: {err}") from None
     if cfg.data in ("online", "hybrid"):
         try:
             store = SpoolStore(cfg.store, seed=cfg.seed, reader=rank, wait_s=cfg.spool_wait_s,
@@ -205,10 +211,17 @@ def eval_split(cfg: TrainConfig, store: HarvestStore | StoreUnion,
     return eval_store, train_idx, eval_idx
 
 
-def load_target_for(target_cfg: TargetConfig, aux_layer_ids: Sequence[int]) -> Target:
+def load_target_for(target_cfg: TargetConfig, aux_layer_ids: Sequence[int], full: bool = False) -> Target:
+    """The target training needs: its head only, or (``full``, co-located training) all of it,
+    loaded as the harvest loads it."""
     if target_cfg.aux_layer_ids is not None and sorted(target_cfg.aux_layer_ids) != sorted(aux_layer_ids):
         raise TrainError(f"target.aux_layer_ids={target_cfg.aux_layer_ids}, but the store was harvested with "
                          f"{list(aux_layer_ids)}")
+    if full:
+        return load_target(target_cfg.name_or_path, dtype=target_cfg.dtype, device=target_cfg.device,
+                           aux_layer_ids=aux_layer_ids, attn_implementation=target_cfg.attn_implementation,
+                           trust_remote_code=target_cfg.trust_remote_code, nvfp4_mode=target_cfg.nvfp4_mode,
+                           architecture=target_cfg.architecture)
     # training reads only the target's embedding, final norm and lm_head (a few GB for a 1T model)
     return load_target_head(target_cfg.name_or_path, dtype=target_cfg.dtype, aux_layer_ids=aux_layer_ids,
                             trust_remote_code=target_cfg.trust_remote_code, architecture=target_cfg.architecture)

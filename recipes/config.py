@@ -68,9 +68,9 @@ class PipelineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.train.data == "online" and "mine" in self.stages:
-            raise ValueError("train.data=online keeps no store for the mine stage to score and extend: run without "
-                             "it (stages=[...] without mine), or train with train.data=hybrid or offline")
+        if self.train.data in ("online", "colocated") and "mine" in self.stages:
+            raise ValueError(f"train.data={self.train.data} keeps no store for the mine stage to score and extend: "
+                             "run without it (stages=[...] without mine), or train with train.data=hybrid or offline")
         if self.train.data != "offline" and self.train.store != self.harvest.out_dir:
             raise ValueError(f"train.data={self.train.data}: train.store={self.train.store!r} must be the spool the "
                              f"producers fill, harvest.out_dir={self.harvest.out_dir!r}")

@@ -57,6 +57,10 @@ def harvest_shard(cfg: PipelineConfig, shard: int, shards: int) -> dict[str, Any
     from data_gen.harvest import run
     from eagle3.shards import verify_store
 
+    if cfg.train.data == "colocated":  # the plan and the tokens only: the trainer computes the states
+        from recipes.pipeline import plan_only
+
+        return plan_only(cfg)
     summary = run(replace(cfg.harvest, shard=f"{shard}/{shards}"), cfg.target)
     if summary["complete"]:
         verify_store(cfg.harvest.out_dir)
@@ -169,7 +173,7 @@ def _submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None) ->
         from recipes.pipeline import on_quantized_target
 
         cfg = on_quantized_target(cfg)
-    online = cfg.train.data != "offline" and "train" in cfg.stages
+    online = cfg.train.data in ("online", "hybrid") and "train" in cfg.stages
     if "harvest" in cfg.stages and not online:
         ex = _executor(launcher, "harvest")
         _after(ex, launcher, previous)

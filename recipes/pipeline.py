@@ -145,9 +145,12 @@ def stage_regenerate(cfg: PipelineConfig) -> dict[str, Any]:
 
 def stage_harvest(cfg: PipelineConfig) -> dict[str, Any]:
     """Hidden states of the regenerated conversations into a shard store (resumable, verified);
-    with ``train.data=online`` (or hybrid) nothing: the train stage's producers make the states."""
+    with ``train.data=online`` (or hybrid) nothing: the train stage's producers make the states;
+    colocated, only the plan and the tokens."""
     from eagle3.shards import verify_store
 
+    if cfg.train.data == "colocated":
+        return plan_only(cfg)
     if cfg.train.data != "offline":
         return {"skipped": f"train.data={cfg.train.data}: the train stage's producers fill the spool "
                            "harvest.out_dir"}
@@ -156,6 +159,14 @@ def stage_harvest(cfg: PipelineConfig) -> dict[str, Any]:
     if summary["complete"]:
         verify_store(cfg.harvest.out_dir)
     return summary
+
+
+def plan_only(cfg: PipelineConfig) -> dict[str, Any]:
+    """``train.data=colocated``: the harvest's plan and every sample's tokens in harvest.out_dir, no
+    state (the trainer's own target computes them)."""
+    from data_gen.produce import produce
+
+    return produce(cfg.harvest, cfg.target, seed=cfg.train.seed, max_epochs=0, progress=False)
 
 
 def _harvest(cfg: PipelineConfig, harvest_cfg: Any, stage: str) -> dict[str, Any]:
@@ -180,7 +191,7 @@ def stage_train(cfg: PipelineConfig) -> dict[str, Any]:
     with ``launcher.harvest_shards`` producer processes filling the spool beside it."""
     from eagle3.train import train
 
-    if cfg.train.data == "offline":
+    if cfg.train.data in ("offline", "colocated"):
         return train(cfg.train, cfg.target)
     with producers(cfg, cfg.launcher.harvest_shards):
         return train(cfg.train, cfg.target)

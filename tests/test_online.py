@@ -3,6 +3,7 @@ an offline run over the same conversations, bit for bit."""
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -14,8 +15,9 @@ from data_gen.harvest import run as harvest
 from data_gen.produce import produce
 from eagle3.config import TargetConfig, TrainConfig
 from eagle3.errors import TrainError
+from eagle3.planned import plan_digest
 from eagle3.shards import HarvestStore, StoreError
-from eagle3.spool import Spool, plan_digest
+from eagle3.spool import Spool
 from eagle3.train import train
 from tests.helpers import lively_target, regenerated_data
 
@@ -120,6 +122,34 @@ def test_a_producer_that_stopped_and_one_of_another_target_are_named(setup: dict
               target=lively_target(num_layers=12))
 
 
+def test_colocated_training_captures_with_its_own_target(setup: dict, tmp_path: Path) -> None:
+    """train.data=colocated: a plan without states (produce --max-epochs 0), each micro-batch's
+    states computed by the trainer's own target. Its states equal the offline store's up to batch
+    composition (how far, measured here), and so does the run."""
+    import torch
+
+    from eagle3.colocated import ColocatedStore
+
+    plan = tmp_path / "plan"
+    produce(HarvestConfig(data=str(setup["data"]), out_dir=str(plan), dtype="float32", max_shard_mb=0.03), LIVELY,
+            target=setup["target"], max_epochs=0, progress=False)
+    assert not list(plan.glob("shard-*")) and not list((plan / "shards").glob("*.safetensors"))  # no state on disk
+    store, offline_store = ColocatedStore(plan), HarvestStore(setup["root"] / "store")
+    store.attach(setup["target"])
+    assert store.sample_ids == offline_store.sample_ids
+    got = store.get_many(range(len(store)))
+    worst = max(float((a.aux - b.aux).abs().max()) for a, b in zip(got, offline_store, strict=True))
+    assert worst < 1e-4, worst  # fp32 states: batch composition moves them in the last bits at most
+    assert all(torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+               for a, b in zip(got, offline_store, strict=True))
+    offline = train(_train_cfg(setup["root"] / "store", tmp_path / "offline"), target=setup["target"])
+    colocated = train(_train_cfg(plan, tmp_path / "colocated", data="colocated"), target=setup["target"])
+    assert abs(colocated["last_loss"] - offline["last_loss"]) <= 1e-3 * abs(offline["last_loss"])
+    assert colocated["capture_seconds"] > 0
+    with pytest.raises(TrainError, match=r"train.store: .*plan.json: missing; plan the data first"):
+        train(_train_cfg(tmp_path / "none", tmp_path / "o", data="colocated"), target=setup["target"])
+
+
 def test_online_settings_that_cannot_work_are_named(setup: dict, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="train.data=online .* needs train.shard_window >= 1"):
         _train_cfg(tmp_path / "spool", tmp_path / "o", data="online", shard_window=0)
@@ -164,11 +194,12 @@ def test_the_spool_stays_within_its_budget_the_trainer_saving_early_to_release(s
         train(_train_cfg(spool, tmp_path / "wide", data="online", shard_window=3), target=setup["target"])
 
 
-@pytest.mark.parametrize("launcher", ["none", "local"])
-def test_the_pipeline_trains_online_with_producer_processes(tmp_path: Path, launcher: str) -> None:
+@pytest.mark.parametrize(("launcher", "mode"), [("none", "online"), ("local", "online"), ("none", "colocated")])
+def test_the_pipeline_trains_online_with_producer_processes(tmp_path: Path, launcher: str, mode: str) -> None:
     """The pipeline's train stage with train.data=online: producer processes (launcher none: beside
     the in-process trainer; local: a submitit array beside the training job) fill the spool, and the
-    draft equals the offline pipeline's."""
+    draft equals the offline pipeline's. Co-located: the harvest stage writes only the plan, the
+    trainer captures, and the run ends where the offline one does."""
     from recipes.config import LauncherConfig, PipelineConfig
     from recipes.launch import submit
     from recipes.pipeline import run_pipeline
@@ -177,26 +208,32 @@ def test_the_pipeline_trains_online_with_producer_processes(tmp_path: Path, laun
     model = save_lively(tmp_path / "model")
     data = regenerated_data(tmp_path / "data.jsonl", 24, turns=2)
 
-    def pipeline(name: str, online: bool) -> PipelineConfig:
+    def pipeline(name: str, online: str | None) -> PipelineConfig:
         out = tmp_path / name
         return PipelineConfig(
             target=TargetConfig(name_or_path=str(model), dtype="float32", device="cpu"),
             harvest=HarvestConfig(data=str(data), out_dir=str(out / "harvest"), dtype="float32", max_shard_mb=0.03,
                                   spool_budget_mb=0.5),
-            train=_train_cfg(out / "harvest", out / "train", data="online" if online else "offline", steps=6,
+            train=_train_cfg(out / "harvest", out / "train", data=online or "offline", steps=6,
                              spool_wait_s=120),
             stages=["harvest", "train"], out_dir=str(out),
             launcher=LauncherConfig(kind=launcher, folder=str(out / "submitit"), harvest_shards=2, timeout_min=10))
 
-    run_pipeline(replace(pipeline("offline", False), launcher=LauncherConfig()))
-    online = pipeline("online", True)
+    run_pipeline(replace(pipeline("offline", None), launcher=LauncherConfig()))
+    online = pipeline("online", mode)
     if launcher == "none":
         run_pipeline(online)
     else:
         submit(online, online.launcher)
+    assert not (tmp_path / "online" / "harvest" / "manifest.json").exists()  # no store was written
+    if mode == "colocated":
+        assert not list((tmp_path / "online" / "harvest").rglob("*shard*.safetensors"))
+        ours, theirs = (json.loads((tmp_path / name / "train" / "summary.json").read_text())
+                        for name in ("online", "offline"))
+        assert abs(ours["last_loss"] - theirs["last_loss"]) <= 1e-3 * abs(theirs["last_loss"])
+        return
     assert ((tmp_path / "online" / "train" / "final" / "model.safetensors").read_bytes()
             == (tmp_path / "offline" / "train" / "final" / "model.safetensors").read_bytes())
-    assert not (tmp_path / "online" / "harvest" / "manifest.json").exists()  # no store was written
     assert (tmp_path / "online" / "harvest" / "done").is_file()
 
 
