@@ -446,7 +446,9 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     spec = store.spec
     weights_by_id = sample_weights(cfg, store)
     if target is None:
-        target = load_target_for(target_cfg, spec.aux_layer_ids, full=cfg.data == "colocated")
+        colocated = cfg.data == "colocated"  # the whole target, on this rank's device
+        target = load_target_for(replace(target_cfg, device=str(rt.device)) if colocated else target_cfg,
+                                 spec.aux_layer_ids, full=colocated)
     check_weights(target, spec)
     store.check_target(target)
     if isinstance(store, ColocatedStore):
