@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/online_train.py \\
         [--data runs/quickstart/regenerate/dataset/regenerated.jsonl] [--target smollm2-135m] \\
-        [--steps 100] [--max-shard-mb 4] [--budget-mb 16]
+        [--steps 100] [--max-shard-mb 4] [--budget-mb 20]
 
 Offline: the harvest writes a store (timed), then the trainer trains on it. Online: one producer
 process (`python -m data_gen.produce`, one thread) fills a spool of ``--budget-mb`` while the
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--max-shard-mb", type=float, default=4.0)
-    parser.add_argument("--budget-mb", type=float, default=16.0)
+    parser.add_argument("--budget-mb", type=float, default=20.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if not Path(args.data).is_file():
@@ -75,6 +75,10 @@ def main() -> None:
         t0 = time.perf_counter()
         harvested = harvest(harvest_cfg, target_cfg, target=target, progress=False)
         harvest_s = time.perf_counter() - t0
+        largest = max(e["bytes"] for e in json.loads((root / "store" / "manifest.json").read_text())["shards"])
+        if args.budget_mb * 2**20 < 2 * largest:  # a window of one shard and the next
+            raise SystemExit(f"--budget-mb {args.budget_mb}: the largest shard is {largest / 2**20:.1f} MiB (one long "
+                             f"sample); the spool needs at least {2 * largest / 2**20:.1f}")
 
         def train_cfg(store: Path, out: str, data: str) -> TrainConfig:
             return TrainConfig(store=str(store), out_dir=str(root / out), data=data, steps=args.steps,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -197,8 +196,8 @@ def test_the_spool_stays_within_its_budget_the_trainer_saving_early_to_release(s
 @pytest.mark.parametrize(("launcher", "mode"), [("none", "online"), ("local", "online"), ("none", "colocated")])
 def test_the_pipeline_trains_online_with_producer_processes(tmp_path: Path, launcher: str, mode: str) -> None:
     """The pipeline's train stage with train.data=online: producer processes (launcher none: beside
-    the in-process trainer; local: a submitit array beside the training job) fill the spool, and the
-    draft equals the offline pipeline's. Co-located: the harvest stage writes only the plan, the
+    the in-process trainer; local: a submitit array beside a 2-rank training job) fill the spool, and
+    the draft equals the offline pipeline's (launched alike). Co-located: the harvest stage writes only the plan, the
     trainer captures, and the run ends where the offline one does."""
     from recipes.config import LauncherConfig, PipelineConfig
     from recipes.launch import submit
@@ -217,9 +216,14 @@ def test_the_pipeline_trains_online_with_producer_processes(tmp_path: Path, laun
             train=_train_cfg(out / "harvest", out / "train", data=online or "offline", steps=6,
                              spool_wait_s=120),
             stages=["harvest", "train"], out_dir=str(out),
-            launcher=LauncherConfig(kind=launcher, folder=str(out / "submitit"), harvest_shards=2, timeout_min=10))
+            launcher=LauncherConfig(kind=launcher, folder=str(out / "submitit"), harvest_shards=2, timeout_min=10,
+                                    tasks_per_node=2 if launcher == "local" else 1))
 
-    run_pipeline(replace(pipeline("offline", None), launcher=LauncherConfig()))
+    offline = pipeline("offline", None)
+    if launcher == "none":
+        run_pipeline(offline)
+    else:
+        submit(offline, offline.launcher)
     online = pipeline("online", mode)
     if launcher == "none":
         run_pipeline(online)
@@ -235,6 +239,8 @@ def test_the_pipeline_trains_online_with_producer_processes(tmp_path: Path, laun
     assert ((tmp_path / "online" / "train" / "final" / "model.safetensors").read_bytes()
             == (tmp_path / "offline" / "train" / "final" / "model.safetensors").read_bytes())
     assert (tmp_path / "online" / "harvest" / "done").is_file()
+    summary = json.loads((tmp_path / "online" / "train" / "summary.json").read_text())
+    assert summary["world_size"] == online.launcher.tasks_per_node
 
 
 def test_producer_and_trainer_killed_at_random_moments_resume_to_the_same_draft(tmp_path: Path) -> None:
