@@ -83,9 +83,8 @@ def _produce(cfg: HarvestConfig, target_cfg: TargetConfig, seed: int, target: Ta
 
     def urgent(seq: int) -> bool:
         """A reader waits for an earlier shard of this worker's that is not there: make that first."""
-        waited = spool.waited_for()
-        return (waited is not None and waited < seq and waited % workers == worker
-                and waited >= spool.released_below() and not spool.is_committed(key(waited)))
+        floor = spool.released_below()
+        return any(w < seq and w % workers == worker and w >= floor for w in spool.waiting())
 
     made = tokens = 0
     capture_s = 0.0

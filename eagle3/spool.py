@@ -14,10 +14,10 @@ A spool is a folder::
 
 Shards carry their position in the readers' order (``seq``). A producer ``put``s a shard when the
 committed shards plus this one fit the budget or the spool is empty, and otherwise waits
-(backpressure); the shard a reader waits for goes in at once, evicting the shards made furthest
+(backpressure); a shard a reader waits for goes in at once, evicting the shards made furthest
 ahead until it fits (producers make them again), so producers that finish out of order never fill
 the spool with shards nobody reads yet, and the spool passes its budget only by what the readers
-read and have not released (the trainer saves early to release it).
+read and have not released (the trainer saves early to release it): one shard per reader at most.
 The check and the write happen under one lock file, so concurrent producers cannot overshoot
 together (``fcntl`` locks; on NFS, use a filesystem whose locks work across nodes, e.g. Lustre).
 A reader ``get``s a committed shard (its sha256 and shapes checked), and ``release``s it once
@@ -145,16 +145,22 @@ class Spool:
 
     # -- producers
 
-    def _waited_for(self) -> int | None:
-        """The lowest seq a reader waits for (None before any reader asked)."""
-        seqs = []
+    def _cursors(self) -> set[int]:
+        """The seq each reader last asked for (several readers: one per trainer rank)."""
+        seqs = set()
         for path in self.root.glob("cursor-*.json"):
             with contextlib.suppress(OSError, json.JSONDecodeError, KeyError):
-                seqs.append(int(json.loads(path.read_text())["seq"]))
-        return min(seqs, default=None)
+                seqs.add(int(json.loads(path.read_text())["seq"]))
+        return seqs
+
+    def waiting(self) -> list[int]:
+        """The seqs some reader waits for and no producer has committed yet, lowest first."""
+        done = {int(c.get("seq", -1)) for c in self.committed().values()}
+        return sorted(self._cursors() - done)
 
     def waited_for(self) -> int | None:
-        return self._waited_for()
+        """The lowest seq a reader waits for that is not committed (None when none is)."""
+        return next(iter(self.waiting()), None)
 
     def is_committed(self, name: str) -> bool:
         return (self.root / "shards" / f"{name}.json").is_file()
@@ -186,7 +192,7 @@ class Spool:
                 if name in done:  # a rerun of a producer that had committed it: nothing to do
                     return int(done[name]["bytes"])
                 used = sum(int(c["bytes"]) for c in done.values())
-                waited = seq == self._waited_for()
+                waited = seq in self._cursors()
                 if waited and used + len(data) > self.budget_bytes:
                     # the shard a reader waits for: evict work made furthest ahead (made again later);
                     # what is left was read and not yet released, so this passes the budget by one shard at most

@@ -56,8 +56,7 @@ def test_producers_wait_for_room_and_never_pass_the_budget_by_more_than_one_shar
             i = todo[0]
 
             def urgent(i: int = i) -> bool:
-                waited = spool.waited_for()
-                return waited is not None and waited < i and waited in mine and not spool.is_committed(names[waited])
+                return any(w < i and w in mine for w in spool.waiting())
 
             spool.put(names[i], i, samples(i), alive=lambda urgent=urgent: not urgent())
 
