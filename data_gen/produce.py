@@ -10,7 +10,10 @@ plan's shards epoch after epoch in the trainer's order (:func:`eagle3.train_data
 with the run's seed), each shard with the same batches as the offline harvest
 (:func:`eagle3.capture.capture_shard`), so the states are the same bytes. Worker ``i/n`` makes
 the shards at positions ``seq % n == i``. A shard waits while the spool is at its budget; one a
-trainer has already consumed is skipped; when the trainer writes ``done`` the producers stop.
+trainer has already consumed is skipped; when the trainer writes ``done`` the producers stop. With
+``--max-epochs N`` a producer stops once its shards of those epochs are consumed or every reader has
+moved past them (until then a shard evicted for a more urgent one is made again); ``--max-epochs 0``
+writes the plan and the tokens only (what co-located training reads).
 Killed at any moment and restarted, a producer goes on from what the spool holds.
 """
 
@@ -88,9 +91,15 @@ def _produce(cfg: HarvestConfig, target_cfg: TargetConfig, seed: int, target: Ta
 
     made = tokens = 0
     capture_s = 0.0
-    while (seq := next_seq()) is not None:
+    while True:
         if spool.done():
             return _summary(cfg, made, tokens, capture_s, started, "the trainer is done", beat)
+        if (seq := next_seq()) is None:  # every shard of the epochs asked for is in the spool
+            if end is not None and (spool.released_below() >= end or spool.readers_past(end)):
+                return _summary(cfg, made, tokens, capture_s, started, f"{max_epochs} epochs made", beat)
+            beat.beat()  # one may still be evicted for a shard a reader waits for, and be needed again
+            time.sleep(spool.poll_s)
+            continue
         k = int(key(seq).rsplit("-", 1)[1])
         t0 = time.perf_counter()
         samples = capture_shard(hp.backend, hp.samples, hp.plan[k], cfg.batch_size, on_batch=lambda _: beat.beat())
@@ -108,7 +117,6 @@ def _produce(cfg: HarvestConfig, target_cfg: TargetConfig, seed: int, target: Ta
         if progress:
             print(f"produce {cfg.shard}: {key(seq)} (seq {seq}), {tokens / max(capture_s, 1e-9):.0f} tok/s",
                   file=sys.stderr)
-    return _summary(cfg, made, tokens, capture_s, started, f"{max_epochs} epochs made", beat)
 
 
 def _summary(cfg: HarvestConfig, made: int, tokens: int, capture_s: float, started: float,
@@ -125,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.prog = "python -m data_gen.produce"
     parser.description = __doc__.splitlines()[0]
     parser.add_argument("--seed", type=int, default=0, help="the training run's seed (the shard order follows it)")
-    parser.add_argument("--max-epochs", type=int, default=None, help="stop after this many epochs (default: when "
+    parser.add_argument("--max-epochs", type=int, default=None,
+                        help="stop once this many epochs are made and read (0: plan only; default: when "
                         "the trainer is done)")
     return parser
 

@@ -158,6 +158,12 @@ class Spool:
         done = {int(c.get("seq", -1)) for c in self.committed().values()}
         return sorted(self._cursors() - done)
 
+    def readers_past(self, seq: int) -> bool:
+        """Whether every reader has asked for a shard at ``seq`` or later (none needs an earlier one
+        again, unless a trainer resumes from an earlier checkpoint)."""
+        cursors = self._cursors()
+        return bool(cursors) and min(cursors) >= seq
+
     def waited_for(self) -> int | None:
         """The lowest seq a reader waits for that is not committed (None when none is)."""
         return next(iter(self.waiting()), None)
@@ -465,6 +471,7 @@ class SpoolStore(PlannedSamples):
                             "bytes": path.stat().st_size, "sha256": sha256_file(path)})
         write_manifest(self.root, self.spec, entries, self.plan_record.get("counts", {}),
                        self.plan_record.get("settings", {}))
+        self.spool.release_below(len(self.plan), keep=self._keep_path)  # producers: the first epoch is kept
         store = HarvestStore(self.root)
         if store.sample_ids != self.sample_ids:
             raise StoreError(f"{self.root}: the kept shards hold other samples than {INDEX} lists")
