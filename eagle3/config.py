@@ -14,6 +14,9 @@ from typing import Any
 
 from eagle3.target_source import DEFAULT_TARGET
 
+LOSSES = ("soft_ce", "tv", "nla", "lk_hybrid")
+"""The draft objectives ``train.loss`` names (defined in eagle3.losses)."""
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 WANDB_MODES = ("offline", "online", "disabled")
 DRAFT_RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "draft"
@@ -189,6 +192,14 @@ class TrainConfig:
     (where greedy verification reaches step k; GRIFFIN's token-alignment mask); the step's loss still
     averages over all its positions, so broken chains add nothing. The train and eval loss figures
     are the gated ones; matches, accuracies and tau_sim are unchanged."""
+    loss: str = "soft_ce"
+    """What each TTT step trains the draft's distribution q against the target's p on
+    (eagle3.losses): soft_ce (-sum p log q, EAGLE-3's); tv (1 - alpha, alpha = sum min(p, q) the
+    acceptance probability of speculative sampling); nla (-log alpha); lk_hybrid (lambda KL(p||q) +
+    (1 - lambda)(1 - alpha), lambda = exp(-lk_eta alpha)): the LK losses, arXiv 2602.23881. The
+    served draft is the same whichever is used."""
+    lk_eta: float = 3.0
+    """loss=lk_hybrid: how fast the KL term hands over to the acceptance term as alpha grows."""
     loss_positions: str = "assistant"
     """assistant: train on the positions the store's loss mask marks (the replies, as EAGLE-3,
     SpecForge and speculators); all: on every position of each conversation (prompts and template
@@ -327,6 +338,10 @@ class TrainConfig:
             raise ValueError(f"train.target_temperature={self.target_temperature}: must be > 0")
         if not 0.0 < self.step_decay <= 1.0:
             raise ValueError(f"train.step_decay={self.step_decay}: must be in (0, 1]")
+        if self.loss not in LOSSES:
+            raise ValueError(f"train.loss={self.loss!r}: expected one of {', '.join(LOSSES)}")
+        if not self.lk_eta > 0:
+            raise ValueError(f"train.lk_eta={self.lk_eta}: must be > 0")
         if self.data not in ("offline", "online", "hybrid", "colocated"):
             raise ValueError(f"train.data={self.data!r}: expected offline, online, hybrid or colocated")
         if self.data == "colocated" and self.extra_stores:

@@ -65,6 +65,7 @@ from eagle3.draft import Eagle3Draft, trainable_parameter_count
 from eagle3.draft_vocab import read_draft_vocab, write_draft_vocab
 from eagle3.errors import USER_ERRORS, TrainError
 from eagle3.export import nonfinite_tensors
+from eagle3.losses import SOFT_CE, Objective
 from eagle3.metrics import AcceptanceTally
 from eagle3.optim import (
     deepspeed_config,
@@ -122,9 +123,10 @@ class TTTModel(nn.Module):
 
     def __init__(self, draft: Eagle3Draft, num_steps: int, step_decay: float,
                  gradient_checkpointing: bool = False, loss_on_oov: bool = False, feature_noise: float = 0.0,
-                 gate_steps: bool = False) -> None:
+                 gate_steps: bool = False, objective: Objective = SOFT_CE) -> None:
         super().__init__()
         self.draft = draft
+        self.objective = objective
         self.loss_on_oov = loss_on_oov
         self.gate_steps = gate_steps
         self.feature_noise = feature_noise
@@ -139,7 +141,7 @@ class TTTModel(nn.Module):
         out = ttt_forward(self.draft, input_ids, aux, position_ids, document_ids, loss_mask,
                           TTTTargets(probs=target_probs, argmax=target_argmax), num_steps=self.num_steps,
                           weights=self.weights, gradient_checkpointing=self.gradient_checkpointing and self.training,
-                          loss_on_oov=self.loss_on_oov, gate_steps=self.gate_steps)
+                          loss_on_oov=self.loss_on_oov, gate_steps=self.gate_steps, objective=self.objective)
         return out.loss, out.loss_sum, out.count, out.match, out.counted
 
 
@@ -478,7 +480,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     head = TargetHead.of_target(target, cfg.target_temperature).to(rt.device)
     del target
     model = TTTModel(draft, cfg.ttt_steps, cfg.step_decay, cfg.gradient_checkpointing, cfg.loss_on_oov,
-                     cfg.feature_noise, cfg.gate_steps).to(rt.device)
+                     cfg.feature_noise, cfg.gate_steps, Objective(cfg.loss, cfg.lk_eta)).to(rt.device)
     engine = _engine(cfg, model, rt)
 
     # -- resume, or start over

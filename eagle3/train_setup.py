@@ -62,7 +62,7 @@ def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore | Sto
             "init_draft", "num_layers", "draft_intermediate_size", "draft_num_attention_heads",
             "draft_num_key_value_heads", "draft_head_dim", "draft_rope", "draft_variant", "zero_stage", "precision",
             "freeze_lm_head", "optimizer", "muon_momentum", "lm_head_init", "layer_init", "step_decay",
-            "draft_vocab_size", "draft_vocab",
+            "draft_vocab_size", "draft_vocab", "loss", "lk_eta",
             # a checkpoint restores the optimizer's own lr, decay, betas and eps: a change would only be logged
             "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
     pinned = {f"train.{k}": getattr(cfg, k) for k in keys}

@@ -53,7 +53,8 @@ diagonal terms are elementwise q.k products, one column per earlier step, softma
 with the step-0 scores. No [S, (K+1)S] mask is built.
 
 Loss: soft cross-entropy of the draft's logits against p restricted to the draft vocab and
-renormalised, averaged over the step's loss positions, weighted ``decay**k`` (0.8) and summed.
+renormalised (or another objective of :mod:`eagle3.losses`), averaged over the step's loss
+positions, weighted ``decay**k`` (0.8) and summed.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from eagle3.draft import Attend, Eagle3Draft, gather_rows
+from eagle3.losses import SOFT_CE, Objective, soft_cross_entropy
 
 # ---------------------------------------------------------------- shifts and masks
 
@@ -234,17 +236,12 @@ def ttt_attention(q: Tensor, step0: tuple[Tensor, Tensor], diagonal: Sequence[tu
 @dataclass
 class TTTOutput:
     loss: Tensor  # scalar: sum_k w_k * loss_sum[k] / max(count[k], 1)
-    loss_sum: Tensor  # [K] soft cross-entropy summed over each step's loss positions
+    loss_sum: Tensor  # [K] the objective (soft cross-entropy by default) summed over each step's loss positions
     count: Tensor  # [K] loss positions per step
     match: Tensor  # [K, B, S] bool: draft argmax (as a target id) == target argmax
     counted: Tensor  # [K, B, S] bool: positions the metrics count (step_counted)
     valid: Tensor  # [K, B, S] bool: loss positions (counted; target argmax in the draft vocab unless loss_on_oov)
     logits: list[Tensor] | None = None  # K x [B, S, Vd] with return_logits
-
-
-def soft_cross_entropy(logits: Tensor, target_probs: Tensor) -> Tensor:
-    """[..., Vd] draft logits and target probabilities -> [...] -sum p log q."""
-    return -(target_probs * F.log_softmax(logits.float(), dim=-1)).sum(-1)
 
 
 def read_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int) -> tuple[Tensor, Tensor]:
@@ -288,6 +285,7 @@ def ttt_forward(
     loss_on_oov: bool = False,
     skip_unread_rows: bool = True,
     gate_steps: bool = False,
+    objective: Objective = SOFT_CE,
 ) -> TTTOutput:
     """Unroll the draft ``num_steps`` steps over a packed batch; loss and per-step matches.
 
@@ -343,7 +341,8 @@ def ttt_forward(
         earlier = ([list(d) for d in diagonal], list(step0_kv))
         run_step = functools.partial(_unroll_step, draft, k=k, ids_k=ids_k, pos_k=pos_k, valid=valid_k,
                                      counted=counted_k, at=at, earlier=earlier, masks=(mask0, read_mask),
-                                     targets=targets, input_ids=input_ids, return_logits=return_logits)
+                                     targets=targets, input_ids=input_ids, return_logits=return_logits,
+                                     objective=objective)
 
         if gradient_checkpointing and torch.is_grad_enabled():
             out = checkpoint(run_step, hidden, use_reentrant=False)
@@ -375,7 +374,8 @@ def ttt_forward(
 
 def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tensor, pos_k: Tensor, valid: Tensor,
                  counted: Tensor, at: Tensor | None, earlier: tuple, masks: tuple[Tensor, Tensor],
-                 targets: TTTTargets, input_ids: Tensor, return_logits: bool) -> tuple[Tensor, ...]:
+                 targets: TTTTargets, input_ids: Tensor, return_logits: bool,
+                 objective: Objective = SOFT_CE) -> tuple[Tensor, ...]:
     """One step of :func:`ttt_forward`, a pure function of its inputs (what checkpointing replays):
     the next hidden state, the step's loss sum, its argmax in target ids, each layer's new keys and
     values, and (``return_logits``) the logits."""
@@ -398,7 +398,7 @@ def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tens
     if return_logits:
         logits = draft.compute_logits(prenorm)  # [B, S, Vd]
         target_probs = shift_left(targets.probs, k + 1, 0.0)  # [B, S, Vd] p[t+k+1]
-        ce = soft_cross_entropy(logits, target_probs)  # [B, S]
+        ce = objective(logits, target_probs)  # [B, S]
         loss_sum = torch.where(valid, ce, 0.0).sum()
         draft_argmax = draft.draft_to_target_ids(logits.detach().argmax(-1))  # [B, S] target ids
         return (draft.next_hidden(prenorm), loss_sum, draft_argmax, *flat_kv, logits)
@@ -407,7 +407,7 @@ def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tens
     rows, cols = counted.nonzero(as_tuple=True)  # [M] each
     t = cols if at is None else at[rows, cols]  # start positions
     logits = draft.compute_logits(prenorm[rows, cols])  # [M, Vd]
-    ce = soft_cross_entropy(logits, targets.probs[rows, t + k + 1])  # [M]: p[t+k+1]
+    ce = objective(logits, targets.probs[rows, t + k + 1])  # [M]: p[t+k+1]
     loss_sum = torch.where(valid[rows, cols], ce, 0.0).sum()
     draft_argmax = torch.full_like(input_ids, -2)  # [B, S]; uncounted rows never match
     draft_argmax[rows, t] = draft.draft_to_target_ids(logits.detach().argmax(-1))

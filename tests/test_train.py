@@ -282,6 +282,17 @@ def test_a_few_steps_reduce_the_loss_and_export_the_draft(tiny: dict, tmp_path: 
     assert torch.equal(draft.d2t, vocab.d2t) and torch.equal(draft.t2d, vocab.t2d)
 
 
+@pytest.mark.parametrize("loss", ["tv", "lk_hybrid"])
+def test_the_acceptance_losses_train_the_draft_too(tiny: dict, tmp_path: Path, loss: str) -> None:
+    """train.loss=tv / lk_hybrid: the objective falls and held-out acceptance rises, as with soft CE."""
+    out = tmp_path / loss
+    train(_cfg(tiny, out, steps=24, eval_every=24, lr=1e-2, loss=loss), target=tiny["target"])
+    losses = [r["train/loss"] for r in read_metrics(out) if "train/loss" in r]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4
+    evals = [r for r in read_metrics(out) if "eval/tau_sim" in r]
+    assert evals[-1]["eval/tau_sim"] > evals[0]["eval/tau_sim"]
+
+
 def test_eval_keeps_the_best_tau_and_a_vocab_is_reused(tiny: dict, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
