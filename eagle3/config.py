@@ -228,7 +228,9 @@ class TrainConfig:
     """Head size of the draft's attention (None: the target's ``head_dim``, else hidden / heads)."""
     draft_variant: str = "eagle3"
     """eagle3: the layer of the EAGLE-3 paper (no extra norms); speculators: speculators 0.9.0's
-    variant (``norm_before_residual``, ``norm_before_fc`` and ``norm_output``), for comparisons."""
+    variant (``norm_before_residual``, ``norm_before_fc`` and ``norm_output``), for comparisons;
+    eagle3.1: EAGLE-3.1's (arXiv 2605.09992: ``fc_norm``, one norm per aux state before ``fc``, and
+    ``norm_output``, the post-norm state fed to the next step; vLLM serves it as EAGLE-3)."""
     draft_rope: str = "target"
     """target: the target's RoPE theta and scaling (plain, linear, llama3 or yarn; anything else,
     e.g. Phi-3's longrope, fails naming this key); plain: the target's theta without scaling."""
@@ -293,6 +295,8 @@ class TrainConfig:
             out["rope_scaling"] = None
         if self.draft_variant == "speculators":
             out.update(norm_before_residual=True, norm_before_fc=True, norm_output=True)
+        elif self.draft_variant == "eagle3.1":
+            out.update(fc_norm=True, norm_output=True)
         return out
 
     def __post_init__(self) -> None:
@@ -362,8 +366,8 @@ class TrainConfig:
                      "draft_head_dim"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 1 (or null)")
-        if self.draft_variant not in ("eagle3", "speculators"):
-            raise ValueError(f"train.draft_variant={self.draft_variant!r}: expected eagle3 or speculators")
+        if self.draft_variant not in ("eagle3", "speculators", "eagle3.1"):
+            raise ValueError(f"train.draft_variant={self.draft_variant!r}: expected eagle3, speculators or eagle3.1")
         if self.draft_rope not in ("target", "plain"):
             raise ValueError(f"train.draft_rope={self.draft_rope!r}: expected target or plain")
         if self.loss_positions not in ("assistant", "all"):
