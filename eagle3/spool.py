@@ -192,7 +192,7 @@ class Spool:
         data, tokens = encode_shard(samples, self.spec)
         while True:
             with self._locked():
-                if seq < self.released_below():  # consumed already (a producer rerun after a reader's release)
+                if seq < self.released_below() or self.done():  # consumed already, or nobody reads any more
                     return 0
                 done = self.committed()
                 if name in done:  # a rerun of a producer that had committed it: nothing to do
@@ -265,6 +265,12 @@ class Spool:
             for name in gone:
                 self._keep_or_delete(name, keep(name))
         return gone
+
+    def clear(self) -> None:
+        """Delete every committed shard, recording nothing as consumed (a rerun may need them again)."""
+        with self._locked():
+            for name in self.committed():
+                self._delete(name)
 
     def keep(self, name: str, dest: Path) -> None:
         """Move committed shard ``name`` to ``dest`` (out of the spool and its budget)."""
@@ -482,6 +488,8 @@ class SpoolStore(PlannedSamples):
         if self.keep_first_epoch and self.kept is None and self.reader == 0:
             self.kept = self._kept_store(wait=False)
         self.spool.finish()
+        if self.reader == 0 and (self.kept is not None or not self.keep_first_epoch):
+            self.spool.clear()  # what producers made ahead: nothing will read it (a longer rerun makes it again)
 
 
 __all__ = ["HEADER", "Heartbeat", "Spool", "SpoolStore", "missing_producer", "shard_key"]
