@@ -444,17 +444,9 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     ckpt_root = out_dir / "checkpoints"
 
     # -- data, checked against the target before anything is read for training
-    store = open_train_store(cfg, rt.rank)
+    store, target = _data_and_target(cfg, target_cfg, target, rt)
     spec = store.spec
     weights_by_id = sample_weights(cfg, store)
-    if target is None:
-        colocated = cfg.data == "colocated"  # the whole target, on this rank's device
-        target = load_target_for(replace(target_cfg, device=str(rt.device)) if colocated else target_cfg,
-                                 spec.aux_layer_ids, full=colocated)
-    check_weights(target, spec)
-    store.check_target(target)
-    if isinstance(store, ColocatedStore):
-        store.attach(target)  # this rank's target computes each micro-batch's states
     eval_store, train_idx, eval_idx = eval_split(cfg, store, target)
     offline = [cfg.store, *cfg.extra_stores] if cfg.data == "offline" else []  # a spool's shards: checked as read
     verify_stores([*offline, *([cfg.eval_store] if cfg.eval_store else [])], out_dir / VERIFIED, rt)
@@ -516,8 +508,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         "device": str(rt.device), "train_samples": len(train_idx), "eval_samples": len(eval_idx),
         "draft_vocab_size": vocab.size, "trainable_parameters": trainable_parameter_count(draft.config)
         - (draft.config.draft_vocab_size * draft.config.hidden_size if cfg.freeze_lm_head else 0),
-        "first_loss": state["first_loss"], "last_loss": loop.last_loss,
-        "tokens": loop.tokens_total,
+        "first_loss": state["first_loss"], "last_loss": loop.last_loss, "tokens": loop.tokens_total,
         "tokens_per_s": round(loop.tokens_total / loop.train_seconds, 1) if loop.train_seconds else None,
         "eval_first": state["first_eval"], "eval_last": ({k: v for k, v in state["last_eval"].items()
                                                           if k in ("eval/loss", "eval/tau_sim")}
@@ -525,17 +516,38 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         "best_step": state["best_step"], "best_tau_sim": state["best_tau"],
         "wall_seconds": round(time.perf_counter() - started, 2),
     }
-    if isinstance(store, ColocatedStore):  # co-located: the target's share of the time
-        summary["capture_seconds"] = round(store.capture_s, 2)
-    if isinstance(store, SpoolStore):  # online: how long this rank waited for the producers
-        summary["spool_wait_seconds"] = round(store.stall_s, 2)
-        if cfg.data == "hybrid":  # the first epoch's shards as a store, once that epoch was made in full
-            summary["kept_store"] = str(store.root) if store.kept is not None else None
+    summary |= _data_summary(cfg, store)
     if rt.rank == 0:
         from eagle3.atomic import atomic_write_text
 
         atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _data_and_target(cfg: TrainConfig, target_cfg: TargetConfig, target: Target | None, rt: Any) -> tuple[Any, Target]:
+    """The training store and the target (its head, or all of it co-located), checked together."""
+    store = open_train_store(cfg, rt.rank)
+    if target is None:
+        colocated = cfg.data == "colocated"  # the whole target, on this rank's device
+        target = load_target_for(replace(target_cfg, device=str(rt.device)) if colocated else target_cfg,
+                                 store.spec.aux_layer_ids, full=colocated)
+    check_weights(target, store.spec)
+    store.check_target(target)
+    if isinstance(store, ColocatedStore):
+        store.attach(target)  # this rank's target computes each micro-batch's states
+    return store, target
+
+
+def _data_summary(cfg: TrainConfig, store: Any) -> dict[str, Any]:
+    """What the summary says of where the states came from (online, hybrid, co-located)."""
+    if isinstance(store, ColocatedStore):  # co-located: the target's share of the time
+        return {"capture_seconds": round(store.capture_s, 2)}
+    if not isinstance(store, SpoolStore):
+        return {}
+    out: dict[str, Any] = {"spool_wait_seconds": round(store.stall_s, 2)}  # how long this rank waited
+    if cfg.data == "hybrid":  # the first epoch's shards as a store, once that epoch was made in full
+        out["kept_store"] = str(store.root) if store.kept is not None else None
+    return out
 
 
 # ---------------------------------------------------------------- CLI

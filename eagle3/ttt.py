@@ -327,10 +327,8 @@ def ttt_forward(
         pos_k = _rows(step_positions(position_ids, k), inputs_at)
         counted = step_counted(loss_mask, document_ids, k)  # [B, S]
         target_argmax = shift_left(targets.argmax, k + 1, -1)  # [B, S] target's argmax at t+k+1
-        if has_mass is not None:
-            in_vocab = shift_left(has_mass, k + 1, False)
-        else:
-            in_vocab = t2d[target_argmax.clamp_min(0)] & (target_argmax >= 0)
+        in_vocab = (shift_left(has_mass, k + 1, False) if has_mass is not None
+                    else t2d[target_argmax.clamp_min(0)] & (target_argmax >= 0))
         valid = counted & in_vocab  # [B, S]
         trained = valid & reached if gate_steps else valid  # [B, S]: the positions the loss sums
         counted_k, valid_k = _rows(counted, at), _rows(trained, at)  # [B, R]
