@@ -53,23 +53,32 @@ def check_states(sample_id: str, row: dict[str, torch.Tensor]) -> None:
                                "the sample is rejected (check the target's dtype and weights)")
 
 
+def capture_rows(backend: Any, items: Sequence[tuple[int, str, Sequence[int]]], batch_size: int,
+                 on_batch: Any = None) -> dict[int, dict[str, torch.Tensor]]:
+    """``{index: its states}`` for ``items`` = (index, sample id, token ids): sorted by length
+    (then index) and captured ``batch_size`` at a time, each row checked finite; ``on_batch(tokens)``
+    after each batch."""
+    order = sorted(items, key=lambda item: (len(item[2]), item[0]))
+    rows: dict[int, dict[str, torch.Tensor]] = {}
+    for k in range(0, len(order), batch_size):
+        batch = order[k : k + batch_size]
+        for (i, sample_id, _), row in zip(batch, backend.capture([ids for _, _, ids in batch]), strict=True):
+            check_states(sample_id, row)
+            rows[i] = row
+        if on_batch is not None:
+            on_batch(sum(len(ids) for _, _, ids in batch))
+    return rows
+
+
 def capture_shard(backend: Any, samples: Sequence[tuple[str, list[int], list[int]]], span: tuple[int, int],
                   batch_size: int, on_batch: Any = None) -> list[Sample]:
     """The samples ``span`` = [a, b) of the plan with their states: similar lengths batched together
     (fixed for the shard, so a rerun, or an online producer, computes the very same batches and
     bytes); ``on_batch(tokens)`` after each batch."""
     a, b = span
-    rows: dict[int, dict[str, torch.Tensor]] = {}
-    order = sorted(range(a, b), key=lambda i: (len(samples[i][1]), i))
-    for k in range(0, len(order), batch_size):
-        batch = order[k : k + batch_size]
-        for i, row in zip(batch, backend.capture([samples[i][1] for i in batch]), strict=True):
-            check_states(samples[i][0], row)
-            rows[i] = row
-        if on_batch is not None:
-            on_batch(sum(len(samples[i][1]) for i in batch))
+    rows = capture_rows(backend, [(i, samples[i][0], samples[i][1]) for i in range(a, b)], batch_size, on_batch)
     return [Sample(id=samples[i][0], input_ids=torch.tensor(samples[i][1]),
                    loss_mask=torch.tensor(samples[i][2], dtype=torch.bool), **rows[i]) for i in range(a, b)]
 
 
-__all__ = ["CaptureError", "HFCapture", "capture_shard", "check_states"]
+__all__ = ["CaptureError", "HFCapture", "capture_rows", "capture_shard", "check_states"]

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from eagle3.capture import HFCapture, check_states
+from eagle3.capture import HFCapture, capture_rows
 from eagle3.planned import PLAN, PlannedSamples
 from eagle3.shards import Sample, StoreError, as_stored
 
@@ -45,14 +45,9 @@ class ColocatedStore(PlannedSamples):
         if self.capture is None:
             raise StoreError(f"{self.root}: no target attached to capture the states with")
         t0 = time.perf_counter()
-        need = sorted(set(indices), key=lambda i: (self.lengths[i], i))
-        rows: dict[int, dict[str, Any]] = {}
-        for k in range(0, len(need), self.batch_size):
-            batch = need[k : k + self.batch_size]
-            for i, row in zip(batch, self.capture.capture([self.token_columns(i)[0].tolist() for i in batch]),
-                              strict=True):
-                check_states(self.sample_ids[i], row)
-                rows[i] = row
+        need = set(indices)
+        rows = capture_rows(self.capture, [(i, self.sample_ids[i], self.token_columns(i)[0].tolist()) for i in need],
+                            self.batch_size)
         self.capture_s += time.perf_counter() - t0
         self.captured_tokens += sum(self.lengths[i] for i in need)
         return [self._sample(i, rows[i]) for i in indices]
