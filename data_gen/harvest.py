@@ -41,6 +41,7 @@ from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import TargetConfig, add_target_arguments
 from eagle3.errors import USER_ERRORS, Eagle3Error
 from eagle3.fingerprint import UNKNOWN_WEIGHTS, tokenizer_fingerprint, weights_fingerprint
+from eagle3.planned import PLAN
 from eagle3.shards import (
     HarvestSpec,
     StoreError,
@@ -48,6 +49,7 @@ from eagle3.shards import (
     compare_stores,
     projected_bytes,
     read_manifest,
+    shard_entry,
     shard_name,
     shard_plan,
     verify_store,
@@ -56,8 +58,6 @@ from eagle3.shards import (
 )
 from eagle3.target import Target, context_length, load_target
 from eagle3.target_source import target_identity
-
-PLAN = "plan.json"
 
 
 class HarvestError(Eagle3Error, RuntimeError):
@@ -364,9 +364,7 @@ def finalize(out_dir: Path, spec: HarvestSpec, plan: list[tuple[int, int]], leng
         shards = []
         for j, (a, b) in enumerate(plan):
             path = out_dir / shard_name(j)
-            shards.append({"file": path.name, "samples": b - a, "tokens": sum(lengths[a:b]),
-                           "loss_tokens": sum(sum(samples[i][2]) for i in range(a, b)),
-                           "bytes": path.stat().st_size, "sha256": sha256_file(path)})
+            shards.append(shard_entry(path, b - a, sum(lengths[a:b]), sum(sum(samples[i][2]) for i in range(a, b))))
         return write_manifest(out_dir, spec, shards, dict(counts), settings)
 
 

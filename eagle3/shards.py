@@ -170,6 +170,12 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
+def shard_entry(path: Path, samples: int, tokens: int, loss_tokens: int) -> dict[str, Any]:
+    """A finished shard's line in the manifest (its size and sha256 read from the file)."""
+    return {"file": path.name, "samples": samples, "tokens": tokens, "loss_tokens": loss_tokens,
+            "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
 def write_manifest(root: Path, spec: HarvestSpec, shards: list[dict[str, Any]], counts: dict[str, int],
                    config: dict[str, Any]) -> dict[str, Any]:
     """Written last, atomically: a store without a manifest is incomplete."""

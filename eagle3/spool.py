@@ -50,6 +50,7 @@ from eagle3.shards import (
     check_shard,
     encode_shard,
     read_shard,
+    shard_entry,
     shard_name,
     write_manifest,
 )
@@ -472,9 +473,8 @@ class SpoolStore(PlannedSamples):
             path = self.root / shard_name(k)
             if not path.is_file():
                 self.spool.keep(shard_key(0, k), path)
-            entries.append({"file": path.name, "samples": b - a, "tokens": sum(self.lengths[a:b]),
-                            "loss_tokens": int(self._loss_mask[self._offsets[a]:self._offsets[b]].sum()),
-                            "bytes": path.stat().st_size, "sha256": sha256_file(path)})
+            entries.append(shard_entry(path, b - a, sum(self.lengths[a:b]),
+                                       int(self._loss_mask[self._offsets[a]:self._offsets[b]].sum())))
         write_manifest(self.root, self.spec, entries, self.plan_record.get("counts", {}),
                        self.plan_record.get("settings", {}))
         self.spool.release_below(len(self.plan), keep=self._keep_path)  # producers: the first epoch is kept
