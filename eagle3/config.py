@@ -231,6 +231,15 @@ class TrainConfig:
     variant (``norm_before_residual``, ``norm_before_fc`` and ``norm_output``), for comparisons;
     eagle3.1: EAGLE-3.1's (arXiv 2605.09992: ``fc_norm``, one norm per aux state before ``fc``, and
     ``norm_output``, the post-norm state fed to the next step; vLLM serves it as EAGLE-3)."""
+    draft_family: str = "eagle3"
+    """eagle3: each draft step reads the previous one (a chain or a tree, one forward per token);
+    peagle: P-EAGLE, parallel drafting (the steps after the first read a mask token and a learned
+    mask state instead, so one forward proposes them all; vLLM serves it as eagle3 with
+    ``parallel_drafting``). An ``init_draft`` of the eagle3 family becomes a P-EAGLE draft with a
+    fresh mask state."""
+    mask_token_id: int | None = None
+    """peagle: the token fed at each mask position (its frozen embedding; the learned mask state
+    carries the rest). None: the target's pad token, else its last vocabulary id."""
     draft_rope: str = "target"
     """target: the target's RoPE theta and scaling (plain, linear, llama3 or yarn; anything else,
     e.g. Phi-3's longrope, fails naming this key); plain: the target's theta without scaling."""
@@ -368,6 +377,13 @@ class TrainConfig:
                 raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 1 (or null)")
         if self.draft_variant not in ("eagle3", "speculators", "eagle3.1"):
             raise ValueError(f"train.draft_variant={self.draft_variant!r}: expected eagle3, speculators or eagle3.1")
+        if self.draft_family not in DRAFT_FAMILIES:
+            raise ValueError(f"train.draft_family={self.draft_family!r}: expected one of {', '.join(DRAFT_FAMILIES)}")
+        if self.mask_token_id is not None and self.draft_family != "peagle":
+            raise ValueError(f"train.mask_token_id={self.mask_token_id}: only a draft_family=peagle draft reads a "
+                             "mask token")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ValueError(f"train.mask_token_id={self.mask_token_id}: must be a token id (>= 0)")
         if self.draft_rope not in ("target", "plain"):
             raise ValueError(f"train.draft_rope={self.draft_rope!r}: expected target or plain")
         if self.loss_positions not in ("assistant", "all"):
@@ -383,6 +399,9 @@ class TrainConfig:
             raise ValueError(f"train.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(WANDB_MODES)}")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"train.device={self.device!r}: expected auto, cpu or cuda")
+
+
+DRAFT_FAMILIES = ("eagle3", "peagle")
 
 
 def draft_recipe(name: str) -> dict[str, Any]:

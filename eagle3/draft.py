@@ -25,6 +25,12 @@ Two ways to run it, sharing every projection, norm and MLP:
   token per step);
 * :func:`eagle3.ttt.ttt_forward`, the batched training-time-test unroll, which supplies its
   own attention through :meth:`Eagle3Draft.decode`'s ``attends`` callbacks.
+
+P-EAGLE (``DraftConfig.mask_token_id`` set; vLLM serves it as EAGLE-3 with ``parallel_drafting``):
+the same layer, but draft step k >= 1 is fed ``mask_token_id`` and ``combine_aux(mask_hidden)``
+(a learned point in the aux states' space) at RoPE position t + k instead of the drafted token and
+the previous step's state, so no step waits for another: one causal forward over the context rows
+and k - 1 mask rows proposes k tokens.
 """
 
 from __future__ import annotations
@@ -89,6 +95,10 @@ class DraftConfig:
     one (speculators' default, "EAGLE 3.1")."""
     initializer_range: float = 0.02
     """Std of the normal init of fresh linear weights."""
+    mask_token_id: int | None = None
+    """Set: a P-EAGLE draft (vLLM's ``parallel_drafting``). Draft steps after the first are fed this
+    token and the learned ``mask_hidden`` (A*H_t, in the aux states' space before ``fc``) instead of
+    a drafted token and the previous step's state, so one forward proposes every draft token."""
 
     def __post_init__(self) -> None:
         if self.target_hidden_size is None:
@@ -103,6 +113,9 @@ class DraftConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"draft.num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"draft.mask_token_id={self.mask_token_id}: not a token id of the vocabulary "
+                             f"(0..{self.vocab_size - 1})")
         if self.head_dim % 2:
             raise ValueError(f"draft.head_dim={self.head_dim}: RoPE needs an even head_dim")
         if self.draft_vocab_size > self.vocab_size:
@@ -120,6 +133,11 @@ class DraftConfig:
             if self.rope_scaling.get("partial_rotary_factor", 1.0) != 1.0:
                 raise ValueError("draft.rope_scaling: partial_rotary_factor is not supported (the draft rotates "
                                  "the whole head)")
+
+    @property
+    def parallel(self) -> bool:
+        """A P-EAGLE draft: one forward over the context and mask tokens proposes every draft token."""
+        return self.mask_token_id is not None
 
     @classmethod
     def from_target_config(cls, hf_config: Any, draft_vocab_size: int, **overrides: Any) -> DraftConfig:
@@ -196,7 +214,8 @@ def trainable_parameter_count(config: DraftConfig) -> int:
     def layer(width: int, norms: int) -> int:  # q/k/v from `width`, o_proj, SwiGLU, RMSNorm weights
         return width * (q + 2 * kv) + q * h + 3 * h * i + norms * h
 
-    fc = config.num_aux_layers * config.target_hidden_size * (h + config.norm_before_fc + config.fc_norm)
+    fc = config.num_aux_layers * config.target_hidden_size * (h + config.norm_before_fc + config.fc_norm
+                                                              + config.parallel)  # + mask_hidden
     first = layer(2 * h, 3)  # input_layernorm, hidden_norm, post_attention_layernorm
     rest = (config.num_layers - 1) * layer(h, 2)
     return fc + first + rest + h + config.draft_vocab_size * h  # + final norm + lm_head
@@ -421,6 +440,8 @@ class Eagle3Draft(nn.Module):
             self.fc_norm = nn.ModuleList([RMSNorm(config.target_hidden_size, config.rms_norm_eps)
                                           for _ in range(config.num_aux_layers)])
         self.fc = nn.Linear(width, h, bias=False)
+        if config.parallel:  # P-EAGLE: the aux states fed at every mask position (vLLM's name and layout)
+            self.mask_hidden = nn.Parameter(torch.zeros(width))
         self.midlayer = DecoderLayer(config, first=True)
         if config.num_layers > 1:  # vLLM names them layers.<i> (it maps midlayer. to layers.0.)
             self.layers = nn.ModuleDict({str(i): DecoderLayer(config, first=False)
@@ -444,6 +465,8 @@ class Eagle3Draft(nn.Module):
                     module.weight.normal_(0.0, self.config.initializer_range)
                 elif isinstance(module, RMSNorm):
                     module.weight.fill_(1.0)
+            if self.config.parallel:  # unit RMS per element, like a typical normalised state
+                self.mask_hidden.normal_(0.0, 1.0)
 
     # -- weights from the target
 
@@ -520,6 +543,11 @@ class Eagle3Draft(nn.Module):
             x = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1),
                                                               strict=True)], dim=-1)
         return self.fc(x)
+
+    def mask_state(self) -> Tensor:
+        """P-EAGLE: the state every mask position is fed, ``combine_aux`` of ``mask_hidden``. [1, 1, H]"""
+        c = self.config
+        return self.combine_aux(self.mask_hidden.view(1, 1, c.num_aux_layers, c.target_hidden_size))
 
     def next_hidden(self, prenorm: Tensor) -> Tensor:
         """The state the next draft step is fed: the pre-norm output, or with ``norm_output`` the

@@ -238,8 +238,10 @@ def _aux_ids(cfg: dict[str, Any], fmt: str, path: Path) -> tuple[int, ...] | Non
     return next(iter(found.values()), None)
 
 
-def draft_config_from_json(cfg: dict[str, Any], fmt: str, path: Path, num_aux_layers: int | None) -> DraftConfig:
-    """A :class:`DraftConfig` from a config.json (either layout); unsupported variants are refused by name."""
+def draft_config_from_json(cfg: dict[str, Any], fmt: str, path: Path, num_aux_layers: int | None,
+                           parallel: bool = False) -> DraftConfig:
+    """A :class:`DraftConfig` from a config.json (either layout); unsupported variants are refused by name.
+    ``parallel``: the checkpoint holds ``mask_hidden`` (a P-EAGLE draft), so ``mask_token_id`` is required."""
     cfg = {k: v for k, v in cfg.items() if v is not None}  # null means unset (ModelOpt writes its template's)
     layer = cfg.get("transformer_layer_config", cfg) if fmt == "speculators" else cfg
     layer = {k: v for k, v in layer.items() if v is not None}
@@ -265,6 +267,10 @@ def draft_config_from_json(cfg: dict[str, Any], fmt: str, path: Path, num_aux_la
         raise DraftFormatError(f"{path}: partial_rotary_factor={partial!r}: vLLM would rotate part of the draft's "
                                "head; the draft rotates all of it")
     kind = rope_kind(rope)
+    parallel = parallel or bool(cfg.get("parallel_drafting"))
+    if parallel and cfg.get("mask_token_id") is None:
+        raise DraftFormatError(f"{path}: a P-EAGLE draft (mask_hidden / parallel_drafting) needs the top-level "
+                               "mask_token_id (the token vLLM feeds at each mask position)")
 
     def num(key: str, value: Any, cast: type = int) -> Any:
         try:
@@ -293,6 +299,7 @@ def draft_config_from_json(cfg: dict[str, Any], fmt: str, path: Path, num_aux_la
             rope_scaling=None if kind == "default" else rope,
             max_position_embeddings=num("max_position_embeddings", layer.get("max_position_embeddings", 2048)),
             num_layers=num("num_hidden_layers", layer.get("num_hidden_layers", 1)),
+            mask_token_id=num("mask_token_id", cfg["mask_token_id"]) if parallel else None,
             **flags,
         )
     except KeyError as err:
@@ -344,7 +351,8 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
                                "reads the target's last hidden state, not aux layers (EAGLE-1/2 style); not "
                                "supported")
     ids = _aux_ids(cfg, fmt, folder / "config.json")
-    config = draft_config_from_json(cfg, fmt, folder / "config.json", len(ids) if ids else None)
+    config = draft_config_from_json(cfg, fmt, folder / "config.json", len(ids) if ids else None,
+                                    parallel="mask_hidden" in tensors)
     has_lm_head = "lm_head.weight" in tensors
     if not has_lm_head and config.draft_vocab_size != config.vocab_size:
         raise DraftFormatError(f"{folder}: no lm_head.weight and draft_vocab_size={config.draft_vocab_size} < "
@@ -375,6 +383,8 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
         t2d[torch.arange(len(tensors["d2t"])) + tensors["d2t"].long()] = True
         tensors["t2d"] = t2d
+    if "mask_hidden" in tensors:  # vLLM reads any layout of it as one row (view(1, -1))
+        tensors["mask_hidden"] = tensors["mask_hidden"].reshape(-1)
     d2t, t2d = tensors.pop("d2t").long(), tensors.pop("t2d").bool()
     want = draft.state_dict()
     extra = sorted(set(tensors) - set(want))

@@ -23,6 +23,9 @@ every engine uses the target's own)::
                  folder whose ids are only there and start at 1 (SpecForge's and ModelOpt's
                  exports) is read this way too, with a warning.
 
+A P-EAGLE draft (``mask_token_id`` set) is written in the vllm format only: the EAGLE-3 tensors plus
+``mask_hidden`` [A*H_t], and ``parallel_drafting: true`` with the top-level ``mask_token_id``.
+
 Every format writes ``norm_before_residual``, ``norm_before_fc``, ``fc_norm`` and ``norm_output``
 explicitly (all four variants are implemented by :class:`eagle3.draft.Eagle3Draft`): the defaults
 differ between engines and formats (vLLM's speculators path defaults ``norm_before_residual`` to
@@ -74,10 +77,23 @@ def _layer_config(config: DraftConfig, torch_dtype: str) -> dict[str, Any]:
 def _flags(config: DraftConfig) -> dict[str, Any]:
     return {key: getattr(config, key) for key in NORM_FLAGS}
 
+def _parallel(config: DraftConfig) -> dict[str, Any]:
+    """P-EAGLE's keys: vLLM reads the top-level ``mask_token_id`` (it is served with
+    ``speculative_config={"method": "eagle3", "parallel_drafting": true}``, which the flag records)."""
+    return {"parallel_drafting": True, "mask_token_id": config.mask_token_id} if config.parallel else {}
+
+
+def _refuse_parallel(config: DraftConfig, fmt: str) -> None:
+    if config.parallel:
+        raise DraftFormatError(f"a P-EAGLE draft (mask_token_id={config.mask_token_id}) is served by vLLM only, "
+                               f"from the vllm format; the {fmt} format has no parallel-drafting keys")
+
+
 def vllm_config(config: DraftConfig, aux_layer_ids: Sequence[int], torch_dtype: str = "bfloat16") -> dict[str, Any]:
     """config.json of the plain format (vLLM, EAGLE, SpecForge)."""
     ids = _checked_ids(aux_layer_ids, config)
     return {
+        **_parallel(config),
         "architectures": ["LlamaForCausalLMEagle3"],
         **_layer_config(config, torch_dtype),
         "draft_vocab_size": config.draft_vocab_size,
@@ -92,6 +108,7 @@ def vllm_config(config: DraftConfig, aux_layer_ids: Sequence[int], torch_dtype: 
 def sglang_config(config: DraftConfig, aux_layer_ids: Sequence[int], torch_dtype: str = "bfloat16") -> dict[str, Any]:
     """config.json for SGLang: ids shifted down by one (SGLang adds it back), under eagle_config only."""
     ids = _checked_ids(aux_layer_ids, config)
+    _refuse_parallel(config, "sglang")
     if ids[0] < 1:
         raise DraftFormatError(f"aux layer ids {ids}: SGLang cannot capture the input of layer 0 (the embedding "
                                "output); its configured ids name layer outputs")
@@ -118,6 +135,7 @@ def speculators_config(config: DraftConfig, aux_layer_ids: Sequence[int], *, ver
                        torch_dtype: str = "bfloat16") -> dict[str, Any]:
     """config.json of vllm-project/speculators' eagle3 format."""
     ids = _checked_ids(aux_layer_ids, config)
+    _refuse_parallel(config, "speculators")
     layer = {**_layer_config(config, torch_dtype), "architectures": ["LlamaForCausalLM"]}
     return {
         "architectures": ["Eagle3Speculator"],

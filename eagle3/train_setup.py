@@ -60,7 +60,8 @@ def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore | Sto
     keys = ("batching", "shard_window", "micro_batch_tokens", "gradient_accumulation", "seed", "eval_fraction",
             "ttt_steps",
             "init_draft", "num_layers", "draft_intermediate_size", "draft_num_attention_heads",
-            "draft_num_key_value_heads", "draft_head_dim", "draft_rope", "draft_variant", "zero_stage", "precision",
+            "draft_num_key_value_heads", "draft_head_dim", "draft_rope", "draft_variant", "draft_family",
+            "mask_token_id", "zero_stage", "precision",
             "freeze_lm_head", "optimizer", "muon_momentum", "lm_head_init", "layer_init", "step_decay",
             "draft_vocab_size", "draft_vocab", "loss", "lk_eta",
             # a checkpoint restores the optimizer's own lr, decay, betas and eps: a change would only be logged
@@ -275,17 +276,50 @@ def initial_draft(folder: str, spec: Any, target: Target, embedding: Tensor) -> 
     return loaded.draft.float()
 
 
+def mask_token_for(cfg: TrainConfig, target: Target) -> int:
+    """P-EAGLE's mask token: ``train.mask_token_id``, else the target's pad token, else its last id."""
+    vocab = target.vocab_size
+    chosen = cfg.mask_token_id
+    if chosen is None:
+        pad = getattr(target.config, "pad_token_id", None)
+        chosen = pad if isinstance(pad, int) and 0 <= pad < vocab else vocab - 1
+    if not 0 <= chosen < vocab:
+        raise TrainError(f"train.mask_token_id={chosen}: not a token id of the target (0..{vocab - 1})")
+    return chosen
+
+
+def as_parallel(draft: Eagle3Draft, mask_token_id: int) -> Eagle3Draft:
+    """An eagle3 draft as a P-EAGLE one: the same weights, a fresh mask state."""
+    from dataclasses import replace
+
+    out = Eagle3Draft(replace(draft.config, mask_token_id=mask_token_id))
+    missing, unexpected = out.load_state_dict(draft.state_dict(), strict=False)
+    assert missing == ["mask_hidden"] and not unexpected, (missing, unexpected)
+    return out
+
+
 def new_draft(cfg: TrainConfig, target: Target, num_aux: int, vocab: DraftVocab, initial: Eagle3Draft | None,
                embedding: Tensor, device: torch.device) -> Eagle3Draft:
     """The draft the run starts from (``train.init_draft``'s, or a new one seeded as ``train.seed``
     says), with the run's vocab and the recipe's initialisation of its head and layer."""
     seed_everything(cfg.seed)  # the same draft on every rank
+    mask_id = mask_token_for(cfg, target) if cfg.draft_family == "peagle" else None
     if initial is not None:
         draft = initial
+        if mask_id is not None and draft.config.mask_token_id != mask_id:
+            if draft.config.parallel:
+                raise TrainError(f"train.init_draft: {cfg.init_draft} is a P-EAGLE draft with mask_token_id="
+                                 f"{draft.config.mask_token_id}; set train.mask_token_id={draft.config.mask_token_id}")
+            draft = as_parallel(draft, mask_id)
+            print0(f"train.init_draft: the eagle3 draft becomes a P-EAGLE draft (mask token {mask_id}, fresh mask "
+                   "state)")
+        elif mask_id is None and draft.config.parallel:
+            raise TrainError(f"train.init_draft: {cfg.init_draft} is a P-EAGLE draft; set train.draft_family=peagle")
     else:
         try:
             draft_config = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size,
-                                                          num_aux_layers=num_aux, **cfg.draft_overrides())
+                                                          num_aux_layers=num_aux, mask_token_id=mask_id,
+                                                          **cfg.draft_overrides())
         except ValueError as err:
             raise TrainError(f"draft shape: {err}") from None
         draft = Eagle3Draft(draft_config, embedding)

@@ -52,6 +52,10 @@ Implementation: the step-0 part is a normal causal+document attention (an [S, S]
 diagonal terms are elementwise q.k products, one column per earlier step, softmaxed jointly
 with the step-0 scores. No [S, (K+1)S] mask is built.
 
+P-EAGLE drafts (``draft.config.parallel``): steps >= 1 are fed the mask token and the draft's
+mask state instead of x[t+k+1] and step k-1's output; positions, attention, targets and loss
+are the same, which is what one serving forward over the context and k - 1 mask rows computes.
+
 Loss: soft cross-entropy of the draft's logits against p restricted to the draft vocab and
 renormalised (or another objective of :mod:`eagle3.losses`), averaged over the step's loss
 positions, weighted ``decay**k`` (0.8) and summed.
@@ -321,10 +325,14 @@ def ttt_forward(
     loss = hidden.new_zeros((), dtype=torch.float32)
     loss_sums, counts, matches, counted_all, valid_all, logits_all = [], [], [], [], [], []
     reached = torch.ones_like(loss_mask, dtype=torch.bool)  # [B, S]: steps so far all matched
+    parallel = draft.config.parallel  # P-EAGLE: steps >= 1 are fed the mask token and mask state
     for k in range(num_steps):
         inputs_at = at if k > 0 else None  # step 0 reads every row (keys and values)
         ids_k = _rows(step_input_ids(input_ids, k), inputs_at)  # [B, S] at step 0, else [B, R]
         pos_k = _rows(step_positions(position_ids, k), inputs_at)
+        if parallel and k > 0:
+            ids_k = torch.full_like(ids_k, draft.config.mask_token_id)
+            hidden = draft.mask_state().to(hidden.dtype).expand(*ids_k.shape, -1)  # [B, R, H]
         counted = step_counted(loss_mask, document_ids, k)  # [B, S]
         target_argmax = shift_left(targets.argmax, k + 1, -1)  # [B, S] target's argmax at t+k+1
         in_vocab = (shift_left(has_mass, k + 1, False) if has_mass is not None

@@ -131,6 +131,8 @@ class SpeculativeDecoder:
             if c.target_hidden_size != target.hidden_size or c.vocab_size != target.vocab_size:
                 raise ValueError(f"draft (target_hidden_size {c.target_hidden_size}, vocab {c.vocab_size}) does "
                                  f"not fit the target (hidden {target.hidden_size}, vocab {target.vocab_size})")
+            if c.parallel and config.mode != "chain":
+                raise ValueError("a P-EAGLE draft (mask_token_id set) proposes a chain: mode=tree is not supported")
             if c.num_aux_layers != len(target.aux_layer_ids):
                 raise ValueError(f"draft reads {c.num_aux_layers} aux states, the target captures "
                                  f"{len(target.aux_layer_ids)} layers {list(target.aux_layer_ids)}")
@@ -146,14 +148,23 @@ class SpeculativeDecoder:
         return self.target(x, attention_mask=mask, past_key_values=cache, use_cache=True,
                            position_ids=torch.tensor([positions], device=self.device))
 
-    def _draft_rows(self, aux: Tensor, tokens: list[int], start: int, cache: KVCache) -> tuple[Tensor, Tensor]:
-        """Catch-up rows start.. from target aux [1, R, A, H] and the token after each -> last (state, logits)."""
+    def _draft_rows(self, aux: Tensor, tokens: list[int], start: int, cache: KVCache,
+                    masks: int = 0) -> tuple[Tensor, Tensor]:
+        """Catch-up rows start.. from target aux [1, R, A, H] and the token after each -> last (state,
+        logits [1, Vd]). With ``masks`` (P-EAGLE) that many mask rows follow in the same forward (they
+        stay in ``cache`` until the round's rollback) and the logits are the last row's and theirs,
+        [1 + masks, Vd]: one per draft token."""
         d = self.draft
         assert d is not None
         hidden = d.combine_aux(aux.to(d.fc.weight.dtype))  # [1, R, H]
-        pos = torch.arange(start, start + len(tokens), device=self.device)[None]
-        state, logits = d(torch.tensor([tokens], device=self.device), hidden, pos, cache)
-        return state[:, -1:], logits[:, -1]  # [1, 1, H], [1, Vd]
+        ids = torch.tensor([tokens], device=self.device)
+        if masks:
+            mask_id = d.config.mask_token_id
+            hidden = torch.cat([hidden, d.mask_state().to(hidden.dtype).expand(1, masks, -1)], dim=1)
+            ids = torch.cat([ids, torch.full((1, masks), mask_id, device=self.device)], dim=1)
+        pos = torch.arange(start, start + ids.shape[1], device=self.device)[None]
+        state, logits = d(ids, hidden, pos, cache)
+        return state[:, -1:], logits[0, -1 - masks:]  # [1, 1, H], [1 + masks, Vd]
 
     def _draft_target_logits(self, logits: Tensor) -> Tensor:
         """Draft-vocab logits [.., Vd] -> target-vocab logits [.., V] (-inf outside the draft vocab)."""
@@ -188,6 +199,20 @@ class SpeculativeDecoder:
                                        torch.tensor([[n - 1 + depth]], device=self.device), cache)
                 logits = step_logits[:, -1]
         return tokens, list(range(-1, len(tokens) - 1)), (torch.stack(qs) if qs else None)
+
+    def _propose_parallel(self, logits: Tensor, params: SamplingConfig, g: torch.Generator | None,
+                          context: list[int]) -> tuple[list[int], list[int], Tensor | None]:
+        """P-EAGLE: the draft tokens from one forward's rows, logits [k, Vd], each row drawn on its own
+        (a proposal need not depend on the earlier draft tokens to stay lossless: verification only
+        needs the distribution each token was drawn from). ``context``: unused, as in the chain."""
+        full = self._draft_target_logits(logits)  # [k, V]
+        if params.greedy:
+            tokens = full.argmax(-1).tolist()
+            qs = None
+        else:
+            qs = torch.softmax(full.float() / params.temperature, dim=-1)  # [k, V]
+            tokens = torch.multinomial(qs, 1, generator=g)[:, 0].tolist()
+        return tokens, list(range(-1, len(tokens) - 1)), qs
 
     def _propose_tree(self, root_state: Tensor, root_logits: Tensor, n: int, cache: KVCache,
                       context: list[int]) -> tuple[list[int], list[int]]:
@@ -291,16 +316,19 @@ class SpeculativeDecoder:
             t0 = time.perf_counter()
             tree = self.config.mode == "tree"
             k = self.config.k if policy is None else min(max(policy.choose(), 0), self.config.k)
+            parallel = k > 0 and self.draft.config.parallel
             if k > 0 and pending:
                 aux_rows = torch.cat([a for a, _ in pending], dim=1)  # [1, R, A, H]
                 row_tokens = [t for _, ts in pending for t in ts]
-                root = self._draft_rows(aux_rows, row_tokens, caught_up, draft_cache)
+                root = self._draft_rows(aux_rows, row_tokens, caught_up, draft_cache, k - 1 if parallel else 0)
                 caught_up += len(row_tokens)
                 pending.clear()
             tokens, parents, qs = [], [], None
             if k > 0:
                 assert root is not None and caught_up == n
-                if tree:
+                if parallel:  # every round catches up (pending is never empty then): root holds k rows
+                    tokens, parents, qs = self._propose_parallel(root[1], params, g, prompt + emitted)
+                elif tree:
                     tokens, parents = self._propose_tree(root[0], root[1], n, draft_cache, prompt + emitted)
                 else:
                     tokens, parents, qs = self._propose_chain(root[0], root[1], n, draft_cache, params, g,

@@ -1,0 +1,180 @@
+"""P-EAGLE (parallel drafting): the unroll against the draft run as vLLM serves it (one forward over
+the context and the mask rows), training, export/import in vLLM's layout, and the serving loop's
+losslessness with a parallel draft."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3.draft import Eagle3Draft, KVCache, trainable_parameter_count
+from eagle3.export import export_draft_folder, load_draft
+from eagle3.formats import DraftFormatError
+from eagle3.ttt import prepare_targets, ttt_forward
+from serve_eval.config import SpecConfig
+from serve_eval.spec_decode import SpeculativeDecoder
+from tests.helpers import PROMPTS, make_draft, make_target, packed_batch, tiny_draft
+from tests.test_spec_decode import OracleDecoder, plain
+from tests.test_spec_decode import test_sampled_generation_matches_the_target_distribution as chi_square
+
+MASK = 7
+
+
+def parallel_draft(num_layers: int = 1, **variant: bool) -> Eagle3Draft:
+    return tiny_draft(num_layers, mask_token_id=MASK, **variant)
+
+
+@torch.no_grad()
+def parallel_serving_logits(draft: Eagle3Draft, batch: dict[str, torch.Tensor], num_steps: int) -> dict:
+    """{(row, k, t): logits [Vd]} as vLLM's parallel drafting runs the draft: the cache holds the
+    context rows <= t (fed one at a time), then ONE forward over K-1 mask rows (the mask token, the
+    mask state, positions t+1..t+K-1) gives draft tokens 2..K."""
+    out = {}
+    c = draft.config
+    for row in range(batch["input_ids"].shape[0]):
+        ids, doc = batch["input_ids"][row], batch["document_ids"][row]
+        fc = draft.combine_aux(batch["aux"][row : row + 1])  # [1, S, H]
+        for d in doc.unique().tolist():
+            where = (doc == d).nonzero().flatten()
+            start, end = int(where[0]), int(where[-1]) + 1
+            cache = KVCache()
+            for t in range(start, end - 1):
+                _, logits = draft(ids[t + 1].view(1, 1), fc[:, t : t + 1], torch.tensor([[t - start]]), cache)
+                out[row, 0, t] = logits[0, 0]
+                masks = num_steps - 1
+                hidden = draft.mask_state().expand(1, masks, -1)
+                pos = torch.arange(t - start + 1, t - start + num_steps)[None]
+                _, logits = draft(torch.full((1, masks), c.mask_token_id), hidden, pos, cache.fork())
+                for k in range(1, num_steps):
+                    if t + k + 1 < end:  # the unroll counts a step only where its target exists
+                        out[row, k, t] = logits[0, k - 1]
+    return out
+
+
+@pytest.mark.parametrize("num_layers,variant", [(1, {}), (2, {}), (1, {"fc_norm": True, "norm_output": True}),
+                                                (1, {"norm_before_fc": True, "norm_before_residual": True})])
+def test_unroll_equals_one_parallel_forward(num_layers: int, variant: dict) -> None:
+    draft = parallel_draft(num_layers, **variant)
+    batch = packed_batch([[9, 7], [5, 11]], t2d=draft.t2d)
+    num_steps = 4
+    ref = parallel_serving_logits(draft, batch, num_steps)
+    with torch.no_grad():
+        out = ttt_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
+                          batch["loss_mask"], prepare_targets(batch["target_logits"], draft.t2d),
+                          num_steps=num_steps, return_logits=True)
+    gaps: dict[int, float] = {}
+    for (row, k, t), logits in ref.items():
+        gaps[k] = max(gaps.get(k, 0.0), (out.logits[k][row, t] - logits).abs().max().item())
+    assert sorted(gaps) == list(range(num_steps))
+    assert max(gaps.values()) < 1e-4, gaps
+
+
+def test_the_unroll_is_not_the_eagle3_chain() -> None:
+    """Negative control: the same weights without the mask (an eagle3 chain) give other logits from
+    step 1 on, so the test above does see which inputs the later steps read."""
+    draft = parallel_draft()
+    chain = Eagle3Draft(replace(draft.config, mask_token_id=None))
+    chain.load_state_dict({k: v for k, v in draft.state_dict().items() if k != "mask_hidden"})
+    batch = packed_batch([[9, 7]], t2d=draft.t2d)
+    args = (batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"], batch["loss_mask"],
+            prepare_targets(batch["target_logits"], draft.t2d))
+    with torch.no_grad():
+        a = ttt_forward(draft, *args, num_steps=3, return_logits=True)
+        b = ttt_forward(chain, *args, num_steps=3, return_logits=True)
+    assert torch.equal(a.logits[0], b.logits[0])
+    assert (a.logits[1] - b.logits[1]).abs().max() > 1e-2
+
+
+def test_training_moves_the_mask_state_and_lowers_the_loss() -> None:
+    draft = parallel_draft().train()
+    batch = packed_batch([[12, 12], [24]], t2d=draft.t2d)
+    targets = prepare_targets(batch["target_logits"], draft.t2d)
+    before = draft.mask_hidden.detach().clone()
+    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(30):
+        out = ttt_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
+                          batch["loss_mask"], targets, num_steps=3)
+        opt.zero_grad()
+        out.loss.backward()
+        assert draft.mask_hidden.grad is not None and draft.mask_hidden.grad.abs().sum() > 0
+        opt.step()
+        losses.append(float(out.loss.detach()))
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert not torch.equal(before, draft.mask_hidden.detach())
+    assert trainable_parameter_count(draft.config) == sum(p.numel() for p in draft.parameters() if p.requires_grad)
+
+
+def test_export_writes_vllms_keys_and_imports_back(tmp_path) -> None:
+    draft = parallel_draft()
+    folder = export_draft_folder(tmp_path / "d", draft.state_dict(), draft.config, (1, 2, 3), dtype="float32")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["parallel_drafting"] is True and cfg["mask_token_id"] == MASK
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert tensors["mask_hidden"].shape == (3 * draft.config.target_hidden_size,)
+    loaded = load_draft(folder, embed_tokens_weight=draft.embed_tokens.weight)
+    assert loaded.draft.config.mask_token_id == MASK
+    assert torch.equal(loaded.draft.mask_hidden, draft.mask_hidden)
+    for fmt in ("speculators", "sglang"):
+        with pytest.raises(DraftFormatError, match="vLLM only"):
+            export_draft_folder(tmp_path / fmt, draft.state_dict(), draft.config, (1, 2, 3), fmt,
+                                verifier="t")
+    # a checkpoint with mask_hidden but no mask_token_id is refused naming the key
+    del cfg["mask_token_id"], cfg["parallel_drafting"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DraftFormatError, match="mask_token_id"):
+        load_draft(folder)
+
+
+def peagle_for(target) -> Eagle3Draft:
+    base = make_draft(target)
+    draft = Eagle3Draft(replace(base.config, mask_token_id=3), target.embed_tokens.weight.detach())
+    draft.load_state_dict({**base.state_dict(), "mask_hidden": torch.randn(draft.mask_hidden.shape)})
+    return draft.eval()
+
+
+class ParallelOracle(OracleDecoder):
+    """The draft's parallel forward still runs (catch-up and mask rows in one forward, rollback); its
+    tokens are replaced by the target's greedy continuation, every ``wrong``-th one changed."""
+
+    def _propose_parallel(self, logits, params, g, context):
+        k = logits.shape[0]
+        return self._propose_chain(None, None, len(context) - 1, None, params, g, context, k)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_equals_plain_decoding(k: int) -> None:
+    target = make_target()
+    decoder = SpeculativeDecoder(target, peagle_for(target), SpecConfig("chain", k=k))
+    for prompt in PROMPTS:
+        ref = plain(target, prompt)
+        assert decoder.generate(prompt, 24).tokens == ref
+
+
+@pytest.mark.parametrize("wrong", [0, 3])
+def test_greedy_equals_plain_decoding_when_parallel_drafts_are_accepted(wrong: int) -> None:
+    target = make_target()
+    decoder = ParallelOracle(target, peagle_for(target), SpecConfig("chain", k=4), wrong=wrong)
+    for prompt in PROMPTS:
+        ref = plain(target, prompt, 30)
+        got = decoder.generate(prompt, 30)
+        assert got.tokens == ref
+        assert got.stats.tau > 4.0 if wrong == 0 else 1.0 < got.stats.tau < 5.0
+
+
+def test_a_parallel_draft_refuses_trees() -> None:
+    target = make_target()
+    with pytest.raises(ValueError, match="P-EAGLE"):
+        SpeculativeDecoder(target, peagle_for(target), SpecConfig("tree", k=3))
+
+
+def test_sampled_generation_matches_the_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tests.test_spec_decode as spec
+
+    monkeypatch.setattr(spec, "make_draft", lambda target: peagle_for(target))
+    chi_square(SpecConfig("chain", k=2))
