@@ -9,9 +9,10 @@ Run from the vLLM venv (scripts/setup_vllm_env.sh), on CPU with scripts/vllm_env
 
 Each engine runs in its own child process (vLLM's CPU engine is not made to be built twice in
 one process): first the target alone, then the target with each draft (``method=eagle3``,
-``num_speculative_tokens=K``), fp32, eager, prefix caching off, the same prompt token ids
-(rendered with the target's chat template; MT-Bench contributes its first turn). For every
-eval set and draft one JSON line:
+``num_speculative_tokens=K``; P-EAGLE drafts with ``parallel_drafting``, DFlash drafts with
+``method=dflash``), fp32, eager, prefix caching off, the same prompt token ids (rendered with
+the target's chat template; MT-Bench contributes its first turn). For every eval set and draft
+one JSON line:
 
 * ``tau``: 1 + accepted / drafts from ``llm.get_metrics()`` (``vllm:spec_decode_num_drafts``,
   ``..._num_accepted_tokens``), the mean tokens per target forward including the bonus token;
@@ -93,7 +94,7 @@ def run_engine(job: dict[str, Any]) -> dict[str, Any]:
                                           "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     elif job.get("draft"):
         settings["speculative_config"] = {"model": job["draft"], "method": "eagle3",
-                                          "num_speculative_tokens": job["k"]}
+                                          "num_speculative_tokens": job["k"], **draft_family(job["draft"])}
     llm = LLM(**settings)
     params = SamplingParams(max_tokens=job["max_new_tokens"], temperature=0.0, stop_token_ids=job["stop_ids"],
                             detokenize=False)
@@ -110,6 +111,16 @@ def run_engine(job: dict[str, Any]) -> dict[str, Any]:
                                          strict=False)]
         out[name] = {"tokens": tokens, "seconds": seconds, **delta, "per_pos": per_pos}
     return out
+
+
+def draft_family(folder: str) -> dict[str, Any]:
+    """The speculative_config keys a draft folder's family needs beyond eagle3's: P-EAGLE drafts
+    (config.json ``parallel_drafting``) are served with ``parallel_drafting``, DFlash drafts
+    (``DFlashDraftModel``) with ``method=dflash``."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    if "DFlashDraftModel" in (cfg.get("architectures") or []):
+        return {"method": "dflash"}
+    return {"parallel_drafting": True} if cfg.get("parallel_drafting") else {}
 
 
 def in_child(job: dict[str, Any]) -> dict[str, Any]:

@@ -99,6 +99,9 @@ class DraftConfig:
     """Set: a P-EAGLE draft (vLLM's ``parallel_drafting``). Draft steps after the first are fed this
     token and the learned ``mask_hidden`` (A*H_t, in the aux states' space before ``fc``) instead of
     a drafted token and the previous step's state, so one forward proposes every draft token."""
+    block_size: int | None = None
+    """Set: a DFlash draft (:mod:`eagle3.dflash`): one non-causal forward over the bonus token and
+    ``block_size - 1`` mask tokens (``mask_token_id``) proposes ``block_size - 1`` tokens."""
 
     def __post_init__(self) -> None:
         if self.target_hidden_size is None:
@@ -116,6 +119,9 @@ class DraftConfig:
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"draft.mask_token_id={self.mask_token_id}: not a token id of the vocabulary "
                              f"(0..{self.vocab_size - 1})")
+        if self.block_size is not None and (self.block_size < 2 or self.mask_token_id is None):
+            raise ValueError(f"draft.block_size={self.block_size}: a DFlash draft needs block_size >= 2 and a "
+                             "mask_token_id")
         if self.head_dim % 2:
             raise ValueError(f"draft.head_dim={self.head_dim}: RoPE needs an even head_dim")
         if self.draft_vocab_size > self.vocab_size:
@@ -137,7 +143,12 @@ class DraftConfig:
     @property
     def parallel(self) -> bool:
         """A P-EAGLE draft: one forward over the context and mask tokens proposes every draft token."""
-        return self.mask_token_id is not None
+        return self.mask_token_id is not None and self.block_size is None
+
+    @property
+    def family(self) -> str:
+        """eagle3, peagle (P-EAGLE) or dflash."""
+        return "dflash" if self.block_size is not None else "peagle" if self.parallel else "eagle3"
 
     @classmethod
     def from_target_config(cls, hf_config: Any, draft_vocab_size: int, **overrides: Any) -> DraftConfig:
@@ -210,6 +221,10 @@ def trainable_parameter_count(config: DraftConfig) -> int:
     """Closed form of the trainable parameters (everything but the frozen embedding and d2t/t2d)."""
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    if config.family == "dflash":  # fc, hidden_norm; per layer q/k/v/o, q_norm, k_norm, 2 norms, SwiGLU
+        per_layer = h * (q + 2 * kv) + q * h + 2 * d + 2 * h + 3 * h * i
+        return (config.num_aux_layers * config.target_hidden_size * h + h + config.num_layers * per_layer
+                + h + config.draft_vocab_size * h)
 
     def layer(width: int, norms: int) -> int:  # q/k/v from `width`, o_proj, SwiGLU, RMSNorm weights
         return width * (q + 2 * kv) + q * h + 3 * h * i + norms * h
@@ -422,51 +437,27 @@ def _cached_attend(cache: KVCache, layer: int, mask: Tensor | None = None) -> At
     return attend
 
 
-# ---------------------------------------------------------------- the draft
+# ---------------------------------------------------------------- what every draft family shares
 
-class Eagle3Draft(nn.Module):
-    """The EAGLE-3 draft head. ``embed_tokens`` is a frozen copy of the target's embedding."""
+class DraftHead:
+    """The pieces every draft family has, whatever its layers: the target's frozen embedding
+    (``embed_tokens``), the final ``norm`` and ``lm_head`` over the draft vocabulary, and the
+    ``d2t``/``t2d`` mapping (``register_vocab``); mixed into an ``nn.Module``."""
 
-    def __init__(self, config: DraftConfig, embed_tokens_weight: Tensor | None = None) -> None:
-        super().__init__()
-        self.config = config
-        h = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, h)
-        self.embed_tokens.requires_grad_(False)
-        width = config.num_aux_layers * config.target_hidden_size
-        if config.norm_before_fc:
-            self.input_norm = RMSNorm(width, config.rms_norm_eps)
-        if config.fc_norm:
-            self.fc_norm = nn.ModuleList([RMSNorm(config.target_hidden_size, config.rms_norm_eps)
-                                          for _ in range(config.num_aux_layers)])
-        self.fc = nn.Linear(width, h, bias=False)
-        if config.parallel:  # P-EAGLE: the aux states fed at every mask position (vLLM's name and layout)
-            self.mask_hidden = nn.Parameter(torch.zeros(width))
-        self.midlayer = DecoderLayer(config, first=True)
-        if config.num_layers > 1:  # vLLM names them layers.<i> (it maps midlayer. to layers.0.)
-            self.layers = nn.ModuleDict({str(i): DecoderLayer(config, first=False)
-                                         for i in range(1, config.num_layers)})
-        self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
-        # Identity vocab until set_draft_vocab: draft id i is target id i.
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
-        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-        t2d[: config.draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
-        self.reset_parameters()
-        if embed_tokens_weight is not None:
-            self.load_embedding(embed_tokens_weight)
+    config: DraftConfig
+    embed_tokens: nn.Embedding
+    norm: RMSNorm
+    lm_head: nn.Linear
+    d2t: Tensor
+    t2d: Tensor
 
-    def reset_parameters(self) -> None:
-        """Fresh init: normal(0, initializer_range) linears and embedding, unit RMSNorm weights."""
-        with torch.no_grad():
-            for module in self.modules():
-                if isinstance(module, nn.Linear | nn.Embedding):
-                    module.weight.normal_(0.0, self.config.initializer_range)
-                elif isinstance(module, RMSNorm):
-                    module.weight.fill_(1.0)
-            if self.config.parallel:  # unit RMS per element, like a typical normalised state
-                self.mask_hidden.normal_(0.0, 1.0)
+    def register_vocab(self) -> None:
+        """Identity vocab until set_draft_vocab: draft id i is target id i."""
+        c = self.config
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))  # type: ignore[attr-defined]
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+        t2d[: c.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)  # type: ignore[attr-defined]
 
     # -- weights from the target
 
@@ -504,6 +495,67 @@ class Eagle3Draft(nn.Module):
             self.lm_head.weight.copy_(rows)
             if target_norm_weight is not None:
                 self.norm.weight.copy_(target_norm_weight)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.embed_tokens(input_ids)  # [B, S, H]
+
+    def compute_logits(self, prenorm: Tensor) -> Tensor:
+        """pre-norm state [.., H] -> draft-vocab logits [.., draft_vocab]."""
+        return self.lm_head(self.norm(prenorm))
+
+    def draft_to_target_ids(self, draft_ids: Tensor) -> Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def vllm_state_dict(self, include_embedding: bool = False) -> dict[str, Tensor]:
+        """The checkpoint vLLM's ``LlamaForCausalLMEagle3`` loads, names unchanged. Without the
+        embedding vLLM uses the target's (ours is a frozen copy of it)."""
+        state = self.state_dict()
+        if not include_embedding:
+            state.pop("embed_tokens.weight")
+        return state
+
+
+# ---------------------------------------------------------------- the draft
+
+class Eagle3Draft(DraftHead, nn.Module):
+    """The EAGLE-3 draft head. ``embed_tokens`` is a frozen copy of the target's embedding."""
+
+    def __init__(self, config: DraftConfig, embed_tokens_weight: Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.embed_tokens.requires_grad_(False)
+        width = config.num_aux_layers * config.target_hidden_size
+        if config.norm_before_fc:
+            self.input_norm = RMSNorm(width, config.rms_norm_eps)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList([RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                                          for _ in range(config.num_aux_layers)])
+        self.fc = nn.Linear(width, h, bias=False)
+        if config.parallel:  # P-EAGLE: the aux states fed at every mask position (vLLM's name and layout)
+            self.mask_hidden = nn.Parameter(torch.zeros(width))
+        self.midlayer = DecoderLayer(config, first=True)
+        if config.num_layers > 1:  # vLLM names them layers.<i> (it maps midlayer. to layers.0.)
+            self.layers = nn.ModuleDict({str(i): DecoderLayer(config, first=False)
+                                         for i in range(1, config.num_layers)})
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.register_vocab()
+        self.reset_parameters()
+        if embed_tokens_weight is not None:
+            self.load_embedding(embed_tokens_weight)
+
+    def reset_parameters(self) -> None:
+        """Fresh init: normal(0, initializer_range) linears and embedding, unit RMSNorm weights."""
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, nn.Linear | nn.Embedding):
+                    module.weight.normal_(0.0, self.config.initializer_range)
+                elif isinstance(module, RMSNorm):
+                    module.weight.fill_(1.0)
+            if self.config.parallel:  # unit RMS per element, like a typical normalised state
+                self.mask_hidden.normal_(0.0, 1.0)
 
     def init_as_readout(self) -> None:
         """Start as the target's own readout of its deepest aux state: ``fc`` passes that state
@@ -554,9 +606,6 @@ class Eagle3Draft(nn.Module):
         post-norm one. [.., H] -> [.., H]"""
         return self.norm(prenorm) if self.config.norm_output else prenorm
 
-    def embed(self, input_ids: Tensor) -> Tensor:
-        return self.embed_tokens(input_ids)  # [B, S, H]
-
     def rope(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         return rope_cos_sin(self.config, position_ids, dtype)
 
@@ -575,13 +624,6 @@ class Eagle3Draft(nn.Module):
             h = layer(h, embeds, cos, sin, attend, rows if i == len(layers) - 1 else None)
         return h
 
-    def compute_logits(self, prenorm: Tensor) -> Tensor:
-        """pre-norm state [.., H] -> draft-vocab logits [.., draft_vocab]."""
-        return self.lm_head(self.norm(prenorm))
-
-    def draft_to_target_ids(self, draft_ids: Tensor) -> Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
     # -- serving
 
     def forward(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor,
@@ -599,16 +641,8 @@ class Eagle3Draft(nn.Module):
         prenorm = self.decode(hidden, self.embed(input_ids), position_ids, attends)
         return self.next_hidden(prenorm), self.compute_logits(prenorm)
 
-    def vllm_state_dict(self, include_embedding: bool = False) -> dict[str, Tensor]:
-        """The checkpoint vLLM's ``LlamaForCausalLMEagle3`` loads, names unchanged. Without the
-        embedding vLLM uses the target's (ours is a frozen copy of it)."""
-        state = self.state_dict()
-        if not include_embedding:
-            state.pop("embed_tokens.weight")
-        return state
-
 
 __all__ = [
-    "DraftConfig", "Eagle3Draft", "KVCache", "apply_rope", "read_rope", "rope_attention_factor", "rope_cos_sin",
-    "rope_inv_freq", "rope_kind", "trainable_parameter_count",
+    "DraftConfig", "DraftHead", "Eagle3Draft", "KVCache", "apply_rope", "read_rope", "rope_attention_factor",
+    "rope_cos_sin", "rope_inv_freq", "rope_kind", "trainable_parameter_count",
 ]

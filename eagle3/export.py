@@ -30,9 +30,11 @@ from eagle3.draft import DraftConfig, Eagle3Draft, read_rope, rope_kind
 from eagle3.errors import USER_ERRORS
 from eagle3.formats import (
     ARCHITECTURES,
+    DFLASH_ARCHITECTURE,
     FORMATS,
     MARKER,
     DraftFormatError,
+    dflash_config,
     sglang_config,
     speculators_config,
     vllm_config,
@@ -136,7 +138,9 @@ def export_draft_folder(out: str | os.PathLike[str], state: dict[str, Tensor], c
         raise DraftFormatError(f"format {fmt!r}: expected one of {', '.join(FORMATS)}")
     if dtype not in DTYPES:
         raise DraftFormatError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    if fmt == "vllm":
+    if fmt == "vllm" and config.family == "dflash":
+        cfg = dflash_config(config, aux_layer_ids, dtype)
+    elif fmt == "vllm":
         cfg = vllm_config(config, aux_layer_ids, dtype)
     elif fmt == "sglang":
         cfg = sglang_config(config, aux_layer_ids, dtype)
@@ -331,12 +335,15 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
         hint = (f" ({', '.join(pickles)} are pickles, never loaded here: convert them to safetensors "
                 "yourself if you trust their source)") if pickles else ""
         raise DraftFormatError(f"{folder}: no .safetensors weights{hint}")
+    dflash = DFLASH_ARCHITECTURE in (cfg.get("architectures") or [])
     tensors: dict[str, Tensor] = {}
     for path in weights:
         try:
-            tensors.update(_our_names(load_file(str(path))))
+            tensors.update(load_file(str(path)) if dflash else _our_names(load_file(str(path))))
         except (SafetensorError, OSError) as err:
             raise DraftFormatError(f"{path}: not a readable safetensors file ({err}); truncated or corrupt?") from None
+    if dflash:
+        return _load_dflash(folder, cfg, tensors, embed_tokens_weight)
     found = detect_format(cfg, folder / "config.json", list(tensors))
     if fmt == "auto":
         fmt = found
@@ -405,6 +412,53 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
     meta = _read_json(folder / OUR_META) if (folder / OUR_META).is_file() else {}
     return LoadedDraft(draft=draft, aux_layer_ids=ids, format=fmt, path=folder, meta=meta,
                        has_embedding=has_embedding, has_lm_head=has_lm_head)
+
+
+def _load_dflash(folder: Path, cfg: dict[str, Any], tensors: dict[str, Tensor],
+                 embed_tokens_weight: Tensor | None) -> LoadedDraft:
+    """A ``DFlashDraftModel`` folder (vLLM's layout: dflash_config.target_layer_ids name layer outputs)."""
+    from eagle3.dflash import DFlashDraft
+
+    where = folder / "config.json"
+    options = cfg.get("dflash_config") or {}
+    tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in tensors.items()}
+    if options.get("causal") or cfg.get("is_causal") or options.get("use_swa") or cfg.get("layer_types"):
+        raise DraftFormatError(f"{where}: a causal or sliding-window DFlash draft is not supported (only the "
+                               "non-causal block, dflash_config.causal=false)")
+    ids = options.get("target_layer_ids")
+    if not _is_id_list(ids) or options.get("mask_token_id") is None:
+        raise DraftFormatError(f"{where}: dflash_config needs target_layer_ids (a list of ints) and mask_token_id")
+    aux = tuple(int(i) + 1 for i in ids)
+    base = draft_config_from_json({k: v for k, v in cfg.items() if k != "dflash_config"}, "vllm", where, len(aux))
+    block = cfg.get("block_size") or (cfg.get("num_speculative_tokens") or 0) + 1
+    try:
+        config = DraftConfig(**{**asdict(base), "mask_token_id": int(options["mask_token_id"]),
+                                "block_size": int(block)})
+    except (TypeError, ValueError) as err:
+        raise DraftFormatError(f"{where}: {err} (block_size)") from None
+    draft = DFlashDraft(config, None if "embed_tokens.weight" in tensors else embed_tokens_weight)
+    d2t = tensors.pop("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64)).long()
+    tensors.pop("t2d", None)
+    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+    t2d[torch.arange(len(d2t)) + d2t] = True
+    want = draft.state_dict()
+    extra = sorted(set(tensors) - set(want))
+    missing = sorted(set(want) - set(tensors) - {"embed_tokens.weight", "d2t", "t2d"})
+    bad = [f"{k} {tuple(v.shape)} vs {tuple(want[k].shape)}" for k, v in tensors.items()
+           if k in want and v.shape != want[k].shape]
+    if extra or missing or bad:
+        raise DraftFormatError(f"{folder}: the weights do not fit the config (unexpected {extra[:8]}, missing "
+                               f"{missing[:8]}, shapes {bad[:4]})")
+    if nonfinite := nonfinite_tensors(tensors):
+        raise DraftFormatError(f"{folder}: NaN/Inf in {', '.join(nonfinite[:4])}: a diverged or corrupted draft")
+    draft.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    try:
+        draft.set_draft_vocab(d2t, t2d)
+    except ValueError as err:
+        raise DraftFormatError(f"{folder}: d2t: {err}") from None
+    meta = _read_json(folder / OUR_META) if (folder / OUR_META).is_file() else {}
+    return LoadedDraft(draft=draft, aux_layer_ids=aux, format="vllm", path=folder, meta=meta,  # type: ignore[arg-type]
+                       has_embedding="embed_tokens.weight" in tensors, has_lm_head=True)
 
 
 def check_draft_fits_target(loaded: LoadedDraft, *, hidden_size: int, vocab_size: int,

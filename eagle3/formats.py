@@ -23,7 +23,8 @@ every engine uses the target's own)::
                  folder whose ids are only there and start at 1 (SpecForge's and ModelOpt's
                  exports) is read this way too, with a warning.
 
-A P-EAGLE draft (``mask_token_id`` set) is written in the vllm format only: the EAGLE-3 tensors plus
+A DFlash draft is written as vLLM's ``DFlashDraftModel`` (:func:`dflash_config`), in the vllm
+format only. A P-EAGLE draft (``mask_token_id`` set) is written in the vllm format only: the EAGLE-3 tensors plus
 ``mask_hidden`` [A*H_t], and ``parallel_drafting: true`` with the top-level ``mask_token_id``.
 
 Every format writes ``norm_before_residual``, ``norm_before_fc``, ``fc_norm`` and ``norm_output``
@@ -84,9 +85,37 @@ def _parallel(config: DraftConfig) -> dict[str, Any]:
 
 
 def _refuse_parallel(config: DraftConfig, fmt: str) -> None:
-    if config.parallel:
-        raise DraftFormatError(f"a P-EAGLE draft (mask_token_id={config.mask_token_id}) is served by vLLM only, "
-                               f"from the vllm format; the {fmt} format has no parallel-drafting keys")
+    if config.family != "eagle3":
+        raise DraftFormatError(f"a {config.family} draft (mask_token_id={config.mask_token_id}) is served by vLLM "
+                               f"only, from the vllm format; the {fmt} format has no keys for it")
+
+
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+
+
+def dflash_config(config: DraftConfig, aux_layer_ids: Sequence[int], torch_dtype: str = "bfloat16") -> dict[str, Any]:
+    """config.json of a DFlash draft as vLLM's ``DFlashDraftModel`` reads it: a Qwen3 config, the
+    block size, and ``dflash_config`` whose ``target_layer_ids`` name layer *outputs* (our aux ids,
+    which name layer inputs, minus one); ``causal: false`` (the block attends both ways) and
+    ``rope_theta`` written explicitly (vLLM assumes 1e6 when it is absent)."""
+    ids = _checked_ids(aux_layer_ids, config)
+    if ids[0] < 1:
+        raise DraftFormatError(f"aux layer ids {ids}: DFlash names layer outputs, so it cannot read the input of "
+                               "layer 0 (the embedding output)")
+    layer = _layer_config(config, torch_dtype)
+    return {
+        "architectures": [DFLASH_ARCHITECTURE],
+        **layer,
+        "model_type": "qwen3",
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "num_aux_hidden_states": len(ids),
+        "block_size": config.block_size,
+        "num_speculative_tokens": (config.block_size or 2) - 1,
+        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": [i - 1 for i in ids],
+                          "causal": False},
+        MARKER: {"format": "vllm", "aux_layer_ids": ids, "family": "dflash"},
+    }
 
 
 def vllm_config(config: DraftConfig, aux_layer_ids: Sequence[int], torch_dtype: str = "bfloat16") -> dict[str, Any]:

@@ -305,6 +305,13 @@ def ttt_forward(
     """
     if num_steps < 1:
         raise ValueError(f"num_steps={num_steps}: must be >= 1")
+    if draft.config.family == "dflash":  # one block per row instead of an unroll (same rows, loss, metrics)
+        from eagle3.dflash import dflash_forward
+
+        return dflash_forward(draft, input_ids, aux, position_ids, document_ids, loss_mask, targets,  # type: ignore[arg-type]
+                              num_steps=num_steps, weights=weights, return_logits=return_logits,
+                              loss_on_oov=loss_on_oov, skip_unread_rows=skip_unread_rows, gate_steps=gate_steps,
+                              objective=objective)
     w = step_weights(num_steps) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
     if w.shape != (num_steps,):
         raise ValueError(f"{len(w)} step weights for {num_steps} steps")

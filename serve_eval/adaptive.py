@@ -219,6 +219,9 @@ def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int 
         verify = fit_linear([statistics.median(t) for t in times])
         step = 0.0
         if draft is not None:
+            if draft.config.family != "eagle3":
+                raise ValueError(f"the adaptive depth's cost model counts one draft forward per token; a "
+                                 f"{draft.config.family} draft proposes every token in one: serve it at a fixed k")
             dcache = KVCache()
             decoder._draft_rows(out.aux, prefix[1:] + [prefix[0]], 0, dcache)
             state = torch.zeros(1, 1, draft.config.hidden_size, dtype=draft.fc.weight.dtype, device=device)

@@ -16,6 +16,10 @@ it; position ``n``); the draft's cache holds rows 0..n-1 (row t: target states a
               lazily: pending rows go through the draft in one forward before the next proposal,
               so a round at depth 0, plain decoding under an adaptive policy, costs no draft step)
 
+Parallel families propose the whole chain in one draft forward, run with the catch-up rows: a
+P-EAGLE draft appends k - 1 mask rows to them (rolled back with the proposals), a DFlash draft adds
+the rows' context to its cache and runs one non-causal block, the newest token and k mask tokens.
+
 Plain decoding runs in the same loop (one target forward per token), so a speedup compares like
 with like. Timings split draft / verify / other; ``stats`` has tau and acceptance per depth.
 """
@@ -131,8 +135,10 @@ class SpeculativeDecoder:
             if c.target_hidden_size != target.hidden_size or c.vocab_size != target.vocab_size:
                 raise ValueError(f"draft (target_hidden_size {c.target_hidden_size}, vocab {c.vocab_size}) does "
                                  f"not fit the target (hidden {target.hidden_size}, vocab {target.vocab_size})")
-            if c.parallel and config.mode != "chain":
-                raise ValueError("a P-EAGLE draft (mask_token_id set) proposes a chain: mode=tree is not supported")
+            if c.family != "eagle3" and config.mode != "chain":
+                raise ValueError(f"a {c.family} draft proposes a chain in one forward: mode=tree is not supported")
+            if c.family == "dflash" and config.k > c.block_size - 1:
+                raise ValueError(f"k={config.k}: the DFlash draft's block proposes at most {c.block_size - 1} tokens")
             if c.num_aux_layers != len(target.aux_layer_ids):
                 raise ValueError(f"draft reads {c.num_aux_layers} aux states, the target captures "
                                  f"{len(target.aux_layer_ids)} layers {list(target.aux_layer_ids)}")
@@ -153,9 +159,16 @@ class SpeculativeDecoder:
         """Catch-up rows start.. from target aux [1, R, A, H] and the token after each -> last (state,
         logits [1, Vd]). With ``masks`` (P-EAGLE) that many mask rows follow in the same forward (they
         stay in ``cache`` until the round's rollback) and the logits are the last row's and theirs,
-        [1 + masks, Vd]: one per draft token."""
+        [1 + masks, Vd]: one per draft token. A DFlash draft adds the rows' context to ``cache`` and
+        runs one block, the newest token and ``masks`` mask tokens: logits [masks, Vd]."""
         d = self.draft
         assert d is not None
+        if d.config.family == "dflash":  # context keys into the cache, then one block [bonus, masks]
+            end = start + len(tokens)
+            d.add_context(aux, torch.arange(start, end, device=self.device)[None], cache)
+            block = torch.tensor([[tokens[-1]] + [d.config.mask_token_id] * masks], device=self.device)
+            logits = d.propose(block, torch.arange(end, end + 1 + masks, device=self.device)[None], cache)
+            return logits[:, :0], logits[0, 1:]  # no state; [masks, Vd]
         hidden = d.combine_aux(aux.to(d.fc.weight.dtype))  # [1, R, H]
         ids = torch.tensor([tokens], device=self.device)
         if masks:
@@ -316,11 +329,13 @@ class SpeculativeDecoder:
             t0 = time.perf_counter()
             tree = self.config.mode == "tree"
             k = self.config.k if policy is None else min(max(policy.choose(), 0), self.config.k)
-            parallel = k > 0 and self.draft.config.parallel
+            family = self.draft.config.family
+            parallel = k > 0 and family != "eagle3"
             if k > 0 and pending:
                 aux_rows = torch.cat([a for a, _ in pending], dim=1)  # [1, R, A, H]
                 row_tokens = [t for _, ts in pending for t in ts]
-                root = self._draft_rows(aux_rows, row_tokens, caught_up, draft_cache, k - 1 if parallel else 0)
+                masks = k if family == "dflash" else k - 1 if parallel else 0
+                root = self._draft_rows(aux_rows, row_tokens, caught_up, draft_cache, masks)
                 caught_up += len(row_tokens)
                 pending.clear()
             tokens, parents, qs = [], [], None

@@ -1,0 +1,248 @@
+"""The DFlash draft family: Qwen3-style layers that propose a whole block in one non-causal forward.
+
+What vLLM's ``DFlashDraftModel`` serves (``method: "dflash"``; checked against vLLM 0.32's
+``qwen3_dflash.py`` and ``v1/spec_decode/dflash.py``), for ``A`` aux states, block size ``B``::
+
+    context   every token the target has verified, position p:
+              c[p] = hidden_norm(fc(aux[p]))                        [.., H], no input_layernorm
+              per layer: K = rope(k_norm(k_proj(c)), p), V = v_proj(c)  kept in the draft's cache
+    block     the bonus token (the target's newest token, position n) and B-1 mask tokens at n+1..
+              per layer (pre-norm residual): h = input_layernorm(x); q/k/v with q_norm, k_norm and
+              RoPE; attention over the cached context keys and the block's own keys, NOT causal
+              inside the block; o_proj; SwiGLU MLP after post_attention_layernorm
+    logits    lm_head(norm(x)) at mask slot k = the draft token at position n + k
+
+Training (:func:`dflash_forward`) uses the TTT rows of :mod:`eagle3.ttt`: at row t the target has
+verified x[<=t], the bonus token is x[t+1] at position pos[t]+1, slot k (1..B-1) is a mask at
+pos[t]+1+k and learns p[t+k] (the distribution of x[t+k+1]), i.e. TTT step k-1 at row t, with its
+counting, loss gating and metrics. The attention is TTT's too: the step-0 window (context rows
+s <= t of the same document) plus a "diagonal" of the row's own keys, here all B slots at every
+slot (non-causal). ``tests/test_dflash.py`` checks the batched form against the draft run with
+its own cache, block by block, as vLLM serves it.
+
+Differences from speculators' DFlash trainer (which samples up to 512 anchors per sequence and
+weights slots by D-PACE or exp(-(k-1)/gamma)): every counted row is an anchor and the slots are
+weighted ``train.step_decay**(k-1)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from eagle3.draft import MLP, DraftConfig, DraftHead, KVCache, RMSNorm, apply_rope, gather_rows, rope_cos_sin
+from eagle3.losses import SOFT_CE, Objective
+from eagle3.ttt import (
+    TTTOutput,
+    TTTTargets,
+    read_rows,
+    shift_left,
+    step0_attention_mask,
+    step_counted,
+    step_input_ids,
+    step_weights,
+    ttt_attention,
+)
+
+
+class DFlashAttention(nn.Module):
+    """q/k/v/o projections with Qwen3's per-head q_norm/k_norm; context keys use the same k_proj."""
+
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        assert d is not None
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def keys(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """x [B, S, H] (normed) -> rotated keys and values [B, S, nkv, d]."""
+        b, s, _ = x.shape
+        k = apply_rope(self.k_norm(self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)), cos, sin)
+        return k, self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+
+    def queries(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        return apply_rope(self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)), cos, sin)
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.mlp = MLP(h, config.intermediate_size)
+
+
+class DFlashDraft(DraftHead, nn.Module):
+    """A DFlash draft (``config.block_size`` and ``config.mask_token_id`` set). Tensor names are
+    the ones vLLM's ``DFlashDraftModel`` loads."""
+
+    def __init__(self, config: DraftConfig, embed_tokens_weight: Tensor | None = None) -> None:
+        super().__init__()
+        if config.family != "dflash":
+            raise ValueError("a DFlash draft needs block_size and mask_token_id in its config")
+        self.config = config
+        h = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.embed_tokens.requires_grad_(False)
+        self.fc = nn.Linear(config.num_aux_layers * config.target_hidden_size, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.layers = nn.ModuleList([DFlashLayer(config) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.register_vocab()
+        self.reset_parameters()
+        if embed_tokens_weight is not None:
+            self.load_embedding(embed_tokens_weight)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, nn.Linear | nn.Embedding):
+                    module.weight.normal_(0.0, self.config.initializer_range)
+                elif isinstance(module, RMSNorm):
+                    module.weight.fill_(1.0)
+
+    @property
+    def block_size(self) -> int:
+        assert self.config.block_size is not None
+        return self.config.block_size
+
+    def context(self, aux: Tensor) -> Tensor:
+        """aux [B, S, A, H_t] -> the context states every layer's keys read, [B, S, H]."""
+        return self.hidden_norm(self.fc(aux.flatten(-2)))
+
+    def run_block(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Sequence) -> Tensor:
+        """Block embeddings x [B, Q, H] through the layers; ``attend[i](q, k, v)`` is layer i's
+        attention of the block's rotated q/k/v over the context and the block. -> pre-norm [B, Q, H]"""
+        b, q_len, _ = x.shape
+        for layer, attend_i in zip(self.layers, attend, strict=True):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            k, v = attn.keys(h, cos, sin)
+            out = attend_i(attn.queries(h, cos, sin), k, v)  # [B, Q, nh, d]
+            x = x + attn.o_proj(out.reshape(b, q_len, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
+
+    # -- serving
+
+    def add_context(self, aux: Tensor, position_ids: Tensor, cache: KVCache) -> None:
+        """Append verified tokens' context keys/values (aux [1, C, A, H_t], positions [1, C]) to ``cache``."""
+        ctx = self.context(aux.to(self.fc.weight.dtype))
+        cos, sin = rope_cos_sin(self.config, position_ids, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            cache.update(i, *layer.self_attn.keys(ctx, cos, sin))
+
+    def propose(self, input_ids: Tensor, position_ids: Tensor, cache: KVCache) -> Tensor:
+        """One block (the bonus token then mask tokens, ids/positions [1, Q]) over the cached context,
+        non-causal; ``cache`` is not changed. -> logits [1, Q, Vd] (slot k's is draft token k)."""
+        x = self.embed(input_ids)
+        cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)
+
+        def attend_for(i: int):
+            def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                keys, values = torch.cat([cache.keys[i], k], dim=1), torch.cat([cache.values[i], v], dim=1)
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                                     enable_gqa=keys.shape[2] != q.shape[2])
+                return out.transpose(1, 2)
+            return attend
+
+        return self.compute_logits(self.run_block(x, cos, sin, [attend_for(i) for i in range(len(self.layers))]))
+
+
+def dflash_forward(draft: DFlashDraft, input_ids: Tensor, aux: Tensor, position_ids: Tensor, document_ids: Tensor,
+                   loss_mask: Tensor, targets: TTTTargets, *, num_steps: int, weights: Sequence[float] | Tensor | None,
+                   return_logits: bool, loss_on_oov: bool, skip_unread_rows: bool, gate_steps: bool,
+                   objective: Objective = SOFT_CE) -> TTTOutput:
+    """The DFlash block at every row at once (module docstring): :func:`eagle3.ttt.ttt_forward`'s
+    inputs and output, step k being slot k + 1. Tensors: ids/positions/documents/mask [B, S],
+    aux [B, S, A, H_t]."""
+    if num_steps > draft.block_size - 1:
+        raise ValueError(f"{num_steps} steps, but the DFlash block proposes {draft.block_size - 1} tokens")
+    w = step_weights(num_steps) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
+    mask0 = step0_attention_mask(document_ids)  # [B, S, S]: row t sees context rows s <= t
+    at, live = read_rows(loss_mask, document_ids, num_steps) if skip_unread_rows and not return_logits else (None, None)
+    rows = (lambda x: x) if at is None else (lambda x: gather_rows(x, at))
+    b = input_ids.shape[0]
+    r = input_ids.shape[1] if at is None else at.shape[1]
+    slots = num_steps + 1  # the bonus slot and one mask slot per step
+
+    # block inputs, slot-major: [B, slots * R]
+    bonus = rows(step_input_ids(input_ids, 0))  # x[t+1]
+    ids = torch.cat([bonus, torch.full((b, num_steps * r), draft.config.mask_token_id, dtype=bonus.dtype,
+                                       device=bonus.device)], dim=1)
+    base = rows(position_ids) + 1
+    positions = torch.cat([base + j for j in range(slots)], dim=1)
+    window = rows(mask0).repeat(1, slots, 1)  # [B, slots * R, S]
+
+    ctx = draft.context(aux)
+    ctx_cos, ctx_sin = rope_cos_sin(draft.config, position_ids, ctx.dtype)
+
+    def attend_for(layer: DFlashLayer):
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            context = layer.self_attn.keys(ctx, ctx_cos, ctx_sin)  # [B, S, nkv, d] each
+            # every slot sees every slot of its own row: slot j's key, repeated for each query slot
+            block = [(k[:, j * r:(j + 1) * r].repeat(1, slots, 1, 1), v[:, j * r:(j + 1) * r].repeat(1, slots, 1, 1))
+                     for j in range(slots)]
+            return ttt_attention(q, context, block, window)
+        return attend
+
+    x = draft.embed(ids)
+    cos, sin = rope_cos_sin(draft.config, positions, x.dtype)
+    prenorm = draft.run_block(x, cos, sin, [attend_for(layer) for layer in draft.layers])  # [B, slots*R, H]
+
+    t2d = draft.t2d
+    has_mass = targets.probs.sum(-1) > 0 if loss_on_oov else None
+    loss = prenorm.new_zeros((), dtype=torch.float32)
+    loss_sums, counts, matches, counted_all, valid_all, logits_all = [], [], [], [], [], []
+    reached = torch.ones_like(loss_mask, dtype=torch.bool)
+    for k in range(num_steps):
+        out_k = prenorm[:, (k + 1) * r:(k + 2) * r]  # [B, R, H]: slot k + 1
+        counted = step_counted(loss_mask, document_ids, k)
+        target_argmax = shift_left(targets.argmax, k + 1, -1)
+        in_vocab = (shift_left(has_mass, k + 1, False) if has_mass is not None
+                    else t2d[target_argmax.clamp_min(0)] & (target_argmax >= 0))
+        valid = counted & in_vocab
+        trained = valid & reached if gate_steps else valid
+        if return_logits:
+            logits = draft.compute_logits(out_k)  # [B, S, Vd]
+            ce = objective(logits, shift_left(targets.probs, k + 1, 0.0))
+            loss_sum = torch.where(trained, ce, 0.0).sum()
+            draft_argmax = draft.draft_to_target_ids(logits.detach().argmax(-1))
+            logits_all.append(logits)
+        else:
+            counted_r = rows(counted) & (live if live is not None else True)
+            trained_r = rows(trained)
+            bi, ci = counted_r.nonzero(as_tuple=True)
+            t = ci if at is None else at[bi, ci]
+            logits = draft.compute_logits(out_k[bi, ci])  # [M, Vd]
+            ce = objective(logits, targets.probs[bi, t + k + 1])
+            loss_sum = torch.where(trained_r[bi, ci], ce, 0.0).sum()
+            draft_argmax = torch.full_like(input_ids, -2)
+            draft_argmax[bi, t] = draft.draft_to_target_ids(logits.detach().argmax(-1))
+        count = valid.sum()
+        loss = loss + float(w[k]) * loss_sum / count.clamp_min(1)
+        loss_sums.append(loss_sum)
+        counts.append(count)
+        matches.append(draft_argmax == target_argmax)
+        reached = reached & matches[-1]
+        counted_all.append(counted)
+        valid_all.append(valid)
+    return TTTOutput(loss=loss, loss_sum=torch.stack(loss_sums), count=torch.stack(counts),
+                     match=torch.stack(matches), counted=torch.stack(counted_all), valid=torch.stack(valid_all),
+                     logits=logits_all if return_logits else None)
+
+
+__all__ = ["DFlashDraft", "dflash_forward"]

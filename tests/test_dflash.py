@@ -1,0 +1,178 @@
+"""DFlash: the batched block training against the draft run block by block as vLLM serves it
+(context keys in the draft's cache, one non-causal forward over the bonus and mask tokens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3.dflash import DFlashDraft
+from eagle3.draft import DraftConfig, KVCache, trainable_parameter_count
+from eagle3.draft_vocab import DraftVocab
+from eagle3.ttt import prepare_targets, ttt_forward
+from serve_eval.config import SpecConfig
+from serve_eval.spec_decode import SpeculativeDecoder
+from tests.helpers import DRAFT_VOCAB, PROMPTS, TARGET_HIDDEN, VOCAB, make_target, packed_batch
+from tests.test_spec_decode import OracleDecoder, plain
+from tests.test_spec_decode import test_sampled_generation_matches_the_target_distribution as chi_square
+
+MASK = 5
+
+
+def tiny_dflash(num_layers: int = 1, block_size: int = 4, seed: int = 0) -> DFlashDraft:
+    torch.manual_seed(seed)
+    config = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=TARGET_HIDDEN,
+                         num_layers=num_layers, initializer_range=0.15, mask_token_id=MASK, block_size=block_size)
+    draft = DFlashDraft(config, embed_tokens_weight=torch.randn(VOCAB, 64))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # norms away from 1, so that a swapped norm would show
+        for name, p in draft.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    vocab = DraftVocab.from_target_ids(torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB], VOCAB)
+    draft.set_draft_vocab(vocab.d2t, vocab.t2d)
+    return draft.eval()
+
+
+@torch.no_grad()
+def served_logits(draft: DFlashDraft, batch: dict, num_steps: int) -> dict:
+    """{(row, k, t): logits} as vLLM serves DFlash: the cache holds the context of positions <= t
+    (added one token at a time), then one block [x[t+1], mask x K] at positions t+1.. proposes."""
+    out = {}
+    for row in range(batch["input_ids"].shape[0]):
+        ids, doc = batch["input_ids"][row], batch["document_ids"][row]
+        for d in doc.unique().tolist():
+            where = (doc == d).nonzero().flatten()
+            start, end = int(where[0]), int(where[-1]) + 1
+            cache = KVCache()
+            for t in range(start, end - 1):
+                draft.add_context(batch["aux"][row:row + 1, t:t + 1], torch.tensor([[t - start]]), cache)
+                block = torch.tensor([[int(ids[t + 1])] + [MASK] * num_steps])
+                logits = draft.propose(block, torch.arange(t - start + 1, t - start + 2 + num_steps)[None], cache)
+                for k in range(num_steps):
+                    if t + k + 1 < end:
+                        out[row, k, t] = logits[0, k + 1]
+    return out
+
+
+@pytest.mark.parametrize("num_layers,lengths", [(1, [[9, 7], [5, 11]]), (2, [[9, 7], [5, 11]]), (1, [[300]])])
+def test_batched_blocks_equal_serving(num_layers: int, lengths) -> None:
+    draft = tiny_dflash(num_layers)
+    batch = packed_batch(lengths, t2d=draft.t2d)
+    ref = served_logits(draft, batch, 3)
+    with torch.no_grad():
+        out = ttt_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
+                          batch["loss_mask"], prepare_targets(batch["target_logits"], draft.t2d), num_steps=3,
+                          return_logits=True)
+    gaps: dict[int, float] = {}
+    for (row, k, t), logits in ref.items():
+        gaps[k] = max(gaps.get(k, 0.0), (out.logits[k][row, t] - logits).abs().max().item())
+    assert sorted(gaps) == [0, 1, 2]
+    assert max(gaps.values()) < 1e-4, gaps
+
+
+def test_a_causal_block_is_not_what_is_served() -> None:
+    """Negative control: a causal mask inside the block changes the logits of every slot but the
+    last, so the test above sees the block's attention pattern."""
+    draft = tiny_dflash()
+    batch = packed_batch([[12]], t2d=draft.t2d)
+    cache = KVCache()
+    draft.add_context(batch["aux"][:, :6], torch.arange(6)[None], cache)
+    block, pos = torch.tensor([[3, MASK, MASK, MASK]]), torch.arange(6, 10)[None]
+    full = draft.propose(block, pos, cache)
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def causal(q, k, v, **kw):
+        n, m = q.shape[-2], k.shape[-2]
+        mask = torch.arange(m)[None] <= torch.arange(n)[:, None] + (m - n)
+        return real(q, k, v, attn_mask=mask, **kw)
+
+    torch.nn.functional.scaled_dot_product_attention = causal
+    try:
+        causal_logits = draft.propose(block, pos, cache)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = real
+    assert (full[0, 1] - causal_logits[0, 1]).abs().max() > 1e-3
+    assert torch.allclose(full[0, 3], causal_logits[0, 3], atol=1e-5)
+
+
+def test_training_lowers_the_loss_and_counts_parameters() -> None:
+    draft = tiny_dflash().train()
+    batch = packed_batch([[12, 12], [24]], t2d=draft.t2d)
+    targets = prepare_targets(batch["target_logits"], draft.t2d)
+    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(30):
+        out = ttt_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
+                          batch["loss_mask"], targets, num_steps=3)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(float(out.loss.detach()))
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert trainable_parameter_count(draft.config) == sum(p.numel() for p in draft.parameters() if p.requires_grad)
+
+
+def test_skipping_unread_rows_changes_nothing() -> None:
+    draft = tiny_dflash(2)
+    batch = packed_batch([[20, 12], [9, 23]], t2d=draft.t2d)
+    batch["loss_mask"][:, ::3] = 0  # prompts: rows nobody reads
+    targets = prepare_targets(batch["target_logits"], draft.t2d)
+    args = (batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"], batch["loss_mask"], targets)
+    with torch.no_grad():
+        full = ttt_forward(draft, *args, num_steps=3, skip_unread_rows=False)
+        skip = ttt_forward(draft, *args, num_steps=3)
+    torch.testing.assert_close(full.loss, skip.loss)
+    assert torch.equal(full.count, skip.count) and torch.equal(full.match, skip.match)
+
+
+# ---------------------------------------------------------------- the serving loop
+
+
+def dflash_for(target, block_size: int = 4) -> DFlashDraft:
+    torch.manual_seed(1)
+    config = DraftConfig.from_target_config(target.config, draft_vocab_size=target.vocab_size, initializer_range=0.2,
+                                            mask_token_id=3, block_size=block_size)
+    return DFlashDraft(config, target.embed_tokens.weight.detach()).eval()
+
+
+class DFlashOracle(OracleDecoder):
+    """The draft's context and block still run (cache, rollback); the proposal is the target's
+    greedy continuation, every ``wrong``-th token changed."""
+
+    def _propose_parallel(self, logits, params, g, context):
+        return self._propose_chain(None, None, len(context) - 1, None, params, g, context, logits.shape[0])
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_equals_plain_decoding(k: int) -> None:
+    target = make_target()
+    decoder = SpeculativeDecoder(target, dflash_for(target), SpecConfig("chain", k=k))
+    for prompt in PROMPTS:
+        assert decoder.generate(prompt, 24).tokens == plain(target, prompt)
+
+
+@pytest.mark.parametrize("wrong", [0, 3])
+def test_greedy_equals_plain_decoding_when_blocks_are_accepted(wrong: int) -> None:
+    target = make_target()
+    decoder = DFlashOracle(target, dflash_for(target), SpecConfig("chain", k=3), wrong=wrong)
+    for prompt in PROMPTS:
+        got = decoder.generate(prompt, 30)
+        assert got.tokens == plain(target, prompt, 30)
+        assert got.stats.tau > 3.0 if wrong == 0 else 1.0 < got.stats.tau < 4.0
+
+
+def test_k_beyond_the_block_and_trees_are_refused() -> None:
+    target = make_target()
+    with pytest.raises(ValueError, match="at most 3"):
+        SpeculativeDecoder(target, dflash_for(target), SpecConfig("chain", k=4))
+    with pytest.raises(ValueError, match="tree"):
+        SpeculativeDecoder(target, dflash_for(target), SpecConfig("tree", k=3))
+
+
+def test_sampled_generation_matches_the_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tests.test_spec_decode as spec
+
+    monkeypatch.setattr(spec, "make_draft", lambda target: dflash_for(target))
+    chi_square(SpecConfig("chain", k=2))
