@@ -236,9 +236,11 @@ class TrainConfig:
     peagle: P-EAGLE, parallel drafting (the steps after the first read a mask token and a learned
     mask state instead, so one forward proposes them all; vLLM serves it as eagle3 with
     ``parallel_drafting``). An ``init_draft`` of the eagle3 family becomes a P-EAGLE draft with a
-    fresh mask state."""
+    fresh mask state. dflash: DFlash (:mod:`eagle3.dflash`), Qwen3-style layers that read the aux
+    states as keys and propose a block of ``ttt_steps`` tokens in one non-causal forward (vLLM
+    ``method=dflash``); ``num_layers`` sets its depth, ``draft_variant`` and ``layer_init`` do not apply."""
     mask_token_id: int | None = None
-    """peagle: the token fed at each mask position (its frozen embedding; the learned mask state
+    """peagle, dflash: the token fed at each mask position (its frozen embedding; the learned mask state
     carries the rest). None: the target's pad token, else its last vocabulary id."""
     draft_rope: str = "target"
     """target: the target's RoPE theta and scaling (plain, linear, llama3 or yarn; anything else,
@@ -302,6 +304,8 @@ class TrainConfig:
                 out[name] = getattr(self, "draft_" + name)
         if self.draft_rope == "plain":
             out["rope_scaling"] = None
+        if self.draft_family == "dflash":  # the EAGLE-3 layer's variants do not apply
+            return out
         if self.draft_variant == "speculators":
             out.update(norm_before_residual=True, norm_before_fc=True, norm_output=True)
         elif self.draft_variant == "eagle3.1":
@@ -379,9 +383,11 @@ class TrainConfig:
             raise ValueError(f"train.draft_variant={self.draft_variant!r}: expected eagle3, speculators or eagle3.1")
         if self.draft_family not in DRAFT_FAMILIES:
             raise ValueError(f"train.draft_family={self.draft_family!r}: expected one of {', '.join(DRAFT_FAMILIES)}")
-        if self.mask_token_id is not None and self.draft_family != "peagle":
-            raise ValueError(f"train.mask_token_id={self.mask_token_id}: only a draft_family=peagle draft reads a "
+        if self.mask_token_id is not None and self.draft_family == "eagle3":
+            raise ValueError(f"train.mask_token_id={self.mask_token_id}: only a peagle or dflash draft reads a "
                              "mask token")
+        if self.draft_family == "dflash" and self.layer_init != "random":
+            raise ValueError(f"train.layer_init={self.layer_init}: a dflash draft starts from random layers")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ValueError(f"train.mask_token_id={self.mask_token_id}: must be a token id (>= 0)")
         if self.draft_rope not in ("target", "plain"):
@@ -401,7 +407,7 @@ class TrainConfig:
             raise ValueError(f"train.device={self.device!r}: expected auto, cpu or cuda")
 
 
-DRAFT_FAMILIES = ("eagle3", "peagle")
+DRAFT_FAMILIES = ("eagle3", "peagle", "dflash")
 
 
 def draft_recipe(name: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from eagle3.checkpoint import seed_everything
 from eagle3.colocated import ColocatedStore
 from eagle3.config import TargetConfig, TrainConfig
 from eagle3.device import bf16_matmul_speedup
+from eagle3.dflash import DFlashDraft
 from eagle3.distributed import Runtime, all_reduce_sum
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab, read_draft_vocab, select_draft_vocab
@@ -303,8 +304,24 @@ def new_draft(cfg: TrainConfig, target: Target, num_aux: int, vocab: DraftVocab,
     """The draft the run starts from (``train.init_draft``'s, or a new one seeded as ``train.seed``
     says), with the run's vocab and the recipe's initialisation of its head and layer."""
     seed_everything(cfg.seed)  # the same draft on every rank
-    mask_id = mask_token_for(cfg, target) if cfg.draft_family == "peagle" else None
-    if initial is not None:
+    mask_id = mask_token_for(cfg, target) if cfg.draft_family != "eagle3" else None
+    if initial is not None and (cfg.draft_family == "dflash") != (initial.config.family == "dflash"):
+        raise TrainError(f"train.init_draft: {cfg.init_draft} is a {initial.config.family} draft; set "
+                         f"train.draft_family={initial.config.family}")
+    if cfg.draft_family == "dflash" and initial is None:
+        try:
+            config = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size, num_aux_layers=num_aux,
+                                                    mask_token_id=mask_id, block_size=cfg.ttt_steps + 1,
+                                                    **cfg.draft_overrides())
+        except ValueError as err:
+            raise TrainError(f"draft shape: {err}") from None
+        draft = DFlashDraft(config, embedding)
+    elif cfg.draft_family == "dflash":
+        draft = initial
+        if draft.config.block_size - 1 < cfg.ttt_steps:
+            raise TrainError(f"train.ttt_steps={cfg.ttt_steps}: the init_draft's DFlash block proposes "
+                             f"{draft.config.block_size - 1} tokens")
+    elif initial is not None:
         draft = initial
         if mask_id is not None and draft.config.mask_token_id != mask_id:
             if draft.config.parallel:

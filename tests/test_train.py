@@ -293,6 +293,28 @@ def test_the_acceptance_losses_train_the_draft_too(tiny: dict, tmp_path: Path, l
     assert evals[-1]["eval/tau_sim"] > evals[0]["eval/tau_sim"]
 
 
+@pytest.mark.parametrize("family", ["peagle", "dflash"])
+def test_the_parallel_families_train_export_and_serve_losslessly(tiny: dict, tmp_path: Path, family: str) -> None:
+    """train.draft_family=peagle / dflash through the trainer: the loss falls, held-out acceptance
+    rises, the export reads back as that family and serves greedy output equal to plain decoding."""
+    from eagle3.export import load_draft
+    from serve_eval.config import SpecConfig
+    from serve_eval.spec_decode import SpeculativeDecoder
+
+    out = tmp_path / family
+    train(_cfg(tiny, out, steps=24, eval_every=24, lr=1e-2, draft_family=family), target=tiny["target"])
+    losses = [r["train/loss"] for r in read_metrics(out) if "train/loss" in r]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4
+    evals = [r for r in read_metrics(out) if "eval/tau_sim" in r]
+    assert evals[-1]["eval/tau_sim"] > evals[0]["eval/tau_sim"]
+    target = tiny["target"]
+    loaded = load_draft(out / "final", embed_tokens_weight=target.embed_tokens.weight.detach())
+    assert loaded.draft.config.family == family and loaded.aux_layer_ids == (2, 4, 5)
+    speculative = SpeculativeDecoder(target, loaded.draft.eval(), SpecConfig("chain", k=3))
+    for prompt in ([1, 5, 9, 3], [1, 17, 40, 9, 3, 2, 2]):
+        assert speculative.generate(prompt, 16).tokens == SpeculativeDecoder(target, None).generate(prompt, 16).tokens
+
+
 def test_eval_keeps_the_best_tau_and_a_vocab_is_reused(tiny: dict, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
