@@ -241,7 +241,8 @@ class TrainConfig:
     ``method=dflash``); ``num_layers`` sets its depth, ``draft_variant`` and ``layer_init`` do not apply."""
     mask_token_id: int | None = None
     """peagle, dflash: the token fed at each mask position (its frozen embedding; the learned mask state
-    carries the rest). None: the target's pad token, else its last vocabulary id."""
+    carries the rest). None: the tokenizer's mask token, a vocabulary row no token uses, its pad or
+    unknown token when that is not the end-of-text token, else the last id (SmolLM2: 0)."""
     draft_rope: str = "target"
     """target: the target's RoPE theta and scaling (plain, linear, llama3 or yarn; anything else,
     e.g. Phi-3's longrope, fails naming this key); plain: the target's theta without scaling."""

@@ -278,12 +278,17 @@ def initial_draft(folder: str, spec: Any, target: Target, embedding: Tensor) -> 
 
 
 def mask_token_for(cfg: TrainConfig, target: Target) -> int:
-    """P-EAGLE's mask token: ``train.mask_token_id``, else the target's pad token, else its last id."""
+    """The mask token of a peagle/dflash draft: ``train.mask_token_id``; else (as speculators picks
+    one, but without adding a token) the tokenizer's mask token, a vocabulary row no token uses,
+    the pad or unknown token when it is not the end-of-text one, else the last id."""
     vocab = target.vocab_size
     chosen = cfg.mask_token_id
     if chosen is None:
-        pad = getattr(target.config, "pad_token_id", None)
-        chosen = pad if isinstance(pad, int) and 0 <= pad < vocab else vocab - 1
+        tok = target.tokenizer
+        eos = {getattr(tok, "eos_token_id", None), getattr(target.config, "eos_token_id", None)}
+        candidates = [getattr(tok, "mask_token_id", None), len(tok) if len(tok) < vocab else None,
+                      getattr(tok, "pad_token_id", None), getattr(tok, "unk_token_id", None)]
+        chosen = next((c for c in candidates if isinstance(c, int) and 0 <= c < vocab and c not in eos), vocab - 1)
     if not 0 <= chosen < vocab:
         raise TrainError(f"train.mask_token_id={chosen}: not a token id of the target (0..{vocab - 1})")
     return chosen

@@ -178,3 +178,30 @@ def test_sampled_generation_matches_the_target_distribution(monkeypatch: pytest.
 
     monkeypatch.setattr(spec, "make_draft", lambda target: peagle_for(target))
     chi_square(SpecConfig("chain", k=2))
+
+
+def test_the_default_mask_token() -> None:
+    from types import SimpleNamespace
+
+    from eagle3.config import TrainConfig
+    from eagle3.errors import TrainError
+    from eagle3.train_setup import mask_token_for
+
+    class Tok(SimpleNamespace):
+        def __len__(self) -> int:
+            return self.size
+
+    def target(vocab: int = 100, **tok) -> SimpleNamespace:
+        fields = {"size": 100, "eos_token_id": 2, "pad_token_id": None, "unk_token_id": None, "mask_token_id": None}
+        return SimpleNamespace(vocab_size=vocab, tokenizer=Tok(**{**fields, **tok}), config=SimpleNamespace())
+
+    peagle = TrainConfig(draft_family="peagle")
+    assert mask_token_for(peagle, target(mask_token_id=9, pad_token_id=5)) == 9  # the tokenizer's own mask
+    assert mask_token_for(peagle, target(vocab=128, pad_token_id=5)) == 100  # the first row no token uses
+    assert mask_token_for(peagle, target(pad_token_id=2, unk_token_id=0)) == 0  # pad is the eos: unk (SmolLM2)
+    assert mask_token_for(peagle, target(pad_token_id=2)) == 99  # nothing else: the last id
+    assert mask_token_for(TrainConfig(draft_family="dflash", mask_token_id=7), target()) == 7
+    with pytest.raises(TrainError, match="mask_token_id=100"):
+        mask_token_for(TrainConfig(draft_family="peagle", mask_token_id=100), target())
+    with pytest.raises(ValueError, match="train.mask_token_id=3: only a peagle or dflash"):
+        TrainConfig(mask_token_id=3)
