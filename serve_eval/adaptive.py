@@ -29,10 +29,12 @@ from eagle3.device import synchronize
 @dataclass
 class CostModel:
     """Seconds of one round at each depth: ``verify_s[k]`` (a target forward over 1 + k tokens)
-    and ``draft_step_s`` (one draft forward of one token)."""
+    and ``draft_step_s`` (one draft forward of one token; with ``parallel``, the one draft forward
+    that proposes a whole round, as P-EAGLE and DFlash drafts do)."""
 
     verify_s: list[float]
     draft_step_s: float
+    parallel: bool = False
 
     def __post_init__(self) -> None:
         if not self.verify_s or min(self.verify_s) <= 0 or self.draft_step_s < 0:
@@ -48,11 +50,12 @@ class CostModel:
         proposes the first token, then k - 1 chain steps); a depth-0 round runs no draft forward
         (its catch-up rows join the next speculating round's). ``width``: draft tokens verified
         when they are not k (a tree's budget)."""
-        return self.verify_s[k if width is None else width] + k * self.draft_step_s
+        drafts = min(k, 1) if self.parallel else k
+        return self.verify_s[k if width is None else width] + drafts * self.draft_step_s
 
     def as_dict(self) -> dict[str, Any]:
         return {"verify_ms": [round(1e3 * t, 2) for t in self.verify_s],
-                "draft_step_ms": round(1e3 * self.draft_step_s, 3)}
+                "draft_step_ms": round(1e3 * self.draft_step_s, 3), "parallel": self.parallel}
 
     def speedup(self, tau: float, k: int, width: int | None = None) -> float:
         """Predicted speedup over plain decoding of rounds at depth k emitting ``tau`` tokens each."""
@@ -72,7 +75,7 @@ class CostModel:
                "ceiling": round(self.speedup(k + 1, k, w), 3)}
         if tau is not None:
             out |= {"predicted_speedup": round(self.speedup(tau, k, w), 3),
-                    "speedup_if_verify_is_flat": round(tau * t1 / (t1 + k * self.draft_step_s), 3)}
+                    "speedup_if_verify_is_flat": round(tau * t1 / (t1 + self.round_seconds(k, w) - tw), 3)}
         return out
 
 
@@ -193,7 +196,8 @@ def fit_linear(times: Sequence[float]) -> list[float]:
 
 def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int = 5, seed: int = 0) -> CostModel:
     """Time the decoder's target over 1 + k tokens (k = 0..max_depth) after a ``context``-token
-    prefix (medians of ``repeats``, fitted by :func:`fit_linear`) and one draft step (median)."""
+    prefix (medians of ``repeats``, fitted by :func:`fit_linear`) and one draft step (median); for
+    a parallel family, its one forward proposing ``max_depth`` tokens."""
     from transformers import DynamicCache
 
     from eagle3.draft import KVCache
@@ -218,10 +222,21 @@ def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int 
                 crop_cache(cache, context)
         verify = fit_linear([statistics.median(t) for t in times])
         step = 0.0
+        if draft is not None and draft.config.family != "eagle3":  # one forward proposes the round
+            dcache = KVCache()
+            decoder._draft_rows(out.aux, prefix[1:] + [prefix[0]], 0, dcache)
+            family = draft.config.family
+            masks = max_depth if family == "dflash" else max(max_depth - 1, 0)
+            times = []
+            for r in range(repeats + 1):  # a round's forward: one catch-up row and the masks
+                synchronize(device)
+                t0 = time.perf_counter()
+                decoder._draft_rows(out.aux[:, -1:], [prefix[r]], context, dcache, masks)
+                synchronize(device)
+                times.append(time.perf_counter() - t0)
+                dcache.truncate(context)
+            return CostModel(verify, statistics.median(times[1:]), parallel=True)
         if draft is not None:
-            if draft.config.family != "eagle3":
-                raise ValueError(f"the adaptive depth's cost model counts one draft forward per token; a "
-                                 f"{draft.config.family} draft proposes every token in one: serve it at a fixed k")
             dcache = KVCache()
             decoder._draft_rows(out.aux, prefix[1:] + [prefix[0]], 0, dcache)
             state = torch.zeros(1, 1, draft.config.hidden_size, dtype=draft.fc.weight.dtype, device=device)

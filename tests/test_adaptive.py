@@ -84,3 +84,18 @@ def test_fit_linear_by_hand() -> None:
     fitted = fit_linear([0.11, 0.086, 0.083, 0.163])
     assert fitted == pytest.approx([0.0871, 0.1027, 0.1183, 0.1339], abs=1e-4)
     assert fit_linear([0.3, 0.2, 0.1]) == pytest.approx([0.2, 0.2, 0.2])  # never a negative slope
+
+
+def test_a_parallel_drafts_round_costs_one_draft_forward() -> None:
+    """P-EAGLE and DFlash drafts propose a round in one forward: the cost model counts one, at any depth."""
+    from tests.test_dflash import dflash_for
+    from tests.test_peagle import peagle_for
+
+    cost = CostModel([1.0, 1.5, 2.0, 2.5], 0.25, parallel=True)
+    assert [cost.round_seconds(k) for k in range(4)] == [1.0, 1.75, 2.25, 2.75]
+    assert CostModel([1.0, 1.5, 2.0, 2.5], 0.25).round_seconds(3) == 3.25
+    target = make_target()
+    for draft in (peagle_for(target), dflash_for(target)):
+        decoder = SpeculativeDecoder(target, draft, SpecConfig("chain", k=3))
+        measured = measure_cost(decoder, 3, context=32, repeats=2)
+        assert measured.parallel and measured.draft_step_s > 0 and len(measured.verify_s) == 4
