@@ -28,6 +28,7 @@ weighted ``train.step_decay**(k-1)``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,7 @@ from eagle3.ttt import (
     step_input_ids,
     step_weights,
     ttt_attention,
+    ttt_forward,
 )
 
 
@@ -162,13 +164,22 @@ class DFlashDraft(DraftHead, nn.Module):
         return self.compute_logits(self.run_block(x, cos, sin, [attend_for(i) for i in range(len(self.layers))]))
 
 
+def draft_forward(draft: DraftHead, *args: Any, **kwargs: Any) -> TTTOutput:
+    """The training forward of any draft family, :func:`eagle3.ttt.ttt_forward`'s inputs and output:
+    the TTT unroll for eagle3 and P-EAGLE drafts, :func:`dflash_forward` for DFlash ones."""
+    if draft.config.family == "dflash":
+        return dflash_forward(draft, *args, **kwargs)  # type: ignore[arg-type]
+    return ttt_forward(draft, *args, **kwargs)  # type: ignore[arg-type]
+
+
 def dflash_forward(draft: DFlashDraft, input_ids: Tensor, aux: Tensor, position_ids: Tensor, document_ids: Tensor,
-                   loss_mask: Tensor, targets: TTTTargets, *, num_steps: int, weights: Sequence[float] | Tensor | None,
-                   return_logits: bool, loss_on_oov: bool, skip_unread_rows: bool, gate_steps: bool,
-                   objective: Objective = SOFT_CE) -> TTTOutput:
+                   loss_mask: Tensor, targets: TTTTargets, *, num_steps: int = 7,
+                   weights: Sequence[float] | Tensor | None = None, gradient_checkpointing: bool = False,
+                   return_logits: bool = False, loss_on_oov: bool = False, skip_unread_rows: bool = True,
+                   gate_steps: bool = False, objective: Objective = SOFT_CE) -> TTTOutput:
     """The DFlash block at every row at once (module docstring): :func:`eagle3.ttt.ttt_forward`'s
     inputs and output, step k being slot k + 1. Tensors: ids/positions/documents/mask [B, S],
-    aux [B, S, A, H_t]."""
+    aux [B, S, A, H_t]. ``gradient_checkpointing`` is not applied (one block, no unroll to replay)."""
     if num_steps > draft.block_size - 1:
         raise ValueError(f"{num_steps} steps, but the DFlash block proposes {draft.block_size - 1} tokens")
     w = step_weights(num_steps) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
@@ -245,4 +256,4 @@ def dflash_forward(draft: DFlashDraft, input_ids: Tensor, aux: Tensor, position_
                      logits=logits_all if return_logits else None)
 
 
-__all__ = ["DFlashDraft", "dflash_forward"]
+__all__ = ["DFlashDraft", "dflash_forward", "draft_forward"]

@@ -22,9 +22,10 @@ What it wraps around the library (the draft and TTT code know nothing of this):
 * **Draft vocab**: the ``draft_vocab_size`` most frequent loss-masked tokens of the training
   split, chosen once and saved as ``out_dir/draft_vocab.safetensors`` (frozen for the run,
   reusable by another run with ``draft_vocab=PATH``).
-* **Loss and metrics**: :func:`eagle3.ttt.ttt_forward` (K=7 steps, weights 0.8**k), per-step
-  accuracy, conditional acceptance and tau_sim (:mod:`eagle3.metrics`) on train batches and on the eval split every
-  ``eval_every`` steps; the best eval tau_sim is exported to ``out_dir/best``.
+* **Loss and metrics**: :func:`eagle3.ttt.ttt_forward` (K=7 steps, weights 0.8**k; DFlash's block
+  instead for a DFlash draft, :func:`eagle3.dflash.draft_forward`), per-step accuracy,
+  conditional acceptance and tau_sim (:mod:`eagle3.metrics`) on train batches and on the eval
+  split every ``eval_every`` steps; the best eval tau_sim is exported to ``out_dir/best``.
 * **Checkpoints** (:mod:`eagle3.checkpoint`): DeepSpeed's, with the data position, best eval
   and per-rank RNG states, published atomically; a run killed at any moment resumes to the
   same losses. ``out_dir/final`` holds the last draft.
@@ -60,6 +61,7 @@ from eagle3.checkpoint import (
 from eagle3.cli import add_dataclass_arguments
 from eagle3.colocated import ColocatedStore
 from eagle3.config import TargetConfig, TrainConfig
+from eagle3.dflash import draft_forward
 from eagle3.distributed import Runtime, all_reduce_sum, barrier, init_runtime
 from eagle3.draft import Eagle3Draft, trainable_parameter_count
 from eagle3.draft_vocab import read_draft_vocab, write_draft_vocab
@@ -103,7 +105,7 @@ from eagle3.train_setup import (
     sample_weights,
     verify_stores,
 )
-from eagle3.ttt import TTTOutput, TTTTargets, step_weights, ttt_forward
+from eagle3.ttt import TTTOutput, TTTTargets, step_weights
 
 # ---------------------------------------------------------------- the engine's module
 
@@ -138,7 +140,7 @@ class TTTModel(nn.Module):
                 loss_mask: Tensor, target_probs: Tensor, target_argmax: Tensor) -> tuple[Tensor, ...]:
         if self.training and self.feature_noise > 0:
             aux = add_feature_noise(aux, self.feature_noise)
-        out = ttt_forward(self.draft, input_ids, aux, position_ids, document_ids, loss_mask,
+        out = draft_forward(self.draft, input_ids, aux, position_ids, document_ids, loss_mask,
                           TTTTargets(probs=target_probs, argmax=target_argmax), num_steps=self.num_steps,
                           weights=self.weights, gradient_checkpointing=self.gradient_checkpointing and self.training,
                           loss_on_oov=self.loss_on_oov, gate_steps=self.gate_steps, objective=self.objective)

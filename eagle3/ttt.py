@@ -277,9 +277,7 @@ def ttt_forward(
     draft: Eagle3Draft,
     input_ids: Tensor,  # [B, S]
     aux: Tensor,  # [B, S, A, H_t]
-    position_ids: Tensor,  # [B, S]
-    document_ids: Tensor,  # [B, S]
-    loss_mask: Tensor,  # [B, S]
+    position_ids: Tensor, document_ids: Tensor, loss_mask: Tensor,  # [B, S] each
     targets: TTTTargets,
     *,
     num_steps: int = 7,
@@ -305,13 +303,6 @@ def ttt_forward(
     """
     if num_steps < 1:
         raise ValueError(f"num_steps={num_steps}: must be >= 1")
-    if draft.config.family == "dflash":  # one block per row instead of an unroll (same rows, loss, metrics)
-        from eagle3.dflash import dflash_forward
-
-        return dflash_forward(draft, input_ids, aux, position_ids, document_ids, loss_mask, targets,  # type: ignore[arg-type]
-                              num_steps=num_steps, weights=weights, return_logits=return_logits,
-                              loss_on_oov=loss_on_oov, skip_unread_rows=skip_unread_rows, gate_steps=gate_steps,
-                              objective=objective)
     w = step_weights(num_steps) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
     if w.shape != (num_steps,):
         raise ValueError(f"{len(w)} step weights for {num_steps} steps")
@@ -332,14 +323,12 @@ def ttt_forward(
     loss = hidden.new_zeros((), dtype=torch.float32)
     loss_sums, counts, matches, counted_all, valid_all, logits_all = [], [], [], [], [], []
     reached = torch.ones_like(loss_mask, dtype=torch.bool)  # [B, S]: steps so far all matched
-    parallel = draft.config.parallel  # P-EAGLE: steps >= 1 are fed the mask token and mask state
     for k in range(num_steps):
         inputs_at = at if k > 0 else None  # step 0 reads every row (keys and values)
         ids_k = _rows(step_input_ids(input_ids, k), inputs_at)  # [B, S] at step 0, else [B, R]
         pos_k = _rows(step_positions(position_ids, k), inputs_at)
-        if parallel and k > 0:
-            ids_k = torch.full_like(ids_k, draft.config.mask_token_id)
-            hidden = draft.mask_state().to(hidden.dtype).expand(*ids_k.shape, -1)  # [B, R, H]
+        if draft.config.parallel and k > 0:  # P-EAGLE: the mask token and mask state instead
+            ids_k, hidden = _mask_inputs(draft, ids_k, hidden)
         counted = step_counted(loss_mask, document_ids, k)  # [B, S]
         target_argmax = shift_left(targets.argmax, k + 1, -1)  # [B, S] target's argmax at t+k+1
         in_vocab = (shift_left(has_mass, k + 1, False) if has_mass is not None
@@ -383,6 +372,12 @@ def ttt_forward(
     return TTTOutput(loss=loss, loss_sum=torch.stack(loss_sums), count=torch.stack(counts),
                      match=torch.stack(matches), counted=torch.stack(counted_all), valid=torch.stack(valid_all),
                      logits=logits_all if return_logits else None)
+
+
+def _mask_inputs(draft: Eagle3Draft, ids: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+    """P-EAGLE's inputs at a step >= 1: the mask token [B, R] and the mask state [B, R, H] at every row."""
+    ids = torch.full_like(ids, draft.config.mask_token_id)
+    return ids, draft.mask_state().to(hidden.dtype).expand(*ids.shape, -1)
 
 
 def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tensor, pos_k: Tensor, valid: Tensor,

@@ -26,11 +26,12 @@ from typing import Any
 import torch
 
 from eagle3.conversations import iter_jsonl
+from eagle3.dflash import draft_forward
 from eagle3.draft import Eagle3Draft
 from eagle3.metrics import accepted_runs, step_hits
 from eagle3.shards import HarvestStore
 from eagle3.train_data import load_batch
-from eagle3.ttt import step_weights, ttt_forward
+from eagle3.ttt import step_weights
 
 UNKNOWN = "unknown"
 
@@ -120,7 +121,7 @@ def score_sample(draft: Eagle3Draft, head: Any, batch: dict[str, torch.Tensor], 
     dtype, device = draft.fc.weight.dtype, draft.fc.weight.device
     batch = {k: v.to(device) for k, v in batch.items()}  # the loader builds it on the host
     targets = head.targets(batch, draft.t2d)
-    out = ttt_forward(draft, batch["input_ids"], batch["aux"].to(dtype), batch["position_ids"],
+    out = draft_forward(draft, batch["input_ids"], batch["aux"].to(dtype), batch["position_ids"],
                       batch["document_ids"], batch["loss_mask"], targets, num_steps=ttt_steps,
                       weights=step_weights(ttt_steps, step_decay))
     run, start = accepted_runs(out.match, out.counted)  # [N] each

@@ -215,7 +215,7 @@ class SpeculativeDecoder:
 
     def _propose_parallel(self, logits: Tensor, params: SamplingConfig, g: torch.Generator | None,
                           context: list[int]) -> tuple[list[int], list[int], Tensor | None]:
-        """P-EAGLE: the draft tokens from one forward's rows, logits [k, Vd], each row drawn on its own
+        """Parallel families: the draft tokens from one forward's rows, logits [k, Vd], each drawn on its own
         (a proposal need not depend on the earlier draft tokens to stay lossless: verification only
         needs the distribution each token was drawn from). ``context``: unused, as in the chain."""
         full = self._draft_target_logits(logits)  # [k, V]

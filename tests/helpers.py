@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,13 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.conversations import DOMAINS
+from eagle3.dflash import DFlashDraft
 from eagle3.draft import DraftConfig, Eagle3Draft, KVCache
 from eagle3.draft_vocab import DraftVocab
 from eagle3.target import Target
+from serve_eval.config import SpecConfig
+from serve_eval.spec_decode import SpeculativeDecoder
+from serve_eval.verify import SamplingConfig, target_probs
 
 VOCAB, DRAFT_VOCAB, TARGET_HIDDEN = 128, 32, 48
 """The TTT tests' tiny sizes: target vocabulary, draft vocabulary, target hidden size."""
@@ -293,3 +298,110 @@ def tiny_pipeline(root: Path, kind: str = "local") -> Any:
         launcher=LauncherConfig(kind=kind, folder=str(root / "submitit"), harvest_shards=2, tasks_per_node=2,
                                 timeout_min=10),
     )
+
+
+# ---------------------------------------------------------------- serving-loop builders
+
+
+class OracleDecoder(SpeculativeDecoder):
+    """Proposes the target's own greedy continuation (with every ``wrong``-th token changed), so
+    that long accepted runs and rejections both happen; the catch-up still runs the real draft."""
+
+    def __init__(self, *args, wrong: int = 0, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.wrong = wrong
+
+    def _greedy(self, context: list[int], k: int) -> list[int]:
+        out: list[int] = []
+        for _ in range(k):
+            logits = self.target(torch.tensor([context + out]), return_logits=True).logits[0, -1]
+            out.append(int(logits.argmax()))
+        return out
+
+    def _propose_chain(self, root_state, root_logits, n, cache, params, g, context, k):
+        tokens = self._greedy(context, k)
+        if self.wrong:
+            tokens = [(t + 1) % self.target.vocab_size if (i + n) % self.wrong == 0 else t
+                      for i, t in enumerate(tokens)]
+        return tokens, list(range(-1, len(tokens) - 1)), None
+
+    def _propose_tree(self, root_state, root_logits, n, cache, context):
+        # a wrong root child first, then the right chain under the second root child
+        right = self._greedy(context, self.config.k)
+        return [(right[0] + 1) % self.target.vocab_size, *right], [-1, -1, *range(1, len(right))]
+
+
+def plain(target: Target, prompt: list[int], n: int = 24) -> list[int]:
+    return SpeculativeDecoder(target, None).generate(prompt, n).tokens
+
+
+def assert_sampling_matches_target(config: SpecConfig, draft_for) -> None:
+    """Sampled generation with ``draft_for(target)`` on a tiny model matches the target's distribution
+    (chi-square over 1500 three-token continuations, p = 1e-4)."""
+    target = make_target(vocab=32, layers=4)
+    draft = draft_for(target)
+    params = SamplingConfig(temperature=1.0, top_k=4)
+    prompt = [1, 7, 3]
+    decoder = SpeculativeDecoder(target, draft, config)
+    trials = 1500
+    counts: dict[tuple[int, int, int], int] = {}
+    for seed in range(trials):
+        key = tuple(decoder.generate(prompt, 3, params=params, seed=seed).tokens)
+        counts[key] = counts.get(key, 0) + 1
+    # exact: p(a) p(b | a) p(c | a b) under the processed target distribution; the 2nd and 3rd
+    # tokens come from speculative rounds
+    p0 = target_probs(target(torch.tensor([prompt])).logits[0, -1], params)
+    expected: dict[tuple[int, int, int], float] = {}
+    for a in p0.nonzero().flatten().tolist():
+        p1 = target_probs(target(torch.tensor([prompt + [a]])).logits[0, -1], params)
+        for b in p1.nonzero().flatten().tolist():
+            p2 = target_probs(target(torch.tensor([prompt + [a, b]])).logits[0, -1], params)
+            for c in p2.nonzero().flatten().tolist():
+                expected[(a, b, c)] = trials * float(p0[a] * p1[b] * p2[c])
+    assert set(counts) <= set(expected)  # nothing outside the target's top-k is ever emitted
+    # pool cells with small expectations into one, then chi-square
+    small = [k for k, e in expected.items() if e < 5]
+    stat = sum((counts.get(k, 0) - e) ** 2 / e for k, e in expected.items() if e >= 5)
+    if small:
+        e = sum(expected[k] for k in small)
+        o = sum(counts.get(k, 0) for k in small)
+        stat += (o - e) ** 2 / e
+    dof = sum(1 for e in expected.values() if e >= 5) + bool(small) - 1
+    # critical value at p = 1e-4: about dof + 4.3*sqrt(2*dof) + 10 for these sizes
+    assert stat < dof + 4.3 * (2 * dof) ** 0.5 + 10, (stat, dof)
+
+
+# ---------------------------------------------------------------- the parallel families
+
+MASK = 5
+"""The tiny DFlash draft's mask token."""
+
+
+def tiny_dflash(num_layers: int = 1, block_size: int = 4, seed: int = 0) -> DFlashDraft:
+    torch.manual_seed(seed)
+    config = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=TARGET_HIDDEN,
+                         num_layers=num_layers, initializer_range=0.15, mask_token_id=MASK, block_size=block_size)
+    draft = DFlashDraft(config, embed_tokens_weight=torch.randn(VOCAB, 64))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # norms away from 1, so that a swapped norm would show
+        for name, p in draft.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    vocab = DraftVocab.from_target_ids(torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB], VOCAB)
+    draft.set_draft_vocab(vocab.d2t, vocab.t2d)
+    return draft.eval()
+
+
+def peagle_for(target) -> Eagle3Draft:
+    base = make_draft(target)
+    draft = Eagle3Draft(replace(base.config, mask_token_id=3), target.embed_tokens.weight.detach())
+    draft.load_state_dict({**base.state_dict(), "mask_hidden": torch.randn(draft.mask_hidden.shape)})
+    return draft.eval()
+
+
+def dflash_for(target, block_size: int = 4) -> DFlashDraft:
+    torch.manual_seed(1)
+    config = DraftConfig.from_target_config(target.config, draft_vocab_size=target.vocab_size, initializer_range=0.2,
+                                            mask_token_id=3, block_size=block_size)
+    return DFlashDraft(config, target.embed_tokens.weight.detach()).eval()

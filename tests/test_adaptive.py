@@ -88,8 +88,7 @@ def test_fit_linear_by_hand() -> None:
 
 def test_a_parallel_drafts_round_costs_one_draft_forward() -> None:
     """P-EAGLE and DFlash drafts propose a round in one forward: the cost model counts one, at any depth."""
-    from tests.test_dflash import dflash_for
-    from tests.test_peagle import peagle_for
+    from tests.helpers import dflash_for, peagle_for
 
     cost = CostModel([1.0, 1.5, 2.0, 2.5], 0.25, parallel=True)
     assert [cost.round_seconds(k) for k in range(4)] == [1.0, 1.75, 2.25, 2.75]

@@ -7,32 +7,22 @@ import pytest
 import torch
 
 from eagle3.dflash import DFlashDraft
-from eagle3.draft import DraftConfig, KVCache, trainable_parameter_count
-from eagle3.draft_vocab import DraftVocab
-from eagle3.ttt import prepare_targets, ttt_forward
+from eagle3.dflash import draft_forward as ttt_forward
+from eagle3.draft import KVCache, trainable_parameter_count
+from eagle3.ttt import prepare_targets
 from serve_eval.config import SpecConfig
 from serve_eval.spec_decode import SpeculativeDecoder
-from tests.helpers import DRAFT_VOCAB, PROMPTS, TARGET_HIDDEN, VOCAB, make_target, packed_batch
-from tests.test_spec_decode import OracleDecoder, plain
-from tests.test_spec_decode import test_sampled_generation_matches_the_target_distribution as chi_square
-
-MASK = 5
-
-
-def tiny_dflash(num_layers: int = 1, block_size: int = 4, seed: int = 0) -> DFlashDraft:
-    torch.manual_seed(seed)
-    config = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=TARGET_HIDDEN,
-                         num_layers=num_layers, initializer_range=0.15, mask_token_id=MASK, block_size=block_size)
-    draft = DFlashDraft(config, embed_tokens_weight=torch.randn(VOCAB, 64))
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # norms away from 1, so that a swapped norm would show
-        for name, p in draft.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-    vocab = DraftVocab.from_target_ids(torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB], VOCAB)
-    draft.set_draft_vocab(vocab.d2t, vocab.t2d)
-    return draft.eval()
+from tests.helpers import (
+    MASK,
+    PROMPTS,
+    OracleDecoder,
+    assert_sampling_matches_target,
+    dflash_for,
+    make_target,
+    packed_batch,
+    plain,
+    tiny_dflash,
+)
 
 
 @torch.no_grad()
@@ -130,13 +120,6 @@ def test_skipping_unread_rows_changes_nothing() -> None:
 # ---------------------------------------------------------------- the serving loop
 
 
-def dflash_for(target, block_size: int = 4) -> DFlashDraft:
-    torch.manual_seed(1)
-    config = DraftConfig.from_target_config(target.config, draft_vocab_size=target.vocab_size, initializer_range=0.2,
-                                            mask_token_id=3, block_size=block_size)
-    return DFlashDraft(config, target.embed_tokens.weight.detach()).eval()
-
-
 class DFlashOracle(OracleDecoder):
     """The draft's context and block still run (cache, rollback); the proposal is the target's
     greedy continuation, every ``wrong``-th token changed."""
@@ -171,8 +154,5 @@ def test_k_beyond_the_block_and_trees_are_refused() -> None:
         SpeculativeDecoder(target, dflash_for(target), SpecConfig("tree", k=3))
 
 
-def test_sampled_generation_matches_the_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tests.test_spec_decode as spec
-
-    monkeypatch.setattr(spec, "make_draft", lambda target: dflash_for(target))
-    chi_square(SpecConfig("chain", k=2))
+def test_sampled_generation_matches_the_target_distribution() -> None:
+    assert_sampling_matches_target(SpecConfig("chain", k=2), dflash_for)

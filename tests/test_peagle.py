@@ -17,9 +17,16 @@ from eagle3.formats import DraftFormatError
 from eagle3.ttt import prepare_targets, ttt_forward
 from serve_eval.config import SpecConfig
 from serve_eval.spec_decode import SpeculativeDecoder
-from tests.helpers import PROMPTS, make_draft, make_target, packed_batch, tiny_draft
-from tests.test_spec_decode import OracleDecoder, plain
-from tests.test_spec_decode import test_sampled_generation_matches_the_target_distribution as chi_square
+from tests.helpers import (
+    PROMPTS,
+    OracleDecoder,
+    assert_sampling_matches_target,
+    make_target,
+    packed_batch,
+    peagle_for,
+    plain,
+    tiny_draft,
+)
 
 MASK = 7
 
@@ -131,13 +138,6 @@ def test_export_writes_vllms_keys_and_imports_back(tmp_path) -> None:
         load_draft(folder)
 
 
-def peagle_for(target) -> Eagle3Draft:
-    base = make_draft(target)
-    draft = Eagle3Draft(replace(base.config, mask_token_id=3), target.embed_tokens.weight.detach())
-    draft.load_state_dict({**base.state_dict(), "mask_hidden": torch.randn(draft.mask_hidden.shape)})
-    return draft.eval()
-
-
 class ParallelOracle(OracleDecoder):
     """The draft's parallel forward still runs (catch-up and mask rows in one forward, rollback); its
     tokens are replaced by the target's greedy continuation, every ``wrong``-th one changed."""
@@ -173,11 +173,8 @@ def test_a_parallel_draft_refuses_trees() -> None:
         SpeculativeDecoder(target, peagle_for(target), SpecConfig("tree", k=3))
 
 
-def test_sampled_generation_matches_the_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tests.test_spec_decode as spec
-
-    monkeypatch.setattr(spec, "make_draft", lambda target: peagle_for(target))
-    chi_square(SpecConfig("chain", k=2))
+def test_sampled_generation_matches_the_target_distribution() -> None:
+    assert_sampling_matches_target(SpecConfig("chain", k=2), peagle_for)
 
 
 def test_the_default_mask_token() -> None:

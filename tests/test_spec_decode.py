@@ -6,45 +6,20 @@ exercised), and sampled generation matches the target's distribution (chi-square
 from __future__ import annotations
 
 import pytest
-import torch
 
 from eagle3.target import Target
 from serve_eval.config import SpecConfig
 from serve_eval.spec_decode import SpeculativeDecoder
-from serve_eval.verify import SamplingConfig, target_probs
-from tests.helpers import PROMPTS, make_draft, make_target, tiny_llama, tiny_tokenizer
-
-
-class OracleDecoder(SpeculativeDecoder):
-    """Proposes the target's own greedy continuation (with every ``wrong``-th token changed), so
-    that long accepted runs and rejections both happen; the catch-up still runs the real draft."""
-
-    def __init__(self, *args, wrong: int = 0, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.wrong = wrong
-
-    def _greedy(self, context: list[int], k: int) -> list[int]:
-        out: list[int] = []
-        for _ in range(k):
-            logits = self.target(torch.tensor([context + out]), return_logits=True).logits[0, -1]
-            out.append(int(logits.argmax()))
-        return out
-
-    def _propose_chain(self, root_state, root_logits, n, cache, params, g, context, k):
-        tokens = self._greedy(context, k)
-        if self.wrong:
-            tokens = [(t + 1) % self.target.vocab_size if (i + n) % self.wrong == 0 else t
-                      for i, t in enumerate(tokens)]
-        return tokens, list(range(-1, len(tokens) - 1)), None
-
-    def _propose_tree(self, root_state, root_logits, n, cache, context):
-        # a wrong root child first, then the right chain under the second root child
-        right = self._greedy(context, self.config.k)
-        return [(right[0] + 1) % self.target.vocab_size, *right], [-1, -1, *range(1, len(right))]
-
-
-def plain(target: Target, prompt: list[int], n: int = 24) -> list[int]:
-    return SpeculativeDecoder(target, None).generate(prompt, n).tokens
+from tests.helpers import (
+    PROMPTS,
+    OracleDecoder,
+    assert_sampling_matches_target,
+    make_draft,
+    make_target,
+    plain,
+    tiny_llama,
+    tiny_tokenizer,
+)
 
 
 @pytest.mark.parametrize("config", [SpecConfig("chain", k=3), SpecConfig("chain", k=1),
@@ -145,34 +120,4 @@ def test_mismatched_draft_is_refused() -> None:
 
 @pytest.mark.parametrize("config", [SpecConfig("chain", k=2), SpecConfig("tree", k=2, topk=2, budget=4)])
 def test_sampled_generation_matches_the_target_distribution(config: SpecConfig) -> None:
-    target = make_target(vocab=32, layers=4)
-    draft = make_draft(target)
-    params = SamplingConfig(temperature=1.0, top_k=4)
-    prompt = [1, 7, 3]
-    decoder = SpeculativeDecoder(target, draft, config)
-    trials = 1500
-    counts: dict[tuple[int, int, int], int] = {}
-    for seed in range(trials):
-        key = tuple(decoder.generate(prompt, 3, params=params, seed=seed).tokens)
-        counts[key] = counts.get(key, 0) + 1
-    # exact: p(a) p(b | a) p(c | a b) under the processed target distribution; the 2nd and 3rd
-    # tokens come from speculative rounds
-    p0 = target_probs(target(torch.tensor([prompt])).logits[0, -1], params)
-    expected: dict[tuple[int, int, int], float] = {}
-    for a in p0.nonzero().flatten().tolist():
-        p1 = target_probs(target(torch.tensor([prompt + [a]])).logits[0, -1], params)
-        for b in p1.nonzero().flatten().tolist():
-            p2 = target_probs(target(torch.tensor([prompt + [a, b]])).logits[0, -1], params)
-            for c in p2.nonzero().flatten().tolist():
-                expected[(a, b, c)] = trials * float(p0[a] * p1[b] * p2[c])
-    assert set(counts) <= set(expected)  # nothing outside the target's top-k is ever emitted
-    # pool cells with small expectations into one, then chi-square
-    small = [k for k, e in expected.items() if e < 5]
-    stat = sum((counts.get(k, 0) - e) ** 2 / e for k, e in expected.items() if e >= 5)
-    if small:
-        e = sum(expected[k] for k in small)
-        o = sum(counts.get(k, 0) for k in small)
-        stat += (o - e) ** 2 / e
-    dof = sum(1 for e in expected.values() if e >= 5) + bool(small) - 1
-    # critical value at p = 1e-4: about dof + 4.3*sqrt(2*dof) + 10 for these sizes
-    assert stat < dof + 4.3 * (2 * dof) ** 0.5 + 10, (stat, dof)
+    assert_sampling_matches_target(config, make_draft)
