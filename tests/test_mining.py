@@ -238,3 +238,28 @@ def test_the_cli_continues_with_the_pipelines_draft_recipe(monkeypatch: pytest.M
     assert (train_paper.optimizer, train_paper.step_decay, mine_paper.lr) == ("adamw", 0.8, 0.01)
     assert rounds.main([*base, "--eval-sets", "sets", "--recipe", "nope"]) == 2
     assert "draft recipe 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["peagle", "dflash"])
+def test_mining_scores_and_retrains_each_parallel_family(world: dict, tmp_path: Path, family: str) -> None:
+    """A P-EAGLE or DFlash draft: mining's score equals the trainer's eval, and a round (reweight
+    only, no generation) continues training the same family."""
+    from dataclasses import replace as with_
+
+    from eagle3.export import load_draft
+    from hard_mining.rounds import load_scoring_draft
+
+    root, target = world["root"], world["target"]
+    base = with_(world["train"], out_dir=str(tmp_path / "train"), draft_family=family)
+    summary = train(base, TargetConfig(name_or_path="lively"), target=target)
+    draft = load_scoring_draft(tmp_path / "train" / "final", target)
+    assert draft.config.family == family
+    scores = score_store(draft, target_head(target), HarvestStore(root / "val"), read_sample_meta(world["val"]),
+                         ttt_steps=3)
+    assert group_scores(scores, "all")["all"].tau_sim == pytest.approx(summary["eval_last"]["eval/tau_sim"], abs=1e-9)
+    cfg = MineConfig(draft=str(tmp_path / "train" / "final"), store=str(root / "store"), records=[str(world["data"])],
+                     eval_store=str(root / "val"), eval_records=[str(world["val"])], out_dir=str(tmp_path / "mine"),
+                     rounds=1, strategies=["reweight"], steps=2, wandb_mode="disabled")
+    (entry,) = run_rounds(cfg, base, TargetConfig(name_or_path="lively"), target=target, progress=False)["rounds"]
+    assert entry["train"]["steps"] == 2
+    assert load_draft(entry["draft"]).draft.config.family == family
