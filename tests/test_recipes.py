@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,24 @@ def test_a_draft_recipe_with_a_key_that_is_no_train_setting_is_named(tmp_path: P
         config.draft_recipe("unset")
     with pytest.raises(ValueError, match=r"draft recipe 'gone'.*known: typo, unset, none"):
         config.draft_recipe("gone")
+
+
+@pytest.mark.parametrize("family", ["peagle", "dflash"])
+def test_the_parallel_family_recipes_plan_their_draft(family: str) -> None:
+    """draft=peagle / draft=dflash on Llama-3.1-8B: counted on meta and by the closed form (plan_draft
+    checks they agree); P-EAGLE adds its mask state (3 x 4096) to EAGLE-3's layer, DFlash's layer reads
+    H wide instead of 2H and adds q_norm/k_norm."""
+    from eagle3.plan import plan_draft
+
+    with initialize_config_module(config_module="recipes", version_base="1.3"):
+        config = OmegaConf.to_object(compose(config_name="llama-3.1-8b", overrides=[f"draft={family}"]))
+    assert config.train.draft_family == family
+    plan = plan_draft(config.target, config.train)
+    eagle3 = plan_draft(config.target, replace(config.train, draft_family="eagle3", draft_variant="speculators"))
+    assert plan["family"] == family
+    h, q, kv = 4096, 4096, 1024
+    if family == "peagle":
+        assert plan["trainable_parameters"] - eagle3["trainable_parameters"] == 3 * h
+    else:  # q/k/v read H, not 2H; two head norms of 128 instead of input_norm (3H), hidden_norm stays
+        assert plan["draft"]["block_size"] == config.train.ttt_steps + 1
+        assert eagle3["trainable_parameters"] - plan["trainable_parameters"] == h * (q + 2 * kv) + 3 * h - 2 * 128
