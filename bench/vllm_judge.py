@@ -10,9 +10,9 @@ Run from the vLLM venv (scripts/setup_vllm_env.sh), on CPU with scripts/vllm_env
 Each engine runs in its own child process (vLLM's CPU engine is not made to be built twice in
 one process): first the target alone, then the target with each draft (``method=eagle3``,
 ``num_speculative_tokens=K``; P-EAGLE drafts with ``parallel_drafting``, DFlash drafts with
-``method=dflash``), fp32, eager, prefix caching off, the same prompt token ids (rendered with
-the target's chat template; MT-Bench contributes its first turn). For every eval set and draft
-one JSON line:
+``method=dflash`` and K = their block size - 1), fp32, eager, prefix caching off, the same
+prompt token ids (rendered with the target's chat template; MT-Bench contributes its first
+turn). For every eval set and draft one JSON line:
 
 * ``tau``: 1 + accepted / drafts from ``llm.get_metrics()`` (``vllm:spec_decode_num_drafts``,
   ``..._num_accepted_tokens``), the mean tokens per target forward including the bonus token;
@@ -116,10 +116,11 @@ def run_engine(job: dict[str, Any]) -> dict[str, Any]:
 def draft_family(folder: str) -> dict[str, Any]:
     """The speculative_config keys a draft folder's family needs beyond eagle3's: P-EAGLE drafts
     (config.json ``parallel_drafting``) are served with ``parallel_drafting``, DFlash drafts
-    (``DFlashDraftModel``) with ``method=dflash``."""
+    (``DFlashDraftModel``) with ``method=dflash`` and K = block_size - 1 (vLLM runs a block of 1 + K,
+    and a block other than the trained one is another model: its attention goes both ways)."""
     cfg = json.loads((Path(folder) / "config.json").read_text())
-    if "DFlashDraftModel" in (cfg.get("architectures") or []):
-        return {"method": "dflash"}
+    if "DFlashDraftModel" in (cfg.get("architectures") or []):  # vLLM's block is 1 + K: serve the trained one
+        return {"method": "dflash", "num_speculative_tokens": int(cfg["block_size"]) - 1}
     return {"parallel_drafting": True} if cfg.get("parallel_drafting") else {}
 
 
@@ -190,8 +191,9 @@ def judge(target_folder: str, drafts: dict[str, Path | None], prompts: dict[str,
                               "tie": margin < TIE_MARGIN})
             drafts_n = max(got["drafts"], 1)
             generated = sum(len(t) for t in got["tokens"])
+            served_k = k if folder is None else draft_family(str(folder)).get("num_speculative_tokens", k)
             lines.append({
-                "figure": "vllm_judge", "draft": name, "set": set_name, "prompts": len(got["tokens"]), "k": k,
+                "figure": "vllm_judge", "draft": name, "set": set_name, "prompts": len(got["tokens"]), "k": served_k,
                 "tau": round(1 + got["accepted"] / drafts_n, 4),
                 "accept_per_pos": [round(x / drafts_n, 4) for x in got["per_pos"]],
                 "drafts": got["drafts"], "accepted": got["accepted"], "generated_tokens": generated,

@@ -39,12 +39,12 @@ from eagle3.losses import SOFT_CE, Objective
 from eagle3.ttt import (
     TTTOutput,
     TTTTargets,
+    checked_weights,
     read_rows,
     shift_left,
     step0_attention_mask,
     step_counted,
     step_input_ids,
-    step_weights,
     ttt_attention,
     ttt_forward,
 )
@@ -149,7 +149,9 @@ class DFlashDraft(DraftHead, nn.Module):
 
     def propose(self, input_ids: Tensor, position_ids: Tensor, cache: KVCache) -> Tensor:
         """One block (the bonus token then mask tokens, ids/positions [1, Q]) over the cached context,
-        non-causal; ``cache`` is not changed. -> logits [1, Q, Vd] (slot k's is draft token k)."""
+        non-causal; ``cache`` is not changed. -> logits [1, Q, Vd] (slot k's is draft token k). Serve
+        the trained block (Q = ``block_size``): every slot sees every other, so a shorter block
+        changes every slot's logits."""
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)
 
@@ -180,19 +182,21 @@ def dflash_forward(draft: DFlashDraft, input_ids: Tensor, aux: Tensor, position_
     """The DFlash block at every row at once (module docstring): :func:`eagle3.ttt.ttt_forward`'s
     inputs and output, step k being slot k + 1. Tensors: ids/positions/documents/mask [B, S],
     aux [B, S, A, H_t]. ``gradient_checkpointing`` is not applied (one block, no unroll to replay)."""
-    if num_steps > draft.block_size - 1:
-        raise ValueError(f"{num_steps} steps, but the DFlash block proposes {draft.block_size - 1} tokens")
-    w = step_weights(num_steps) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
+    if not 1 <= num_steps <= draft.block_size - 1:
+        raise ValueError(f"num_steps={num_steps}: the DFlash block proposes 1..{draft.block_size - 1} tokens")
+    w = checked_weights(num_steps, weights)
     mask0 = step0_attention_mask(document_ids)  # [B, S, S]: row t sees context rows s <= t
     at, live = read_rows(loss_mask, document_ids, num_steps) if skip_unread_rows and not return_logits else (None, None)
     rows = (lambda x: x) if at is None else (lambda x: gather_rows(x, at))
     b = input_ids.shape[0]
     r = input_ids.shape[1] if at is None else at.shape[1]
-    slots = num_steps + 1  # the bonus slot and one mask slot per step
+    # the whole trained block (the bonus slot and block_size - 1 masks) always: inside the block attention
+    # goes both ways, so a shorter one would be another model; steps past num_steps are not scored
+    slots = draft.block_size
 
     # block inputs, slot-major: [B, slots * R]
     bonus = rows(step_input_ids(input_ids, 0))  # x[t+1]
-    ids = torch.cat([bonus, torch.full((b, num_steps * r), draft.config.mask_token_id, dtype=bonus.dtype,
+    ids = torch.cat([bonus, torch.full((b, (slots - 1) * r), draft.config.mask_token_id, dtype=bonus.dtype,
                                        device=bonus.device)], dim=1)
     base = rows(position_ids) + 1
     positions = torch.cat([base + j for j in range(slots)], dim=1)

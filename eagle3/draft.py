@@ -423,8 +423,8 @@ class DraftHead:
         return draft_ids + self.d2t[draft_ids]
 
     def vllm_state_dict(self, include_embedding: bool = False) -> dict[str, Tensor]:
-        """The checkpoint vLLM's ``LlamaForCausalLMEagle3`` loads, names unchanged. Without the
-        embedding vLLM uses the target's (ours is a frozen copy of it)."""
+        """The checkpoint vLLM loads (``LlamaForCausalLMEagle3``, or ``DFlashDraftModel`` for a DFlash
+        draft), names unchanged. Without the embedding vLLM uses the target's (ours is a frozen copy)."""
         state = self.state_dict()
         if not include_embedding:
             state.pop("embed_tokens.weight")
@@ -438,6 +438,8 @@ class Eagle3Draft(DraftHead, nn.Module):
 
     def __init__(self, config: DraftConfig, embed_tokens_weight: Tensor | None = None) -> None:
         super().__init__()
+        if config.family == "dflash":
+            raise ValueError("a DFlash config (block_size set) builds eagle3.dflash.DFlashDraft, not an EAGLE-3 draft")
         self.config = config
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
@@ -470,7 +472,7 @@ class Eagle3Draft(DraftHead, nn.Module):
                     module.weight.normal_(0.0, self.config.initializer_range)
                 elif isinstance(module, RMSNorm):
                     module.weight.fill_(1.0)
-            if self.config.parallel:  # unit RMS per element, like a typical normalised state
+            if self.config.parallel:  # N(0, 1), as speculators starts it
                 self.mask_hidden.normal_(0.0, 1.0)
 
     def init_as_readout(self) -> None:

@@ -343,6 +343,9 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
         except (SafetensorError, OSError) as err:
             raise DraftFormatError(f"{path}: not a readable safetensors file ({err}); truncated or corrupt?") from None
     if dflash:
+        if fmt not in ("auto", "vllm"):
+            raise DraftFormatError(f"{folder}: a DFlashDraftModel folder is vLLM's layout; format {fmt!r} does not "
+                                   "apply")
         return _load_dflash(folder, cfg, tensors, embed_tokens_weight)
     found = detect_format(cfg, folder / "config.json", list(tensors))
     if fmt == "auto":
@@ -422,25 +425,36 @@ def _load_dflash(folder: Path, cfg: dict[str, Any], tensors: dict[str, Tensor],
     where = folder / "config.json"
     options = cfg.get("dflash_config") or {}
     tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in tensors.items()}
-    if options.get("causal") or cfg.get("is_causal") or options.get("use_swa") or cfg.get("layer_types"):
+    # causality as vLLM resolves it: is_causal, then dflash_config.causal, then sliding layers
+    causal = cfg.get("is_causal", options.get("causal"))
+    sliding = options.get("use_swa") or "sliding_attention" in (cfg.get("layer_types") or [])
+    if causal or sliding or (causal is None and sliding):
         raise DraftFormatError(f"{where}: a causal or sliding-window DFlash draft is not supported (only the "
-                               "non-causal block, dflash_config.causal=false)")
+                               "non-causal block of full-attention layers)")
     ids = options.get("target_layer_ids")
     if not _is_id_list(ids) or options.get("mask_token_id") is None:
         raise DraftFormatError(f"{where}: dflash_config needs target_layer_ids (a list of ints) and mask_token_id")
-    aux = tuple(int(i) + 1 for i in ids)
-    base = draft_config_from_json({k: v for k, v in cfg.items() if k != "dflash_config"}, "vllm", where, len(aux))
+    aux = tuple(sorted(int(i) + 1 for i in ids))  # vLLM captures them in ascending order
+    plain = {k: v for k, v in cfg.items() if k != "dflash_config"}
+    if plain.get("rope_theta") is None and not (plain.get("rope_parameters") or {}).get("rope_theta"):
+        plain["rope_theta"] = 1e6  # vLLM's default for a DFlash draft without one
+    base = draft_config_from_json(plain, "vllm", where, len(aux))
     block = cfg.get("block_size") or (cfg.get("num_speculative_tokens") or 0) + 1
     try:
         config = DraftConfig(**{**asdict(base), "mask_token_id": int(options["mask_token_id"]),
                                 "block_size": int(block)})
     except (TypeError, ValueError) as err:
-        raise DraftFormatError(f"{where}: {err} (block_size)") from None
+        raise DraftFormatError(f"{where}: {err} (the block: block_size, or num_speculative_tokens + 1)") from None
     draft = DFlashDraft(config, None if "embed_tokens.weight" in tensors else embed_tokens_weight)
     d2t = tensors.pop("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64)).long()
     tensors.pop("t2d", None)
+    target_ids = torch.arange(len(d2t)) + d2t
+    outside = bool(((target_ids < 0) | (target_ids >= config.vocab_size)).any())
+    if d2t.shape != (config.draft_vocab_size,) or outside:
+        raise DraftFormatError(f"{folder}: d2t {tuple(d2t.shape)} does not map draft_vocab_size="
+                               f"{config.draft_vocab_size} ids into the vocabulary of {config.vocab_size}")
     t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-    t2d[torch.arange(len(d2t)) + d2t] = True
+    t2d[target_ids] = True
     want = draft.state_dict()
     extra = sorted(set(tensors) - set(want))
     missing = sorted(set(want) - set(tensors) - {"embed_tokens.weight", "d2t", "t2d"})

@@ -285,7 +285,9 @@ def mask_token_for(cfg: TrainConfig, target: Target) -> int:
     chosen = cfg.mask_token_id
     if chosen is None:
         tok = target.tokenizer
-        eos = {getattr(tok, "eos_token_id", None), getattr(target.config, "eos_token_id", None)}
+        eos: set[Any] = set()
+        for ids in (getattr(tok, "eos_token_id", None), getattr(target.config, "eos_token_id", None)):
+            eos |= set(ids) if isinstance(ids, list | tuple) else {ids}  # Llama-3's config lists several
         candidates = [getattr(tok, "mask_token_id", None), len(tok) if len(tok) < vocab else None,
                       getattr(tok, "pad_token_id", None), getattr(tok, "unk_token_id", None)]
         chosen = next((c for c in candidates if isinstance(c, int) and 0 <= c < vocab and c not in eos), vocab - 1)
@@ -309,10 +311,14 @@ def new_draft(cfg: TrainConfig, target: Target, num_aux: int, vocab: DraftVocab,
     """The draft the run starts from (``train.init_draft``'s, or a new one seeded as ``train.seed``
     says), with the run's vocab and the recipe's initialisation of its head and layer."""
     seed_everything(cfg.seed)  # the same draft on every rank
-    mask_id = mask_token_for(cfg, target) if cfg.draft_family != "eagle3" else None
     if initial is not None and (cfg.draft_family == "dflash") != (initial.config.family == "dflash"):
         raise TrainError(f"train.init_draft: {cfg.init_draft} is a {initial.config.family} draft; set "
                          f"train.draft_family={initial.config.family}")
+    own = initial.config.mask_token_id if initial is not None else None
+    if own is not None and cfg.mask_token_id is not None and cfg.mask_token_id != own:
+        raise TrainError(f"train.init_draft: {cfg.init_draft} was trained with mask_token_id={own}; set "
+                         f"train.mask_token_id={own} (or leave it unset)")
+    mask_id = (own if own is not None else mask_token_for(cfg, target)) if cfg.draft_family != "eagle3" else None
     if cfg.draft_family == "dflash" and initial is None:
         try:
             config = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size, num_aux_layers=num_aux,
@@ -328,10 +334,7 @@ def new_draft(cfg: TrainConfig, target: Target, num_aux: int, vocab: DraftVocab,
                              f"{draft.config.block_size - 1} tokens")
     elif initial is not None:
         draft = initial
-        if mask_id is not None and draft.config.mask_token_id != mask_id:
-            if draft.config.parallel:
-                raise TrainError(f"train.init_draft: {cfg.init_draft} is a P-EAGLE draft with mask_token_id="
-                                 f"{draft.config.mask_token_id}; set train.mask_token_id={draft.config.mask_token_id}")
+        if mask_id is not None and not draft.config.parallel:
             draft = as_parallel(draft, mask_id)
             print0(f"train.init_draft: the eagle3 draft becomes a P-EAGLE draft (mask token {mask_id}, fresh mask "
                    "state)")

@@ -116,6 +116,15 @@ def step_weights(num_steps: int, decay: float = 0.8) -> Tensor:
     return decay ** torch.arange(num_steps, dtype=torch.float64)
 
 
+def checked_weights(num_steps: int, weights: Sequence[float] | Tensor | None) -> Tensor:
+    """[K] float64 step weights: ``weights``, or ``step_weights(num_steps)`` (0.8**k); a length other
+    than K is refused."""
+    w = step_weights(num_steps) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
+    if w.shape != (num_steps,):
+        raise ValueError(f"{w.numel()} step weights for {num_steps} steps")
+    return w
+
+
 # ---------------------------------------------------------------- targets
 
 
@@ -303,9 +312,7 @@ def ttt_forward(
     """
     if num_steps < 1:
         raise ValueError(f"num_steps={num_steps}: must be >= 1")
-    w = step_weights(num_steps) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
-    if w.shape != (num_steps,):
-        raise ValueError(f"{len(w)} step weights for {num_steps} steps")
+    w = checked_weights(num_steps, weights)
     t2d = draft.t2d
     mask0 = step0_attention_mask(document_ids)  # [B, S, S]
     hidden = draft.combine_aux(aux)  # [B, S, H]

@@ -47,9 +47,9 @@ class CostModel:
 
     def round_seconds(self, k: int, width: int | None = None) -> float:
         """A round of depth k: the verify and k draft forwards (the batched catch-up whose last row
-        proposes the first token, then k - 1 chain steps); a depth-0 round runs no draft forward
-        (its catch-up rows join the next speculating round's). ``width``: draft tokens verified
-        when they are not k (a tree's budget)."""
+        proposes the first token, then k - 1 chain steps), or one with ``parallel``; a depth-0 round
+        runs no draft forward (its catch-up rows join the next speculating round's). ``width``: draft
+        tokens verified when they are not k (a tree's budget)."""
         drafts = min(k, 1) if self.parallel else k
         return self.verify_s[k if width is None else width] + drafts * self.draft_step_s
 

@@ -1,5 +1,6 @@
-"""Speculative decoding with an EAGLE-3 draft: the target (HF, KV cache, aux-layer capture) and the
-draft (its own KV cache), chain or dynamic tree, greedy or sampled, lossless.
+"""Speculative decoding with a draft (EAGLE-3, P-EAGLE or DFlash): the target (HF, KV cache,
+aux-layer capture) and the draft (its own KV cache), chain or dynamic tree, greedy or sampled,
+lossless.
 
 One round, with ``n`` tokens in the target's cache and ``x`` the newest emitted token (not yet in
 it; position ``n``); the draft's cache holds rows 0..n-1 (row t: target states at t, token t+1)::
@@ -18,7 +19,8 @@ it; position ``n``); the draft's cache holds rows 0..n-1 (row t: target states a
 
 Parallel families propose the whole chain in one draft forward, run with the catch-up rows: a
 P-EAGLE draft appends k - 1 mask rows to them (rolled back with the proposals), a DFlash draft adds
-the rows' context to its cache and runs one non-causal block, the newest token and k mask tokens.
+the rows' context to its cache and runs its trained block (the newest token and block_size - 1 mask
+tokens, attending both ways), whose first k mask slots are the proposal.
 
 Plain decoding runs in the same loop (one target forward per token), so a speedup compares like
 with like. Timings split draft / verify / other; ``stats`` has tau and acceptance per depth.
@@ -126,7 +128,7 @@ def keep_accepted(cache: Any, prefix: int, path: list[int]) -> None:
 
 
 class SpeculativeDecoder:
-    """Batch-1 generation with a target and an EAGLE-3 draft (or without, for the baseline)."""
+    """Batch-1 generation with a target and a draft of any family (or without, for the baseline)."""
 
     def __init__(self, target: Target, draft: Eagle3Draft | None, config: SpecConfig = SpecConfig()) -> None:
         self.target, self.draft, self.config = target, draft, config
@@ -160,15 +162,15 @@ class SpeculativeDecoder:
         logits [1, Vd]). With ``masks`` (P-EAGLE) that many mask rows follow in the same forward (they
         stay in ``cache`` until the round's rollback) and the logits are the last row's and theirs,
         [1 + masks, Vd]: one per draft token. A DFlash draft adds the rows' context to ``cache`` and
-        runs one block, the newest token and ``masks`` mask tokens: logits [masks, Vd]."""
+        runs its whole trained block; logits of the first ``masks`` mask slots, [masks, Vd]."""
         d = self.draft
         assert d is not None
-        if d.config.family == "dflash":  # context keys into the cache, then one block [bonus, masks]
-            end = start + len(tokens)
+        if d.config.family == "dflash":  # context keys into the cache, then the trained block [bonus, masks]
+            end, size = start + len(tokens), d.config.block_size
             d.add_context(aux, torch.arange(start, end, device=self.device)[None], cache)
-            block = torch.tensor([[tokens[-1]] + [d.config.mask_token_id] * masks], device=self.device)
-            logits = d.propose(block, torch.arange(end, end + 1 + masks, device=self.device)[None], cache)
-            return logits[:, :0], logits[0, 1:]  # no state; [masks, Vd]
+            block = torch.tensor([[tokens[-1]] + [d.config.mask_token_id] * (size - 1)], device=self.device)
+            logits = d.propose(block, torch.arange(end, end + size, device=self.device)[None], cache)
+            return logits[:, :0], logits[0, 1:1 + masks]  # no state; [masks, Vd]: the first masks slots
         hidden = d.combine_aux(aux.to(d.fc.weight.dtype))  # [1, R, H]
         ids = torch.tensor([tokens], device=self.device)
         if masks:

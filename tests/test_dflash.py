@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from eagle3.ttt import prepare_targets
 from serve_eval.config import SpecConfig
 from serve_eval.spec_decode import SpeculativeDecoder
 from tests.helpers import (
+    DRAFT_VOCAB,
     MASK,
     PROMPTS,
     OracleDecoder,
@@ -62,7 +65,26 @@ def test_batched_blocks_equal_serving(num_layers: int, lengths) -> None:
     assert max(gaps.values()) < 1e-4, gaps
 
 
-def test_a_causal_block_is_not_what_is_served() -> None:
+def test_the_whole_trained_block_runs_whatever_the_steps_scored() -> None:
+    """Inside the block attention goes both ways, so fewer steps (training, scoring) or a smaller k
+    (serving) still run the trained block and read its first slots."""
+    draft = tiny_dflash(block_size=4)
+    batch = packed_batch([[10, 8]], t2d=draft.t2d)
+    args = (batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"], batch["loss_mask"],
+            prepare_targets(batch["target_logits"], draft.t2d))
+    with torch.no_grad():
+        full = ttt_forward(draft, *args, num_steps=3, return_logits=True)
+        short = ttt_forward(draft, *args, num_steps=2, return_logits=True)
+    for k in range(2):
+        torch.testing.assert_close(short.logits[k], full.logits[k])
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="proposes 1..3 tokens"):
+            ttt_forward(draft, *args, num_steps=bad)
+    with pytest.raises(ValueError, match="2 step weights for 3 steps"):
+        ttt_forward(draft, *args, num_steps=3, weights=[1.0, 1.0])
+
+
+def test_a_causal_block_is_not_what_is_served(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: a causal mask inside the block changes the logits of every slot but the
     last, so the test above sees the block's attention pattern."""
     draft = tiny_dflash()
@@ -78,11 +100,9 @@ def test_a_causal_block_is_not_what_is_served() -> None:
         mask = torch.arange(m)[None] <= torch.arange(n)[:, None] + (m - n)
         return real(q, k, v, attn_mask=mask, **kw)
 
-    torch.nn.functional.scaled_dot_product_attention = causal
-    try:
-        causal_logits = draft.propose(block, pos, cache)
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = real
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", causal)
+    causal_logits = draft.propose(block, pos, cache)
+    monkeypatch.undo()
     assert (full[0, 1] - causal_logits[0, 1]).abs().max() > 1e-3
     assert torch.allclose(full[0, 3], causal_logits[0, 3], atol=1e-5)
 
@@ -156,3 +176,48 @@ def test_k_beyond_the_block_and_trees_are_refused() -> None:
 
 def test_sampled_generation_matches_the_target_distribution() -> None:
     assert_sampling_matches_target(SpecConfig("chain", k=2), dflash_for)
+
+
+def test_export_writes_vllms_dflash_config_and_imports_back(tmp_path) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    from eagle3.export import export_draft_folder, load_draft
+    from eagle3.formats import DraftFormatError
+
+    draft = tiny_dflash(2)
+    folder = export_draft_folder(tmp_path / "d", draft.state_dict(), draft.config, (2, 4, 6), dtype="float32")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    # vLLM reads target_layer_ids as layer outputs and adds one: our aux ids (layer inputs) minus one
+    assert cfg["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": [1, 3, 5], "causal": False}
+    assert cfg["block_size"] == 4 and cfg["rope_theta"] == draft.config.rope_theta
+    assert cfg["num_hidden_layers"] == 2 and cfg["draft_vocab_size"] == DRAFT_VOCAB
+    names = set(load_file(str(folder / "model.safetensors")))
+    assert {"fc.weight", "hidden_norm.weight", "layers.1.self_attn.q_norm.weight", "layers.0.self_attn.k_norm.weight",
+            "layers.0.input_layernorm.weight", "layers.1.mlp.down_proj.weight", "norm.weight", "lm_head.weight",
+            "d2t"} <= names
+    assert not any(n.startswith(("midlayer", "model.")) or n == "embed_tokens.weight" for n in names)
+    loaded = load_draft(folder, embed_tokens_weight=draft.embed_tokens.weight)
+    same = replace(draft.config, initializer_range=0.02)  # the init's spread is not a checkpoint key
+    assert loaded.aux_layer_ids == (2, 4, 6) and loaded.draft.config == same
+    for name, tensor in draft.state_dict().items():
+        assert torch.equal(loaded.draft.state_dict()[name], tensor), name
+    for fmt in ("speculators", "sglang"):
+        with pytest.raises(DraftFormatError, match="by vLLM only"):
+            export_draft_folder(tmp_path / fmt, draft.state_dict(), draft.config, (2, 4, 6), fmt, verifier="t")
+    # transformers writes layer_types for every Qwen3 config: all full attention is the non-causal block
+    (folder / "config.json").write_text(json.dumps({**cfg, "layer_types": ["full_attention"] * 2}))
+    assert load_draft(folder).draft.config == same
+    for change in ({"dflash_config": {**cfg["dflash_config"], "causal": True}}, {"is_causal": True},
+                   {"layer_types": ["full_attention", "sliding_attention"]}):
+        (folder / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(DraftFormatError, match="causal or sliding"):
+            load_draft(folder)
+    (folder / "config.json").write_text(json.dumps({**cfg, "dflash_config": {"target_layer_ids": [1, 3, 5]}}))
+    with pytest.raises(DraftFormatError, match="mask_token_id"):
+        load_draft(folder)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DraftFormatError, match="format 'sglang' does not apply"):
+        load_draft(folder, "sglang")

@@ -190,13 +190,15 @@ def test_the_default_mask_token() -> None:
 
     def target(vocab: int = 100, **tok) -> SimpleNamespace:
         fields = {"size": 100, "eos_token_id": 2, "pad_token_id": None, "unk_token_id": None, "mask_token_id": None}
-        return SimpleNamespace(vocab_size=vocab, tokenizer=Tok(**{**fields, **tok}), config=SimpleNamespace())
+        config = SimpleNamespace(eos_token_id=[2, 7])  # Llama-3's configs list several
+        return SimpleNamespace(vocab_size=vocab, tokenizer=Tok(**{**fields, **tok}), config=config)
 
     peagle = TrainConfig(draft_family="peagle")
     assert mask_token_for(peagle, target(mask_token_id=9, pad_token_id=5)) == 9  # the tokenizer's own mask
     assert mask_token_for(peagle, target(vocab=128, pad_token_id=5)) == 100  # the first row no token uses
     assert mask_token_for(peagle, target(pad_token_id=2, unk_token_id=0)) == 0  # pad is the eos: unk (SmolLM2)
     assert mask_token_for(peagle, target(pad_token_id=2)) == 99  # nothing else: the last id
+    assert mask_token_for(peagle, target(pad_token_id=7, unk_token_id=3)) == 3  # the config's other eos
     assert mask_token_for(TrainConfig(draft_family="dflash", mask_token_id=7), target()) == 7
     with pytest.raises(TrainError, match="mask_token_id=100"):
         mask_token_for(TrainConfig(draft_family="peagle", mask_token_id=100), target())
