@@ -43,8 +43,8 @@ from eagle3.ttt import (
     read_rows,
     shift_left,
     step0_attention_mask,
-    step_counted,
     step_input_ids,
+    step_positions_scored,
     ttt_attention,
     ttt_forward,
 )
@@ -225,11 +225,7 @@ def dflash_forward(draft: DFlashDraft, input_ids: Tensor, aux: Tensor, position_
     reached = torch.ones_like(loss_mask, dtype=torch.bool)
     for k in range(num_steps):
         out_k = prenorm[:, (k + 1) * r:(k + 2) * r]  # [B, R, H]: slot k + 1
-        counted = step_counted(loss_mask, document_ids, k)
-        target_argmax = shift_left(targets.argmax, k + 1, -1)
-        in_vocab = (shift_left(has_mass, k + 1, False) if has_mass is not None
-                    else t2d[target_argmax.clamp_min(0)] & (target_argmax >= 0))
-        valid = counted & in_vocab
+        counted, target_argmax, valid = step_positions_scored(k, loss_mask, document_ids, targets, t2d, has_mass)
         trained = valid & reached if gate_steps else valid
         if return_logits:
             logits = draft.compute_logits(out_k)  # [B, S, Vd]

@@ -519,6 +519,12 @@ class Eagle3Draft(DraftHead, nn.Module):
         c = self.config
         return self.combine_aux(self.mask_hidden.view(1, 1, c.num_aux_layers, c.target_hidden_size))
 
+    def mask_inputs(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+        """P-EAGLE: what ``shape`` = (B, M) mask rows are fed, the mask token ids [B, M] and the mask
+        state [B, M, H]."""
+        ids = torch.full(shape, self.config.mask_token_id, dtype=torch.long, device=device)
+        return ids, self.mask_state().to(dtype).expand(*shape, -1)
+
     def next_hidden(self, prenorm: Tensor) -> Tensor:
         """The state the next draft step is fed: the pre-norm output, or with ``norm_output`` the
         post-norm one. [.., H] -> [.., H]"""

@@ -396,6 +396,18 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
     if "mask_hidden" in tensors:  # vLLM reads any layout of it as one row (view(1, -1))
         tensors["mask_hidden"] = tensors["mask_hidden"].reshape(-1)
     d2t, t2d = tensors.pop("d2t").long(), tensors.pop("t2d").bool()
+    _fill(draft, tensors, d2t, t2d, folder)
+    return LoadedDraft(draft=draft, aux_layer_ids=ids, format=fmt, path=folder, meta=_our_meta(folder),
+                       has_embedding=has_embedding, has_lm_head=has_lm_head)
+
+
+def _our_meta(folder: Path) -> dict[str, Any]:
+    return _read_json(folder / OUR_META) if (folder / OUR_META).is_file() else {}
+
+
+def _fill(draft: Any, tensors: dict[str, Tensor], d2t: Tensor, t2d: Tensor, folder: Path) -> None:
+    """Load a checkpoint's tensors (our names) and vocab mapping into ``draft``, refusing, by name,
+    tensors the config does not have or lacks (but the embedding and lm_head), other shapes, NaN/Inf."""
     want = draft.state_dict()
     extra = sorted(set(tensors) - set(want))
     missing = sorted(set(want) - set(tensors) - {"embed_tokens.weight", "d2t", "t2d", "lm_head.weight"})
@@ -412,9 +424,6 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
         draft.set_draft_vocab(d2t, t2d)
     except ValueError as err:
         raise DraftFormatError(f"{folder}: d2t/t2d: {err}") from None
-    meta = _read_json(folder / OUR_META) if (folder / OUR_META).is_file() else {}
-    return LoadedDraft(draft=draft, aux_layer_ids=ids, format=fmt, path=folder, meta=meta,
-                       has_embedding=has_embedding, has_lm_head=has_lm_head)
 
 
 def _load_dflash(folder: Path, cfg: dict[str, Any], tensors: dict[str, Tensor],
@@ -455,24 +464,11 @@ def _load_dflash(folder: Path, cfg: dict[str, Any], tensors: dict[str, Tensor],
                                f"{config.draft_vocab_size} ids into the vocabulary of {config.vocab_size}")
     t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
     t2d[target_ids] = True
-    want = draft.state_dict()
-    extra = sorted(set(tensors) - set(want))
-    missing = sorted(set(want) - set(tensors) - {"embed_tokens.weight", "d2t", "t2d"})
-    bad = [f"{k} {tuple(v.shape)} vs {tuple(want[k].shape)}" for k, v in tensors.items()
-           if k in want and v.shape != want[k].shape]
-    if extra or missing or bad:
-        raise DraftFormatError(f"{folder}: the weights do not fit the config (unexpected {extra[:8]}, missing "
-                               f"{missing[:8]}, shapes {bad[:4]})")
-    if nonfinite := nonfinite_tensors(tensors):
-        raise DraftFormatError(f"{folder}: NaN/Inf in {', '.join(nonfinite[:4])}: a diverged or corrupted draft")
-    draft.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
-    try:
-        draft.set_draft_vocab(d2t, t2d)
-    except ValueError as err:
-        raise DraftFormatError(f"{folder}: d2t: {err}") from None
-    meta = _read_json(folder / OUR_META) if (folder / OUR_META).is_file() else {}
-    return LoadedDraft(draft=draft, aux_layer_ids=aux, format="vllm", path=folder, meta=meta,  # type: ignore[arg-type]
-                       has_embedding="embed_tokens.weight" in tensors, has_lm_head=True)
+    if "lm_head.weight" not in tensors:
+        raise DraftFormatError(f"{folder}: no lm_head.weight (a DFlash draft has its own head)")
+    _fill(draft, tensors, d2t, t2d, folder)
+    return LoadedDraft(draft=draft, aux_layer_ids=aux, format="vllm", path=folder,  # type: ignore[arg-type]
+                       meta=_our_meta(folder), has_embedding="embed_tokens.weight" in tensors, has_lm_head=True)
 
 
 def check_draft_fits_target(loaded: LoadedDraft, *, hidden_size: int, vocab_size: int,

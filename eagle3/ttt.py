@@ -257,6 +257,18 @@ class TTTOutput:
     logits: list[Tensor] | None = None  # K x [B, S, Vd] with return_logits
 
 
+def step_positions_scored(k: int, loss_mask: Tensor, document_ids: Tensor, targets: TTTTargets, t2d: Tensor,
+                          has_mass: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Step k's positions, [B, S] each: counted (:func:`step_counted`), the target's argmax at t+k+1
+    (-1 past the row), and the loss positions (counted, and the target's argmax in the draft vocab,
+    or with ``has_mass`` (loss_on_oov) any mass on it)."""
+    counted = step_counted(loss_mask, document_ids, k)
+    target_argmax = shift_left(targets.argmax, k + 1, -1)
+    in_vocab = (shift_left(has_mass, k + 1, False) if has_mass is not None
+                else t2d[target_argmax.clamp_min(0)] & (target_argmax >= 0))
+    return counted, target_argmax, counted & in_vocab
+
+
 def read_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int) -> tuple[Tensor, Tensor]:
     """The rows whose draft outputs the unroll reads: those where some step 0..K-1 counts
     (:func:`step_counted`).
@@ -335,12 +347,8 @@ def ttt_forward(
         ids_k = _rows(step_input_ids(input_ids, k), inputs_at)  # [B, S] at step 0, else [B, R]
         pos_k = _rows(step_positions(position_ids, k), inputs_at)
         if draft.config.parallel and k > 0:  # P-EAGLE: the mask token and mask state instead
-            ids_k, hidden = _mask_inputs(draft, ids_k, hidden)
-        counted = step_counted(loss_mask, document_ids, k)  # [B, S]
-        target_argmax = shift_left(targets.argmax, k + 1, -1)  # [B, S] target's argmax at t+k+1
-        in_vocab = (shift_left(has_mass, k + 1, False) if has_mass is not None
-                    else t2d[target_argmax.clamp_min(0)] & (target_argmax >= 0))
-        valid = counted & in_vocab  # [B, S]
+            ids_k, hidden = draft.mask_inputs(tuple(ids_k.shape), hidden.dtype, ids_k.device)
+        counted, target_argmax, valid = step_positions_scored(k, loss_mask, document_ids, targets, t2d, has_mass)
         trained = valid & reached if gate_steps else valid  # [B, S]: the positions the loss sums
         counted_k, valid_k = _rows(counted, at), _rows(trained, at)  # [B, R]
         if at is not None:
@@ -379,12 +387,6 @@ def ttt_forward(
     return TTTOutput(loss=loss, loss_sum=torch.stack(loss_sums), count=torch.stack(counts),
                      match=torch.stack(matches), counted=torch.stack(counted_all), valid=torch.stack(valid_all),
                      logits=logits_all if return_logits else None)
-
-
-def _mask_inputs(draft: Eagle3Draft, ids: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
-    """P-EAGLE's inputs at a step >= 1: the mask token [B, R] and the mask state [B, R, H] at every row."""
-    ids = torch.full_like(ids, draft.config.mask_token_id)
-    return ids, draft.mask_state().to(hidden.dtype).expand(*ids.shape, -1)
 
 
 def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tensor, pos_k: Tensor, valid: Tensor,

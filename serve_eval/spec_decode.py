@@ -174,9 +174,8 @@ class SpeculativeDecoder:
         hidden = d.combine_aux(aux.to(d.fc.weight.dtype))  # [1, R, H]
         ids = torch.tensor([tokens], device=self.device)
         if masks:
-            mask_id = d.config.mask_token_id
-            hidden = torch.cat([hidden, d.mask_state().to(hidden.dtype).expand(1, masks, -1)], dim=1)
-            ids = torch.cat([ids, torch.full((1, masks), mask_id, device=self.device)], dim=1)
+            mask_ids, mask_states = d.mask_inputs((1, masks), hidden.dtype, self.device)
+            hidden, ids = torch.cat([hidden, mask_states], dim=1), torch.cat([ids, mask_ids], dim=1)
         pos = torch.arange(start, start + ids.shape[1], device=self.device)[None]
         state, logits = d(ids, hidden, pos, cache)
         return state[:, -1:], logits[0, -1 - masks:]  # [1, 1, H], [1 + masks, Vd]

@@ -41,7 +41,6 @@ def parallel_serving_logits(draft: Eagle3Draft, batch: dict[str, torch.Tensor], 
     context rows <= t (fed one at a time), then ONE forward over K-1 mask rows (the mask token, the
     mask state, positions t+1..t+K-1) gives draft tokens 2..K."""
     out = {}
-    c = draft.config
     for row in range(batch["input_ids"].shape[0]):
         ids, doc = batch["input_ids"][row], batch["document_ids"][row]
         fc = draft.combine_aux(batch["aux"][row : row + 1])  # [1, S, H]
@@ -52,10 +51,9 @@ def parallel_serving_logits(draft: Eagle3Draft, batch: dict[str, torch.Tensor], 
             for t in range(start, end - 1):
                 _, logits = draft(ids[t + 1].view(1, 1), fc[:, t : t + 1], torch.tensor([[t - start]]), cache)
                 out[row, 0, t] = logits[0, 0]
-                masks = num_steps - 1
-                hidden = draft.mask_state().expand(1, masks, -1)
+                ids_m, hidden = draft.mask_inputs((1, num_steps - 1), torch.float32, torch.device("cpu"))
                 pos = torch.arange(t - start + 1, t - start + num_steps)[None]
-                _, logits = draft(torch.full((1, masks), c.mask_token_id), hidden, pos, cache.fork())
+                _, logits = draft(ids_m, hidden, pos, cache.fork())
                 for k in range(1, num_steps):
                     if t + k + 1 < end:  # the unroll counts a step only where its target exists
                         out[row, k, t] = logits[0, k - 1]
