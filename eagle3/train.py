@@ -241,7 +241,7 @@ def _start_over_or_resume(cfg: TrainConfig, engine: Any, rt: Runtime, state: dic
     barrier()
     if resume_tag is not None:
         client = load_checkpoint(engine, ckpt_root, resume_tag, rank=rt.rank, world_size=rt.world_size)
-        state.update(client["trainer"])
+        state.update(json.loads(client["trainer_json"]) if "trainer_json" in client else client["trainer"])
         print0(f"train: resumed from {ckpt_root / resume_tag} (step {state['step']})")
     # after any resume: DeepSpeed restores the clip a checkpoint saved
     if cfg.optimizer == "muon" and unclip_muon_updates_under_zero(engine) and cfg.max_grad_norm:
@@ -307,9 +307,11 @@ class _Loop:
         return bool(all_reduce_sum(torch.tensor([float(full)], device=self.rt.device)).item())
 
     def save(self) -> None:
-        client = {"trainer": dict(self.state), "draft_config": asdict(self.draft.config)}
+        # as JSON text: a pickled dict's bytes depend on which equal strings are one object, which differs
+        # between runs (a CLI run and an in-process one), so the checkpoint files would differ in size
+        client = {"trainer_json": json.dumps(self.state), "draft_config_json": json.dumps(asdict(self.draft.config))}
         save_checkpoint(self.engine, Path(self.cfg.out_dir) / "checkpoints", self.state["step"], client,
-                        rank=self.rt.rank, keep=self.cfg.keep_checkpoints, readable=client["trainer"])
+                        rank=self.rt.rank, keep=self.cfg.keep_checkpoints, readable=dict(self.state))
         if isinstance(self.store, SpoolStore) and self.plan_epoch == self.state["epoch"]:
             # a resume starts from this checkpoint: the shards before what is left of the epoch go
             self.store.release_unneeded(self.plan[self.state["batch_index"]:], delete=self.rt.rank == 0)
