@@ -387,6 +387,9 @@ class TrainConfig:
         if self.mask_token_id is not None and self.draft_family == "eagle3":
             raise ValueError(f"train.mask_token_id={self.mask_token_id}: only a peagle or dflash draft reads a "
                              "mask token")
+        if self.draft_family == "dflash" and self.gradient_checkpointing:
+            raise ValueError("train.gradient_checkpointing=true: a dflash draft runs one block, not an unroll to "
+                             "recompute step by step; it is not supported there")
         if self.draft_family == "dflash" and self.layer_init != "random":
             raise ValueError(f"train.layer_init={self.layer_init}: a dflash draft starts from random layers")
         if self.mask_token_id is not None and self.mask_token_id < 0:

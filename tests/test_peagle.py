@@ -202,3 +202,7 @@ def test_the_default_mask_token() -> None:
         mask_token_for(TrainConfig(draft_family="peagle", mask_token_id=100), target())
     with pytest.raises(ValueError, match="train.mask_token_id=3: only a peagle or dflash"):
         TrainConfig(mask_token_id=3)
+    with pytest.raises(ValueError, match="train.gradient_checkpointing=true: a dflash draft"):
+        TrainConfig(draft_family="dflash", gradient_checkpointing=True)
+    with pytest.raises(ValueError, match="train.draft_family='medusa'"):
+        TrainConfig(draft_family="medusa")
