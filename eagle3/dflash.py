@@ -108,14 +108,6 @@ class DFlashDraft(DraftHead, nn.Module):
         if embed_tokens_weight is not None:
             self.load_embedding(embed_tokens_weight)
 
-    def reset_parameters(self) -> None:
-        with torch.no_grad():
-            for module in self.modules():
-                if isinstance(module, nn.Linear | nn.Embedding):
-                    module.weight.normal_(0.0, self.config.initializer_range)
-                elif isinstance(module, RMSNorm):
-                    module.weight.fill_(1.0)
-
     @property
     def block_size(self) -> int:
         assert self.config.block_size is not None

@@ -367,6 +367,15 @@ class DraftHead:
     d2t: Tensor
     t2d: Tensor
 
+    def reset_parameters(self) -> None:
+        """Fresh init: normal(0, initializer_range) linears and embedding, unit RMSNorm weights."""
+        with torch.no_grad():
+            for module in self.modules():  # type: ignore[attr-defined]
+                if isinstance(module, nn.Linear | nn.Embedding):
+                    module.weight.normal_(0.0, self.config.initializer_range)
+                elif isinstance(module, RMSNorm):
+                    module.weight.fill_(1.0)
+
     def register_vocab(self) -> None:
         """Identity vocab until set_draft_vocab: draft id i is target id i."""
         c = self.config
@@ -465,14 +474,10 @@ class Eagle3Draft(DraftHead, nn.Module):
             self.load_embedding(embed_tokens_weight)
 
     def reset_parameters(self) -> None:
-        """Fresh init: normal(0, initializer_range) linears and embedding, unit RMSNorm weights."""
-        with torch.no_grad():
-            for module in self.modules():
-                if isinstance(module, nn.Linear | nn.Embedding):
-                    module.weight.normal_(0.0, self.config.initializer_range)
-                elif isinstance(module, RMSNorm):
-                    module.weight.fill_(1.0)
-            if self.config.parallel:  # N(0, 1), as speculators starts it
+        """Fresh init (:meth:`DraftHead.reset_parameters`); P-EAGLE's mask state N(0, 1), as speculators starts it."""
+        super().reset_parameters()
+        if self.config.parallel:
+            with torch.no_grad():
                 self.mask_hidden.normal_(0.0, 1.0)
 
     def init_as_readout(self) -> None:
