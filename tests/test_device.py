@@ -13,6 +13,7 @@ import torch
 from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
 from eagle3.config import SamplingConfig, TargetConfig
+from eagle3.dflash import DFlashDraft
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab
 from eagle3.metrics import AcceptanceTally
@@ -27,7 +28,15 @@ from serve_eval.config import SpecConfig
 from serve_eval.evaluate import evaluate, top2_margin
 from serve_eval.spec_decode import SpeculativeDecoder
 from tests.fake_device import DeviceMixError, other_device
-from tests.helpers import PROMPTS, lively_target, make_draft, make_target, regenerated_data
+from tests.helpers import (
+    PROMPTS,
+    dflash_for,
+    lively_target,
+    make_draft,
+    make_target,
+    peagle_for,
+    regenerated_data,
+)
 
 
 def test_the_fake_device_catches_what_cuda_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,6 +74,21 @@ def test_the_speculative_loop_runs_with_the_model_on_another_device(monkeypatch:
     assert all(0 <= t < target.vocab_size for t in got.tokens + plain.tokens)
 
 
+@pytest.mark.parametrize("family", ["peagle", "dflash"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_parallel_families_serve_with_the_model_on_another_device(monkeypatch: pytest.MonkeyPatch, family: str,
+                                                                     temperature: float) -> None:
+    target = make_target()
+    draft = peagle_for(target) if family == "peagle" else dflash_for(target)
+    config, params = SpecConfig("chain", k=3), SamplingConfig(temperature=temperature)
+    want = SpeculativeDecoder(target, draft, config).generate(PROMPTS[1], 16, params=params, seed=3)
+    with other_device(monkeypatch) as dev:
+        target.model.to(dev)
+        draft.to(dev)
+        got = SpeculativeDecoder(target, draft, config).generate(PROMPTS[1], 16, params=params, seed=3)
+    assert got.tokens == want.tokens
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Target, Path]:
     """A lively tiny target and an fp32 store of 8 short conversations, harvested on the CPU."""
@@ -75,24 +99,26 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Target, Path]:
     return target, root / "store"
 
 
-def _draft_for(target: Target, vocab: DraftVocab) -> Eagle3Draft:
+def _draft_for(target: Target, vocab: DraftVocab, family: str = "eagle3") -> Eagle3Draft:
     torch.manual_seed(0)
-    draft = Eagle3Draft(DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size),
-                        target.embed_tokens.weight.detach().float())
+    extra = {"eagle3": {}, "peagle": {"mask_token_id": 3}, "dflash": {"mask_token_id": 3, "block_size": 4}}[family]
+    config = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size, **extra)
+    draft = (DFlashDraft if family == "dflash" else Eagle3Draft)(config, target.embed_tokens.weight.detach().float())
     draft.set_draft_vocab(vocab.d2t, vocab.t2d)
     return draft
 
 
-@pytest.mark.parametrize("loss_positions", ["replies", "all"])
+@pytest.mark.parametrize("loss_positions,family", [("replies", "eagle3"), ("all", "eagle3"), ("replies", "peagle"),
+                                                   ("replies", "dflash")])
 def test_a_training_step_and_the_eval_tally_run_with_the_model_on_another_device(
-        monkeypatch: pytest.MonkeyPatch, store: tuple[Target, Path], loss_positions: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, store: tuple[Target, Path], loss_positions: str, family: str) -> None:
     """The trainer's micro-batch (host batch in, engine on the device), its backward, the
     acceptance tally and its summary: the code that crashed at step 1 on CUDA."""
     target, folder = store
     data = HarvestStore(folder)
     batch = load_batch(data, [0, 1, 2], "pack")  # what the loader builds: host tensors
     vocab = DraftVocab.from_target_ids(torch.arange(0, target.vocab_size, 2), target.vocab_size)
-    model = TTTModel(_draft_for(target, vocab), num_steps=3, step_decay=0.8)
+    model = TTTModel(_draft_for(target, vocab, family), num_steps=3, step_decay=0.8)
     head = TargetHead.of_target(target)
     want, want_sums = train_forward(model, head, batch, vocab.t2d, torch.float32, torch.device("cpu"),
                                     loss_positions)
