@@ -295,6 +295,44 @@ def check_loop(draft: Path, target: Path, pools: Path, device: str, size: dict[s
         del model, drafter
 
 
+def check_families(cfg: Any, target: Path, pools: Path, device: str, size: dict[str, Any]) -> None:
+    """P-EAGLE and DFlash on the device: a short training run from the harvest (block 4 / 3 mask steps),
+    the export read back, then the chain loop greedy (equal to plain decoding) and sampled."""
+    from dataclasses import replace
+
+    from eagle3.chat import ChatFormat
+    from eagle3.config import SamplingConfig
+    from eagle3.train import train
+    from serve_eval.config import SpecConfig
+    from serve_eval.evaluate import load_pair, read_prompts
+    from serve_eval.spec_decode import SpeculativeDecoder
+
+    n, new = size["loop_prompts"], size["loop_tokens"]
+    for family in ("peagle", "dflash"):
+        folder = Path(cfg.train.out_dir).with_name(f"train-{family}")
+        try:
+            dev = resolve_device(device)
+            reset_peak(dev)
+            summary = train(replace(cfg.train, out_dir=str(folder), draft_family=family, ttt_steps=3, resume=False),
+                            cfg.target)
+            model, drafter = load_pair(str(folder / "final"), str(target), "float32", device)
+            chat = ChatFormat.for_tokenizer(model.tokenizer, model.model.generation_config)
+            prompts = [p for name in EVAL_SETS for p in read_prompts(pools, name, 1, chat)][:n]
+            decoder = SpeculativeDecoder(model, drafter, SpecConfig("chain", k=3))
+            equal, taus = 0, []
+            for i, p in enumerate(prompts):
+                got = decoder.generate(p, new, seed=i)
+                equal += got.tokens == decoder.generate(p, new, seed=i, speculate=False).tokens
+                taus.append(got.stats.tau)
+                decoder.generate(p, new, params=SamplingConfig(temperature=1.0), seed=i)  # sampled: runs
+            emit(f"family.{family}", equal == len(prompts) and drafter.config.family == family,
+                 last_loss=summary["last_loss"], train_tokens_per_s=summary["tokens_per_s"], prompts=len(prompts),
+                 equal=equal, tau=round(sum(taus) / len(taus), 4), peak_gib=peak_gib(dev))
+            del model, drafter
+        except Exception as err:  # noqa: BLE001 - reported, and the other family still runs
+            emit(f"family.{family}", False, error=f"{type(err).__name__}: {err}")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -361,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None, help="folder with the tokenizer files (default: the embedded "
                         "target's)")
     parser.add_argument("--save-tokenizer", default=None, metavar="DIR", help="write the tokenizer folder and exit")
-    parser.add_argument("--skip", nargs="*", default=[], choices=("pipeline", "export", "loop", "server", "nccl"))
+    parser.add_argument("--skip", nargs="*", default=[],
+                        choices=("pipeline", "export", "loop", "server", "families", "nccl"))
     args = parser.parse_args(argv)
 
     if args.save_tokenizer:
@@ -395,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
             check_loop(draft, target, out / "pools", args.device, size)
         if "server" not in args.skip:
             check_server(draft, target, args.device)
+        if "families" not in args.skip:
+            check_families(cfg, target, out / "pools", args.device, size)
         if "nccl" not in args.skip and device.type == "cuda" and torch.cuda.device_count() >= 2:
             check_two_processes(cfg)
     except Exception as err:  # the failing stage was reported; the rest depends on it

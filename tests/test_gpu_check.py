@@ -26,6 +26,7 @@ def test_the_gpu_check_passes_tiny_on_the_cpu(tmp_path: Path) -> None:
     checks = {r["check"]: r for r in rows}
     stages = ("target", "regenerate", "harvest", "val", "train", "mine", "eval")
     wanted = [*(f"pipeline.{s}" for s in stages), "export.vllm", "export.speculators", "server.t0.8",
+              "family.peagle", "family.dflash",
               *(f"loop.{d}.{m}.t{t}" for d in ("float32", "bfloat16") for m in ("chain", "tree") for t in ("0", "1"))]
     assert [w for w in wanted if w not in checks] == []
     assert all(r["ok"] for r in rows) and checks["summary"]["failed"] == []
