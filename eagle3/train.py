@@ -514,6 +514,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         - (draft.config.draft_vocab_size * draft.config.hidden_size if cfg.freeze_lm_head else 0),
         "first_loss": state["first_loss"], "last_loss": loop.last_loss, "tokens": loop.tokens_total,
         "tokens_per_s": round(loop.tokens_total / loop.train_seconds, 1) if loop.train_seconds else None,
+        "peak_gpu_gib": (round(torch.cuda.max_memory_allocated(rt.device) / 2**30, 2) if rt.device.type == "cuda"
+                         else None),  # this rank's, beside its tokens/s
         "eval_first": state["first_eval"], "eval_last": ({k: v for k, v in state["last_eval"].items()
                                                           if k in ("eval/loss", "eval/tau_sim")}
                                                          if state["last_eval"] else None),
