@@ -37,14 +37,14 @@ from torch import Tensor, nn
 from eagle3.draft import MLP, DraftConfig, DraftHead, KVCache, RMSNorm, apply_rope, gather_rows, rope_cos_sin
 from eagle3.losses import SOFT_CE, Objective
 from eagle3.ttt import (
+    StepTally,
     TTTOutput,
     TTTTargets,
     checked_weights,
     read_rows,
-    shift_left,
     step0_attention_mask,
     step_input_ids,
-    step_positions_scored,
+    step_loss,
     ttt_attention,
     ttt_forward,
 )
@@ -101,12 +101,7 @@ class DFlashDraft(DraftHead, nn.Module):
         self.fc = nn.Linear(config.num_aux_layers * config.target_hidden_size, h, bias=False)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList([DFlashLayer(config) for _ in range(config.num_layers)])
-        self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
-        self.register_vocab()
-        self.reset_parameters()
-        if embed_tokens_weight is not None:
-            self.load_embedding(embed_tokens_weight)
+        self.finish_head(embed_tokens_weight)
 
     @property
     def block_size(self) -> int:
@@ -210,42 +205,14 @@ def dflash_forward(draft: DFlashDraft, input_ids: Tensor, aux: Tensor, position_
     cos, sin = rope_cos_sin(draft.config, positions, x.dtype)
     prenorm = draft.run_block(x, cos, sin, [attend_for(layer) for layer in draft.layers])  # [B, slots*R, H]
 
-    t2d = draft.t2d
-    has_mass = targets.probs.sum(-1) > 0 if loss_on_oov else None
-    loss = prenorm.new_zeros((), dtype=torch.float32)
-    loss_sums, counts, matches, counted_all, valid_all, logits_all = [], [], [], [], [], []
-    reached = torch.ones_like(loss_mask, dtype=torch.bool)
+    tally = StepTally(w, loss_mask, document_ids, targets, draft.t2d, loss_on_oov=loss_on_oov,
+                      gate_steps=gate_steps, at=at, live=live)
     for k in range(num_steps):
+        counted_k, trained_k = tally.step(k)  # [B, R]
         out_k = prenorm[:, (k + 1) * r:(k + 2) * r]  # [B, R, H]: slot k + 1
-        counted, target_argmax, valid = step_positions_scored(k, loss_mask, document_ids, targets, t2d, has_mass)
-        trained = valid & reached if gate_steps else valid
-        if return_logits:
-            logits = draft.compute_logits(out_k)  # [B, S, Vd]
-            ce = objective(logits, shift_left(targets.probs, k + 1, 0.0))
-            loss_sum = torch.where(trained, ce, 0.0).sum()
-            draft_argmax = draft.draft_to_target_ids(logits.detach().argmax(-1))
-            logits_all.append(logits)
-        else:
-            counted_r = rows(counted) & (live if live is not None else True)
-            trained_r = rows(trained)
-            bi, ci = counted_r.nonzero(as_tuple=True)
-            t = ci if at is None else at[bi, ci]
-            logits = draft.compute_logits(out_k[bi, ci])  # [M, Vd]
-            ce = objective(logits, targets.probs[bi, t + k + 1])
-            loss_sum = torch.where(trained_r[bi, ci], ce, 0.0).sum()
-            draft_argmax = torch.full_like(input_ids, -2)
-            draft_argmax[bi, t] = draft.draft_to_target_ids(logits.detach().argmax(-1))
-        count = valid.sum()
-        loss = loss + float(w[k]) * loss_sum / count.clamp_min(1)
-        loss_sums.append(loss_sum)
-        counts.append(count)
-        matches.append(draft_argmax == target_argmax)
-        reached = reached & matches[-1]
-        counted_all.append(counted)
-        valid_all.append(valid)
-    return TTTOutput(loss=loss, loss_sum=torch.stack(loss_sums), count=torch.stack(counts),
-                     match=torch.stack(matches), counted=torch.stack(counted_all), valid=torch.stack(valid_all),
-                     logits=logits_all if return_logits else None)
+        tally.add(*step_loss(draft, out_k, k, trained_k, counted_k, at, targets, input_ids, return_logits,
+                             objective))
+    return tally.output(return_logits)
 
 
 __all__ = ["DFlashDraft", "dflash_forward", "draft_forward"]

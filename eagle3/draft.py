@@ -358,7 +358,7 @@ def _cached_attend(cache: KVCache, layer: int, mask: Tensor | None = None) -> At
 class DraftHead:
     """The pieces every draft family has, whatever its layers: the target's frozen embedding
     (``embed_tokens``), the final ``norm`` and ``lm_head`` over the draft vocabulary, and the
-    ``d2t``/``t2d`` mapping (``register_vocab``); mixed into an ``nn.Module``."""
+    ``d2t``/``t2d`` mapping (:meth:`finish_head`); mixed into an ``nn.Module``."""
 
     config: DraftConfig
     embed_tokens: nn.Embedding
@@ -376,13 +376,20 @@ class DraftHead:
                 elif isinstance(module, RMSNorm):
                     module.weight.fill_(1.0)
 
-    def register_vocab(self) -> None:
-        """Identity vocab until set_draft_vocab: draft id i is target id i."""
+    def finish_head(self, embed_tokens_weight: Tensor | None) -> None:
+        """The end of every family's ``__init__``, after its layers: the final ``norm`` and ``lm_head``,
+        the identity vocab (draft id i is target id i until :meth:`set_draft_vocab`), a fresh init,
+        then the target's embedding when given."""
         c = self.config
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))  # type: ignore[attr-defined]
         t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
         t2d[: c.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)  # type: ignore[attr-defined]
+        self.reset_parameters()
+        if embed_tokens_weight is not None:
+            self.load_embedding(embed_tokens_weight)
 
     # -- weights from the target
 
@@ -466,12 +473,7 @@ class Eagle3Draft(DraftHead, nn.Module):
         if config.num_layers > 1:  # vLLM names them layers.<i> (it maps midlayer. to layers.0.)
             self.layers = nn.ModuleDict({str(i): DecoderLayer(config, first=False)
                                          for i in range(1, config.num_layers)})
-        self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
-        self.register_vocab()
-        self.reset_parameters()
-        if embed_tokens_weight is not None:
-            self.load_embedding(embed_tokens_weight)
+        self.finish_head(embed_tokens_weight)
 
     def reset_parameters(self) -> None:
         """Fresh init (:meth:`DraftHead.reset_parameters`); P-EAGLE's mask state N(0, 1), as speculators starts it."""

@@ -72,7 +72,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from eagle3.draft import Attend, Eagle3Draft, gather_rows
+from eagle3.draft import Attend, DraftHead, Eagle3Draft, gather_rows
 from eagle3.losses import SOFT_CE, Objective, soft_cross_entropy
 
 # ---------------------------------------------------------------- shifts and masks
@@ -257,18 +257,6 @@ class TTTOutput:
     logits: list[Tensor] | None = None  # K x [B, S, Vd] with return_logits
 
 
-def step_positions_scored(k: int, loss_mask: Tensor, document_ids: Tensor, targets: TTTTargets, t2d: Tensor,
-                          has_mass: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """Step k's positions, [B, S] each: counted (:func:`step_counted`), the target's argmax at t+k+1
-    (-1 past the row), and the loss positions (counted, and the target's argmax in the draft vocab,
-    or with ``has_mass`` (loss_on_oov) any mass on it)."""
-    counted = step_counted(loss_mask, document_ids, k)
-    target_argmax = shift_left(targets.argmax, k + 1, -1)
-    in_vocab = (shift_left(has_mass, k + 1, False) if has_mass is not None
-                else t2d[target_argmax.clamp_min(0)] & (target_argmax >= 0))
-    return counted, target_argmax, counted & in_vocab
-
-
 def read_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int) -> tuple[Tensor, Tensor]:
     """The rows whose draft outputs the unroll reads: those where some step 0..K-1 counts
     (:func:`step_counted`).
@@ -292,6 +280,84 @@ def read_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int) -> tuple[
 def _rows(x: Tensor, idx: Tensor | None) -> Tensor:
     """x [B, S, ...] at the rows ``idx`` [B, M] -> [B, M, ...] (all of x without idx)."""
     return x if idx is None else gather_rows(x, idx)
+
+
+class StepTally:
+    """The per-step bookkeeping every family's training forward shares: which positions step k
+    counts and trains (:meth:`step`, as the forward's rows), then its loss sum and matches
+    (:meth:`add`), summed into one :class:`TTTOutput` (:meth:`output`)."""
+
+    def __init__(self, weights: Tensor, loss_mask: Tensor, document_ids: Tensor, targets: TTTTargets, t2d: Tensor,
+                 *, loss_on_oov: bool, gate_steps: bool, at: Tensor | None, live: Tensor | None) -> None:
+        self.weights, self.loss_mask, self.document_ids, self.targets, self.t2d = (
+            weights, loss_mask, document_ids, targets, t2d)
+        self.gate_steps, self.at, self.live = gate_steps, at, live
+        # loss_on_oov: every counted row whose target puts mass on the draft vocab (all, with full logits)
+        self.has_mass = targets.probs.sum(-1) > 0 if loss_on_oov else None  # [B, S]
+        self.reached = torch.ones_like(loss_mask, dtype=torch.bool)  # [B, S]: steps so far all matched
+        self.loss: Tensor | None = None
+        self.loss_sums: list[Tensor] = []
+        self.counts: list[Tensor] = []
+        self.matches: list[Tensor] = []
+        self.counted: list[Tensor] = []
+        self.valid: list[Tensor] = []
+        self.logits: list[Tensor] = []
+
+    def step(self, k: int) -> tuple[Tensor, Tensor]:
+        """Step k's counted and trained positions at the forward's rows, [B, R] each (padding rows off)."""
+        counted = step_counted(self.loss_mask, self.document_ids, k)
+        self._target_argmax = shift_left(self.targets.argmax, k + 1, -1)  # the target's argmax at t+k+1
+        in_vocab = (shift_left(self.has_mass, k + 1, False) if self.has_mass is not None
+                    else self.t2d[self._target_argmax.clamp_min(0)] & (self._target_argmax >= 0))
+        valid = counted & in_vocab  # counted, and the target's argmax in the draft vocab (or mass on it)
+        trained = valid & self.reached if self.gate_steps else valid  # [B, S]: the positions the loss sums
+        self.counted.append(counted)
+        self.valid.append(valid)
+        counted_k, trained_k = _rows(counted, self.at), _rows(trained, self.at)  # [B, R]
+        if self.live is not None:
+            counted_k, trained_k = counted_k & self.live, trained_k & self.live
+        return counted_k, trained_k
+
+    def add(self, loss_sum: Tensor, draft_argmax: Tensor, logits: Tensor | None = None) -> None:
+        """The step's objective summed over its loss positions and its argmax [B, S] (target ids)."""
+        k = len(self.loss_sums)
+        count = self.valid[k].sum()
+        loss = loss_sum.new_zeros((), dtype=torch.float32) if self.loss is None else self.loss
+        self.loss = loss + float(self.weights[k]) * loss_sum / count.clamp_min(1)
+        self.loss_sums.append(loss_sum)
+        self.counts.append(count)
+        self.matches.append(draft_argmax == self._target_argmax)
+        self.reached = self.reached & self.matches[-1]
+        if logits is not None:
+            self.logits.append(logits)
+
+    def output(self, return_logits: bool) -> TTTOutput:
+        assert self.loss is not None
+        return TTTOutput(loss=self.loss, loss_sum=torch.stack(self.loss_sums), count=torch.stack(self.counts),
+                         match=torch.stack(self.matches), counted=torch.stack(self.counted),
+                         valid=torch.stack(self.valid), logits=self.logits if return_logits else None)
+
+
+def step_loss(draft: DraftHead, prenorm: Tensor, k: int, valid: Tensor, counted: Tensor, at: Tensor | None,
+              targets: TTTTargets, input_ids: Tensor, return_logits: bool,
+              objective: Objective = SOFT_CE) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Step k's objective summed over ``valid`` and the draft's argmax [B, S] in target ids, from its
+    pre-norm outputs [B, R, H] at the rows ``at`` (all rows: None); with ``return_logits`` also the
+    logits [B, S, Vd], else logits only on the ``counted`` rows (the lm_head is most of a step's
+    compute, and under half the rows are counted; uncounted rows never match)."""
+    if return_logits:
+        logits = draft.compute_logits(prenorm)  # [B, S, Vd]
+        ce = objective(logits, shift_left(targets.probs, k + 1, 0.0))  # [B, S] against p[t+k+1]
+        loss_sum = torch.where(valid, ce, 0.0).sum()
+        return loss_sum, draft.draft_to_target_ids(logits.detach().argmax(-1)), logits
+    rows, cols = counted.nonzero(as_tuple=True)  # [M] each
+    t = cols if at is None else at[rows, cols]  # start positions
+    logits = draft.compute_logits(prenorm[rows, cols])  # [M, Vd]
+    ce = objective(logits, targets.probs[rows, t + k + 1])  # [M]: p[t+k+1]
+    loss_sum = torch.where(valid[rows, cols], ce, 0.0).sum()
+    draft_argmax = torch.full_like(input_ids, -2)  # [B, S]
+    draft_argmax[rows, t] = draft.draft_to_target_ids(logits.detach().argmax(-1))
+    return loss_sum, draft_argmax, None
 
 
 def ttt_forward(
@@ -337,22 +403,15 @@ def ttt_forward(
         at, live = read_rows(loss_mask, document_ids, num_steps)
     read_mask = _rows(mask0, at)  # [B, M, S]: the step-0 window of those rows
 
-    # loss_on_oov: every counted row whose target puts mass on the draft vocab (all, with full logits)
-    has_mass = targets.probs.sum(-1) > 0 if loss_on_oov else None  # [B, S]
-    loss = hidden.new_zeros((), dtype=torch.float32)
-    loss_sums, counts, matches, counted_all, valid_all, logits_all = [], [], [], [], [], []
-    reached = torch.ones_like(loss_mask, dtype=torch.bool)  # [B, S]: steps so far all matched
+    tally = StepTally(w, loss_mask, document_ids, targets, t2d, loss_on_oov=loss_on_oov, gate_steps=gate_steps,
+                      at=at, live=live)
     for k in range(num_steps):
         inputs_at = at if k > 0 else None  # step 0 reads every row (keys and values)
         ids_k = _rows(step_input_ids(input_ids, k), inputs_at)  # [B, S] at step 0, else [B, R]
         pos_k = _rows(step_positions(position_ids, k), inputs_at)
         if draft.config.parallel and k > 0:  # P-EAGLE: the mask token and mask state instead
             ids_k, hidden = draft.mask_inputs(tuple(ids_k.shape), hidden.dtype, ids_k.device)
-        counted, target_argmax, valid = step_positions_scored(k, loss_mask, document_ids, targets, t2d, has_mass)
-        trained = valid & reached if gate_steps else valid  # [B, S]: the positions the loss sums
-        counted_k, valid_k = _rows(counted, at), _rows(trained, at)  # [B, R]
-        if at is not None:
-            counted_k, valid_k = counted_k & live, valid_k & live
+        counted_k, valid_k = tally.step(k)  # [B, R]
 
         # A snapshot of the keys so far: a checkpointed step replays against exactly these.
         earlier = ([list(d) for d in diagonal], list(step0_kv))
@@ -372,21 +431,8 @@ def ttt_forward(
         else:
             for i in range(num_layers):
                 diagonal[i].append(new_kv[i])
-        if return_logits:
-            logits_all.append(out[-1])
-
-        count = valid.sum()
-        loss = loss + float(w[k]) * loss_sum / count.clamp_min(1)
-        loss_sums.append(loss_sum)
-        counts.append(count)
-        matches.append(draft_argmax == target_argmax)
-        reached = reached & matches[-1]
-        counted_all.append(counted)
-        valid_all.append(valid)
-
-    return TTTOutput(loss=loss, loss_sum=torch.stack(loss_sums), count=torch.stack(counts),
-                     match=torch.stack(matches), counted=torch.stack(counted_all), valid=torch.stack(valid_all),
-                     logits=logits_all if return_logits else None)
+        tally.add(loss_sum, draft_argmax, out[-1] if return_logits else None)
+    return tally.output(return_logits)
 
 
 def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tensor, pos_k: Tensor, valid: Tensor,
@@ -412,27 +458,14 @@ def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tens
     prenorm = draft.decode(hidden_prev, draft.embed(ids_k), pos_k, [attend_for(i) for i in range(num_layers)],
                            at if k == 0 else None)  # [B, R, H]
     flat_kv = [t for kv in new_kv for t in kv]
-    if return_logits:
-        logits = draft.compute_logits(prenorm)  # [B, S, Vd]
-        target_probs = shift_left(targets.probs, k + 1, 0.0)  # [B, S, Vd] p[t+k+1]
-        ce = objective(logits, target_probs)  # [B, S]
-        loss_sum = torch.where(valid, ce, 0.0).sum()
-        draft_argmax = draft.draft_to_target_ids(logits.detach().argmax(-1))  # [B, S] target ids
-        return (draft.next_hidden(prenorm), loss_sum, draft_argmax, *flat_kv, logits)
-    # Only the rows this step counts need logits (the lm_head is most of a step's compute,
-    # and under half the rows are counted); every row's hidden state still goes on.
-    rows, cols = counted.nonzero(as_tuple=True)  # [M] each
-    t = cols if at is None else at[rows, cols]  # start positions
-    logits = draft.compute_logits(prenorm[rows, cols])  # [M, Vd]
-    ce = objective(logits, targets.probs[rows, t + k + 1])  # [M]: p[t+k+1]
-    loss_sum = torch.where(valid[rows, cols], ce, 0.0).sum()
-    draft_argmax = torch.full_like(input_ids, -2)  # [B, S]; uncounted rows never match
-    draft_argmax[rows, t] = draft.draft_to_target_ids(logits.detach().argmax(-1))
-    return (draft.next_hidden(prenorm), loss_sum, draft_argmax, *flat_kv)
+    # every row's hidden state goes on; logits only where step_loss needs them
+    loss_sum, draft_argmax, logits = step_loss(draft, prenorm, k, valid, counted, at, targets, input_ids,
+                                               return_logits, objective)
+    return (draft.next_hidden(prenorm), loss_sum, draft_argmax, *flat_kv, *([logits] if return_logits else []))
 
 
 __all__ = [
-    "TTTOutput", "TTTTargets", "read_rows", "prepare_targets",
+    "StepTally", "TTTOutput", "TTTTargets", "read_rows", "step_loss", "prepare_targets",
     "prepare_targets_from_topk", "shift_left", "soft_cross_entropy", "step0_attention_mask",
     "step_counted", "step_input_ids", "step_positions", "step_weights", "ttt_attention",
     "ttt_forward",
