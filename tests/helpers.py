@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import zipfile
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -199,12 +200,15 @@ def tiny_kimi_k25(folder):
     return folder
 
 
-def tiny_draft(num_layers: int = 1, seed: int = 0, **variant: bool) -> Eagle3Draft:
+def tiny_draft(num_layers: int = 1, seed: int = 0, **variant: Any) -> Any:
+    """A tiny draft of the TTT tests' sizes, norms away from 1 and a random draft vocab; ``variant``
+    sets DraftConfig fields (a ``block_size`` makes it a DFlash draft)."""
     torch.manual_seed(seed)
     config = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                          vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=TARGET_HIDDEN,
                          num_layers=num_layers, initializer_range=0.15, **variant)
-    draft = Eagle3Draft(config, embed_tokens_weight=torch.randn(VOCAB, 64))
+    cls = DFlashDraft if config.family == "dflash" else Eagle3Draft
+    draft = cls(config, embed_tokens_weight=torch.randn(VOCAB, 64))
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # norms away from 1, so that a swapped norm would show
         for name, p in draft.named_parameters():
@@ -213,6 +217,36 @@ def tiny_draft(num_layers: int = 1, seed: int = 0, **variant: bool) -> Eagle3Dra
     vocab = DraftVocab.from_target_ids(torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB], VOCAB)
     draft.set_draft_vocab(vocab.d2t, vocab.t2d)
     return draft.eval()
+
+
+def documents(batch: dict) -> Iterator[tuple[int, int, int]]:
+    """(row, start, end) of every document of a packed batch, as the serving-time references walk it."""
+    for row in range(batch["input_ids"].shape[0]):
+        doc = batch["document_ids"][row]
+        for d in doc.unique().tolist():
+            where = (doc == d).nonzero().flatten()
+            yield row, int(where[0]), int(where[-1]) + 1
+
+
+def train_briefly(draft: Any, batch: dict, steps: int = 30, num_steps: int = 3,
+                  after_backward: Callable[[], None] | None = None) -> list[float]:
+    """Adam (lr 3e-3) on one packed batch through the family's training forward; the losses."""
+    from eagle3.dflash import draft_forward
+    from eagle3.ttt import prepare_targets
+
+    targets = prepare_targets(batch["target_logits"], draft.t2d)
+    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        out = draft_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
+                            batch["loss_mask"], targets, num_steps=num_steps)
+        opt.zero_grad()
+        out.loss.backward()
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+        losses.append(float(out.loss.detach()))
+    return losses
 
 
 def packed_batch(doc_lengths: list[list[int]], seed: int = 0, t2d: torch.Tensor | None = None) -> dict:
@@ -325,6 +359,10 @@ class OracleDecoder(SpeculativeDecoder):
                       for i, t in enumerate(tokens)]
         return tokens, list(range(-1, len(tokens) - 1)), None
 
+    def _propose_parallel(self, logits, params, g, context):
+        # P-EAGLE / DFlash: their one draft forward still runs (cache, masks, rollback); k = its rows
+        return self._propose_chain(None, None, len(context) - 1, None, params, g, context, logits.shape[0])
+
     def _propose_tree(self, root_state, root_logits, n, cache, context):
         # a wrong root child first, then the right chain under the second root child
         right = self._greedy(context, self.config.k)
@@ -378,19 +416,7 @@ MASK = 5
 
 
 def tiny_dflash(num_layers: int = 1, block_size: int = 4, seed: int = 0) -> DFlashDraft:
-    torch.manual_seed(seed)
-    config = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=TARGET_HIDDEN,
-                         num_layers=num_layers, initializer_range=0.15, mask_token_id=MASK, block_size=block_size)
-    draft = DFlashDraft(config, embed_tokens_weight=torch.randn(VOCAB, 64))
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # norms away from 1, so that a swapped norm would show
-        for name, p in draft.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-    vocab = DraftVocab.from_target_ids(torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB], VOCAB)
-    draft.set_draft_vocab(vocab.d2t, vocab.t2d)
-    return draft.eval()
+    return tiny_draft(num_layers, seed, mask_token_id=MASK, block_size=block_size)
 
 
 def peagle_for(target) -> Eagle3Draft:

@@ -21,10 +21,12 @@ from tests.helpers import (
     OracleDecoder,
     assert_sampling_matches_target,
     dflash_for,
+    documents,
     make_target,
     packed_batch,
     plain,
     tiny_dflash,
+    train_briefly,
 )
 
 
@@ -33,19 +35,16 @@ def served_logits(draft: DFlashDraft, batch: dict, num_steps: int) -> dict:
     """{(row, k, t): logits} as vLLM serves DFlash: the cache holds the context of positions <= t
     (added one token at a time), then one block [x[t+1], mask x K] at positions t+1.. proposes."""
     out = {}
-    for row in range(batch["input_ids"].shape[0]):
-        ids, doc = batch["input_ids"][row], batch["document_ids"][row]
-        for d in doc.unique().tolist():
-            where = (doc == d).nonzero().flatten()
-            start, end = int(where[0]), int(where[-1]) + 1
-            cache = KVCache()
-            for t in range(start, end - 1):
-                draft.add_context(batch["aux"][row:row + 1, t:t + 1], torch.tensor([[t - start]]), cache)
-                block = torch.tensor([[int(ids[t + 1])] + [MASK] * num_steps])
-                logits = draft.propose(block, torch.arange(t - start + 1, t - start + 2 + num_steps)[None], cache)
-                for k in range(num_steps):
-                    if t + k + 1 < end:
-                        out[row, k, t] = logits[0, k + 1]
+    for row, start, end in documents(batch):
+        ids = batch["input_ids"][row]
+        cache = KVCache()
+        for t in range(start, end - 1):
+            draft.add_context(batch["aux"][row:row + 1, t:t + 1], torch.tensor([[t - start]]), cache)
+            block = torch.tensor([[int(ids[t + 1])] + [MASK] * num_steps])
+            logits = draft.propose(block, torch.arange(t - start + 1, t - start + 2 + num_steps)[None], cache)
+            for k in range(num_steps):
+                if t + k + 1 < end:
+                    out[row, k, t] = logits[0, k + 1]
     return out
 
 
@@ -109,17 +108,7 @@ def test_a_causal_block_is_not_what_is_served(monkeypatch: pytest.MonkeyPatch) -
 
 def test_training_lowers_the_loss_and_counts_parameters() -> None:
     draft = tiny_dflash().train()
-    batch = packed_batch([[12, 12], [24]], t2d=draft.t2d)
-    targets = prepare_targets(batch["target_logits"], draft.t2d)
-    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(30):
-        out = ttt_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
-                          batch["loss_mask"], targets, num_steps=3)
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-        losses.append(float(out.loss.detach()))
+    losses = train_briefly(draft, packed_batch([[12, 12], [24]], t2d=draft.t2d))
     assert losses[-1] < 0.8 * losses[0], losses
     assert trainable_parameter_count(draft.config) == sum(p.numel() for p in draft.parameters() if p.requires_grad)
 
@@ -140,14 +129,6 @@ def test_skipping_unread_rows_changes_nothing() -> None:
 # ---------------------------------------------------------------- the serving loop
 
 
-class DFlashOracle(OracleDecoder):
-    """The draft's context and block still run (cache, rollback); the proposal is the target's
-    greedy continuation, every ``wrong``-th token changed."""
-
-    def _propose_parallel(self, logits, params, g, context):
-        return self._propose_chain(None, None, len(context) - 1, None, params, g, context, logits.shape[0])
-
-
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_equals_plain_decoding(k: int) -> None:
     target = make_target()
@@ -159,7 +140,7 @@ def test_greedy_equals_plain_decoding(k: int) -> None:
 @pytest.mark.parametrize("wrong", [0, 3])
 def test_greedy_equals_plain_decoding_when_blocks_are_accepted(wrong: int) -> None:
     target = make_target()
-    decoder = DFlashOracle(target, dflash_for(target), SpecConfig("chain", k=3), wrong=wrong)
+    decoder = OracleDecoder(target, dflash_for(target), SpecConfig("chain", k=3), wrong=wrong)
     for prompt in PROMPTS:
         got = decoder.generate(prompt, 30)
         assert got.tokens == plain(target, prompt, 30)

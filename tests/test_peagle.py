@@ -21,11 +21,13 @@ from tests.helpers import (
     PROMPTS,
     OracleDecoder,
     assert_sampling_matches_target,
+    documents,
     make_target,
     packed_batch,
     peagle_for,
     plain,
     tiny_draft,
+    train_briefly,
 )
 
 MASK = 7
@@ -41,22 +43,19 @@ def parallel_serving_logits(draft: Eagle3Draft, batch: dict[str, torch.Tensor], 
     context rows <= t (fed one at a time), then ONE forward over K-1 mask rows (the mask token, the
     mask state, positions t+1..t+K-1) gives draft tokens 2..K."""
     out = {}
-    for row in range(batch["input_ids"].shape[0]):
-        ids, doc = batch["input_ids"][row], batch["document_ids"][row]
+    for row, start, end in documents(batch):
+        ids = batch["input_ids"][row]
         fc = draft.combine_aux(batch["aux"][row : row + 1])  # [1, S, H]
-        for d in doc.unique().tolist():
-            where = (doc == d).nonzero().flatten()
-            start, end = int(where[0]), int(where[-1]) + 1
-            cache = KVCache()
-            for t in range(start, end - 1):
-                _, logits = draft(ids[t + 1].view(1, 1), fc[:, t : t + 1], torch.tensor([[t - start]]), cache)
-                out[row, 0, t] = logits[0, 0]
-                ids_m, hidden = draft.mask_inputs((1, num_steps - 1), torch.float32, torch.device("cpu"))
-                pos = torch.arange(t - start + 1, t - start + num_steps)[None]
-                _, logits = draft(ids_m, hidden, pos, cache.fork())
-                for k in range(1, num_steps):
-                    if t + k + 1 < end:  # the unroll counts a step only where its target exists
-                        out[row, k, t] = logits[0, k - 1]
+        cache = KVCache()
+        for t in range(start, end - 1):
+            _, logits = draft(ids[t + 1].view(1, 1), fc[:, t : t + 1], torch.tensor([[t - start]]), cache)
+            out[row, 0, t] = logits[0, 0]
+            ids_m, hidden = draft.mask_inputs((1, num_steps - 1), torch.float32, torch.device("cpu"))
+            pos = torch.arange(t - start + 1, t - start + num_steps)[None]
+            _, logits = draft(ids_m, hidden, pos, cache.fork())
+            for k in range(1, num_steps):
+                if t + k + 1 < end:  # the unroll counts a step only where its target exists
+                    out[row, k, t] = logits[0, k - 1]
     return out
 
 
@@ -96,19 +95,13 @@ def test_the_unroll_is_not_the_eagle3_chain() -> None:
 
 def test_training_moves_the_mask_state_and_lowers_the_loss() -> None:
     draft = parallel_draft().train()
-    batch = packed_batch([[12, 12], [24]], t2d=draft.t2d)
-    targets = prepare_targets(batch["target_logits"], draft.t2d)
     before = draft.mask_hidden.detach().clone()
-    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(30):
-        out = ttt_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
-                          batch["loss_mask"], targets, num_steps=3)
-        opt.zero_grad()
-        out.loss.backward()
+
+    def mask_state_has_a_gradient() -> None:
         assert draft.mask_hidden.grad is not None and draft.mask_hidden.grad.abs().sum() > 0
-        opt.step()
-        losses.append(float(out.loss.detach()))
+
+    batch = packed_batch([[12, 12], [24]], t2d=draft.t2d)
+    losses = train_briefly(draft, batch, after_backward=mask_state_has_a_gradient)
     assert losses[-1] < 0.8 * losses[0], losses
     assert not torch.equal(before, draft.mask_hidden.detach())
     assert trainable_parameter_count(draft.config) == sum(p.numel() for p in draft.parameters() if p.requires_grad)
@@ -136,15 +129,6 @@ def test_export_writes_vllms_keys_and_imports_back(tmp_path) -> None:
         load_draft(folder)
 
 
-class ParallelOracle(OracleDecoder):
-    """The draft's parallel forward still runs (catch-up and mask rows in one forward, rollback); its
-    tokens are replaced by the target's greedy continuation, every ``wrong``-th one changed."""
-
-    def _propose_parallel(self, logits, params, g, context):
-        k = logits.shape[0]
-        return self._propose_chain(None, None, len(context) - 1, None, params, g, context, k)
-
-
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_equals_plain_decoding(k: int) -> None:
     target = make_target()
@@ -157,7 +141,7 @@ def test_greedy_equals_plain_decoding(k: int) -> None:
 @pytest.mark.parametrize("wrong", [0, 3])
 def test_greedy_equals_plain_decoding_when_parallel_drafts_are_accepted(wrong: int) -> None:
     target = make_target()
-    decoder = ParallelOracle(target, peagle_for(target), SpecConfig("chain", k=4), wrong=wrong)
+    decoder = OracleDecoder(target, peagle_for(target), SpecConfig("chain", k=4), wrong=wrong)
     for prompt in PROMPTS:
         ref = plain(target, prompt, 30)
         got = decoder.generate(prompt, 30)

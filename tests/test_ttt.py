@@ -22,7 +22,7 @@ from eagle3.ttt import (
     ttt_attention,
     ttt_forward,
 )
-from tests.helpers import packed_batch, tiny_draft
+from tests.helpers import documents, packed_batch, tiny_draft
 
 # ---------------------------------------------------------------- the arbiter
 
@@ -36,22 +36,19 @@ def serving_logits(draft: Eagle3Draft, batch: dict[str, torch.Tensor], num_steps
     steps feed the draft's own pre-norm output with the ground-truth next token, one at a time.
     """
     out = {}
-    for row in range(batch["input_ids"].shape[0]):
-        ids, doc = batch["input_ids"][row], batch["document_ids"][row]
+    for row, start, end in documents(batch):
+        ids = batch["input_ids"][row]
         fc = draft.combine_aux(batch["aux"][row : row + 1])  # [1, S, H]
-        for d in doc.unique().tolist():
-            where = (doc == d).nonzero().flatten()
-            start, end = int(where[0]), int(where[-1]) + 1
-            cache = KVCache()
-            for t in range(start, end - 1):  # the last position has no next token to feed
-                h, logits = draft(ids[t + 1].view(1, 1), fc[:, t : t + 1], torch.tensor([[t - start]]), cache)
-                out[row, 0, t] = logits[0, 0]
-                branch = cache.fork()
-                for k in range(1, num_steps):
-                    if t + k + 1 >= end:
-                        break
-                    h, logits = draft(ids[t + k + 1].view(1, 1), h, torch.tensor([[t - start + k]]), branch)
-                    out[row, k, t] = logits[0, 0]
+        cache = KVCache()
+        for t in range(start, end - 1):  # the last position has no next token to feed
+            h, logits = draft(ids[t + 1].view(1, 1), fc[:, t : t + 1], torch.tensor([[t - start]]), cache)
+            out[row, 0, t] = logits[0, 0]
+            branch = cache.fork()
+            for k in range(1, num_steps):
+                if t + k + 1 >= end:
+                    break
+                h, logits = draft(ids[t + k + 1].view(1, 1), h, torch.tensor([[t - start + k]]), branch)
+                out[row, k, t] = logits[0, 0]
     return out
 
 
