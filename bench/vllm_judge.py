@@ -178,6 +178,7 @@ def judge(target_folder: str, drafts: dict[str, Path | None], prompts: dict[str,
     plain = in_child(job)
     lines = []
     for name, folder in drafts.items():
+        served_k = k if folder is None else draft_family(str(folder)).get("num_speculative_tokens", k)
         spec = in_child({**job, "method": "ngram"} if folder is None else {**job, "draft": str(folder)})
         for set_name, got in spec.items():
             base = plain[set_name]
@@ -191,7 +192,6 @@ def judge(target_folder: str, drafts: dict[str, Path | None], prompts: dict[str,
                               "tie": margin < TIE_MARGIN})
             drafts_n = max(got["drafts"], 1)
             generated = sum(len(t) for t in got["tokens"])
-            served_k = k if folder is None else draft_family(str(folder)).get("num_speculative_tokens", k)
             lines.append({
                 "figure": "vllm_judge", "draft": name, "set": set_name, "prompts": len(got["tokens"]), "k": served_k,
                 "tau": round(1 + got["accepted"] / drafts_n, 4),
