@@ -305,8 +305,8 @@ class TrainConfig:
                 out[name] = getattr(self, "draft_" + name)
         if self.draft_rope == "plain":
             out["rope_scaling"] = None
-        if self.draft_family == "dflash":  # the EAGLE-3 layer's variants do not apply
-            return out
+        if self.draft_family == "dflash":  # a block of ttt_steps + 1; the EAGLE-3 layer's variants do not apply
+            return {**out, "block_size": self.ttt_steps + 1}
         if self.draft_variant == "speculators":
             out.update(norm_before_residual=True, norm_before_fc=True, norm_output=True)
         elif self.draft_variant == "eagle3.1":

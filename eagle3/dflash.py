@@ -34,7 +34,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from eagle3.draft import MLP, DraftConfig, DraftHead, KVCache, RMSNorm, apply_rope, gather_rows, rope_cos_sin
+from eagle3.draft import (
+    MLP,
+    DraftConfig,
+    DraftHead,
+    Eagle3Draft,
+    KVCache,
+    RMSNorm,
+    apply_rope,
+    gather_rows,
+    rope_cos_sin,
+)
 from eagle3.losses import SOFT_CE, Objective
 from eagle3.ttt import (
     StepTally,
@@ -153,6 +163,12 @@ class DFlashDraft(DraftHead, nn.Module):
         return self.compute_logits(self.run_block(x, cos, sin, [attend_for(i) for i in range(len(self.layers))]))
 
 
+def build_draft(config: DraftConfig, embed_tokens_weight: Tensor | None = None) -> DraftHead:
+    """A fresh draft of the config's family: :class:`DFlashDraft`, else an EAGLE-3 (or P-EAGLE) draft."""
+    cls = DFlashDraft if config.family == "dflash" else Eagle3Draft
+    return cls(config, embed_tokens_weight)
+
+
 def draft_forward(draft: DraftHead, *args: Any, **kwargs: Any) -> TTTOutput:
     """The training forward of any draft family, :func:`eagle3.ttt.ttt_forward`'s inputs and output:
     the TTT unroll for eagle3 and P-EAGLE drafts, :func:`dflash_forward` for DFlash ones."""
@@ -215,4 +231,4 @@ def dflash_forward(draft: DFlashDraft, input_ids: Tensor, aux: Tensor, position_
     return tally.output(return_logits)
 
 
-__all__ = ["DFlashDraft", "dflash_forward", "draft_forward"]
+__all__ = ["DFlashDraft", "build_draft", "dflash_forward", "draft_forward"]

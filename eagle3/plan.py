@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from eagle3.config import TargetConfig, TrainConfig
-from eagle3.dflash import DFlashDraft
-from eagle3.draft import DraftConfig, Eagle3Draft, trainable_parameter_count
+from eagle3.dflash import build_draft
+from eagle3.draft import DraftConfig, trainable_parameter_count
 
 
 def target_architecture(target: TargetConfig) -> dict[str, Any]:
@@ -37,7 +37,7 @@ def text_architecture(architecture: dict[str, Any]) -> dict[str, Any]:
 def count_on_meta(config: DraftConfig) -> dict[str, int]:
     """Trainable and frozen parameters of the draft built on the meta device."""
     with torch.device("meta"):
-        draft = DFlashDraft(config) if config.family == "dflash" else Eagle3Draft(config)
+        draft = build_draft(config)
     trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in draft.parameters() if not p.requires_grad)
     return {"trainable": trainable, "frozen": frozen}
@@ -49,11 +49,8 @@ def plan_draft(target: TargetConfig, train: TrainConfig) -> dict[str, Any]:
     n = int(arch["num_hidden_layers"])
     ids = sorted(target.aux_layer_ids) if target.aux_layer_ids is not None else [2, n // 2, n - 3]
     vocab = min(train.draft_vocab_size, int(arch["vocab_size"]))
-    family: dict[str, Any] = {}  # the mask token is chosen when training starts (it needs the tokenizer)
-    if train.draft_family != "eagle3":
-        family["mask_token_id"] = train.mask_token_id or 0
-    if train.draft_family == "dflash":
-        family["block_size"] = train.ttt_steps + 1
+    # a parallel family's mask token is chosen when training starts (it needs the tokenizer); any id counts alike
+    family = {"mask_token_id": train.mask_token_id or 0} if train.draft_family != "eagle3" else {}
     config = DraftConfig.from_target_config(arch, draft_vocab_size=vocab, num_aux_layers=len(ids),
                                             **family, **train.draft_overrides())
     counted = count_on_meta(config)

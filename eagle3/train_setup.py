@@ -20,7 +20,7 @@ from eagle3.checkpoint import seed_everything
 from eagle3.colocated import ColocatedStore
 from eagle3.config import TargetConfig, TrainConfig
 from eagle3.device import bf16_matmul_speedup
-from eagle3.dflash import DFlashDraft
+from eagle3.dflash import build_draft
 from eagle3.distributed import Runtime, all_reduce_sum
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab, read_draft_vocab, select_draft_vocab
@@ -319,20 +319,20 @@ def new_draft(cfg: TrainConfig, target: Target, num_aux: int, vocab: DraftVocab,
         raise TrainError(f"train.init_draft: {cfg.init_draft} was trained with mask_token_id={own}; set "
                          f"train.mask_token_id={own} (or leave it unset)")
     mask_id = (own if own is not None else mask_token_for(cfg, target)) if cfg.draft_family != "eagle3" else None
-    if cfg.draft_family == "dflash" and initial is None:
+    if initial is None:
         try:
-            config = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size, num_aux_layers=num_aux,
-                                                    mask_token_id=mask_id, block_size=cfg.ttt_steps + 1,
-                                                    **cfg.draft_overrides())
+            draft_config = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size,
+                                                          num_aux_layers=num_aux, mask_token_id=mask_id,
+                                                          **cfg.draft_overrides())
         except ValueError as err:
             raise TrainError(f"draft shape: {err}") from None
-        draft = DFlashDraft(config, embedding)
+        draft = build_draft(draft_config, embedding)
     elif cfg.draft_family == "dflash":
         draft = initial
         if draft.config.block_size - 1 < cfg.ttt_steps:
             raise TrainError(f"train.ttt_steps={cfg.ttt_steps}: the init_draft's DFlash block proposes "
                              f"{draft.config.block_size - 1} tokens")
-    elif initial is not None:
+    else:
         draft = initial
         if mask_id is not None and not draft.config.parallel:
             draft = as_parallel(draft, mask_id)
@@ -340,14 +340,6 @@ def new_draft(cfg: TrainConfig, target: Target, num_aux: int, vocab: DraftVocab,
                    "state)")
         elif mask_id is None and draft.config.parallel:
             raise TrainError(f"train.init_draft: {cfg.init_draft} is a P-EAGLE draft; set train.draft_family=peagle")
-    else:
-        try:
-            draft_config = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size,
-                                                          num_aux_layers=num_aux, mask_token_id=mask_id,
-                                                          **cfg.draft_overrides())
-        except ValueError as err:
-            raise TrainError(f"draft shape: {err}") from None
-        draft = Eagle3Draft(draft_config, embedding)
     draft.set_draft_vocab(vocab.d2t, vocab.t2d)
     if cfg.lm_head_init == "target" and not cfg.init_draft:
         # the target's logit scale folded into the rows (a soft cap has no linear equivalent)

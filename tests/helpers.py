@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.conversations import DOMAINS
-from eagle3.dflash import DFlashDraft
+from eagle3.dflash import DFlashDraft, build_draft
 from eagle3.draft import DraftConfig, Eagle3Draft, KVCache
 from eagle3.draft_vocab import DraftVocab
 from eagle3.target import Target
@@ -207,8 +207,7 @@ def tiny_draft(num_layers: int = 1, seed: int = 0, **variant: Any) -> Any:
     config = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                          vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=TARGET_HIDDEN,
                          num_layers=num_layers, initializer_range=0.15, **variant)
-    cls = DFlashDraft if config.family == "dflash" else Eagle3Draft
-    draft = cls(config, embed_tokens_weight=torch.randn(VOCAB, 64))
+    draft = build_draft(config, torch.randn(VOCAB, 64))
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # norms away from 1, so that a swapped norm would show
         for name, p in draft.named_parameters():
