@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -31,6 +32,17 @@ def synchronize(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+def to_device(x: Any, device: torch.device) -> Any:
+    """``x`` (a tensor, a dict of tensors, or anything with ``.to(device)``) on ``device``. A host tensor
+    goes to CUDA through pinned memory, without blocking: a copy from pageable memory would make the
+    host wait until the device's queue reaches it."""
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    if isinstance(x, Tensor) and x.device.type == "cpu" and device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":

@@ -85,7 +85,7 @@ class AcceptanceTally:
         v[3 * k:4 * k] += before.sum(1)
         v[4 * k:5 * k] += out.loss_sum.detach().double()
         v[5 * k:6 * k] += out.count.double()
-        v[6 * k] += run[start].sum()
+        v[6 * k] += torch.where(start, run, 0).sum()  # not run[start]: a boolean index makes CUDA sync
         v[6 * k + 1] += start.sum()
 
     def all_reduce(self) -> AcceptanceTally:

@@ -28,38 +28,48 @@ class TargetHead(nn.Module):
         self.requires_grad_(False)
         self._split: tuple[Any, ...] | None = None
         self._split_pays = True  # turned off when most rows need the full product anyway
+        self._vd: tuple[Tensor, int, Tensor] | None = None
 
     @torch.no_grad()
-    def targets(self, batch: dict[str, Tensor], t2d: Tensor, chunk_tokens: int = 1024) -> TTTTargets:
+    def targets(self, batch: dict[str, Tensor], t2d: Tensor, chunk_tokens: int = 1024,
+                rows: Tensor | None = None) -> TTTTargets:
         """TTT targets [B, S, Vd] for a batch with ``last`` [B, S, H] or ``topk_ids``/``topk_logprobs``.
 
         The target's distribution p[t] (over x[t+1]) is only ever read where x[t+1] is a
         loss-masked token of the same document (every step's loss and metrics are gated by
-        that, see :func:`eagle3.ttt.step_counted`), so the head runs on those rows only, in
+        that, see :func:`eagle3.ttt.step_counted`), so the head runs on those rows only
+        (``rows``: :func:`needed_rows` of the batch, worked out where it was built; else here), in
         chunks: the full-vocab logits never exist for the whole batch. Other rows get zero
         probabilities and argmax -1 (never counted).
         """
         if "last" not in batch:
             return prepare_targets_from_topk(batch["topk_ids"], batch["topk_logprobs"], t2d, self.temperature)
-        last, mask, doc = batch["last"], batch["loss_mask"].bool(), batch["document_ids"]  # [B, S, H], [B, S]
+        last = batch["last"]  # [B, S, H]
         b, s, h = last.shape
-        needed = torch.zeros_like(mask)  # [B, S]
-        needed[:, :-1] = mask[:, 1:] & (doc[:, 1:] == doc[:, :-1])
-        rows = needed.flatten().nonzero().squeeze(1)  # [N]
+        if rows is None:
+            rows = needed_rows(batch["loss_mask"], batch["document_ids"])  # [N]
         flat = last.reshape(b * s, h)[rows].to(self.lm_head.weight.dtype)  # [N, H]
-        vd = int(t2d.sum())
+        vd, draft_ids = self._draft_vocab(t2d)
         probs = torch.zeros(b * s, vd, dtype=torch.float32, device=last.device)  # [B*S, Vd]
         argmax = torch.full((b * s,), -1, dtype=torch.long, device=last.device)  # [B*S]
         for i in range(0, len(rows), chunk_tokens):
             x = self.norm(flat[i:i + chunk_tokens])
-            split = (self._split_pays and self.lm_head.weight.dtype == torch.float32
+            split = (self._split_pays and self.lm_head.weight.dtype == torch.float32 and x.device.type == "cpu"
                      and getattr(self.lm_head, "bias", None) is None
-                     and bf16_matmul_speedup(x.device.type) > 1.0)  # its rough pass is bf16
+                     and bf16_matmul_speedup(x.device.type) > 1.0)  # its rough pass is bf16; settling reads counts
             part = (self._split_targets(x, t2d) if split
-                    else prepare_targets(self.transform(self.lm_head(x)), t2d, temperature=self.temperature))
+                    else prepare_targets(self.transform(self.lm_head(x)), draft_ids, temperature=self.temperature))
             probs[rows[i:i + chunk_tokens]] = part.probs
             argmax[rows[i:i + chunk_tokens]] = part.argmax
         return TTTTargets(probs=probs.view(b, s, vd), argmax=argmax.view(b, s))
+
+    def _draft_vocab(self, t2d: Tensor) -> tuple[int, Tensor]:
+        """The draft vocab's size and its [Vd] target ids, read from the device once per draft vocab
+        (the trainer passes the same ``t2d`` every step)."""
+        if self._vd is None or self._vd[0] is not t2d:
+            ids = t2d.nonzero().squeeze(1)
+            self._vd = (t2d, len(ids), ids)
+        return self._vd[1], self._vd[2]
 
     @classmethod
     def of_target(cls, target: Target, temperature: float = 1.0) -> TargetHead:
@@ -129,4 +139,13 @@ class TargetHead(nn.Module):
         return TTTTargets(probs=probs, argmax=argmax)
 
 
-__all__ = ["TargetHead"]
+def needed_rows(loss_mask: Tensor, document_ids: Tensor) -> Tensor:
+    """[N] the flat rows (of [B, S]) where a loss reads the target's distribution: x[t+1] is a
+    loss-masked token of the same document."""
+    mask = loss_mask.bool()
+    needed = torch.zeros_like(mask)  # [B, S]
+    needed[:, :-1] = mask[:, 1:] & (document_ids[:, 1:] == document_ids[:, :-1])
+    return needed.flatten().nonzero().squeeze(1)
+
+
+__all__ = ["TargetHead", "needed_rows"]

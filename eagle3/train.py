@@ -61,13 +61,12 @@ from eagle3.checkpoint import (
 from eagle3.cli import add_dataclass_arguments
 from eagle3.colocated import ColocatedStore
 from eagle3.config import TargetConfig, TrainConfig
-from eagle3.dflash import draft_forward
 from eagle3.distributed import Runtime, all_reduce_sum, barrier, init_runtime
 from eagle3.draft import Eagle3Draft, trainable_parameter_count
 from eagle3.draft_vocab import read_draft_vocab, write_draft_vocab
 from eagle3.errors import USER_ERRORS, TrainError
 from eagle3.export import nonfinite_tensors
-from eagle3.losses import SOFT_CE, Objective
+from eagle3.losses import Objective
 from eagle3.metrics import AcceptanceTally
 from eagle3.optim import (
     deepspeed_config,
@@ -105,69 +104,8 @@ from eagle3.train_setup import (
     sample_weights,
     verify_stores,
 )
-from eagle3.ttt import TTTOutput, TTTTargets, step_weights
-
-# ---------------------------------------------------------------- the engine's module
-
-
-def add_feature_noise(aux: Tensor, scale: float) -> Tensor:
-    """aux [.., A, H_t] plus Gaussian noise whose std is ``scale`` times each state's RMS (the
-    target's layers differ in scale by orders of magnitude, so an absolute noise would drown the
-    shallow states and miss the deep ones). Drawn from torch's global generator, which
-    checkpoints save and restore."""
-    x = aux.float()
-    rms = x.pow(2).mean(-1, keepdim=True).sqrt()  # [.., A, 1]
-    return (x + scale * rms * torch.randn_like(x)).to(aux.dtype)
-
-
-class TTTModel(nn.Module):
-    """The module the DeepSpeed engine wraps: the draft and its TTT unroll; returns tensors only."""
-
-    def __init__(self, draft: Eagle3Draft, num_steps: int, step_decay: float,
-                 gradient_checkpointing: bool = False, loss_on_oov: bool = False, feature_noise: float = 0.0,
-                 gate_steps: bool = False, objective: Objective = SOFT_CE) -> None:
-        super().__init__()
-        self.draft = draft
-        self.objective = objective
-        self.loss_on_oov = loss_on_oov
-        self.gate_steps = gate_steps
-        self.feature_noise = feature_noise
-        self.num_steps = num_steps
-        self.weights = step_weights(num_steps, step_decay)
-        self.gradient_checkpointing = gradient_checkpointing
-
-    def forward(self, input_ids: Tensor, aux: Tensor, position_ids: Tensor, document_ids: Tensor,
-                loss_mask: Tensor, target_probs: Tensor, target_argmax: Tensor) -> tuple[Tensor, ...]:
-        if self.training and self.feature_noise > 0:
-            aux = add_feature_noise(aux, self.feature_noise)
-        out = draft_forward(self.draft, input_ids, aux, position_ids, document_ids, loss_mask,
-                          TTTTargets(probs=target_probs, argmax=target_argmax), num_steps=self.num_steps,
-                          weights=self.weights, gradient_checkpointing=self.gradient_checkpointing and self.training,
-                          loss_on_oov=self.loss_on_oov, gate_steps=self.gate_steps, objective=self.objective)
-        return out.loss, out.loss_sum, out.count, out.match, out.counted
-
-
-def _run(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: Tensor, dtype: torch.dtype,
-         device: torch.device) -> TTTOutput:
-    """One batch (as the loader builds it, on the host) through the engine on ``device``."""
-    batch = {k: v.to(device) for k, v in batch.items()}
-    targets = head.targets(batch, t2d)
-    loss, loss_sum, count, match, counted = engine(batch["input_ids"], batch["aux"].to(dtype), batch["position_ids"],
-                                                   batch["document_ids"], batch["loss_mask"], targets.probs,
-                                                   targets.argmax)
-    return TTTOutput(loss=loss, loss_sum=loss_sum, count=count, match=match, counted=counted, valid=counted)
-
-
-def train_forward(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: Tensor, dtype: torch.dtype,
-                  device: torch.device, loss_positions: str = "replies") -> tuple[TTTOutput, Tensor]:
-    """A training micro-batch's forward: its output and its [loss, tokens] (float64, on ``device``,
-    to be summed over micro-batches and ranks without a host sync)."""
-    batch = {k: v.to(device) for k, v in batch.items()}
-    if loss_positions == "all":
-        batch["loss_mask"] = batch["document_ids"] >= 0  # [B, S] every token, padding excepted
-    out = _run(engine, head, batch, t2d, dtype, device)
-    return out, torch.stack([out.loss.detach().double(), (batch["document_ids"] >= 0).sum().double()])
-
+from eagle3.train_step import TTTModel, run_batch, train_forward
+from eagle3.ttt import step_weights
 
 # ---------------------------------------------------------------- the draft's weights and gradients
 
@@ -294,7 +232,7 @@ class _Loop:
         with torch.no_grad():
             for idx in eval_batches_for_rank(self.eval_plan, rt.rank, rt.world_size):
                 batch = load_batch(self.eval_store, idx or self.eval_plan[0], cfg.batching)
-                out = _run(self.engine, self.head, batch, self.t2d, self.dtype, rt.device)
+                out = run_batch(self.engine, self.head, batch, self.t2d, self.dtype, rt.device)
                 if idx is not None:  # a pad forward keeps ZeRO-3's collectives in step; not counted
                     tally.add(out)
         self.engine.train()

@@ -72,6 +72,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from eagle3.device import to_device
 from eagle3.draft import Attend, DraftHead, Eagle3Draft, gather_rows
 from eagle3.losses import SOFT_CE, Objective, soft_cross_entropy
 
@@ -137,12 +138,13 @@ class TTTTargets:
 def prepare_targets(target: Tensor, t2d: Tensor, *, are_probs: bool = False, temperature: float = 1.0) -> TTTTargets:
     """From the target's logits or log-probs (or, with ``are_probs``, probabilities) [B, S, V].
 
-    ``temperature`` divides the scores before the softmax (< 1 sharpens the distribution the
-    draft learns from; the argmax stays). Callers with a large vocabulary can run this on slices
-    of S and concatenate.
+    ``t2d``: the draft vocab, a [V] bool mask or its [Vd] target ids in ascending order (the same
+    columns; the ids spare CUDA the host sync a boolean index costs). ``temperature`` divides the
+    scores before the softmax (< 1 sharpens the distribution the draft learns from; the argmax
+    stays). Callers with a large vocabulary can run this on slices of S and concatenate.
     """
     scores = target.float().log() if are_probs else target.float()  # [B, S, V]
-    sub = scores[..., t2d.to(target.device)]  # [B, S, Vd]
+    sub = scores[..., t2d.to(target.device)]  # [B, S, Vd] (ids: a gather; a mask: nonzero first)
     probs = torch.nan_to_num(torch.softmax(sub / temperature, dim=-1), nan=0.0)  # no draft-vocab mass -> 0
     return TTTTargets(probs=probs, argmax=target.argmax(-1))
 
@@ -277,6 +279,47 @@ def read_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int) -> tuple[
     return torch.where(live, order, 0), live
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """The data-dependent shapes of a training forward, which depend on ``loss_mask`` and
+    ``document_ids`` alone: the rows the unroll reads (:func:`read_rows`) and, per step, where its
+    loss and metrics are read. Worked out where those masks are built (the trainer: on the host,
+    :func:`plan_rows`), the device never has to report a count back, a host sync on CUDA."""
+
+    at: Tensor | None  # [B, M] the rows every step's output is read at (None: all rows)
+    live: Tensor | None  # [B, M] False on the padding of ``at``
+    counted: tuple[tuple[Tensor, Tensor], ...]  # per step, its counted positions: (batch row, forward row) [M_k]
+
+    def to(self, device: torch.device) -> RowPlan:
+        def move(x: Tensor | None) -> Tensor | None:
+            return None if x is None else to_device(x, device)
+
+        return RowPlan(move(self.at), move(self.live), tuple((move(r), move(c)) for r, c in self.counted))
+
+
+def plan_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int, skip_unread_rows: bool = True) -> RowPlan:
+    """The :class:`RowPlan` of a batch ([B, S] masks, on whichever device holds them)."""
+    at, live = read_rows(loss_mask, document_ids, num_steps) if skip_unread_rows else (None, None)
+    counted = []
+    for k in range(num_steps):
+        counted_k = _rows(step_counted(loss_mask, document_ids, k), at)  # [B, R]
+        if live is not None:
+            counted_k = counted_k & live
+        counted.append(counted_k.nonzero(as_tuple=True))
+    return RowPlan(at, live, tuple(counted))
+
+
+def planned(plan: RowPlan | None, loss_mask: Tensor, document_ids: Tensor, num_steps: int,
+            skip_unread_rows: bool) -> RowPlan:
+    """``plan`` (checked against the forward's settings), else the batch's own on its device."""
+    if plan is None:
+        return plan_rows(loss_mask, document_ids, num_steps, skip_unread_rows)
+    if len(plan.counted) != num_steps or (plan.at is not None and not skip_unread_rows):
+        raise ValueError(f"a row plan of {len(plan.counted)} steps{' over read rows' if plan.at is not None else ''} "
+                         f"for a forward of {num_steps} steps{'' if skip_unread_rows else ' over every row'}")
+    return plan
+
+
 def _rows(x: Tensor, idx: Tensor | None) -> Tensor:
     """x [B, S, ...] at the rows ``idx`` [B, M] -> [B, M, ...] (all of x without idx)."""
     return x if idx is None else gather_rows(x, idx)
@@ -303,8 +346,8 @@ class StepTally:
         self.valid: list[Tensor] = []
         self.logits: list[Tensor] = []
 
-    def step(self, k: int) -> tuple[Tensor, Tensor]:
-        """Step k's counted and trained positions at the forward's rows, [B, R] each (padding rows off)."""
+    def step(self, k: int) -> Tensor:
+        """Step k's trained positions at the forward's rows [B, R] (padding rows off)."""
         counted = step_counted(self.loss_mask, self.document_ids, k)
         self._target_argmax = shift_left(self.targets.argmax, k + 1, -1)  # the target's argmax at t+k+1
         in_vocab = (shift_left(self.has_mass, k + 1, False) if self.has_mass is not None
@@ -313,10 +356,8 @@ class StepTally:
         trained = valid & self.reached if self.gate_steps else valid  # [B, S]: the positions the loss sums
         self.counted.append(counted)
         self.valid.append(valid)
-        counted_k, trained_k = _rows(counted, self.at), _rows(trained, self.at)  # [B, R]
-        if self.live is not None:
-            counted_k, trained_k = counted_k & self.live, trained_k & self.live
-        return counted_k, trained_k
+        trained_k = _rows(trained, self.at)  # [B, R]
+        return trained_k if self.live is None else trained_k & self.live
 
     def add(self, loss_sum: Tensor, draft_argmax: Tensor, logits: Tensor | None = None) -> None:
         """The step's objective summed over its loss positions and its argmax [B, S] (target ids)."""
@@ -338,19 +379,20 @@ class StepTally:
                          valid=torch.stack(self.valid), logits=self.logits if return_logits else None)
 
 
-def step_loss(draft: DraftHead, prenorm: Tensor, k: int, valid: Tensor, counted: Tensor, at: Tensor | None,
-              targets: TTTTargets, input_ids: Tensor, return_logits: bool,
+def step_loss(draft: DraftHead, prenorm: Tensor, k: int, valid: Tensor, counted: tuple[Tensor, Tensor],
+              at: Tensor | None, targets: TTTTargets, input_ids: Tensor, return_logits: bool,
               objective: Objective = SOFT_CE) -> tuple[Tensor, Tensor, Tensor | None]:
     """Step k's objective summed over ``valid`` and the draft's argmax [B, S] in target ids, from its
     pre-norm outputs [B, R, H] at the rows ``at`` (all rows: None); with ``return_logits`` also the
-    logits [B, S, Vd], else logits only on the ``counted`` rows (the lm_head is most of a step's
-    compute, and under half the rows are counted; uncounted rows never match)."""
+    logits [B, S, Vd], else logits only on the ``counted`` positions ((batch row, forward row), the
+    step's entry of :attr:`RowPlan.counted`; the lm_head is most of a step's compute, and under
+    half the rows are counted; uncounted rows never match)."""
     if return_logits:
         logits = draft.compute_logits(prenorm)  # [B, S, Vd]
         ce = objective(logits, shift_left(targets.probs, k + 1, 0.0))  # [B, S] against p[t+k+1]
         loss_sum = torch.where(valid, ce, 0.0).sum()
         return loss_sum, draft.draft_to_target_ids(logits.detach().argmax(-1)), logits
-    rows, cols = counted.nonzero(as_tuple=True)  # [M] each
+    rows, cols = counted  # [M] each
     t = cols if at is None else at[rows, cols]  # start positions
     logits = draft.compute_logits(prenorm[rows, cols])  # [M, Vd]
     ce = objective(logits, targets.probs[rows, t + k + 1])  # [M]: p[t+k+1]
@@ -375,6 +417,7 @@ def ttt_forward(
     skip_unread_rows: bool = True,
     gate_steps: bool = False,
     objective: Objective = SOFT_CE,
+    plan: RowPlan | None = None,
 ) -> TTTOutput:
     """Unroll the draft ``num_steps`` steps over a packed batch; loss and per-step matches.
 
@@ -397,10 +440,8 @@ def ttt_forward(
     num_layers = len(draft.decoder_layers)
     step0_kv: list[tuple[Tensor, Tensor]] = []  # per layer (k0, v0) [B, S, nkv, d]
     diagonal: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(num_layers)]  # per layer, steps 1..k-1
-    at: Tensor | None = None  # [B, M]: the output rows of every step (None: all); step 0 still reads all
-    live: Tensor | None = None
-    if skip_unread_rows and not return_logits:
-        at, live = read_rows(loss_mask, document_ids, num_steps)
+    plan = planned(plan, loss_mask, document_ids, num_steps, skip_unread_rows and not return_logits)
+    at, live = plan.at, plan.live  # [B, M]: the output rows of every step (None: all); step 0 still reads all
     read_mask = _rows(mask0, at)  # [B, M, S]: the step-0 window of those rows
 
     tally = StepTally(w, loss_mask, document_ids, targets, t2d, loss_on_oov=loss_on_oov, gate_steps=gate_steps,
@@ -411,12 +452,12 @@ def ttt_forward(
         pos_k = _rows(step_positions(position_ids, k), inputs_at)
         if draft.config.parallel and k > 0:  # P-EAGLE: the mask token and mask state instead
             ids_k, hidden = draft.mask_inputs(tuple(ids_k.shape), hidden.dtype, ids_k.device)
-        counted_k, valid_k = tally.step(k)  # [B, R]
+        valid_k = tally.step(k)  # [B, R]
 
         # A snapshot of the keys so far: a checkpointed step replays against exactly these.
         earlier = ([list(d) for d in diagonal], list(step0_kv))
         run_step = functools.partial(_unroll_step, draft, k=k, ids_k=ids_k, pos_k=pos_k, valid=valid_k,
-                                     counted=counted_k, at=at, earlier=earlier, masks=(mask0, read_mask),
+                                     counted=plan.counted[k], at=at, earlier=earlier, masks=(mask0, read_mask),
                                      targets=targets, input_ids=input_ids, return_logits=return_logits,
                                      objective=objective)
 
@@ -436,7 +477,7 @@ def ttt_forward(
 
 
 def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tensor, pos_k: Tensor, valid: Tensor,
-                 counted: Tensor, at: Tensor | None, earlier: tuple, masks: tuple[Tensor, Tensor],
+                 counted: tuple[Tensor, Tensor], at: Tensor | None, earlier: tuple, masks: tuple[Tensor, Tensor],
                  targets: TTTTargets, input_ids: Tensor, return_logits: bool,
                  objective: Objective = SOFT_CE) -> tuple[Tensor, ...]:
     """One step of :func:`ttt_forward`, a pure function of its inputs (what checkpointing replays):
@@ -465,7 +506,8 @@ def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tens
 
 
 __all__ = [
-    "StepTally", "TTTOutput", "TTTTargets", "read_rows", "step_loss", "prepare_targets",
+    "RowPlan", "StepTally", "TTTOutput", "TTTTargets", "plan_rows", "planned", "read_rows", "step_loss",
+    "prepare_targets",
     "prepare_targets_from_topk", "shift_left", "soft_cross_entropy", "step0_attention_mask",
     "step_counted", "step_input_ids", "step_positions", "step_weights", "ttt_attention",
     "ttt_forward",

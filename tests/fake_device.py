@@ -15,6 +15,8 @@ build; its tensors' values are never read (they are only the wrapper's face).
 from __future__ import annotations
 
 import contextlib
+import os
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 OTHER = torch.device("meta")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PROJECT = _ROOT + os.sep
 
 # Advanced indexing takes CPU index tensors (a Python list becomes one) for data on CUDA.
 _INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
@@ -33,6 +37,14 @@ _INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torc
 # Ops that move data between devices on purpose.
 _MOVES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, torch.ops.aten._copy_from.default,
           torch.ops.aten._copy_from_and_resize.default}
+
+
+# Ops that make CUDA wait for the device (the host needs a value or a data-dependent shape):
+# item()/float()/int()/bool(), nonzero and what calls it, copies back to the host.
+_SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+          torch.ops.aten.masked_select.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default,
+          torch.ops.aten.repeat_interleave.Tensor, torch.ops.aten._unique2.default,
+          torch.ops.aten.unique_consecutive.default, torch.ops.aten.unique_dim.default, torch.ops.aten.bincount.default}
 
 
 class DeviceMixError(RuntimeError):
@@ -99,6 +111,8 @@ class _Mode(TorchDispatchMode):
             return x
 
         args, kwargs = tree_map(unwrap, args), tree_map(unwrap, kwargs)
+        if other and _RECORDING is not None and _syncs(func, args, kwargs, wrappers):
+            _RECORDING.append(_where(func))
         if func in _INDEXING:  # the indices (argument 1) may stay on the CPU
             cpu = [t for t in cpu if not any(t is i for i in args[1] if isinstance(i, torch.Tensor))]
         if other and cpu and func not in _MOVES:
@@ -126,6 +140,44 @@ class _Mode(TorchDispatchMode):
         return tree_map(rewrap, out)
 
 
+_RECORDING: list[str] | None = None
+
+
+def _syncs(func: Any, args: Any, kwargs: dict[str, Any], wrappers: dict[int, OnOther]) -> bool:
+    """Whether ``func`` on device data would make the host wait for the device on CUDA."""
+    if func in _SYNCS:
+        return not (func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None)
+    if func in _INDEXING:  # a boolean mask on the device becomes indices through nonzero
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool and id(i) in wrappers for i in args[1])
+    if func in _MOVES:  # a copy back to the host
+        to_host = func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None \
+            and not _is_other(kwargs["device"])
+        return to_host or (func is torch.ops.aten.copy_.default and id(args[0]) not in wrappers)
+    return False
+
+
+def _where(func: Any) -> str:
+    """``op at file:line (function)`` of the innermost project frame that called it."""
+    for frame in reversed(traceback.extract_stack()):
+        name = frame.filename
+        if name.startswith(_PROJECT) and not any(part in name for part in ("/tests/", "site-packages")):
+            return f"{func.__name__} at {os.path.relpath(frame.filename, _ROOT)}:{frame.lineno} ({frame.name})"
+    return f"{func.__name__} (outside the project)"
+
+
+@contextlib.contextmanager
+def host_syncs() -> Iterator[list[str]]:
+    """Inside :func:`other_device`: yields the list of host syncs (``op at file:line``) that the
+    operations on the other device would cost on CUDA, filled as they run."""
+    global _RECORDING
+    seen: list[str] = []
+    _RECORDING = seen
+    try:
+        yield seen
+    finally:
+        _RECORDING = None
+
+
 def _host_list(index: Any) -> Any:
     return torch.tensor(index) if isinstance(index, list) else index
 
@@ -143,6 +195,8 @@ class _FunctionMode(TorchFunctionMode):
             index = tuple(map(_host_list, index)) if isinstance(index, tuple) else _host_list(index)
             args = (args[0], index, *args[2:])
         if func is torch.Tensor.tolist and isinstance(args[0], OnOther):
+            if _RECORDING is not None:
+                _RECORDING.append(_where(func))
             return args[0].elem.tolist()
         if func is torch.Tensor.numpy and isinstance(args[0], OnOther):
             raise DeviceMixError("Tensor.numpy() of a tensor on the model's device; CUDA refuses this (use .cpu())")

@@ -20,14 +20,14 @@ from eagle3.metrics import AcceptanceTally
 from eagle3.shards import HarvestStore
 from eagle3.target import Target
 from eagle3.target_head import TargetHead
-from eagle3.train import TTTModel, train_forward
 from eagle3.train_data import load_batch
+from eagle3.train_step import TTTModel, train_forward
 from eagle3.ttt import step_weights
 from hard_mining.score import score_store, target_head
 from serve_eval.config import SpecConfig
 from serve_eval.evaluate import evaluate, top2_margin
 from serve_eval.spec_decode import SpeculativeDecoder
-from tests.fake_device import DeviceMixError, other_device
+from tests.fake_device import DeviceMixError, host_syncs, other_device
 from tests.helpers import (
     PROMPTS,
     dflash_for,
@@ -54,6 +54,22 @@ def test_the_fake_device_catches_what_cuda_refuses(monkeypatch: pytest.MonkeyPat
         with pytest.raises(DeviceMixError):
             torch.multinomial(x, 1, generator=torch.Generator(device="cpu"))
         assert int(torch.multinomial(x, 1, generator=torch.Generator(device=dev).manual_seed(0))) in (0, 1, 2)
+
+
+def test_the_fake_device_records_what_makes_cuda_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sync recorder itself: reading a value, nonzero, a boolean index, a copy back to the host and
+    tolist() on device data are recorded, in order; work that stays on the device, or host data, is not."""
+    with other_device(monkeypatch) as dev:
+        x, mask = torch.arange(6.0, device=dev), torch.tensor([True, False] * 3).to(dev)
+        with host_syncs() as seen:
+            y = torch.where(mask, x, 0).sum() + x[torch.tensor([0, 2])].sum()  # gathers and sums: no sync
+            assert seen == []
+            float(y), mask.nonzero(), x[mask], x.cpu(), x.tolist()
+        assert [s.split()[0] for s in seen] == ["_local_scalar_dense.default", "nonzero.default", "index.Tensor",
+                                                "_to_copy.default", "tolist"]
+        with host_syncs() as seen:
+            torch.ones(3).sum().item()  # host data: nothing to wait for
+        assert seen == []
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
@@ -125,7 +141,8 @@ def test_a_training_step_and_the_eval_tally_run_with_the_model_on_another_device
     with other_device(monkeypatch) as dev:
         model.to(dev)
         head.to(dev)
-        out, sums = train_forward(model, head, batch, vocab.t2d.to(dev), torch.float32, dev, loss_positions)
+        t2d = vocab.t2d.to(dev)  # one tensor for the run, as the trainer holds it
+        out, sums = train_forward(model, head, batch, t2d, torch.float32, dev, loss_positions)
         out.loss.backward()
         tally = AcceptanceTally(3, dev)
         tally.add(out)
@@ -134,6 +151,13 @@ def test_a_training_step_and_the_eval_tally_run_with_the_model_on_another_device
         assert all(g is not None and g.device == dev for g in grads)
         assert sums.device == dev
         got_sums = sums.cpu()
+        # the next micro-batch (the draft vocab read once already): nothing makes the host wait
+        with host_syncs() as syncs:
+            again, _ = train_forward(model, head, batch, t2d, torch.float32, dev, loss_positions)
+            again.loss.backward()
+            AcceptanceTally(3, dev).add(again)
+        assert syncs == []
+        assert again.loss.cpu() == out.loss.cpu()
     assert torch.allclose(got_sums, want_sums, rtol=1e-5)
     assert metrics["train/loss"] == pytest.approx(float(want.loss), rel=1e-5)
     assert int(got_sums[1]) == sum(len(data[i].input_ids) for i in range(3))

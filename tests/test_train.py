@@ -32,7 +32,7 @@ from eagle3.optim import muon_ns_in_fp32_where_bf16_is_slow, muon_ns_method, res
 from eagle3.shards import HarvestStore, verify_store
 from eagle3.target import Target
 from eagle3.target_head import TargetHead
-from eagle3.train import TrainError, TTTModel, add_feature_noise, main, train
+from eagle3.train import TrainError, main, train
 from eagle3.train_data import (
     collate,
     epoch_batches,
@@ -44,6 +44,7 @@ from eagle3.train_data import (
 )
 from eagle3.train_log import read_metrics
 from eagle3.train_setup import check_pinned, choose_draft_vocab
+from eagle3.train_step import TTTModel, add_feature_noise
 from eagle3.ttt import TTTOutput, prepare_targets, ttt_forward
 from tests.helpers import (
     TINY_VOCAB,
