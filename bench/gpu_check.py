@@ -8,7 +8,9 @@ It builds the target, writes a small prompt pool, then runs the pipeline's stage
 ``target.device`` set (target, regenerate, harvest, val, train, mine, eval: the library's own
 code, nothing re-implemented here), exports the draft in the vLLM and speculators formats and
 reloads it, runs the speculative loop in every variant (chain and tree, greedy and sampled, fp32
-and bf16; greedy against plain decoding), the OpenAI-compatible server at temperature > 0, and,
+and bf16; greedy against plain decoding), where the time goes (a training micro-batch and plain
+decoding under torch's profiler, with the host syncs each makes on CUDA: the micro-batch must make
+none), the OpenAI-compatible server at temperature > 0, and,
 where two GPUs exist, training in two processes over nccl. One JSON line per figure (``check``,
 ``ok``, tokens/s, peak memory, equal outputs); the last line sums up, and the exit code is 1 if a
 check failed.
@@ -333,6 +335,106 @@ def check_families(cfg: Any, target: Path, pools: Path, device: str, size: dict[
             emit(f"family.{family}", False, error=f"{type(err).__name__}: {err}")
 
 
+def _top_ops(prof: Any, cuda: bool, n: int = 10) -> list[list[Any]]:
+    """The profiler's ops with the most self time on the device (CUDA) or the host, [name, ms]."""
+    def self_time(e: Any) -> float:
+        if not cuda:
+            return e.self_cpu_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    events = sorted(prof.key_averages(), key=self_time, reverse=True)[:n]
+    return [[e.key, round(self_time(e) / 1000, 3)] for e in events]
+
+
+def _syncs_during(fn: Any, dev: torch.device) -> list[str] | None:
+    """Run ``fn``; on CUDA, the ``file:line`` of every operation that made the host wait for the device
+    (torch's sync debug mode); None elsewhere."""
+    import warnings
+
+    if dev.type != "cuda":
+        fn()
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return [f"{os.path.relpath(w.filename, ROOT)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
+def check_profile(cfg: Any, draft: Path, target: Path, pools: Path, device: str, size: dict[str, Any]) -> None:
+    """Where the time goes: a training micro-batch (forward, backward, tally; the draft in the trainer's
+    dtype) and plain decoding, each with the host syncs it makes on CUDA and the profiler's top ops."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from eagle3.chat import ChatFormat
+    from eagle3.metrics import AcceptanceTally
+    from eagle3.shards import HarvestStore
+    from eagle3.target_head import TargetHead
+    from eagle3.train_data import load_batch
+    from eagle3.train_step import TTTModel, train_forward
+    from serve_eval.evaluate import load_pair, read_prompts
+    from serve_eval.spec_decode import SpeculativeDecoder
+
+    dev = resolve_device(device)
+    cuda = dev.type == "cuda"
+    acts = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    model, drafter = load_pair(str(draft), str(target), "float32", device)
+    try:
+        dtype = torch.bfloat16 if cuda else torch.float32
+        ttt = TTTModel(drafter.to(dtype).train(), num_steps=cfg.train.ttt_steps, step_decay=1.0)
+        head, t2d = TargetHead.of_target(model), drafter.t2d
+        store = HarvestStore(cfg.harvest.out_dir)
+        idx, tokens = [], 0
+        for i in range(len(store)):
+            if tokens + len(store[i].input_ids) > size["micro_batch_tokens"] and idx:
+                break
+            idx, tokens = [*idx, i], tokens + len(store[i].input_ids)
+        batch = load_batch(store, idx, "pack")
+
+        def micro_batch() -> None:
+            out, _ = train_forward(ttt, head, batch, t2d, dtype, dev)
+            out.loss.backward()
+            AcceptanceTally(cfg.train.ttt_steps, dev).add(out)
+
+        micro_batch()  # warm-up (and the draft vocab's ids, read once per run)
+        syncs = _syncs_during(micro_batch, dev)
+        synchronize(dev)
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            micro_batch()
+            synchronize(dev)
+            seconds = time.perf_counter() - t0
+        emit("profile.train_micro_batch", not syncs, tokens=tokens, ms=round(seconds * 1000, 2),
+             tokens_per_s=round(tokens / seconds, 1), host_syncs=None if syncs is None else len(syncs),
+             sync_sites=None if syncs is None else Counter(syncs).most_common(8), top_ops=_top_ops(prof, cuda))
+    except Exception as err:  # noqa: BLE001 - reported, and the decoding profile still runs
+        emit("profile.train_micro_batch", False, error=f"{type(err).__name__}: {err}")
+    try:
+        model, _ = load_pair(str(draft), str(target), "auto", device)
+        chat = ChatFormat.for_tokenizer(model.tokenizer, model.model.generation_config)
+        prompt = read_prompts(pools, EVAL_SETS[0], 1, chat)[0]
+        decoder = SpeculativeDecoder(model, None)
+        new = size["loop_tokens"]
+        decoder.generate(prompt, 4, speculate=False)  # warm-up
+        with profile(activities=acts) as prof:
+            got = decoder.generate(prompt, new, speculate=False)
+        syncs = _syncs_during(lambda: decoder.generate(prompt, new, speculate=False), dev)
+        st = got.stats
+        steps = max(st.target_forwards, 1)  # the forwards after the prefill
+        emit("profile.plain_decoding", got.stats.new_tokens == new, new_tokens=new,
+             ms_per_token=round((st.seconds_total - st.seconds_prefill) / steps * 1000, 3),
+             forward_ms_per_token=round(st.seconds_verify / steps * 1000, 3),
+             host_syncs_per_token=None if syncs is None else round(len(syncs) / new, 2),
+             sync_sites=None if syncs is None else Counter(syncs).most_common(8), top_ops=_top_ops(prof, cuda))
+    except Exception as err:  # noqa: BLE001
+        emit("profile.plain_decoding", False, error=f"{type(err).__name__}: {err}")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -400,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                         "target's)")
     parser.add_argument("--save-tokenizer", default=None, metavar="DIR", help="write the tokenizer folder and exit")
     parser.add_argument("--skip", nargs="*", default=[],
-                        choices=("pipeline", "export", "loop", "server", "families", "nccl"))
+                        choices=("pipeline", "export", "loop", "profile", "server", "families", "nccl"))
     args = parser.parse_args(argv)
 
     if args.save_tokenizer:
@@ -432,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
             check_export(draft, out, target)
         if "loop" not in args.skip:
             check_loop(draft, target, out / "pools", args.device, size)
+        if "profile" not in args.skip:
+            check_profile(cfg, draft, target, out / "pools", args.device, size)
         if "server" not in args.skip:
             check_server(draft, target, args.device)
         if "families" not in args.skip:

@@ -26,10 +26,13 @@ def test_the_gpu_check_passes_tiny_on_the_cpu(tmp_path: Path) -> None:
     checks = {r["check"]: r for r in rows}
     stages = ("target", "regenerate", "harvest", "val", "train", "mine", "eval")
     wanted = [*(f"pipeline.{s}" for s in stages), "export.vllm", "export.speculators", "server.t0.8",
-              "family.peagle", "family.dflash",
+              "family.peagle", "family.dflash", "profile.train_micro_batch", "profile.plain_decoding",
               *(f"loop.{d}.{m}.t{t}" for d in ("float32", "bfloat16") for m in ("chain", "tree") for t in ("0", "1"))]
     assert [w for w in wanted if w not in checks] == []
     assert all(r["ok"] for r in rows) and checks["summary"]["failed"] == []
     assert checks["loop.float32.chain.t0"]["equal"] == checks["loop.float32.chain.t0"]["prompts"]
     assert checks["pipeline.eval"]["cost_model"]["break_even_tau"] > 1
     assert checks["server.t0.8"]["completion_tokens"] > 0
+    step, plain = checks["profile.train_micro_batch"], checks["profile.plain_decoding"]
+    assert step["tokens"] > 0 and step["top_ops"] and step["host_syncs"] is None  # counted on CUDA only
+    assert 0 < plain["forward_ms_per_token"] <= plain["ms_per_token"] and plain["top_ops"]
