@@ -3,7 +3,8 @@ judged by real vLLM in one run.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/race_speculators.py --store runs/race/harvest \\
         --pools runs/race/pools --out runs/race/bench --steps 180 [--variant "all=--loss-positions all"] \\
-        [--extra fp8=runs/race/harvest-fp8] [--extra ids=runs/race/harvest-ids]
+        [--extra fp8=runs/race/harvest-fp8] [--extra ids=runs/race/harvest-ids] \\
+        [--speculators-family eagle3|peagle|dflash]
 
 The data: ``eagle3-run --config-name race`` (recipes/race.yaml; docs/benchmarks.md, the race).
 
@@ -25,7 +26,13 @@ optimizer steps. Each keeps its own optimizer, learning rate, schedule, loss wei
 init (speculators: Muon + AdamW at 1e-3, linear decay, step weights 1.0, lm_head copied from the
 target and frozen, norms before the fc, the residual and the output; ours: ``--ours-recipe``, by default the
 pipeline's ``target-head`` draft recipe: the same layer variant, Muon at 2e-3, cosine, step weights
-1.0, lm_head started from the target's rows and trained): those are what is being compared. Both
+1.0, lm_head started from the target's rows and trained): those are what is being compared.
+``--speculators-family peagle|dflash`` trains speculators' P-EAGLE or DFlash instead of its EAGLE-3
+(depth ``--ttt-steps``: P-EAGLE's depths, DFlash's block minus one; its other settings its own
+defaults, see bench/speculators_train.py), into ``OUT/speculators-<family>`` and judged under that
+name, so that runs of different families do not collide (``--ours-recipe peagle|dflash`` races
+our draft of the same family; the judge serves speculators' P-EAGLE and every DFlash draft at
+K = --ttt-steps, our P-EAGLE at --k: keep them equal). Both
 run in bf16 on CPUs with bf16 units (autocast for speculators, DeepSpeed's bf16 for ours) and in
 fp32 on CPUs without them (AVX2 only), where bf16 matmuls are far slower than fp32.
 
@@ -133,13 +140,21 @@ def cpu_dtype() -> str:
     return "bfloat16" if bf16_matmul_speedup("cpu") > 1.0 else "float32"
 
 
+def speculators_name(family: str) -> str:
+    """The folder and judged name of speculators' draft: ``speculators`` for its EAGLE-3 (as before)."""
+    return "speculators" if family == "eagle3" else f"speculators-{family}"
+
+
 def train_speculators(args: argparse.Namespace, vocab: Path) -> dict[str, Any]:
     from eagle3.target_source import resolve_target
 
-    out, data = Path(args.out) / "speculators", Path(args.out) / "speculators-data"
+    name = speculators_name(args.speculators_family)
+    out, data = Path(args.out) / name, Path(args.out) / "speculators-data"  # the data is the same for every family
     cmd = [str(ROOT / ".venv-speculators/bin/python"), "bench/speculators_train.py", "--data", str(data),
            "--target", str(resolve_target(args.target).location), "--out", str(out), "--steps", str(args.steps),
            "--ttt-steps", str(args.ttt_steps), "--seq-len", str(args.seq_len), "--dtype", cpu_dtype()]
+    if args.speculators_family != "eagle3":  # (eagle3 is its default: an earlier EAGLE-3 run's command still matches)
+        cmd += ["--family", args.speculators_family]
     if args.speculators_lr is not None:
         cmd += ["--lr", str(args.speculators_lr)]
     if (done := reused(out / "result.json", cmd, args)) is not None:
@@ -150,7 +165,7 @@ def train_speculators(args: argparse.Namespace, vocab: Path) -> dict[str, Any]:
              "--draft-vocab", str(vocab), "--eval-fraction", str(args.eval_fraction)],
             Path(args.out) / "speculators-data.log")
     shutil.rmtree(out, ignore_errors=True)
-    return ran(out, cmd, Path(args.out) / "speculators.log")
+    return ran(out, cmd, Path(args.out) / f"{name}.log")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -175,6 +190,9 @@ def main(argv: list[str] | None = None) -> None:
                              "or none for the library's defaults")
     parser.add_argument("--lr", type=float, default=None, help="ours (default: the recipe's; speculators: its own)")
     parser.add_argument("--speculators-lr", type=float, default=None, help="speculators' (default: its own, 1e-3)")
+    parser.add_argument("--speculators-family", choices=("eagle3", "peagle", "dflash"), default="eagle3",
+                        help="speculators' draft family (its --speculator-type), trained with --ttt-steps drafted "
+                             "tokens per round; written to OUT/speculators-<family> unless eagle3")
     parser.add_argument("--eval-fraction", type=float, default=0.1)
     parser.add_argument("--per-set", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -199,14 +217,15 @@ def main(argv: list[str] | None = None) -> None:
         variant = argparse.Namespace(**{**vars(args), "draft_vocab": str(vocab), "ours_args": ours_args})
         extras[name] = train_ours(f"ours-{name}", args.store, variant)
 
-    rows = [("ours", ours["tokens_per_s"]), ("speculators", spec["tokens_per_s"]),
+    peer = speculators_name(args.speculators_family)
+    rows = [("ours", ours["tokens_per_s"]), (peer, spec["tokens_per_s"]),
             *((f"ours-{name}", summary["tokens_per_s"]) for name, summary in extras.items())]
     for name, value in rows:
         print(json.dumps({"figure": "race_train_tokens_per_s", "trainer": name, "tokens_per_s": value}), flush=True)
-    print(json.dumps({"figure": "race_train_tokens_per_s_ratio", "ours_over_speculators":
+    print(json.dumps({"figure": "race_train_tokens_per_s_ratio", "speculators": peer, "ours_over_speculators":
                       round(ours["tokens_per_s"] / spec["tokens_per_s"], 3)}), flush=True)
 
-    drafts = ["--draft", f"ours={Path(args.out) / 'ours' / 'final'}", "--draft", f"speculators={spec['draft']}"]
+    drafts = ["--draft", f"ours={Path(args.out) / 'ours' / 'final'}", "--draft", f"{peer}={spec['draft']}"]
     for name in extras:
         drafts += ["--draft", f"ours-{name}={Path(args.out) / f'ours-{name}' / 'final'}"]
     judge_cmd = [".venv-vllm/bin/python", "bench/vllm_judge.py", *drafts, "--pools", args.pools,
@@ -221,9 +240,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(line), flush=True)
     overall = {x["draft"]: x["tau"] for x in lines if x["figure"] == "vllm_judge_overall"}
     for draft in ["ours", *(f"ours-{name}" for name in extras)]:  # every draft of ours against speculators'
-        print(json.dumps({"figure": "race_tau_ratio", "draft": draft, "ours_tau": overall[draft],
-                          "speculators_tau": overall["speculators"],
-                          "ours_over_speculators": round(overall[draft] / overall["speculators"], 3),
+        print(json.dumps({"figure": "race_tau_ratio", "draft": draft, "speculators": peer, "ours_tau": overall[draft],
+                          "speculators_tau": overall[peer],
+                          "ours_over_speculators": round(overall[draft] / overall[peer], 3),
                           "steps": args.steps, "ttt_steps": args.ttt_steps, "seq_len": args.seq_len}), flush=True)
 
 

@@ -28,7 +28,10 @@ the same per-token convention speculators' own preprocessing writes, so ``--loss
 (default) copies it. Note that speculators gates the loss of the prediction of x[t+2] with the
 mask of x[t+1] (its ``shift_batch`` takes ``loss_mask[1:]``), one token earlier than our trainer;
 ``--loss-mask predicted`` writes the mask shifted left by one so that its loss is gated by the
-predicted token, as ours is. The whole folder is written under a temporary name and renamed.
+predicted token, as ours is. The same folder feeds speculators' P-EAGLE (shifted as EAGLE-3) and
+DFlash, which reads it unshifted: there the native mask already gates each slot by the token it
+predicts, and ``predicted`` would be one token late. The whole folder is written under a temporary
+name and renamed.
 """
 
 from __future__ import annotations

@@ -1,14 +1,25 @@
-"""Train the speculators peer's EAGLE-3 draft (0.9.0) on CPU from bench/speculators_data.py's output.
+"""Train a speculators peer's draft (0.9.0: EAGLE-3, P-EAGLE or DFlash) on CPU from
+bench/speculators_data.py's output.
 
 Runs in the peer's own venv (``bash scripts/setup_speculators_env.sh``)::
 
     OMP_NUM_THREADS=1 .venv-speculators/bin/python bench/speculators_train.py \\
         --data runs/race/spec-data --target ~/.cache/eagle3/targets/smollm2-135m \\
-        --out runs/race/speculators --steps 300
+        --out runs/race/speculators --steps 300 [--family eagle3|peagle|dflash]
 
 It drives speculators' own trainer (``speculators.train.cli.main`` with a ``TrainConfig`` built from
 the ``speculators train`` flags), leaving every recipe default of speculators as it is unless a flag
-here says otherwise; more flags can follow ``--`` and are passed through verbatim. Flags always set:
+here says otherwise; more flags can follow ``--`` and are passed through verbatim. The data is the
+same for every family (speculators shifts it for EAGLE-3 and P-EAGLE, not for DFlash).
+
+``--family`` is speculators' ``--speculator-type``; ``--ttt-steps N`` (the drafted tokens per round,
+our race's TTT depth) becomes the family's own depth: ``--ttt-steps N`` for eagle3, ``--num-depths N``
+for peagle (its default 8; it then serves K = N), ``--block-size N+1`` for dflash (its default 16;
+anchor + N masks, served as K = N, as our DFlash). Everything else is speculators' default per family
+(peagle: 1 qwen3-style layer, trained embedding, kl_div, COD down-sampling 0.7/0.2; dflash: 5
+qwen3-style layers, ce with D-PACE weights; both: 512 anchors, every layer sliding-window 2048, the
+mask token resolved from the verifier's tokenizer: its mask token, else a new token in an unused
+embedding row, else pad/eos/unk). Flags always set:
 ``--draft-attn-impl sdpa --loss-implementation eager`` (flex attention and the fused loss need a
 GPU), ``--target-layer-ids`` from the data (the store's aux ids), ``--d2t-path/--t2d-path`` when the
 data carries our draft vocab, ``--train-data-ratio`` reproducing our train/held-out split, and
@@ -26,7 +37,12 @@ checkpoint) in every remaining epoch, so the epoch count is cut to what the step
 
 Output: ``OUT/checkpoints/<epoch>/`` are speculators' own checkpoints; ``OUT/draft/`` is the last one's
 ``config.json`` + ``model.safetensors`` (speculators format, what ``vllm serve OUT/draft`` loads) with
-the aux layer ids, the norm flags and the verifier path written explicitly. The last stdout line
+the aux layer ids, the norm flags (EAGLE-3, P-EAGLE) and the verifier path written explicitly. vLLM
+0.32 reads the format per ``speculators_model_type`` (its ``configs/speculators/algos.py``): ``peagle``
+as ``method=eagle3`` + ``parallel_drafting`` with ``mask_token_id`` as its ``pard_token`` (it drops
+``fc_norm``/``norm_output``, so a P-EAGLE draft with either set is refused here), ``dflash`` as
+``DFlashDraftModel`` with ``dflash_config{mask_token_id, target_layer_ids = aux ids - 1}`` and K =
+block_size - 1; bench/vllm_judge.py's ``draft_family`` serves both that way. The last stdout line
 is one JSON object (also in ``OUT/result.json``): training tokens/s = non-padding positions the
 training loop consumed / wall seconds of the training epochs (data loading included; validation
 and checkpoint saves excluded).
@@ -56,6 +72,22 @@ import torch  # noqa: E402
 CONVERSION = "eagle3_conversion.json"
 CONVERSION_FORMAT = "eagle3-speculators-data-1"
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+FAMILIES = ("eagle3", "peagle", "dflash")
+SETTINGS = ("speculator_type", "loss_fn", "optimizer", "lr", "muon_lr", "weight_decay", "scheduler_type",
+            "scheduler_warmup_steps", "total_seq_len", "hidden_states_dtype", "num_layers", "draft_arch",
+            "draft_vocab_size", "target_layer_ids", "train_data_ratio", "max_steps", "epochs", "seed",
+            "draft_attn_impl", "loss_implementation", "sliding_window", "full_attention_indices")
+# (the trained config's mask_token_id and embed_requires_grad are in "exported": the flags' values are unresolved)
+FAMILY_SETTINGS = {
+    "eagle3": ("ttt_steps", "ttt_step_loss_decay", *NORM_FLAGS, "embed_requires_grad"),
+    "peagle": ("num_depths", "down_sample_ratio", "down_sample_ratio_min", "max_anchors", *NORM_FLAGS),
+    "dflash": ("block_size", "per_position_loss_weight", "dpace_alpha", "dflash_decay_gamma", "max_anchors",
+               "sample_from_anchor", "sliding_window_non_causal"),
+}
+AUX_IDS_KEY = {"eagle3": "eagle_aux_hidden_state_layer_ids", "peagle": "eagle_aux_hidden_state_layer_ids",
+               "dflash": "aux_hidden_state_layer_ids"}
+NEEDED_TENSORS = {"eagle3": ("fc.weight", "lm_head.weight"), "peagle": ("fc.weight", "lm_head.weight", "mask_hidden"),
+                  "dflash": ("fc.weight", "hidden_norm.weight")}
 
 
 class RaceError(RuntimeError):
@@ -143,7 +175,7 @@ class _MetricTap(logging.Handler):
                 self.stats["losses"].append(float(train["loss"]))
                 self.stats.setdefault("step_metrics", []).append(
                     {k: round(float(v), 5) for k, v in train.items()
-                     if k == "loss" or k.startswith(("loss_", "full_acc_", "cond_acc_"))})
+                     if k == "loss" or k.startswith(("loss_", "full_acc", "cond_acc_", "position_"))})
                 lr = msg.get("lr")
                 self.stats["lr"].append(lr if isinstance(lr, (int, float)) else str(lr))
         elif isinstance(msg, dict) and isinstance(msg.get("val"), dict):
@@ -187,9 +219,23 @@ def longer_than(data: Path, seq_len: int) -> int:
     return sum(1 for n in lengths if n > seq_len)
 
 
+def family_depth(family: str, drafted: int) -> list[str]:
+    """The flag that makes a family draft ``drafted`` tokens per round, as our race's TTT depth does."""
+    if family == "peagle":
+        return ["--num-depths", str(drafted)]
+    if family == "dflash":
+        return ["--block-size", str(drafted + 1)]  # the anchor (bonus token) + one mask per drafted token
+    return ["--ttt-steps", str(drafted)]
+
+
 def speculators_argv(args: argparse.Namespace, record: dict[str, Any], save_path: Path, log_dir: Path) -> list[str]:
+    if args.family == "dflash" and record.get("loss_mask") == "predicted":
+        # that mask is shifted for speculators' shift_batch; DFlash reads the mask unshifted, where the
+        # native one already gates each slot by the token it predicts
+        raise RaceError(f"{args.data / CONVERSION}: converted with --loss-mask predicted, which DFlash (no shift) "
+                        "would read one token late; convert with --loss-mask native")
     argv = [
-        "--speculator-type", "eagle3",
+        "--speculator-type", args.family,
         "--verifier-name-or-path", str(args.target),
         "--data-path", str(args.data),
         "--save-path", str(save_path),
@@ -199,7 +245,7 @@ def speculators_argv(args: argparse.Namespace, record: dict[str, Any], save_path
         "--loss-implementation", "eager",
         "--hidden-states-dtype", args.dtype,
         "--total-seq-len", str(args.seq_len),
-        "--ttt-steps", str(args.ttt_steps),
+        *family_depth(args.family, args.ttt_steps),
         "--epochs", str(args.epochs),
         "--num-workers", str(args.num_workers),
         "--on-missing", "raise",  # never call a vLLM endpoint for a missing sample
@@ -242,21 +288,30 @@ def last_epoch_dir(save_path: Path) -> Path:
     return save_path / str(max(epochs))
 
 
-def export_draft(checkpoint: Path, out: Path, target: Path, record: dict[str, Any]) -> dict[str, Any]:
+def export_draft(checkpoint: Path, out: Path, target: Path, record: dict[str, Any], family: str,
+                 drafted: int) -> dict[str, Any]:
     """Copy the checkpoint's config + weights to ``out`` with the keys vLLM reads written explicitly."""
     from safetensors import safe_open
 
-    config = json.loads((checkpoint / "config.json").read_text())
-    if config.get("speculators_model_type") != "eagle3":
-        raise RaceError(f"{checkpoint / 'config.json'}: speculators_model_type "
-                        f"{config.get('speculators_model_type')!r}, expected 'eagle3'")
-    saved_ids = config.get("eagle_aux_hidden_state_layer_ids")
+    where = checkpoint / "config.json"
+    config = json.loads(where.read_text())
+    if (saved := config.get("speculators_model_type")) != family:
+        raise RaceError(f"{where}: speculators_model_type {saved!r}, expected {family!r}")
+    ids_key = AUX_IDS_KEY[family]
+    saved_ids = config.get(ids_key)
     if saved_ids is not None and list(saved_ids) != list(record["aux_layer_ids"]):
-        raise RaceError(f"{checkpoint / 'config.json'}: eagle_aux_hidden_state_layer_ids {saved_ids}, but the data "
-                        f"was harvested at {record['aux_layer_ids']}")
-    config["eagle_aux_hidden_state_layer_ids"] = list(record["aux_layer_ids"])
-    for key in NORM_FLAGS:  # vLLM's defaults for missing keys differ from speculators' (e.g. norm_before_residual)
-        config[key] = bool(config.get(key, False))
+        raise RaceError(f"{where}: {ids_key} {saved_ids}, but the data was harvested at {record['aux_layer_ids']}")
+    config[ids_key] = list(record["aux_layer_ids"])
+    if family != "dflash":  # vLLM's defaults for missing keys differ from speculators' (e.g. norm_before_residual)
+        for key in NORM_FLAGS:
+            config[key] = bool(config.get(key, False))
+    if family == "peagle" and (config["fc_norm"] or config["norm_output"]):
+        raise RaceError(f"{where}: a P-EAGLE draft with fc_norm/norm_output, which vLLM 0.32 does not read for "
+                        "peagle (configs/speculators/algos.py update_peagle): it would serve another model")
+    if family != "eagle3" and config.get("mask_token_id") is None:
+        raise RaceError(f"{where}: no mask_token_id (vLLM feeds it at every mask position)")
+    if family == "dflash" and config.get("block_size") != drafted + 1:
+        raise RaceError(f"{where}: block_size {config.get('block_size')}, expected {drafted + 1}")
     spec = config.setdefault("speculators_config", {})
     verifier = spec.setdefault("verifier", {})
     verifier["name_or_path"] = str(target)
@@ -266,8 +321,9 @@ def export_draft(checkpoint: Path, out: Path, target: Path, record: dict[str, An
         names = sorted(f.keys())
         shapes = {k: list(f.get_slice(k).get_shape()) for k in names}
         dtypes = sorted({str(f.get_slice(k).get_dtype()) for k in names})
-    if "lm_head.weight" not in names or "fc.weight" not in names:
-        raise RaceError(f"{checkpoint / 'model.safetensors'}: no lm_head.weight/fc.weight among {names}")
+    needed = [*NEEDED_TENSORS[family], *(["lm_head.weight", "d2t"] if record.get("draft_vocab") else [])]
+    if missing := sorted(set(needed) - set(names)):
+        raise RaceError(f"{checkpoint / 'model.safetensors'}: no {missing} among {names}")
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
         shutil.copyfile(checkpoint / "model.safetensors", tmp / "model.safetensors")
@@ -281,8 +337,9 @@ def export_draft(checkpoint: Path, out: Path, target: Path, record: dict[str, An
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"tensors": shapes, "saved_dtypes": dtypes,
-            **{k: config[k] for k in (*NORM_FLAGS, "eagle_aux_hidden_state_layer_ids", "draft_vocab_size")},
+    keys = (*NORM_FLAGS, ids_key, "draft_vocab_size", "mask_token_id", "embed_requires_grad", "block_size")
+    return {"tensors": shapes, "saved_dtypes": dtypes, **{k: config[k] for k in keys if k in config},
+            "draft_arch": (config.get("transformer_layer_config") or {}).get("model_type"),
             "speculative_tokens": [m.get("speculative_tokens") for m in spec.get("proposal_methods", [])],
             "verifier": verifier}
 
@@ -318,11 +375,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         speculators_main(cfg)
     total = time.perf_counter() - started
     checkpoint = last_epoch_dir(save_path)
-    draft = export_draft(checkpoint, args.out / "draft", args.target, record)
+    draft = export_draft(checkpoint, args.out / "draft", args.target, record, args.family, args.ttt_steps)
     losses = stats.get("losses", [])
     flat = cfg.flatten()
     result = {
         "trainer": "speculators==0.9.0",
+        "family": args.family,
         "out": str(args.out),
         "draft": str(args.out / "draft"),
         "checkpoint": str(checkpoint),
@@ -342,12 +400,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "loss_last5_mean": sum(losses[-5:]) / len(losses[-5:]) if losses else None,
         "last_step_metrics": (stats.get("step_metrics") or [None])[-1],
         "val": stats.get("val"),
-        "settings": {k: flat.get(k) for k in (
-            "ttt_steps", "ttt_step_loss_decay", "loss_fn", "optimizer", "lr", "muon_lr", "weight_decay",
-            "scheduler_type", "scheduler_warmup_steps", "total_seq_len", "hidden_states_dtype", "num_layers",
-            "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "embed_requires_grad",
-            "draft_vocab_size", "target_layer_ids", "train_data_ratio", "max_steps", "epochs", "seed",
-            "draft_attn_impl", "loss_implementation", "sliding_window")},
+        "settings": {k: flat.get(k) for k in (*SETTINGS, *FAMILY_SETTINGS[args.family])},
         "exported": draft,
         "speculators_argv": argv,
     }
@@ -370,7 +423,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="output folder (checkpoints/, draft/, result.json)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (speculators' --max-steps)")
     p.add_argument("--epochs", type=int, default=20, help="epochs (speculators' default 20; --steps stops earlier)")
-    p.add_argument("--ttt-steps", type=int, default=3, help="TTT unroll depth (speculators' default 3)")
+    p.add_argument("--family", choices=FAMILIES, default="eagle3",
+                   help="speculators' draft family (its --speculator-type)")
+    p.add_argument("--ttt-steps", type=int, default=3,
+                   help="tokens drafted per round: eagle3's --ttt-steps (default 3), peagle's --num-depths, "
+                        "dflash's --block-size minus 1")
     p.add_argument("--seq-len", type=int, default=2048,
                    help="tokens per packed training row, one row per step (speculators' --total-seq-len)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (speculators' default 1e-3)")

@@ -117,10 +117,17 @@ def draft_family(folder: str) -> dict[str, Any]:
     """The speculative_config keys a draft folder's family needs beyond eagle3's: P-EAGLE drafts
     (config.json ``parallel_drafting``) are served with ``parallel_drafting``, DFlash drafts
     (``DFlashDraftModel``) with ``method=dflash`` and K = block_size - 1 (vLLM runs a block of 1 + K,
-    and a block other than the trained one is another model: its attention goes both ways)."""
+    and a block other than the trained one is another model: its attention goes both ways).
+    speculators' own format (``speculators_model_type``, bench/speculators_train.py) is read as vLLM
+    reads it when served alone: ``dflash`` as DFlash, ``peagle`` with ``parallel_drafting`` and K = its
+    ``speculative_tokens`` (the depths it trained)."""
     cfg = json.loads((Path(folder) / "config.json").read_text())
-    if "DFlashDraftModel" in (cfg.get("architectures") or []):  # vLLM's block is 1 + K: serve the trained one
-        return {"method": "dflash", "num_speculative_tokens": int(cfg["block_size"]) - 1}
+    kind = cfg.get("speculators_model_type")
+    if kind == "dflash" or "DFlashDraftModel" in (cfg.get("architectures") or []):
+        return {"method": "dflash", "num_speculative_tokens": int(cfg["block_size"]) - 1}  # serve the trained block
+    if kind == "peagle":
+        methods = cfg["speculators_config"]["proposal_methods"]
+        return {"parallel_drafting": True, "num_speculative_tokens": int(methods[0]["speculative_tokens"])}
     return {"parallel_drafting": True} if cfg.get("parallel_drafting") else {}
 
 
