@@ -10,7 +10,8 @@ code, nothing re-implemented here), exports the draft in the vLLM and speculator
 reloads it, runs the speculative loop in every variant (chain and tree, greedy and sampled, fp32
 and bf16; greedy against plain decoding), where the time goes (a training micro-batch and plain
 decoding under torch's profiler, with the host syncs each makes on CUDA: the micro-batch must make
-none), the OpenAI-compatible server at temperature > 0, and,
+none), the trainer's race against speculators 0.9.0 on the same samples (where a venv with it is
+given or present), the OpenAI-compatible server at temperature > 0, and,
 where two GPUs exist, training in two processes over nccl. One JSON line per figure (``check``,
 ``ok``, tokens/s, peak memory, equal outputs); the last line sums up, and the exit code is 1 if a
 check failed.
@@ -387,7 +388,7 @@ def check_profile(cfg: Any, draft: Path, target: Path, pools: Path, device: str,
     try:
         dtype = torch.bfloat16 if cuda else torch.float32
         ttt = TTTModel(drafter.to(dtype).train(), num_steps=cfg.train.ttt_steps, step_decay=1.0)
-        head, t2d = TargetHead.of_target(model), drafter.t2d
+        head, t2d = TargetHead.of_target(model).to(dtype), drafter.t2d  # the trainer's head: the target's dtype
         store = HarvestStore(cfg.harvest.out_dir)
         idx, tokens = [], 0
         for i in range(len(store)):
@@ -433,6 +434,42 @@ def check_profile(cfg: Any, draft: Path, target: Path, pools: Path, device: str,
              sync_sites=None if syncs is None else Counter(syncs).most_common(8), top_ops=_top_ops(prof, cuda))
     except Exception as err:  # noqa: BLE001
         emit("profile.plain_decoding", False, error=f"{type(err).__name__}: {err}")
+
+
+def check_speculators(cfg: Any, target: Path, out: Path, device: str, size: dict[str, Any], python: str) -> None:
+    """The trainer's race on this device: speculators 0.9.0 (``python``: a venv with it,
+    scripts/setup_speculators_env.sh) trains on the same harvested samples as the pipeline's train
+    stage did (its draft vocab, TTT steps, packed rows of the same length, optimizer steps, AdamW as
+    ours; its own init, schedule and loss weights), eager with SDPA; both tokens/s and peak memory."""
+    train_dir = Path(cfg.train.out_dir)
+    data, spec_out = out / "speculators-data", out / "speculators-train"
+    dev = resolve_device(device)
+    try:
+        ours = json.loads((train_dir / "summary.json").read_text())
+        shutil.rmtree(data, ignore_errors=True)
+        steps = [[sys.executable, "bench/speculators_data.py", "--store", cfg.train.store, "--out", str(data),
+                  "--draft-vocab", str(train_dir / "draft_vocab.safetensors"), "--eval-fraction", "0"],
+                 [python, "bench/speculators_train.py", "--data", str(data), "--target", str(target),
+                  "--out", str(spec_out), "--steps", str(cfg.train.steps), "--ttt-steps", str(cfg.train.ttt_steps),
+                  "--seq-len", str(cfg.train.micro_batch_tokens), "--optimizer", "adamw", "--overwrite",
+                  "--train-data-ratio", "0.9",  # it needs held-out rows; tokens/s is what is compared
+                  "--dtype", "bfloat16" if dev.type == "cuda" else "float32"]]
+        # one process of its own: not the distributed settings our trainer left in this one's environment
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        for cmd in steps:
+            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+            if done.returncode:
+                raise RuntimeError(f"{' '.join(cmd[:2])} failed: {(done.stdout + done.stderr)[-800:]}")
+        theirs = json.loads((spec_out / "result.json").read_text())
+        emit("race.train", True, ours_tokens_per_s=ours["tokens_per_s"],
+             speculators_tokens_per_s=theirs["tokens_per_s"],
+             ours_over_speculators=round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3),
+             ours_peak_gib=ours.get("peak_gpu_gib"), ours_last_loss=ours.get("last_loss"),
+             speculators_loss_last=theirs.get("loss_last"), steps=cfg.train.steps, ttt_steps=cfg.train.ttt_steps,
+             seq_len=cfg.train.micro_batch_tokens)
+    except Exception as err:  # noqa: BLE001 - reported; the other checks still run
+        emit("race.train", False, error=f"{type(err).__name__}: {err}")
 
 
 def _free_port() -> int:
@@ -502,7 +539,9 @@ def main(argv: list[str] | None = None) -> int:
                         "target's)")
     parser.add_argument("--save-tokenizer", default=None, metavar="DIR", help="write the tokenizer folder and exit")
     parser.add_argument("--skip", nargs="*", default=[],
-                        choices=("pipeline", "export", "loop", "profile", "server", "families", "nccl"))
+                        choices=("pipeline", "export", "loop", "profile", "race", "server", "families", "nccl"))
+    parser.add_argument("--speculators-python", default=None, help="a python with speculators 0.9.0, for the "
+                        "trainer's race (default: .venv-speculators/bin/python where it exists, else no race)")
     args = parser.parse_args(argv)
 
     if args.save_tokenizer:
@@ -536,6 +575,10 @@ def main(argv: list[str] | None = None) -> int:
             check_loop(draft, target, out / "pools", args.device, size)
         if "profile" not in args.skip:
             check_profile(cfg, draft, target, out / "pools", args.device, size)
+        speculators = args.speculators_python or (str(ROOT / ".venv-speculators/bin/python")
+                                                  if (ROOT / ".venv-speculators/bin/python").exists() else None)
+        if "race" not in args.skip and speculators:
+            check_speculators(cfg, target, out, args.device, size, speculators)
         if "server" not in args.skip:
             check_server(draft, target, args.device)
         if "families" not in args.skip:

@@ -133,6 +133,8 @@ def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
         "bf16": {"enabled": cfg.precision == "bf16"},
         "steps_per_print": 10**12,
         "wall_clock_breakdown": False,
+        # its throughput timer synchronises the device at every forward and step (the trainer times itself)
+        "timers": {"throughput": {"enabled": False}},
     }
 
 

@@ -28,7 +28,7 @@ class TargetHead(nn.Module):
         self.requires_grad_(False)
         self._split: tuple[Any, ...] | None = None
         self._split_pays = True  # turned off when most rows need the full product anyway
-        self._vd: tuple[Tensor, int, Tensor] | None = None
+        self._vd: tuple[Tensor, int, int, Tensor] | None = None
 
     @torch.no_grad()
     def targets(self, batch: dict[str, Tensor], t2d: Tensor, chunk_tokens: int = 1024,
@@ -43,7 +43,9 @@ class TargetHead(nn.Module):
         probabilities and argmax -1 (never counted).
         """
         if "last" not in batch:
-            return prepare_targets_from_topk(batch["topk_ids"], batch["topk_logprobs"], t2d, self.temperature)
+            return prepare_targets_from_topk(batch["topk_ids"], batch["topk_logprobs"], t2d, self.temperature,
+                                             self._draft_vocab(t2d)[0])
+        from_host = rows is not None  # the trainer's path, where the device is never asked for a count
         last = batch["last"]  # [B, S, H]
         b, s, h = last.shape
         if rows is None:
@@ -54,9 +56,10 @@ class TargetHead(nn.Module):
         argmax = torch.full((b * s,), -1, dtype=torch.long, device=last.device)  # [B*S]
         for i in range(0, len(rows), chunk_tokens):
             x = self.norm(flat[i:i + chunk_tokens])
-            split = (self._split_pays and self.lm_head.weight.dtype == torch.float32 and x.device.type == "cpu"
-                     and getattr(self.lm_head, "bias", None) is None
-                     and bf16_matmul_speedup(x.device.type) > 1.0)  # its rough pass is bf16; settling reads counts
+            # the rough pass is bf16; settling it asks the device for a count (a sync outside the CPU)
+            split = (self._split_pays and self.lm_head.weight.dtype == torch.float32
+                     and not (from_host and x.device.type != "cpu")
+                     and getattr(self.lm_head, "bias", None) is None and bf16_matmul_speedup(x.device.type) > 1.0)
             part = (self._split_targets(x, t2d) if split
                     else prepare_targets(self.transform(self.lm_head(x)), draft_ids, temperature=self.temperature))
             probs[rows[i:i + chunk_tokens]] = part.probs
@@ -66,10 +69,14 @@ class TargetHead(nn.Module):
     def _draft_vocab(self, t2d: Tensor) -> tuple[int, Tensor]:
         """The draft vocab's size and its [Vd] target ids, read from the device once per draft vocab
         (the trainer passes the same ``t2d`` every step)."""
-        if self._vd is None or self._vd[0] is not t2d:
+        if t2d.dtype != torch.bool:
+            raise TypeError(f"t2d: a [V] bool mask of the draft vocab, not {t2d.dtype}")
+        # changed by an in-place write (set_draft_vocab, load_state_dict); inference tensors have none
+        version = -1 if t2d.is_inference() else t2d._version
+        if self._vd is None or self._vd[0] is not t2d or self._vd[1] != version:
             ids = t2d.nonzero().squeeze(1)
-            self._vd = (t2d, len(ids), ids)
-        return self._vd[1], self._vd[2]
+            self._vd = (t2d, version, len(ids), ids)
+        return self._vd[2], self._vd[3]
 
     @classmethod
     def of_target(cls, target: Target, temperature: float = 1.0) -> TargetHead:

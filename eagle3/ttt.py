@@ -150,17 +150,19 @@ def prepare_targets(target: Tensor, t2d: Tensor, *, are_probs: bool = False, tem
 
 
 def prepare_targets_from_topk(topk_ids: Tensor, topk_logprobs: Tensor, t2d: Tensor,
-                              temperature: float = 1.0) -> TTTTargets:
+                              temperature: float = 1.0, draft_vocab_size: int | None = None) -> TTTTargets:
     """From a ``store=topk`` harvest: the target's top-K ids and log-probs [B, S, K].
 
     The distribution is the top-K restricted to the draft vocab and renormalised (log-probs
     divided by ``temperature`` first); the argmax is the top-1 id (outside the draft vocab ->
-    masked, as with full logits).
+    masked, as with full logits). ``draft_vocab_size``: ``t2d.sum()`` where the caller knows it
+    (reading it from the device makes CUDA sync).
     """
     t2d = t2d.to(topk_ids.device)
     draft_id = torch.cumsum(t2d.long(), 0) - 1  # [V] draft id of each target id (where t2d)
     inside = t2d[topk_ids]  # [B, S, K]
-    sub = topk_logprobs.float().new_full((*topk_ids.shape[:-1], int(t2d.sum())), float("-inf"))  # [B, S, Vd]
+    vd = int(t2d.sum()) if draft_vocab_size is None else draft_vocab_size
+    sub = topk_logprobs.float().new_full((*topk_ids.shape[:-1], vd), float("-inf"))  # [B, S, Vd]
     # ids outside the draft vocab go to column 0 as -inf; amax keeps a real value there
     sub.scatter_reduce_(-1, torch.where(inside, draft_id[topk_ids], 0),
                         torch.where(inside, topk_logprobs.float(), float("-inf")), reduce="amax")
@@ -289,12 +291,13 @@ class RowPlan:
     at: Tensor | None  # [B, M] the rows every step's output is read at (None: all rows)
     live: Tensor | None  # [B, M] False on the padding of ``at``
     counted: tuple[tuple[Tensor, Tensor], ...]  # per step, its counted positions: (batch row, forward row) [M_k]
+    shape: tuple[int, ...]  # the batch's [B, S], checked against the batch it meets
 
     def to(self, device: torch.device) -> RowPlan:
         def move(x: Tensor | None) -> Tensor | None:
             return None if x is None else to_device(x, device)
 
-        return RowPlan(move(self.at), move(self.live), tuple((move(r), move(c)) for r, c in self.counted))
+        return RowPlan(move(self.at), move(self.live), tuple((move(r), move(c)) for r, c in self.counted), self.shape)
 
 
 def plan_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int, skip_unread_rows: bool = True) -> RowPlan:
@@ -306,7 +309,7 @@ def plan_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int, skip_unre
         if live is not None:
             counted_k = counted_k & live
         counted.append(counted_k.nonzero(as_tuple=True))
-    return RowPlan(at, live, tuple(counted))
+    return RowPlan(at, live, tuple(counted), tuple(loss_mask.shape))
 
 
 def planned(plan: RowPlan | None, loss_mask: Tensor, document_ids: Tensor, num_steps: int,
@@ -314,9 +317,11 @@ def planned(plan: RowPlan | None, loss_mask: Tensor, document_ids: Tensor, num_s
     """``plan`` (checked against the forward's settings), else the batch's own on its device."""
     if plan is None:
         return plan_rows(loss_mask, document_ids, num_steps, skip_unread_rows)
-    if len(plan.counted) != num_steps or (plan.at is not None and not skip_unread_rows):
+    if (len(plan.counted) != num_steps or (plan.at is not None and not skip_unread_rows)
+            or plan.shape != tuple(loss_mask.shape)):
         raise ValueError(f"a row plan of {len(plan.counted)} steps{' over read rows' if plan.at is not None else ''} "
-                         f"for a forward of {num_steps} steps{'' if skip_unread_rows else ' over every row'}")
+                         f"for a {list(plan.shape)} batch, given a forward of {num_steps} steps"
+                         f"{'' if skip_unread_rows else ' over every row'} on a {list(loss_mask.shape)} batch")
     return plan
 
 

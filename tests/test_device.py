@@ -115,6 +115,16 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Target, Path]:
     return target, root / "store"
 
 
+@pytest.fixture(scope="module")
+def topk_store(store: tuple[Target, Path]) -> Path:
+    """The same conversations harvested as the target's top-16 log-probs (``store=topk``)."""
+    target, folder = store
+    harvest(HarvestConfig(data=str(folder.parent / "data.jsonl"), out_dir=str(folder.parent / "topk"),
+                          dtype="float32", store="topk", topk=16), TargetConfig(name_or_path="lively"), target=target,
+            progress=False)
+    return folder.parent / "topk"
+
+
 def _draft_for(target: Target, vocab: DraftVocab, family: str = "eagle3") -> Eagle3Draft:
     torch.manual_seed(0)
     extra = {"eagle3": {}, "peagle": {"mask_token_id": 3}, "dflash": {"mask_token_id": 3, "block_size": 4}}[family]
@@ -124,14 +134,16 @@ def _draft_for(target: Target, vocab: DraftVocab, family: str = "eagle3") -> Eag
     return draft
 
 
-@pytest.mark.parametrize("loss_positions,family", [("replies", "eagle3"), ("all", "eagle3"), ("replies", "peagle"),
-                                                   ("replies", "dflash")])
+@pytest.mark.parametrize("loss_positions,family,kind", [("replies", "eagle3", "last"), ("all", "eagle3", "last"),
+                                                        ("replies", "peagle", "last"), ("replies", "dflash", "last"),
+                                                        ("replies", "eagle3", "topk")])
 def test_a_training_step_and_the_eval_tally_run_with_the_model_on_another_device(
-        monkeypatch: pytest.MonkeyPatch, store: tuple[Target, Path], loss_positions: str, family: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, store: tuple[Target, Path],
+        loss_positions: str, family: str, kind: str) -> None:
     """The trainer's micro-batch (host batch in, engine on the device), its backward, the
     acceptance tally and its summary: the code that crashed at step 1 on CUDA."""
     target, folder = store
-    data = HarvestStore(folder)
+    data = HarvestStore(folder if kind == "last" else request.getfixturevalue("topk_store"))
     batch = load_batch(data, [0, 1, 2], "pack")  # what the loader builds: host tensors
     vocab = DraftVocab.from_target_ids(torch.arange(0, target.vocab_size, 2), target.vocab_size)
     model = TTTModel(_draft_for(target, vocab, family), num_steps=3, step_decay=0.8)
@@ -195,3 +207,17 @@ def test_evaluation_and_its_divergence_margin_run_with_the_model_on_another_devi
     assert margin == pytest.approx(want, abs=1e-5)  # a difference of two logits ~1e1: fp32 rounding
     assert report["overall"]["equal"] == 2 and report["config"]["device"] == str(dev)
     assert report["overall"]["cost_model"]["t1_ms"] > 0
+
+
+def test_the_target_heads_draft_vocab_is_read_again_after_an_in_place_change(store: tuple[Target, Path]) -> None:
+    """The head reads the draft vocab's ids from the device once per vocab, not per batch; a vocab
+    changed in place (set_draft_vocab, load_state_dict copy into the same tensor) is read again."""
+    target, _ = store
+    head = TargetHead.of_target(target)
+    t2d = DraftVocab.from_target_ids(torch.arange(0, target.vocab_size, 2), target.vocab_size).t2d.clone()
+    assert head._draft_vocab(t2d)[0] == (target.vocab_size + 1) // 2
+    t2d.copy_(DraftVocab.from_target_ids(torch.arange(0, target.vocab_size, 4), target.vocab_size).t2d)
+    size, ids = head._draft_vocab(t2d)
+    assert size == (target.vocab_size + 3) // 4 and ids.tolist() == list(range(0, target.vocab_size, 4))
+    with pytest.raises(TypeError, match="bool mask"):
+        head._draft_vocab(ids)

@@ -478,3 +478,22 @@ def test_skipping_unread_rows_changes_nothing(doc_lengths: list[list[int]], num_
     assert not (fast.match & ~fast.counted).any()
     for name in g_full:
         torch.testing.assert_close(g_fast[name], g_full[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_row_plan_made_elsewhere_is_the_one_the_unroll_makes_and_fits_only_its_batch() -> None:
+    """The trainer plans the rows on the host (:func:`eagle3.ttt.plan_rows`): given to the unroll it
+    gives the very loss and matches of the unroll's own plan; a plan of another batch, another depth
+    or read rows for a forward over every row is refused by name."""
+    draft = tiny_draft().train()
+    batch = packed_batch([[30, 20], [50]], seed=6, t2d=draft.t2d)
+    batch["loss_mask"] = _prompt_reply_mask([[30, 20], [50]], 0.5)
+    targets = prepare_targets(batch["target_logits"], draft.t2d)
+    args = (draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"], batch["loss_mask"],
+            targets)
+    plan = ttt.plan_rows(batch["loss_mask"], batch["document_ids"], 3)
+    own, given = ttt_forward(*args, num_steps=3), ttt_forward(*args, num_steps=3, plan=plan)
+    assert torch.equal(own.loss, given.loss) and torch.equal(own.match, given.match)
+    other = ttt.plan_rows(batch["loss_mask"][:1], batch["document_ids"][:1], 3)
+    for bad, kwargs in ((other, {}), (plan, {"num_steps": 2}), (plan, {"skip_unread_rows": False})):
+        with pytest.raises(ValueError, match="row plan"):
+            ttt_forward(*args, **{"num_steps": 3, **kwargs}, plan=bad)
