@@ -214,19 +214,24 @@ class Target:
         use_cache: bool = False,
         return_logits: bool = True,
         position_ids: Tensor | None = None,  # [batch, seq]
+        cache_position: Tensor | None = None,  # [seq]: the cache slots of the new tokens (a static cache)
     ) -> TargetOutput:
         """Run the target on new tokens, continuing ``past_key_values`` if given.
 
         With padding (left or right), pass ``attention_mask`` covering past and new tokens:
         position ids are then counted over real tokens only, so a padded row computes
         exactly what it would alone. For tree verification pass a 4D bool ``attention_mask``
-        [batch, 1, seq, past + seq] (True: may attend) with explicit ``position_ids``.
+        [batch, 1, seq, past + seq] (True: may attend) with explicit ``position_ids``. A static
+        cache (stale slots past the live length) takes ``cache_position``: the positions, alone.
         """
         if self.head_only:
             raise RuntimeError(f"target {self.name}: loaded with load_target_head (embedding, final norm and "
                                "lm_head only); use load_target to run it")
         batch, seq = input_ids.shape
-        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if cache_position is not None:  # the positions, with nothing else that would give them
+            assert attention_mask is None and position_ids is None
+            position_ids = cache_position.expand(batch, seq)
+        past_len = 0 if past_key_values is None or cache_position is not None else past_key_values.get_seq_length()
         if position_ids is not None:
             if attention_mask is not None and attention_mask.dim() != 4:
                 raise ValueError("explicit position_ids go with a 4D attention_mask (or none)")
@@ -247,6 +252,7 @@ class Target:
                 position_ids=position_ids,
                 past_key_values=past_key_values,
                 use_cache=use_cache,
+                **({} if cache_position is None else {"cache_position": cache_position}),
             )
             captured = self._captured
         finally:

@@ -198,10 +198,8 @@ def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int 
     """Time the decoder's target over 1 + k tokens (k = 0..max_depth) after a ``context``-token
     prefix (medians of ``repeats``, fitted by :func:`fit_linear`) and one draft step (median); for
     a parallel family, its one forward proposing ``max_depth`` tokens."""
-    from transformers import DynamicCache
-
     from eagle3.draft import KVCache
-    from serve_eval.spec_decode import crop_cache
+    from serve_eval.spec_decode import keep_accepted
 
     target, draft, device = decoder.target, decoder.draft, decoder.device
     rng = random.Random(seed)  # timing only: any ids
@@ -209,17 +207,18 @@ def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int 
     prefix = [rng.randrange(vocab) for _ in range(context)]
     times: list[list[float]] = [[] for _ in range(max_depth + 1)]
     with torch.no_grad():
-        cache = DynamicCache()
+        cache = decoder.target_cache(context + max_depth + 1)  # the kind the decoder generates with
         out = decoder._target(prefix, cache)
-        for _ in range(repeats):  # depths interleaved, so that a burst of load hits them alike
+        for r in range(repeats + 1):  # depths interleaved, so that a burst of load hits them alike
             for k in range(max_depth + 1):
                 ids = [rng.randrange(vocab) for _ in range(1 + k)]
                 synchronize(device)
                 t0 = time.perf_counter()
                 decoder._target(ids, cache)
                 synchronize(device)
-                times[k].append(time.perf_counter() - t0)
-                crop_cache(cache, context)
+                if r > 0:  # the first pass warms up (compiles, where the decoder compiles its forwards)
+                    times[k].append(time.perf_counter() - t0)
+                keep_accepted(cache, context, [])
         verify = fit_linear([statistics.median(t) for t in times])
         step = 0.0
         if draft is not None and draft.config.family != "eagle3":  # one forward proposes the round

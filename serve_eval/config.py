@@ -23,10 +23,19 @@ class SpecConfig:
     """Tree: children per expanded node, and nodes expanded per depth."""
     budget: int = 16
     """Tree: draft tokens verified per round (the best by cumulative draft log-prob)."""
+    target_cache: str = "dynamic"
+    """The target's KV cache: dynamic (transformers' DynamicCache, cropped after each round); static
+    (chains: one preallocated cache, rolled back by length, :mod:`serve_eval.static_cache`); graphs
+    (static, and the fixed-length forwards compiled with mode reduce-overhead: CUDA graphs on CUDA)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("chain", "tree"):
             raise ValueError(f"mode={self.mode!r}: expected chain or tree")
+        if self.target_cache not in ("dynamic", "static", "graphs"):
+            raise ValueError(f"target_cache={self.target_cache!r}: expected dynamic, static or graphs")
+        if self.target_cache != "dynamic" and self.mode != "chain":
+            raise ValueError(f"target_cache={self.target_cache}: chains only (a tree's accepted nodes move in the "
+                             "cache); use target_cache=dynamic with mode=tree")
         for name in ("k", "topk", "budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
@@ -55,6 +64,8 @@ class EvalConfig:
     """Tree: children per expanded node, and nodes expanded per depth."""
     budget: int = SpecConfig.budget
     """Tree: draft tokens verified per round."""
+    target_cache: str = SpecConfig.target_cache
+    """dynamic, static (chains) or graphs (static + CUDA graphs on CUDA); see :class:`SpecConfig`."""
     temperature: float = SamplingConfig.temperature
     """0 is greedy (outputs equal plain decoding token for token); above, sampled as the target samples."""
     top_p: float = SamplingConfig.top_p
@@ -77,7 +88,8 @@ class EvalConfig:
 
     @property
     def spec(self) -> SpecConfig:
-        return SpecConfig(mode=self.mode, k=self.k, topk=self.topk, budget=self.budget)
+        return SpecConfig(mode=self.mode, k=self.k, topk=self.topk, budget=self.budget,
+                          target_cache=self.target_cache)
 
     @property
     def sampling(self) -> SamplingConfig:

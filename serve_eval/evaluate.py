@@ -162,6 +162,7 @@ def evaluate(target: Any, draft: Any, prompts: dict[str, list[list[int]]], *, co
     if cost is not None:
         overall["cost_model"] = cost.explain(config.k, overall["tau"], width)
     return {"config": {"mode": config.mode, "k": config.k, "topk": config.topk, "budget": config.budget,
+                       "target_cache": config.target_cache,
                        "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
                        "max_new_tokens": max_new_tokens, "device": str(target.device),
                        "dtype": str(target.dtype).removeprefix("torch.")},

@@ -42,6 +42,7 @@ from eagle3.draft import Eagle3Draft, KVCache
 from eagle3.metrics import acceptance_per_position, served_tau
 from eagle3.target import Target
 from serve_eval.config import SpecConfig
+from serve_eval.static_cache import StaticKV, check_static_target
 from serve_eval.verify import (
     Acceptance,
     greedy_chain,
@@ -116,8 +117,14 @@ def keep_accepted(cache: Any, prefix: int, path: list[int]) -> None:
     (ascending node indices; node i sits at position prefix + i), in place.
 
     A chain's path is 0..a-1, a plain crop. A tree's path is moved down entry by entry: node
-    path[i] >= i, so copying in increasing i never overwrites a source still to be read.
+    path[i] >= i, so copying in increasing i never overwrites a source still to be read. A static
+    cache (chains only) just moves its length back.
     """
+    if isinstance(cache, StaticKV):
+        if path != list(range(len(path))):
+            raise ValueError("a static target cache keeps a chain's accepted prefix only (mode=chain)")
+        cache.keep(prefix + len(path))
+        return
     if path != list(range(len(path))):
         for layer in cache.layers:
             for i, node in enumerate(path):
@@ -145,11 +152,26 @@ class SpeculativeDecoder:
                 raise ValueError(f"draft reads {c.num_aux_layers} aux states, the target captures "
                                  f"{len(target.aux_layer_ids)} layers {list(target.aux_layer_ids)}")
         self.device = target.device
+        self._static: StaticKV | None = None  # the target's static cache, kept between generations
+        if config.target_cache != "dynamic":
+            check_static_target(target, config.target_cache)
+            self._static = StaticKV(target, graphs=config.target_cache == "graphs")
 
     # -- helpers
 
+    def target_cache(self, slots: int) -> Any:
+        """An empty target cache of the configured kind, for up to ``slots`` positions (a static one is
+        the decoder's own, emptied: one generation at a time)."""
+        if self._static is None:
+            from transformers import DynamicCache
+
+            return DynamicCache()
+        return self._static.start(slots)
+
     def _target(self, ids: list[int], cache: Any, positions: list[int] | None = None,
                 mask: Tensor | None = None) -> Any:
+        if isinstance(cache, StaticKV):  # chains: the next positions
+            return cache.forward(ids)
         x = torch.tensor([ids], device=self.device)
         if positions is None:
             return self.target(x, past_key_values=cache, use_cache=True)
@@ -298,9 +320,7 @@ class SpeculativeDecoder:
         stats = DecodeStats(proposed=self.config.k if speculate else 0)
         synchronize(self.device)
         start = time.perf_counter()
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
+        cache = self.target_cache(len(prompt) + max_new_tokens + self.config.k + 1)
         out = self._target(prompt, cache)
         first = self._pick(out.logits[0, -1], params, g)
         stats.seconds_prefill = time.perf_counter() - start

@@ -27,10 +27,12 @@ def test_the_gpu_check_passes_tiny_on_the_cpu(tmp_path: Path) -> None:
     stages = ("target", "regenerate", "harvest", "val", "train", "mine", "eval")
     wanted = [*(f"pipeline.{s}" for s in stages), "export.vllm", "export.speculators", "server.t0.8",
               "family.peagle", "family.dflash", "profile.train_micro_batch", "profile.plain_decoding",
-              *(f"loop.{d}.{m}.t{t}" for d in ("float32", "bfloat16") for m in ("chain", "tree") for t in ("0", "1"))]
+              *(f"loop.{d}.{m}.t{t}" for d in ("float32", "bfloat16") for m in ("chain", "tree") for t in ("0", "1")),
+              "loop.float32.chain.graphs", "loop.bfloat16.chain.graphs"]
     assert [w for w in wanted if w not in checks] == []
     assert all(r["ok"] for r in rows) and checks["summary"]["failed"] == []
     assert checks["loop.float32.chain.t0"]["equal"] == checks["loop.float32.chain.t0"]["prompts"]
+    assert checks["loop.float32.chain.graphs"]["equal"] == checks["loop.float32.chain.graphs"]["of"] > 0
     assert checks["pipeline.eval"]["cost_model"]["break_even_tau"] > 1
     assert checks["server.t0.8"]["completion_tokens"] > 0
     step, plain = checks["profile.train_micro_batch"], checks["profile.plain_decoding"]

@@ -1,0 +1,191 @@
+"""The GPU check's speed checks (bench/gpu_check.py runs them): the loop under CUDA graphs, where a
+training micro-batch and plain decoding spend their time (with the host syncs they make on CUDA),
+and the trainer's race against speculators 0.9.0 on the same samples. Each reports through the
+check's ``emit(check, ok, **figures)``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.device import resolve_device, synchronize
+
+ROOT = Path(__file__).resolve().parent.parent
+EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "multilingual")
+Emit = Callable[..., None]
+
+
+def check_graphs(emit: Emit, model: Any, drafter: Any, prompts: list[list[int]], new: int, dtype: str,
+                 hf_tps: float) -> None:
+    """The loop with the target's static cache under CUDA graphs (``target_cache=graphs``): greedy
+    chains against plain decoding with the dynamic cache, and both its tokens/s beside HF generate's."""
+    from serve_eval.config import SpecConfig
+    from serve_eval.spec_decode import SpeculativeDecoder
+
+    reference = SpeculativeDecoder(model, drafter, SpecConfig("chain", k=3))
+    try:
+        decoder = SpeculativeDecoder(model, drafter, SpecConfig("chain", k=3, target_cache="graphs"))
+        decoder.generate(prompts[0], 8), decoder.generate(prompts[0], 8, speculate=False)  # compiled here
+        equal, spec, plain = 0, [0.0, 0], [0.0, 0]
+        for p in prompts:
+            want = reference.generate(p, new, speculate=False).tokens
+            for speculate, tally in ((True, spec), (False, plain)):
+                got = decoder.generate(p, new, speculate=speculate)
+                equal += got.tokens == want
+                tally[0], tally[1] = tally[0] + got.stats.seconds_total, tally[1] + got.stats.new_tokens
+        ok = equal == 2 * len(prompts) or dtype != "float32"  # bf16 may flip near-ties, as above
+        emit(f"loop.{dtype}.chain.graphs", ok, prompts=len(prompts), equal=equal, of=2 * len(prompts),
+             spec_tokens_per_s=round(spec[1] / spec[0], 2), plain_tokens_per_s=round(plain[1] / plain[0], 2),
+             hf_generate_tokens_per_s=hf_tps)
+    except Exception as err:  # noqa: BLE001 - reported, and the other checks still run
+        emit(f"loop.{dtype}.chain.graphs", False, error=f"{type(err).__name__}: {err}")
+
+
+def _top_ops(prof: Any, cuda: bool, n: int = 10) -> list[list[Any]]:
+    """The profiler's ops with the most self time on the device (CUDA) or the host, [name, ms]."""
+    def self_time(e: Any) -> float:
+        if not cuda:
+            return e.self_cpu_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    events = sorted(prof.key_averages(), key=self_time, reverse=True)[:n]
+    return [[e.key, round(self_time(e) / 1000, 3)] for e in events]
+
+
+def _syncs_during(fn: Any, dev: torch.device) -> list[str] | None:
+    """Run ``fn``; on CUDA, the ``file:line`` of every operation that made the host wait for the device
+    (torch's sync debug mode); None elsewhere."""
+    import warnings
+
+    if dev.type != "cuda":
+        fn()
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return [f"{os.path.relpath(w.filename, ROOT)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
+def check_profile(emit: Emit, cfg: Any, draft: Path, target: Path, pools: Path, device: str,
+                  size: dict[str, Any]) -> None:
+    """Where the time goes: a training micro-batch (forward, backward, tally; the draft in the trainer's
+    dtype) and plain decoding, each with the host syncs it makes on CUDA and the profiler's top ops."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from eagle3.chat import ChatFormat
+    from eagle3.metrics import AcceptanceTally
+    from eagle3.shards import HarvestStore
+    from eagle3.target_head import TargetHead
+    from eagle3.train_data import load_batch
+    from eagle3.train_step import TTTModel, train_forward
+    from serve_eval.evaluate import load_pair, read_prompts
+    from serve_eval.spec_decode import SpeculativeDecoder
+
+    dev = resolve_device(device)
+    cuda = dev.type == "cuda"
+    acts = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    model, drafter = load_pair(str(draft), str(target), "float32", device)
+    try:
+        dtype = torch.bfloat16 if cuda else torch.float32
+        ttt = TTTModel(drafter.to(dtype).train(), num_steps=cfg.train.ttt_steps, step_decay=1.0)
+        head, t2d = TargetHead.of_target(model).to(dtype), drafter.t2d  # the trainer's head: the target's dtype
+        store = HarvestStore(cfg.harvest.out_dir)
+        idx, tokens = [], 0
+        for i in range(len(store)):
+            if tokens + len(store[i].input_ids) > size["micro_batch_tokens"] and idx:
+                break
+            idx, tokens = [*idx, i], tokens + len(store[i].input_ids)
+        batch = load_batch(store, idx, "pack")
+
+        def micro_batch() -> None:
+            out, _ = train_forward(ttt, head, batch, t2d, dtype, dev)
+            out.loss.backward()
+            AcceptanceTally(cfg.train.ttt_steps, dev).add(out)
+
+        micro_batch()  # warm-up (and the draft vocab's ids, read once per run)
+        syncs = _syncs_during(micro_batch, dev)
+        synchronize(dev)
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            micro_batch()
+            synchronize(dev)
+            seconds = time.perf_counter() - t0
+        emit("profile.train_micro_batch", not syncs, tokens=tokens, ms=round(seconds * 1000, 2),
+             tokens_per_s=round(tokens / seconds, 1), host_syncs=None if syncs is None else len(syncs),
+             sync_sites=None if syncs is None else Counter(syncs).most_common(8), top_ops=_top_ops(prof, cuda))
+    except Exception as err:  # noqa: BLE001 - reported, and the decoding profile still runs
+        emit("profile.train_micro_batch", False, error=f"{type(err).__name__}: {err}")
+    try:
+        model, _ = load_pair(str(draft), str(target), "auto", device)
+        chat = ChatFormat.for_tokenizer(model.tokenizer, model.model.generation_config)
+        prompt = read_prompts(pools, EVAL_SETS[0], 1, chat)[0]
+        decoder = SpeculativeDecoder(model, None)
+        new = size["loop_tokens"]
+        decoder.generate(prompt, 4, speculate=False)  # warm-up
+        with profile(activities=acts) as prof:
+            got = decoder.generate(prompt, new, speculate=False)
+        syncs = _syncs_during(lambda: decoder.generate(prompt, new, speculate=False), dev)
+        st = got.stats
+        steps = max(st.target_forwards, 1)  # the forwards after the prefill
+        emit("profile.plain_decoding", got.stats.new_tokens == new, new_tokens=new,
+             ms_per_token=round((st.seconds_total - st.seconds_prefill) / steps * 1000, 3),
+             forward_ms_per_token=round(st.seconds_verify / steps * 1000, 3),
+             host_syncs_per_token=None if syncs is None else round(len(syncs) / new, 2),
+             sync_sites=None if syncs is None else Counter(syncs).most_common(8), top_ops=_top_ops(prof, cuda))
+    except Exception as err:  # noqa: BLE001
+        emit("profile.plain_decoding", False, error=f"{type(err).__name__}: {err}")
+
+
+def check_speculators(emit: Emit, cfg: Any, target: Path, out: Path, device: str, size: dict[str, Any],
+                      python: str) -> None:
+    """The trainer's race on this device: speculators 0.9.0 (``python``: a venv with it,
+    scripts/setup_speculators_env.sh) trains on the same harvested samples as the pipeline's train
+    stage did (its draft vocab, TTT steps, packed rows of the same length, optimizer steps, AdamW as
+    ours; its own init, schedule and loss weights), eager with SDPA; both tokens/s and peak memory."""
+    train_dir = Path(cfg.train.out_dir)
+    data, spec_out = out / "speculators-data", out / "speculators-train"
+    dev = resolve_device(device)
+    try:
+        ours = json.loads((train_dir / "summary.json").read_text())
+        shutil.rmtree(data, ignore_errors=True)
+        steps = [[sys.executable, "bench/speculators_data.py", "--store", cfg.train.store, "--out", str(data),
+                  "--draft-vocab", str(train_dir / "draft_vocab.safetensors"), "--eval-fraction", "0"],
+                 [python, "bench/speculators_train.py", "--data", str(data), "--target", str(target),
+                  "--out", str(spec_out), "--steps", str(cfg.train.steps), "--ttt-steps", str(cfg.train.ttt_steps),
+                  "--seq-len", str(cfg.train.micro_batch_tokens), "--optimizer", "adamw", "--overwrite",
+                  "--train-data-ratio", "0.9",  # it needs held-out rows; tokens/s is what is compared
+                  "--dtype", "bfloat16" if dev.type == "cuda" else "float32"]]
+        # one process of its own: not the distributed settings our trainer left in this one's environment
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        for cmd in steps:
+            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+            if done.returncode:
+                raise RuntimeError(f"{' '.join(cmd[:2])} failed: {(done.stdout + done.stderr)[-800:]}")
+        theirs = json.loads((spec_out / "result.json").read_text())
+        emit("race.train", True, ours_tokens_per_s=ours["tokens_per_s"],
+             speculators_tokens_per_s=theirs["tokens_per_s"],
+             ours_over_speculators=round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3),
+             ours_peak_gib=ours.get("peak_gpu_gib"), ours_last_loss=ours.get("last_loss"),
+             speculators_loss_last=theirs.get("loss_last"), steps=cfg.train.steps, ttt_steps=cfg.train.ttt_steps,
+             seq_len=cfg.train.micro_batch_tokens)
+    except Exception as err:  # noqa: BLE001 - reported; the other checks still run
+        emit("race.train", False, error=f"{type(err).__name__}: {err}")
+
+
+__all__ = ["check_graphs", "check_profile", "check_speculators"]

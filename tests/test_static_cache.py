@@ -1,0 +1,76 @@
+"""The target's static cache in the bundled loop (serve_eval/static_cache.py): with
+``target_cache=static`` (one preallocated cache rolled back by length) or ``graphs`` (the same, its
+fixed-length forwards compiled: CUDA graphs on CUDA), the loop generates exactly what it does with
+the dynamic cache, for every family, greedy and sampled, through accepted and rejected rounds, and
+with one cache reused by prompts longer and shorter than the last."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3.config import SamplingConfig
+from serve_eval.config import SpecConfig
+from serve_eval.spec_decode import SpeculativeDecoder
+from tests.helpers import PROMPTS, OracleDecoder, dflash_for, make_draft, make_target, peagle_for, plain
+
+GREEDY, SAMPLED = SamplingConfig(), SamplingConfig(temperature=1.0)
+
+
+@pytest.mark.parametrize("family", ["eagle3", "peagle", "dflash"])
+def test_a_static_target_cache_generates_what_the_dynamic_one_does(family: str) -> None:
+    target = make_target()
+    draft = {"eagle3": make_draft, "peagle": peagle_for, "dflash": dflash_for}[family](target)
+    dynamic = SpeculativeDecoder(target, draft, SpecConfig("chain", k=3))
+    static = SpeculativeDecoder(target, draft, SpecConfig("chain", k=3, target_cache="static"))
+    for prompt in (PROMPTS[1], PROMPTS[0], PROMPTS[1]):  # longer, shorter, longer: stale slots each time
+        for params, seed in ((GREEDY, 0), (SAMPLED, 5)):
+            want = dynamic.generate(prompt, 24, params=params, seed=seed)
+            got = static.generate(prompt, 24, params=params, seed=seed)
+            assert got.tokens == want.tokens and got.stats.accepted == want.stats.accepted
+        assert static.generate(prompt, 24, speculate=False).tokens == plain(target, prompt, 24)
+
+
+@pytest.mark.parametrize("wrong", [0, 3])
+def test_a_static_cache_rolls_back_accepted_and_rejected_rounds(wrong: int) -> None:
+    """An oracle draft (always right, or wrong every third token): long accepted runs and rejections
+    at every depth, each rolled back by moving the cache's length."""
+    target = make_target()
+    decoder = OracleDecoder(target, make_draft(target), SpecConfig("chain", k=4, target_cache="static"), wrong=wrong)
+    for prompt in PROMPTS:
+        got = decoder.generate(prompt, 30)
+        assert got.tokens == plain(target, prompt, 30)
+        assert got.stats.tau > (4.0 if wrong == 0 else 1.0)
+
+
+def test_graphs_compile_each_forward_length_once_and_change_nothing() -> None:
+    """Compiled (mode reduce-overhead; CUDA graphs on CUDA, a compiled forward here): the same tokens
+    as the dynamic cache, and a second prompt of another length compiles nothing new (the prefill,
+    of any length, runs eagerly)."""
+    from torch._dynamo.utils import counters
+
+    target = make_target()
+    draft = make_draft(target)
+    dynamic = SpeculativeDecoder(target, draft, SpecConfig("chain", k=3))
+    graphs = SpeculativeDecoder(target, draft, SpecConfig("chain", k=3, target_cache="graphs"))
+    assert graphs.generate(PROMPTS[0], 16).tokens == dynamic.generate(PROMPTS[0], 16).tokens  # verify: 4 tokens
+    assert graphs.generate(PROMPTS[0], 16, speculate=False).tokens == plain(target, PROMPTS[0], 16)  # 1 token
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled >= 1
+    for params, seed in ((GREEDY, 0), (SAMPLED, 2)):
+        want = dynamic.generate(PROMPTS[1], 16, params=params, seed=seed)
+        assert graphs.generate(PROMPTS[1], 16, params=params, seed=seed).tokens == want.tokens
+    assert graphs.generate(PROMPTS[1], 16, speculate=False).tokens == plain(target, PROMPTS[1], 16)
+    assert counters["stats"]["unique_graphs"] == compiled  # the other prompt length compiled nothing
+
+
+def test_a_static_cache_is_refused_where_it_cannot_roll_back() -> None:
+    with pytest.raises(ValueError, match="target_cache=static: chains only"):
+        SpecConfig("tree", k=2, target_cache="static")
+    with pytest.raises(ValueError, match="expected dynamic, static or graphs"):
+        SpecConfig("chain", target_cache="paged")
+    target = make_target()
+    target.config.layer_types = ["sliding_attention"] * target.num_layers
+    with pytest.raises(ValueError, match="target_cache=graphs: .* sliding-window"):
+        SpeculativeDecoder(target, make_draft(target), SpecConfig("chain", target_cache="graphs"))
+    assert torch.is_grad_enabled()  # nothing above left grad mode off
