@@ -106,7 +106,8 @@ class TargetHead(nn.Module):
         values could order differently.
         """
         w = self.lm_head.weight  # [V, H]
-        if self._split is None or self._split[0].shape != t2d.shape or not torch.equal(self._split[0], t2d):
+        in_ids = self._draft_vocab(t2d)[1].to(w.device)  # [Vd] target ids (read once per draft vocab)
+        if self._split is None or self._split[0] is not self._vd:  # built for this draft vocab
             inside = t2d.to(w.device)
             outside = (~inside).nonzero().squeeze(1)  # [Vo] target ids
             norms = w[outside].norm(dim=-1)
@@ -116,7 +117,7 @@ class TargetHead(nn.Module):
             edges = torch.linspace(0, len(outside), groups + 1).long().tolist()
             cuts = [(lo, hi) for lo, hi in zip(edges[:-1], edges[1:], strict=True) if hi > lo]
             group_norm = torch.stack([norms[lo:hi].max() for lo, hi in cuts]) if cuts else norms[:0]
-            self._split = (t2d.clone(), inside.nonzero().squeeze(1), outside, w[inside].contiguous(), w_out,
+            self._split = (self._vd, in_ids, outside, w[in_ids].contiguous(), w_out,
                            w_out.bfloat16(), group_norm, cuts)
         _, in_ids, out_ids, w_in, w_out, w_out_bf16, group_norm, cuts = self._split
         logits_in = x @ w_in.T  # [N, Vd] fp32, before the transform (increasing: the argmax logic holds)

@@ -11,6 +11,9 @@ EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "multilingual")
 """The pools' eval sets the evaluation runs by default (``<pools>/eval/<name>.jsonl``)."""
 
 
+TARGET_CACHES = ("dynamic", "static", "graphs")  # SpecConfig.target_cache; serve_eval/static_cache.py
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """How the draft proposes: a chain of ``k`` tokens, or a tree of depth ``k``."""
@@ -31,8 +34,9 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("chain", "tree"):
             raise ValueError(f"mode={self.mode!r}: expected chain or tree")
-        if self.target_cache not in ("dynamic", "static", "graphs"):
-            raise ValueError(f"target_cache={self.target_cache!r}: expected dynamic, static or graphs")
+        if self.target_cache not in TARGET_CACHES:
+            raise ValueError(f"target_cache={self.target_cache!r}: expected {', '.join(TARGET_CACHES[:-1])} or "
+                             f"{TARGET_CACHES[-1]}")
         if self.target_cache != "dynamic" and self.mode != "chain":
             raise ValueError(f"target_cache={self.target_cache}: chains only (a tree's accepted nodes move in the "
                              "cache); use target_cache=dynamic with mode=tree")

@@ -120,12 +120,13 @@ def keep_accepted(cache: Any, prefix: int, path: list[int]) -> None:
     path[i] >= i, so copying in increasing i never overwrites a source still to be read. A static
     cache (chains only) just moves its length back.
     """
+    chain = path == list(range(len(path)))
     if isinstance(cache, StaticKV):
-        if path != list(range(len(path))):
+        if not chain:
             raise ValueError("a static target cache keeps a chain's accepted prefix only (mode=chain)")
         cache.keep(prefix + len(path))
         return
-    if path != list(range(len(path))):
+    if not chain:
         for layer in cache.layers:
             for i, node in enumerate(path):
                 if node != i:

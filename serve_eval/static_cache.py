@@ -21,7 +21,6 @@ import torch
 
 from eagle3.target import Target, TargetOutput
 
-TARGET_CACHES = ("dynamic", "static", "graphs")  # SpecConfig.target_cache
 _MIN_SLOTS = 1024
 
 
@@ -89,4 +88,4 @@ class StaticKV:
         self.length = length
 
 
-__all__ = ["TARGET_CACHES", "StaticKV", "check_static_target"]
+__all__ = ["StaticKV", "check_static_target"]
