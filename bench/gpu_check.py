@@ -61,6 +61,8 @@ SIZES: dict[str, dict[str, Any]] = {
             "micro_batch_tokens": 4096, "draft_vocab": 16384, "loop_prompts": 4, "loop_tokens": 64},
 }
 
+PIPELINE_STAGES = ("target", "regenerate", "harvest", "val", "train", "mine", "eval")
+
 # A small multilingual, multi-domain pool (the pools stage needs the wheels' data; these do not).
 PROMPTS: dict[str, list[tuple[str, str]]] = {
     "coding": [("en", "Write a Python function that checks whether a number is prime."),
@@ -190,7 +192,7 @@ def pipeline_config(out: Path, target: Path, size: dict[str, Any], device: str) 
                         uniform=2, steps=2, max_new_tokens=size["new_tokens"] // 2, wandb_mode="disabled"),
         eval=EvalConfig(sets=list(EVAL_SETS), per_set=1, max_new_tokens=size["loop_tokens"],
                         out_dir=str(run / "eval"), wandb_mode="disabled"),
-        stages=["target", "regenerate", "harvest", "val", "train", "mine", "eval"], out_dir=str(run),
+        stages=list(PIPELINE_STAGES), out_dir=str(run),
     )
     cfg.pools.out_dir = str(out / "pools")
     return cfg
@@ -409,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-tokenizer", default=None, metavar="DIR", help="write the tokenizer folder and exit")
     parser.add_argument("--skip", nargs="*", default=[],
                         choices=("pipeline", "export", "loop", "profile", "race", "server", "families", "nccl"))
+    parser.add_argument("--stages", nargs="+", default=None, choices=PIPELINE_STAGES,
+                        help="the pipeline stages to run (default: all; train needs target .. val before it)")
     parser.add_argument("--speculators-python", default=None, help="a python with speculators 0.9.0, for the "
                         "trainer's race (default: .venv-speculators/bin/python where it exists, else no race)")
     args = parser.parse_args(argv)
@@ -434,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     target = build_target(out, size, tokenizer_folder(args.tokenizer), device)
     write_pools(out / "pools")
     cfg = pipeline_config(out, target, size, args.device)
+    if args.stages:
+        cfg.stages = [s for s in PIPELINE_STAGES if s in args.stages]
     try:
         if "pipeline" not in args.skip:
             check_pipeline(cfg, device)
