@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +46,9 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_speed import EVAL_SETS, check_graphs, check_profile, check_speculators  # noqa: E402
+from gpu_speed import EVAL_SETS, check_graphs, check_profile, check_speculators, check_train_phases  # noqa: E402
 
-from eagle3.device import resolve_device, synchronize  # noqa: E402
+from eagle3.device import resolve_device, sdpa_backends, synchronize  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
@@ -246,6 +247,22 @@ def check_export(draft: Path, out: Path, target: Path) -> None:
              equal_after_reload=len(same))
 
 
+def hf_generate_tps(model: Any, prompts: list[list[int]], new: int, attention: Any) -> float:
+    """HF ``generate``'s greedy tokens/s over ``prompts`` (``new`` tokens each) inside ``attention``."""
+    dev, tokens, seconds = model.device, 0, 0.0
+    with attention:
+        for p in prompts:
+            synchronize(dev)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = model.model.generate(torch.tensor([p], device=dev), max_new_tokens=new, min_new_tokens=new,
+                                           do_sample=False, pad_token_id=model.tokenizer.eos_token_id)
+            synchronize(dev)
+            seconds += time.perf_counter() - t0
+            tokens += out.shape[1] - len(p)
+    return round(tokens / seconds, 2)
+
+
 def check_loop(draft: Path, target: Path, pools: Path, device: str, size: dict[str, Any]) -> None:
     from eagle3.chat import ChatFormat
     from eagle3.config import SamplingConfig
@@ -259,19 +276,12 @@ def check_loop(draft: Path, target: Path, pools: Path, device: str, size: dict[s
         chat = ChatFormat.for_tokenizer(model.tokenizer, model.model.generation_config)
         prompts = [p for name in EVAL_SETS for p in read_prompts(pools, name, 1, chat)][:n]
         dev = model.device
-        # HF generate, greedy, as the plain baseline
+        # HF generate, greedy, as the plain baseline: with the library's attention backends (so beside
+        # the loop like with like) and with torch's own choice (cuDNN on an H100), after a warm-up
         reset_peak(dev)
-        tokens, seconds = 0, 0.0
-        for p in prompts:
-            synchronize(dev)
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                out = model.model.generate(torch.tensor([p], device=dev), max_new_tokens=new, min_new_tokens=new,
-                                           do_sample=False, pad_token_id=model.tokenizer.eos_token_id)
-            synchronize(dev)
-            seconds += time.perf_counter() - t0
-            tokens += out.shape[1] - len(p)
-        hf_tps = round(tokens / seconds, 2)
+        hf_generate_tps(model, prompts[:1], 4, nullcontext())
+        hf_tps = hf_generate_tps(model, prompts, new, sdpa_backends(dev))
+        hf_cudnn_tps = hf_generate_tps(model, prompts, new, nullcontext()) if dev.type == "cuda" else None
         for mode in ("chain", "tree"):
             decoder = SpeculativeDecoder(model, drafter, SpecConfig(mode, k=3, topk=4, budget=12))
             for temperature in (0.0, 1.0):
@@ -300,7 +310,7 @@ def check_loop(draft: Path, target: Path, pools: Path, device: str, size: dict[s
                      equal=equal if params.greedy else None, divergence_margins=margins or None,
                      tau=round(sum(taus) / len(taus), 4), spec_tokens_per_s=round(spec_n / spec_t, 2),
                      plain_tokens_per_s=round(plain_n / plain_t, 2), hf_generate_tokens_per_s=hf_tps,
-                     peak_gib=peak_gib(dev))
+                     hf_generate_cudnn_tokens_per_s=hf_cudnn_tps, peak_gib=peak_gib(dev))
         check_graphs(emit, model, drafter, prompts, new, dtype, hf_tps)
         del model, drafter
 
@@ -449,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         if "loop" not in args.skip:
             check_loop(draft, target, out / "pools", args.device, size)
         if "profile" not in args.skip:
+            check_train_phases(emit, cfg)
             check_profile(emit, cfg, draft, target, out / "pools", args.device, size)
         speculators = args.speculators_python or (str(ROOT / ".venv-speculators/bin/python")
                                                   if (ROOT / ".venv-speculators/bin/python").exists() else None)

@@ -5,13 +5,14 @@ check's ``emit(check, ok, **figures)``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,43 @@ def _top_ops(prof: Any, cuda: bool, n: int = 10) -> list[list[Any]]:
 
     events = sorted(prof.key_averages(), key=self_time, reverse=True)[:n]
     return [[e.key, round(self_time(e) / 1000, 3)] for e in events]
+
+
+def _first_sync(fn: Any) -> str | None:
+    """Run ``fn`` with syncs made errors and autograd's anomaly mode on: the first sync's message with
+    the forward line of the backward node that made it (a sync in backward comes from autograd's
+    thread, where sync debug warnings carry no Python frame of ours). CUDA only."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught, torch.autograd.detect_anomaly(check_nan=False):
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fn()
+        except RuntimeError as err:
+            forward = [str(w.message) for w in caught if "Traceback of forward call" in str(w.message)]
+            lines = [ln.strip() for ln in (forward[-1] if forward else "").splitlines() if ROOT.name in ln or
+                     "eagle3/" in ln or "serve_eval/" in ln]
+            return f"{str(err).splitlines()[0][:300]} | forward: {' <- '.join(lines[-3:]) or 'not traced'}"
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return None
+
+
+@contextlib.contextmanager
+def _cudnn_sdpa_allowed() -> Iterator[None]:
+    """Inside: the library's attention lets torch pick cuDNN's backend too (``eagle3.device.sdpa_backends``)."""
+    from eagle3.device import CUDNN_SDPA_ENV
+
+    before = os.environ.get(CUDNN_SDPA_ENV)
+    os.environ[CUDNN_SDPA_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(CUDNN_SDPA_ENV, None)
+        else:
+            os.environ[CUDNN_SDPA_ENV] = before
 
 
 def _syncs_during(fn: Any, dev: torch.device) -> list[str] | None:
@@ -125,7 +163,8 @@ def check_profile(emit: Emit, cfg: Any, draft: Path, target: Path, pools: Path, 
             micro_batch()
             synchronize(dev)
             seconds = time.perf_counter() - t0
-        emit("profile.train_micro_batch", not syncs, tokens=tokens, ms=round(seconds * 1000, 2),
+        located = _first_sync(micro_batch) if syncs else None  # where the first one comes from
+        emit("profile.train_micro_batch", not syncs, tokens=tokens, ms=round(seconds * 1000, 2), first_sync=located,
              tokens_per_s=round(tokens / seconds, 1), host_syncs=None if syncs is None else len(syncs),
              sync_sites=None if syncs is None else Counter(syncs).most_common(8), top_ops=_top_ops(prof, cuda))
     except Exception as err:  # noqa: BLE001 - reported, and the decoding profile still runs
@@ -137,13 +176,22 @@ def check_profile(emit: Emit, cfg: Any, draft: Path, target: Path, pools: Path, 
         decoder = SpeculativeDecoder(model, None)
         new = size["loop_tokens"]
         decoder.generate(prompt, 4, speculate=False)  # warm-up
+
+        def ms_per_token() -> float:
+            st = decoder.generate(prompt, new, speculate=False).stats
+            return round((st.seconds_total - st.seconds_prefill) / max(st.target_forwards, 1) * 1000, 3)
+
+        plain = ms_per_token()  # attention as the library runs it (cuDNN's backend left out on CUDA)
+        with _cudnn_sdpa_allowed():  # torch's own choice: on H100 cuDNN, which builds a graph per new length
+            cudnn_first, cudnn_again = ms_per_token(), ms_per_token()
         with profile(activities=acts) as prof:
             got = decoder.generate(prompt, new, speculate=False)
         syncs = _syncs_during(lambda: decoder.generate(prompt, new, speculate=False), dev)
         st = got.stats
         steps = max(st.target_forwards, 1)  # the forwards after the prefill
-        emit("profile.plain_decoding", got.stats.new_tokens == new, new_tokens=new,
-             ms_per_token=round((st.seconds_total - st.seconds_prefill) / steps * 1000, 3),
+        emit("profile.plain_decoding", got.stats.new_tokens == new, new_tokens=new, ms_per_token=plain,
+             ms_per_token_cudnn_first=cudnn_first, ms_per_token_cudnn_again=cudnn_again,
+             ms_per_token_profiled=round((st.seconds_total - st.seconds_prefill) / steps * 1000, 3),
              forward_ms_per_token=round(st.seconds_verify / steps * 1000, 3),
              host_syncs_per_token=None if syncs is None else round(len(syncs) / new, 2),
              sync_sites=None if syncs is None else Counter(syncs).most_common(8), top_ops=_top_ops(prof, cuda))
@@ -188,4 +236,47 @@ def check_speculators(emit: Emit, cfg: Any, target: Path, out: Path, device: str
         emit("race.train", False, error=f"{type(err).__name__}: {err}")
 
 
-__all__ = ["check_graphs", "check_profile", "check_speculators"]
+def check_train_phases(emit: Emit, cfg: Any, steps: int = 12) -> None:
+    """Where a training step's time goes (``EAGLE3_PHASE_TIMES=1``: each phase closed by a device
+    sync), the first two steps apart, and the same with torch free to pick cuDNN's attention, which
+    builds a graph for every new row length (``EAGLE3_CUDNN_SDPA=1``)."""
+    import dataclasses
+
+    from eagle3.train_log import read_metrics
+    from eagle3.train_step import PHASE_TIMES_ENV
+    from recipes.pipeline import STAGES
+
+    def run(name: str) -> dict[str, Any]:
+        out = Path(cfg.train.out_dir).with_name(f"train-phases-{name}")
+        shutil.rmtree(out, ignore_errors=True)
+        STAGES["train"](dataclasses.replace(cfg, train=dataclasses.replace(
+            cfg.train, out_dir=str(out), steps=steps, eval_store=None, eval_every=0, save_every=0)))
+        rows = [r for r in read_metrics(out) if "train/loss" in r]
+        later = rows[2:]
+
+        def ms(r: dict[str, Any]) -> dict[str, float]:
+            return {k[5:-3]: round(v, 1) for k, v in r.items() if k.startswith("time/")}
+
+        mean = {k: round(sum(ms(r)[k] for r in later) / len(later), 1) for k in ms(later[0])} if later else {}
+        tokens = sum(r["train/tokens"] for r in later)
+        total = sum(sum(ms(r).values()) for r in later)
+        return {"first_ms": ms(rows[0]), "second_ms": ms(rows[1]) if len(rows) > 1 else None,
+                "later_mean_ms": mean, "later_tokens_per_s": round(tokens / total * 1000, 1) if total else None}
+
+    before = os.environ.get(PHASE_TIMES_ENV)
+    os.environ[PHASE_TIMES_ENV] = "1"
+    try:
+        ours = run("default")
+        with _cudnn_sdpa_allowed():
+            cudnn = run("cudnn") if resolve_device(cfg.train.device).type == "cuda" else None
+        emit("profile.train_step", True, steps=steps, **ours, cudnn_allowed=cudnn)
+    except Exception as err:  # noqa: BLE001 - reported; the other checks still run
+        emit("profile.train_step", False, error=f"{type(err).__name__}: {err}")
+    finally:
+        if before is None:
+            os.environ.pop(PHASE_TIMES_ENV, None)
+        else:
+            os.environ[PHASE_TIMES_ENV] = before
+
+
+__all__ = ["check_graphs", "check_profile", "check_speculators", "check_train_phases"]

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from eagle3.chat import ChatFormat
 from eagle3.config import SamplingConfig
+from eagle3.device import sdpa_backends
 from eagle3.target import Target
 
 
@@ -96,7 +97,7 @@ def generate(
     if not sampling.greedy:
         settings.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
     config = GenerationConfig(**settings)
-    with _neutral_generation_defaults(target), _seeded(seed, target.device):
+    with _neutral_generation_defaults(target), _seeded(seed, target.device), sdpa_backends(target.device):
         out = target.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
     return trim_generated(out[:, input_ids.shape[1]:], stops)  # [batch, steps] -> per row
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 from typing import Any
 
 import torch
@@ -25,6 +27,30 @@ def resolve_device(device: str) -> torch.device:
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
             raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
     return resolved
+
+CUDNN_SDPA_ENV = "EAGLE3_CUDNN_SDPA"
+
+
+def sdpa_backends(device: torch.device | str) -> contextlib.AbstractContextManager[Any]:
+    """Scaled-dot-product attention without cuDNN's backend on CUDA (a no-op elsewhere).
+
+    cuDNN's attention builds a graph for every new sequence length it meets, so a decode step (one
+    more key each time), a verify, a prefill or a packed training row of a new length each pay the
+    build (on one H100: ~4 s at a training row's first new length, bf16 decoding 17 ms a token
+    against 2.7 ms at one fixed length; docs/experiments.md). Flash and memory-efficient attention
+    take any length as is. ``EAGLE3_CUDNN_SDPA=1`` keeps cuDNN among the choices (fixed shapes)."""
+    if torch.device(device).type != "cuda" or os.environ.get(CUDNN_SDPA_ENV) == "1":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
+    """``F.scaled_dot_product_attention`` under :func:`sdpa_backends` of ``q``'s device."""
+    with sdpa_backends(q.device):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+
 
 def synchronize(device: torch.device | str) -> None:
     """Wait for the work queued on ``device`` (a no-op on the CPU): read a clock after this, never

@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from eagle3.device import sdpa
 from eagle3.draft import (
     MLP,
     DraftConfig,
@@ -156,7 +156,7 @@ class DFlashDraft(DraftHead, nn.Module):
         def attend_for(i: int):
             def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
                 keys, values = torch.cat([cache.keys[i], k], dim=1), torch.cat([cache.values[i], v], dim=1)
-                out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                out = sdpa(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                                      enable_gqa=keys.shape[2] != q.shape[2])
                 return out.transpose(1, 2)
             return attend

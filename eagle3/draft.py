@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from eagle3.device import sdpa
 from eagle3.rope import (
     ROPE_TYPES,
     apply_rope,
@@ -347,7 +348,7 @@ def _cached_attend(cache: KVCache, layer: int, mask: Tensor | None = None) -> At
         past = keys.shape[2] - new
         allowed = mask if mask is not None else (
             torch.arange(past + new, device=q.device) <= past + torch.arange(new, device=q.device)[:, None])
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=allowed)  # [B, nh, S, d]
+        out = sdpa(q.transpose(1, 2), keys, values, attn_mask=allowed)  # [B, nh, S, d]
         return out.transpose(1, 2)
 
     return attend

@@ -15,6 +15,7 @@ Per token it returns
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import re
@@ -27,7 +28,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from eagle3.device import resolve_device, resolve_dtype
+from eagle3.device import resolve_device, resolve_dtype, sdpa_backends
 from eagle3.errors import Eagle3Error
 from eagle3.nvfp4 import load_emulated, nvfp4_quantization
 from eagle3.target_source import TargetSourceError, resolve_target
@@ -113,11 +114,8 @@ class LogitTransform:
         return self.scale == 1.0 and self.softcap is None
 
     def __call__(self, logits: Tensor) -> Tensor:
-        if self.scale != 1.0:
-            logits = logits * self.scale
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        logits = logits * self.scale if self.scale != 1.0 else logits
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 
 
 @dataclass
@@ -246,23 +244,23 @@ class Target:
             position_ids = torch.arange(past_len, past_len + seq, device=input_ids.device).expand(batch, seq)
         self._captured = {}
         try:
-            out = self.decoder(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                use_cache=use_cache,
-                **({} if cache_position is None else {"cache_position": cache_position}),
-            )
+            with sdpa_backends(input_ids.device):
+                out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   use_cache=use_cache, **{self._cache_kwarg: past_key_values},
+                                   **({} if cache_position is None else {"cache_position": cache_position}))
             captured = self._captured
         finally:
             self._captured = None
         aux = torch.stack([captured[i] for i in self.aux_layer_ids], dim=2)  # [batch, seq, n_aux, hidden]
         logits = self.logit_transform(self.lm_head(out.last_hidden_state)) if return_logits else None
         return TargetOutput(aux=aux, last=captured["last"], logits=logits,
-                            past_key_values=out.past_key_values if use_cache else None)
+                            past_key_values=getattr(out, self._cache_kwarg) if use_cache else None)
 
     __call__ = forward
+
+    @functools.cached_property
+    def _cache_kwarg(self) -> str:  # transformers 5.24 renamed past_key_values (in and out) to cache
+        return "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
 
 
 def from_pretrained_complete(model_class: Any, where: str | os.PathLike[str], **kwargs: Any) -> Any:

@@ -36,6 +36,7 @@ What it wraps around the library (the draft and TTT code know nothing of this):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import shutil
@@ -81,6 +82,7 @@ from eagle3.spool import SpoolStore
 from eagle3.target import Target
 from eagle3.target_head import TargetHead
 from eagle3.train_data import (
+    BatchLoader,
     epoch_batches,
     eval_batches_for_rank,
     load_batch,
@@ -104,7 +106,7 @@ from eagle3.train_setup import (
     sample_weights,
     verify_stores,
 )
-from eagle3.train_step import TTTModel, run_batch, train_forward
+from eagle3.train_step import PhaseClock, TTTModel, run_batch, train_forward
 from eagle3.ttt import step_weights
 
 # ---------------------------------------------------------------- the draft's weights and gradients
@@ -224,6 +226,8 @@ class _Loop:
         self.plan_epoch, self.plan = -1, []
         self.tokens_total, self.train_seconds, self.last_loss = 0, 0.0, None
         self.window = {"tokens": 0, "seconds": 0.0}
+        self.loader = BatchLoader(self.store, cfg.batching, rt.device)
+        self.clock = PhaseClock(rt.device)
 
     def evaluate(self) -> dict[str, float]:
         cfg, rt = self.cfg, self.rt
@@ -300,17 +304,23 @@ class _Loop:
         """One optimizer step (its micro-batches on this rank): (loss, metrics, tokens over the ranks)."""
         cfg, rt, engine = self.cfg, self.rt, self.engine
         lr = cfg.lr * self.schedule(self.state["step"])  # the AdamW lr; Muon matrices follow the same factor
+        clock = self.clock
+        clock.start()
         tally = AcceptanceTally(cfg.ttt_steps, rt.device)
         sums = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss over micro-batches, tokens
         grad_norm = None
         for micro in range(cfg.gradient_accumulation):
-            idx = self.plan[rank_batch_index(step_in_epoch, micro, rt.rank, rt.world_size, cfg.gradient_accumulation)]
-            out, sums_now = train_forward(engine, self.head, load_batch(self.store, idx, cfg.batching), self.t2d,
-                                          self.dtype, rt.device, cfg.loss_positions)
+            idx, then = self._micro_batch(step_in_epoch, micro), self._micro_batch(step_in_epoch, micro + 1)
+            batch = self.loader.get(idx, then)
+            clock.mark("load")
+            out, sums_now = train_forward(engine, self.head, batch, self.t2d, self.dtype, rt.device, cfg.loss_positions)
+            clock.mark("forward")
             engine.backward(out.loss)
+            clock.mark("backward")
             if micro == cfg.gradient_accumulation - 1 and cfg.zero_stage == 0 and self.dtype == torch.float32:
                 grad_norm = _grad_norm(engine, self.params)
             engine.step()
+            clock.mark("optimizer")
             tally.add(out)
             sums += sums_now
         all_reduce_sum(sums)
@@ -324,7 +334,18 @@ class _Loop:
                     "train/epoch": self.state["epoch"]}
         if grad_norm is not None:
             metrics["train/grad_norm"] = grad_norm
-        return loss, metrics, int(sums[1])
+        clock.mark("metrics")
+        return loss, metrics | clock.metrics(), int(sums[1])
+
+    def _micro_batch(self, step_in_epoch: int, micro: int) -> list[int] | None:
+        """This rank's sample indices of micro-batch ``micro`` of a step (the next step's first past the
+        last); None past the epoch's end."""
+        cfg, rt = self.cfg, self.rt
+        if micro == cfg.gradient_accumulation:
+            step_in_epoch, micro = step_in_epoch + 1, 0
+        if step_in_epoch >= steps_per_epoch(len(self.plan), rt.world_size, cfg.gradient_accumulation):
+            return None
+        return self.plan[rank_batch_index(step_in_epoch, micro, rt.rank, rt.world_size, cfg.gradient_accumulation)]
 
     def run(self) -> None:
         """Steps until ``train.steps``, evaluating and saving as configured."""
@@ -335,7 +356,7 @@ class _Loop:
             self.maybe_eval()
         bar = tqdm(total=cfg.steps, initial=state["step"], desc="train", unit="step", dynamic_ncols=True,
                    disable=not (cfg.progress and self.rt.rank == 0), file=sys.stderr)
-        with bar:
+        with bar, contextlib.closing(self.loader):
             while state["step"] < cfg.steps:
                 step_in_epoch = self._step_in_epoch()
                 if step_in_epoch is None:

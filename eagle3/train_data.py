@@ -16,10 +16,12 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
-from eagle3.shards import HarvestStore, Sample, length_buckets, pack, pack_indices
+from eagle3.shards import HarvestStore, Sample, StoreUnion, length_buckets, pack, pack_indices
 
 
 def held_out(sample_id: str, fraction: float) -> bool:
@@ -152,6 +154,47 @@ def load_batch(store: HarvestStore, indices: Sequence[int], batching: str) -> di
     return collate(get_many(indices) if get_many is not None else [store[i] for i in indices], batching)
 
 
+class BatchLoader:
+    """Micro-batches from a store, each one's successor read on a background thread (and pinned, for
+    a copy to CUDA that does not block) while the device works on the current one.
+
+    ``ahead`` reads ahead; by default it does for a store of shard files (``HarvestStore`` or a union
+    of them) training on CUDA, where the host would otherwise wait idle for the device; a store that
+    computes its states or streams them (co-located, online) is read in line, as is everything on a
+    CPU, whose cores do the training. A batch asked for other than the one read ahead is read in line:
+    the data never depend on the reading ahead."""
+
+    def __init__(self, store: Any, batching: str, device: torch.device, ahead: bool | None = None) -> None:
+        self.store, self.batching = store, batching
+        self.pin = device.type == "cuda"
+        if ahead is None:
+            ahead = self.pin and isinstance(store, HarvestStore | StoreUnion)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="batch-ahead") if ahead else None
+        self._pending: tuple[tuple[int, ...], Future[dict[str, torch.Tensor]]] | None = None
+
+    def _read(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        batch = load_batch(self.store, indices, self.batching)
+        return {k: v.pin_memory() for k, v in batch.items()} if self.pin else batch
+
+    def get(self, indices: Sequence[int], then: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+        """The batch of ``indices``; ``then``, the next one the caller will ask for, is read meanwhile."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == tuple(indices):
+            batch = pending[1].result()
+        else:
+            if pending is not None:
+                pending[1].result()  # not needed; finished before this read, so that reads never overlap
+            batch = self._read(indices)
+        if self._pool is not None and then is not None:
+            self._pending = (tuple(then), self._pool.submit(self._read, list(then)))
+        return batch
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pending = None
+
+
 def loss_token_counts(store: HarvestStore, indices: Sequence[int], vocab_size: int) -> torch.Tensor:
     """[V] int64 counts of the loss-masked tokens of the given samples (no state is read)."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
@@ -162,6 +205,6 @@ def loss_token_counts(store: HarvestStore, indices: Sequence[int], vocab_size: i
 
 
 __all__ = [
-    "collate", "epoch_batches", "eval_batches_for_rank", "held_out", "load_batch", "loss_token_counts",
+    "BatchLoader", "collate", "epoch_batches", "eval_batches_for_rank", "held_out", "load_batch", "loss_token_counts",
     "rank_batch_index", "shard_sequence", "split_by_id", "steps_per_epoch", "weighted_indices",
 ]

@@ -4,12 +4,15 @@ taking a batch from the host (as the loader builds it) to the loss on the device
 
 from __future__ import annotations
 
+import os
+import time
+from collections import defaultdict
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from eagle3.device import to_device
+from eagle3.device import synchronize, to_device
 from eagle3.dflash import draft_forward
 from eagle3.draft import Eagle3Draft
 from eagle3.losses import SOFT_CE, Objective
@@ -86,4 +89,38 @@ def train_forward(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: 
     return out, torch.stack([out.loss.detach().double(), to_device(tokens.double(), device)])
 
 
-__all__ = ["TTTModel", "add_feature_noise", "run_batch", "train_forward"]
+PHASE_TIMES_ENV = "EAGLE3_PHASE_TIMES"
+
+
+class PhaseClock:
+    """Where a training step's time goes: milliseconds per phase (reading the batch, forward,
+    backward, optimizer, metrics), each phase closed by a device sync so that its own queued work
+    is counted in it. On with ``EAGLE3_PHASE_TIMES=1`` only: the syncs take away the overlap of host
+    and device work that they measure, so a run's tokens/s with it is not the run's speed."""
+
+    def __init__(self, device: torch.device, enabled: bool | None = None) -> None:
+        self.device = device
+        self.enabled = os.environ.get(PHASE_TIMES_ENV) == "1" if enabled is None else enabled
+        self._ms: dict[str, float] = defaultdict(float)
+        self._last = 0.0
+
+    def start(self) -> None:
+        if self.enabled:
+            synchronize(self.device)
+            self._ms.clear()
+            self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        """The time since the last mark goes to ``phase`` (summed over a step's micro-batches)."""
+        if self.enabled:
+            synchronize(self.device)
+            now = time.perf_counter()
+            self._ms[phase] += (now - self._last) * 1000
+            self._last = now
+
+    def metrics(self) -> dict[str, float]:
+        """This step's ``time/<phase>_ms`` (empty when off)."""
+        return {f"time/{k}_ms": round(v, 3) for k, v in self._ms.items()} if self.enabled else {}
+
+
+__all__ = ["PHASE_TIMES_ENV", "PhaseClock", "TTTModel", "add_feature_noise", "run_batch", "train_forward"]

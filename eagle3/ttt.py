@@ -72,7 +72,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from eagle3.device import to_device
+from eagle3.device import sdpa, to_device
 from eagle3.draft import Attend, DraftHead, Eagle3Draft, gather_rows
 from eagle3.losses import SOFT_CE, Objective, soft_cross_entropy
 
@@ -210,7 +210,7 @@ def _blocked_attention(q: Tensor, step0: tuple[Tensor, Tensor], diagonal: Sequen
     window = F.pad(mask0, (0, 0, 0, pad)).view(b, nb, block, sk)  # padded query rows see no step-0 key
     own = torch.eye(block, dtype=torch.bool, device=q.device).repeat(1, k).expand(b, nb, block, k * block)
     mask = torch.cat([window, own], dim=-1)  # [B, nb, block, Sk + k*block]; every row sees its diagonal
-    out = F.scaled_dot_product_attention(blocks(q).reshape(b * nb, nh, block, d),
+    out = sdpa(blocks(q).reshape(b * nb, nh, block, d),
                                          keys.reshape(b * nb, nkv, -1, d), values.reshape(b * nb, nkv, -1, d),
                                          attn_mask=mask.reshape(b * nb, 1, block, -1), enable_gqa=nkv != nh)
     return out.view(b, nb, nh, block, d).permute(0, 1, 3, 2, 4).reshape(b, nb * block, nh, d)[:, :sq]
@@ -228,7 +228,7 @@ def ttt_attention(q: Tensor, step0: tuple[Tensor, Tensor], diagonal: Sequence[tu
     b, sq, nh, d = q.shape
     s, nkv = k0.shape[1], k0.shape[2]
     if not diagonal:  # step 0: plain masked attention, fused (every row sees itself, so none is empty)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2),
+        out = sdpa(q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2),
                                              attn_mask=mask0.unsqueeze(1), enable_gqa=nkv != nh)
         return out.transpose(1, 2)
     if s >= BLOCKED_ATTENTION_MIN_LEN:

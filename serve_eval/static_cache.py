@@ -84,8 +84,22 @@ class StaticKV:
         if not 0 <= length <= self.length:
             raise ValueError(f"keep {length} of {self.length} positions")
         if length < self.length:
-            self.cache.crop(length - self.length)  # the layers' write counters, back in place
+            roll_back(self.cache, self.length - length)
         self.length = length
 
 
-__all__ = ["StaticKV", "check_static_target"]
+def roll_back(cache: Any, n: int) -> None:
+    """Move every layer's write counter of a transformers ``StaticCache`` back by ``n``, in place (the
+    tensors stay where CUDA graphs read them): ``crop(-n)`` where transformers has it (5.2x), the
+    counter itself in the 5.x releases before it."""
+    for layer in cache.layers:
+        if hasattr(layer, "crop"):
+            layer.crop(-n)
+        elif isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+            layer.cumulative_length.sub_(n)
+        else:
+            raise RuntimeError(f"{type(layer).__name__}: a static cache layer of this transformers version has no "
+                               "write counter to roll back; use target_cache=dynamic")
+
+
+__all__ = ["StaticKV", "check_static_target", "roll_back"]

@@ -26,7 +26,7 @@ def test_the_gpu_check_passes_tiny_on_the_cpu(tmp_path: Path) -> None:
     checks = {r["check"]: r for r in rows}
     stages = ("target", "regenerate", "harvest", "val", "train", "mine", "eval")
     wanted = [*(f"pipeline.{s}" for s in stages), "export.vllm", "export.speculators", "server.t0.8",
-              "family.peagle", "family.dflash", "profile.train_micro_batch", "profile.plain_decoding",
+              "family.peagle", "family.dflash", "profile.train_micro_batch", "profile.plain_decoding", "profile.train_step",
               *(f"loop.{d}.{m}.t{t}" for d in ("float32", "bfloat16") for m in ("chain", "tree") for t in ("0", "1")),
               "loop.float32.chain.graphs", "loop.bfloat16.chain.graphs"]
     assert [w for w in wanted if w not in checks] == []
@@ -37,4 +37,8 @@ def test_the_gpu_check_passes_tiny_on_the_cpu(tmp_path: Path) -> None:
     assert checks["server.t0.8"]["completion_tokens"] > 0
     step, plain = checks["profile.train_micro_batch"], checks["profile.plain_decoding"]
     assert step["tokens"] > 0 and step["top_ops"] and step["host_syncs"] is None  # counted on CUDA only
-    assert 0 < plain["forward_ms_per_token"] <= plain["ms_per_token"] and plain["top_ops"]
+    assert 0 < plain["forward_ms_per_token"] <= plain["ms_per_token_profiled"] and plain["top_ops"]
+    assert plain["ms_per_token"] > 0 and plain["ms_per_token_cudnn_first"] > 0  # the same path on a CPU
+    phases = checks["profile.train_step"]
+    assert set(phases["later_mean_ms"]) == {"load", "forward", "backward", "optimizer", "metrics"}
+    assert phases["later_tokens_per_s"] > 0 and phases["cudnn_allowed"] is None  # compared on CUDA only

@@ -43,6 +43,17 @@ def test_a_static_cache_rolls_back_accepted_and_rejected_rounds(wrong: int) -> N
         assert got.stats.tau > (4.0 if wrong == 0 else 1.0)
 
 
+def test_a_transformers_without_static_crop_rolls_the_counter_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 5.x before ``StaticLayer.crop`` (5.17 on the GPU image): the write counter itself."""
+    from transformers.cache_utils import StaticLayer
+
+    monkeypatch.delattr(StaticLayer, "crop", raising=False)
+    target = make_target()
+    decoder = OracleDecoder(target, make_draft(target), SpecConfig("chain", k=4, target_cache="static"), wrong=3)
+    got = decoder.generate(PROMPTS[0], 30)
+    assert got.tokens == plain(target, PROMPTS[0], 30) and got.stats.tau > 1.0
+
+
 def test_graphs_compile_each_forward_length_once_and_change_nothing() -> None:
     """Compiled (mode reduce-overhead; CUDA graphs on CUDA, a compiled forward here): the same tokens
     as the dynamic cache, and a second prompt of another length compiles nothing new (the prefill,

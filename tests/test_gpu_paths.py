@@ -1,0 +1,143 @@
+"""The paths that exist for speed on a GPU, checked for their logic on the CPU: attention without
+cuDNN's backend (it builds a graph per new sequence length), the batch read ahead on a thread, and
+the per-phase step clock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import eagle3.device
+import eagle3.target
+import eagle3.train
+from data_gen.config import HarvestConfig
+from data_gen.harvest import run as harvest
+from eagle3.config import TargetConfig, TrainConfig
+from eagle3.device import CUDNN_SDPA_ENV, sdpa, sdpa_backends
+from eagle3.shards import HarvestStore
+from eagle3.train import train
+from eagle3.train_data import BatchLoader, load_batch
+from eagle3.train_log import read_metrics
+from eagle3.train_step import PHASE_TIMES_ENV, PhaseClock
+from eagle3.ttt import BLOCKED_ATTENTION_MIN_LEN
+from tests.helpers import lively_target, packed_batch, regenerated_data, tiny_draft, train_briefly
+
+
+def _flags() -> tuple[bool, bool, bool, bool]:
+    b = torch.backends.cuda
+    return b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled()
+
+
+def test_attention_on_cuda_leaves_cudnn_out_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _flags()
+    monkeypatch.delenv(CUDNN_SDPA_ENV, raising=False)
+    with sdpa_backends(torch.device("cuda")):
+        assert _flags() == (False, True, True, True)
+    assert _flags() == before  # restored on the way out
+    with sdpa_backends(torch.device("cpu")):  # nothing to choose on a CPU
+        assert _flags() == before
+    monkeypatch.setenv(CUDNN_SDPA_ENV, "1")
+    with sdpa_backends("cuda:0"):
+        assert _flags() == before
+
+
+def test_every_attention_of_the_draft_and_the_target_goes_through_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draft's attention (training unroll, decoding) and the target's forward ask for the backends
+    of their data's device, so none of them reaches cuDNN on CUDA by way of torch's default."""
+    asked: list[str] = []
+    real = eagle3.device.sdpa_backends
+
+    def recording(device):
+        asked.append(torch.device(device).type)
+        return real(device)
+
+    monkeypatch.setattr(eagle3.device, "sdpa_backends", recording)
+    q = torch.randn(1, 2, 3, 4)
+    assert torch.equal(sdpa(q, q, q), torch.nn.functional.scaled_dot_product_attention(q, q, q))
+    assert asked == ["cpu"]
+    asked.clear()
+    # the TTT unroll: step 0, and the later steps' blocked attention of a long row
+    train_briefly(tiny_draft(), packed_batch([[BLOCKED_ATTENTION_MIN_LEN, 16]]), steps=1, num_steps=2)
+    assert asked == ["cpu", "cpu"]
+    asked.clear()
+    monkeypatch.setattr(eagle3.target, "sdpa_backends", recording)
+    target = lively_target()
+    target(torch.tensor([[1, 2, 3]]))
+    assert asked == ["cpu"]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("paths")
+    target = lively_target()
+    harvest(HarvestConfig(data=str(regenerated_data(root / "data.jsonl", 16, turns=2)), out_dir=str(root / "store"),
+                          dtype="float32"), TargetConfig(name_or_path="lively"), target=target, progress=False)
+    return {"target": target, "store": root / "store"}
+
+
+def test_a_batch_read_ahead_is_the_batch_read_in_line(store: dict) -> None:
+    s = HarvestStore(store["store"])
+    assert BatchLoader(s, "pack", torch.device("cpu"))._pool is None  # on a CPU the cores train: in line
+    loader = BatchLoader(s, "pack", torch.device("cpu"), ahead=True)
+    try:
+        plan = [[0, 1], [2, 3, 4], [5]]
+        got = [loader.get(plan[0], plan[1]), loader.get(plan[1], plan[2]),
+               loader.get([7], [8]),  # not what was read ahead: read in line
+               loader.get([8], None)]  # ... and this one was
+        for batch, idx in zip(got, [*plan[:2], [7], [8]], strict=True):
+            want = load_batch(s, idx, "pack")
+            assert batch.keys() == want.keys() and all(torch.equal(batch[k], want[k]) for k in want)
+        assert loader._pending is None
+    finally:
+        loader.close()
+
+
+def test_reading_ahead_trains_the_same_draft_and_the_phase_clock_logs_each_phase(
+        store: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = dict(store=str(store["store"]), steps=6, micro_batch_tokens=128, gradient_accumulation=2,
+               warmup_steps=1, eval_fraction=0.0, eval_every=0, save_every=0, draft_vocab_size=64,
+               wandb_mode="disabled", progress=False, device="cpu")
+    train(TrainConfig(out_dir=str(tmp_path / "inline"), **cfg), target=store["target"])
+
+    class Ahead(BatchLoader):
+        def __init__(self, *args, **kw) -> None:
+            super().__init__(*args, **kw, ahead=True)
+
+    monkeypatch.setattr(eagle3.train, "BatchLoader", Ahead)
+    monkeypatch.setenv(PHASE_TIMES_ENV, "1")
+    train(TrainConfig(out_dir=str(tmp_path / "ahead"), **cfg), target=store["target"])
+    a, b = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("inline", "ahead"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [r for r in read_metrics(tmp_path / "ahead") if "train/loss" in r]
+    assert len(steps) == 6
+    for r in steps:
+        phases = {k for k in r if k.startswith("time/")}
+        assert phases == {f"time/{p}_ms" for p in ("load", "forward", "backward", "optimizer", "metrics")}
+        assert all(r[k] >= 0 for k in phases) and r["time/forward_ms"] > 0
+    assert not any(k.startswith("time/") for r in read_metrics(tmp_path / "inline") for k in r)
+
+
+def test_the_phase_clock_is_silent_when_off() -> None:
+    clock = PhaseClock(torch.device("cpu"), enabled=False)
+    clock.start()
+    clock.mark("load")
+    assert clock.metrics() == {}
+    on = PhaseClock(torch.device("cpu"), enabled=True)
+    on.start()
+    on.mark("load")
+    on.mark("load")  # summed over a step's micro-batches
+    on.mark("forward")
+    assert set(on.metrics()) == {"time/load_ms", "time/forward_ms"}
+
+
+def test_no_library_attention_calls_torch_directly() -> None:
+    """Every scaled-dot-product attention of the library goes through ``eagle3.device.sdpa`` (or, for
+    a whole HF forward, ``sdpa_backends``), so none reaches cuDNN's backend by torch's default."""
+    root = Path(__file__).resolve().parents[1]
+    direct = [f"{p.relative_to(root)}:{n}" for pkg in ("eagle3", "serve_eval", "data_gen", "hard_mining", "recipes")
+              for p in sorted((root / pkg).rglob("*.py")) if p.name != "device.py"
+              for n, line in enumerate(p.read_text().splitlines(), 1) if "scaled_dot_product_attention(" in line]
+    assert direct == []
