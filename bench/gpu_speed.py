@@ -5,20 +5,19 @@ check's ``emit(check, ok, **figures)``."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagle3.device import resolve_device, synchronize
+from eagle3.device import allow_cudnn_sdpa, resolve_device, synchronize
 
 ROOT = Path(__file__).resolve().parent.parent
 EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "multilingual")
@@ -70,33 +69,20 @@ def _first_sync(fn: Any) -> str | None:
 
     with warnings.catch_warnings(record=True) as caught, torch.autograd.detect_anomaly(check_nan=False):
         warnings.simplefilter("always")
+        before = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
             fn()
         except RuntimeError as err:
+            if "synchroniz" not in str(err):
+                return f"not a sync: {str(err).splitlines()[0][:300]}"
             forward = [str(w.message) for w in caught if "Traceback of forward call" in str(w.message)]
             lines = [ln.strip() for ln in (forward[-1] if forward else "").splitlines() if ROOT.name in ln or
                      "eagle3/" in ln or "serve_eval/" in ln]
             return f"{str(err).splitlines()[0][:300]} | forward: {' <- '.join(lines[-3:]) or 'not traced'}"
         finally:
-            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.set_sync_debug_mode(before)
     return None
-
-
-@contextlib.contextmanager
-def _cudnn_sdpa_allowed() -> Iterator[None]:
-    """Inside: the library's attention lets torch pick cuDNN's backend too (``eagle3.device.sdpa_backends``)."""
-    from eagle3.device import CUDNN_SDPA_ENV
-
-    before = os.environ.get(CUDNN_SDPA_ENV)
-    os.environ[CUDNN_SDPA_ENV] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(CUDNN_SDPA_ENV, None)
-        else:
-            os.environ[CUDNN_SDPA_ENV] = before
 
 
 def _syncs_during(fn: Any, dev: torch.device) -> list[str] | None:
@@ -182,7 +168,7 @@ def check_profile(emit: Emit, cfg: Any, draft: Path, target: Path, pools: Path, 
             return round((st.seconds_total - st.seconds_prefill) / max(st.target_forwards, 1) * 1000, 3)
 
         plain = ms_per_token()  # attention as the library runs it (cuDNN's backend left out on CUDA)
-        with _cudnn_sdpa_allowed():  # torch's own choice: on H100 cuDNN, which builds a graph per new length
+        with allow_cudnn_sdpa():  # torch's own choice: on H100 cuDNN, which builds a graph per new length
             cudnn_first, cudnn_again = ms_per_token(), ms_per_token()
         with profile(activities=acts) as prof:
             got = decoder.generate(prompt, new, speculate=False)
@@ -250,7 +236,7 @@ def check_train_phases(emit: Emit, cfg: Any, steps: int = 12) -> None:
         out = Path(cfg.train.out_dir).with_name(f"train-phases-{name}")
         shutil.rmtree(out, ignore_errors=True)
         STAGES["train"](dataclasses.replace(cfg, train=dataclasses.replace(
-            cfg.train, out_dir=str(out), steps=steps, eval_store=None, eval_every=0, save_every=0)))
+            cfg.train, out_dir=str(out), steps=steps, eval_store=None, eval_every=0, save_every=0, log_every=1)))
         rows = [r for r in read_metrics(out) if "train/loss" in r]
         later = rows[2:]
 
@@ -267,7 +253,7 @@ def check_train_phases(emit: Emit, cfg: Any, steps: int = 12) -> None:
     os.environ[PHASE_TIMES_ENV] = "1"
     try:
         ours = run("default")
-        with _cudnn_sdpa_allowed():
+        with allow_cudnn_sdpa():
             cudnn = run("cudnn") if resolve_device(cfg.train.device).type == "cuda" else None
         emit("profile.train_step", True, steps=steps, **ours, cudnn_allowed=cudnn)
     except Exception as err:  # noqa: BLE001 - reported; the other checks still run

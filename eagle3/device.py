@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,6 +30,23 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 CUDNN_SDPA_ENV = "EAGLE3_CUDNN_SDPA"
+_cudnn_sdpa = os.environ.get(CUDNN_SDPA_ENV) == "1"  # read once: compiled forwards guard on the flag, not the env
+
+
+def cudnn_sdpa_allowed() -> bool:
+    return _cudnn_sdpa
+
+
+@contextlib.contextmanager
+def allow_cudnn_sdpa(allowed: bool = True) -> Iterator[None]:
+    """Inside: :func:`sdpa_backends` lets torch pick cuDNN's backend too (or not), as
+    ``EAGLE3_CUDNN_SDPA=1`` does for a whole process."""
+    global _cudnn_sdpa
+    before, _cudnn_sdpa = _cudnn_sdpa, allowed
+    try:
+        yield
+    finally:
+        _cudnn_sdpa = before
 
 
 def sdpa_backends(device: torch.device | str) -> contextlib.AbstractContextManager[Any]:
@@ -37,17 +55,32 @@ def sdpa_backends(device: torch.device | str) -> contextlib.AbstractContextManag
     cuDNN's attention builds a graph for every new sequence length it meets, so a decode step (one
     more key each time), a verify, a prefill or a packed training row of a new length each pay the
     build (on one H100: ~4 s at a training row's first new length, bf16 decoding 17 ms a token
-    against 2.7 ms at one fixed length; docs/experiments.md). Flash and memory-efficient attention
-    take any length as is. ``EAGLE3_CUDNN_SDPA=1`` keeps cuDNN among the choices (fixed shapes)."""
-    if torch.device(device).type != "cuda" or os.environ.get(CUDNN_SDPA_ENV) == "1":
+    against 2.7 ms at one fixed length; docs/experiments.md). Flash attention (no mask) and
+    memory-efficient attention (masks; every head its own keys, see :func:`sdpa`) take any length.
+    ``EAGLE3_CUDNN_SDPA=1`` keeps cuDNN among the choices (fixed shapes)."""
+    if torch.device(device).type != "cuda" or _cudnn_sdpa:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+def every_head(q: Tensor, k: Tensor, v: Tensor, kwargs: dict[str, Any]) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """Grouped keys and values (``enable_gqa``) repeated to every query head, as torch's grouped
+    attention pairs them (query head h reads key head h // group)."""
+    if not kwargs.get("enable_gqa") or k.shape[-3] == q.shape[-3]:
+        return k, v, kwargs
+    group = q.shape[-3] // k.shape[-3]
+    return k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3), {**kwargs, "enable_gqa": False}
+
+
 def sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
-    """``F.scaled_dot_product_attention`` under :func:`sdpa_backends` of ``q``'s device."""
+    """``F.scaled_dot_product_attention`` ([B, heads, S, d] each) under :func:`sdpa_backends` of
+    ``q``'s device. Where cuDNN is left out on CUDA, grouped keys (``enable_gqa``) are repeated to
+    every query head first: memory-efficient attention, the one that takes a mask, has no grouped
+    heads, and torch would fall back to the math backend, which keeps every score for backward."""
+    if q.is_cuda and not _cudnn_sdpa:
+        k, v, kwargs = every_head(q, k, v, kwargs)
     with sdpa_backends(q.device):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
 

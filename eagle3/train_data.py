@@ -183,7 +183,7 @@ class BatchLoader:
             batch = pending[1].result()
         else:
             if pending is not None:
-                pending[1].result()  # not needed; finished before this read, so that reads never overlap
+                pending[1].exception()  # not needed (its error too); done before this read: reads never overlap
             batch = self._read(indices)
         if self._pool is not None and then is not None:
             self._pending = (tuple(then), self._pool.submit(self._read, list(then)))

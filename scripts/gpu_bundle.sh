@@ -10,6 +10,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 py="${PYTHON:-.venv/bin/python}"
 pyver="${GPU_PYTHON_VERSION:-3.12}"
+rm -rf .gpu/wheels .gpu/tf  # one version of each: pip refuses two
 mkdir -p .gpu/wheels .gpu/tf
 platforms=()
 for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manylinux_2_27_x86_64 \

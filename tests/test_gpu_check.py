@@ -26,7 +26,8 @@ def test_the_gpu_check_passes_tiny_on_the_cpu(tmp_path: Path) -> None:
     checks = {r["check"]: r for r in rows}
     stages = ("target", "regenerate", "harvest", "val", "train", "mine", "eval")
     wanted = [*(f"pipeline.{s}" for s in stages), "export.vllm", "export.speculators", "server.t0.8",
-              "family.peagle", "family.dflash", "profile.train_micro_batch", "profile.plain_decoding", "profile.train_step",
+              "family.peagle", "family.dflash", "profile.train_micro_batch", "profile.plain_decoding",
+              "profile.train_step",
               *(f"loop.{d}.{m}.t{t}" for d in ("float32", "bfloat16") for m in ("chain", "tree") for t in ("0", "1")),
               "loop.float32.chain.graphs", "loop.bfloat16.chain.graphs"]
     assert [w for w in wanted if w not in checks] == []

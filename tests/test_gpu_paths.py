@@ -4,6 +4,9 @@ the per-phase step clock."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,7 @@ import eagle3.train
 from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
 from eagle3.config import TargetConfig, TrainConfig
-from eagle3.device import CUDNN_SDPA_ENV, sdpa, sdpa_backends
+from eagle3.device import CUDNN_SDPA_ENV, allow_cudnn_sdpa, cudnn_sdpa_allowed, every_head, sdpa, sdpa_backends
 from eagle3.shards import HarvestStore
 from eagle3.train import train
 from eagle3.train_data import BatchLoader, load_batch
@@ -25,23 +28,45 @@ from eagle3.train_step import PHASE_TIMES_ENV, PhaseClock
 from eagle3.ttt import BLOCKED_ATTENTION_MIN_LEN
 from tests.helpers import lively_target, packed_batch, regenerated_data, tiny_draft, train_briefly
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def _flags() -> tuple[bool, bool, bool, bool]:
     b = torch.backends.cuda
     return b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled()
 
 
-def test_attention_on_cuda_leaves_cudnn_out_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_attention_on_cuda_leaves_cudnn_out_unless_asked() -> None:
     before = _flags()
-    monkeypatch.delenv(CUDNN_SDPA_ENV, raising=False)
     with sdpa_backends(torch.device("cuda")):
         assert _flags() == (False, True, True, True)
     assert _flags() == before  # restored on the way out
     with sdpa_backends(torch.device("cpu")):  # nothing to choose on a CPU
         assert _flags() == before
-    monkeypatch.setenv(CUDNN_SDPA_ENV, "1")
-    with sdpa_backends("cuda:0"):
+    with allow_cudnn_sdpa(), sdpa_backends("cuda:0"):
         assert _flags() == before
+    assert not cudnn_sdpa_allowed()
+    # the variable sets a process's default, read once (a compiled forward never reads the environment)
+    code = "import eagle3.device as d; print(d.cudnn_sdpa_allowed())"
+    got = [subprocess.run([sys.executable, "-c", code], env={**os.environ, CUDNN_SDPA_ENV: value}, text=True,
+                          capture_output=True, check=True, cwd=ROOT).stdout.strip() for value in ("1", "0")]
+    assert got == ["True", "False"]
+
+
+def test_grouped_keys_repeated_to_every_head_attend_as_grouped_attention() -> None:
+    """Where cuDNN is left out, grouped keys are repeated to every query head (memory-efficient
+    attention, the masked one, has no grouped heads): the same attention as torch's grouped one."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 8, 5, 4, generator=g), torch.randn(2, 2, 5, 4, generator=g), torch.randn(2, 2, 5, 4,
+                                                                                                    generator=g)
+    mask = torch.rand(2, 1, 5, 5, generator=g) > 0.3
+    mask[..., 0] = True
+    kw = {"attn_mask": mask, "enable_gqa": True}
+    k2, v2, kw2 = every_head(q, k, v, kw)
+    assert k2.shape == (2, 8, 5, 4) and kw2["enable_gqa"] is False
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
+    torch.testing.assert_close(torch.nn.functional.scaled_dot_product_attention(q, k2, v2, **kw2), want)
+    assert every_head(q, k2, v2, kw2)[0] is k2  # nothing to repeat
 
 
 def test_every_attention_of_the_draft_and_the_target_goes_through_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
