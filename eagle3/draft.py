@@ -335,6 +335,13 @@ class KVCache:
         self.keys = [None if k is None else k[:, :length] for k in self.keys]
         self.values = [None if v is None else v[:, :length] for v in self.values]
 
+    def attention_mask(self, past: int, new: int, device: torch.device) -> Tensor:
+        """[new, past + new]: each new token sees the cache and the new ones up to itself."""
+        return torch.arange(past + new, device=device) <= past + torch.arange(new, device=device)[:, None]
+
+    def commit(self, new: int) -> None:
+        """After a forward over ``new`` tokens (a static cache moves its length here)."""
+
 
 def _cached_attend(cache: KVCache, layer: int, mask: Tensor | None = None) -> Attend:
     """Attention over the cache plus the new tokens; ``mask`` [S_new, T] (True: may attend)
@@ -345,9 +352,7 @@ def _cached_attend(cache: KVCache, layer: int, mask: Tensor | None = None) -> At
         group = q.shape[2] // keys.shape[2]
         keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)  # [B, nh, T, d]
         values = values.repeat_interleave(group, dim=2).transpose(1, 2)
-        past = keys.shape[2] - new
-        allowed = mask if mask is not None else (
-            torch.arange(past + new, device=q.device) <= past + torch.arange(new, device=q.device)[:, None])
+        allowed = mask if mask is not None else cache.attention_mask(keys.shape[2] - new, new, q.device)
         out = sdpa(q.transpose(1, 2), keys, values, attn_mask=allowed)  # [B, nh, S, d]
         return out.transpose(1, 2)
 
@@ -571,6 +576,7 @@ class Eagle3Draft(DraftHead, nn.Module):
         cache = KVCache() if cache is None else cache
         attends = [_cached_attend(cache, i, attn_mask) for i in range(self.config.num_layers)]
         prenorm = self.decode(hidden, self.embed(input_ids), position_ids, attends)
+        cache.commit(input_ids.shape[1])
         return self.next_hidden(prenorm), self.compute_logits(prenorm)
 
 

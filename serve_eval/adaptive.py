@@ -236,15 +236,14 @@ def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int 
                 dcache.truncate(context)
             return CostModel(verify, statistics.median(times[1:]), parallel=True)
         if draft is not None:
-            dcache = KVCache()
+            dcache = decoder.draft_cache(context + repeats + 2)  # the kind the decoder drafts with
             decoder._draft_rows(out.aux, prefix[1:] + [prefix[0]], 0, dcache)
             state = torch.zeros(1, 1, draft.config.hidden_size, dtype=draft.fc.weight.dtype, device=device)
             times = []
-            for r in range(repeats + 1):
+            for r in range(repeats + 1):  # the first pass warms up (compiles, where the decoder compiles)
                 synchronize(device)
                 t0 = time.perf_counter()
-                draft(torch.tensor([[prefix[r]]], device=device), state, torch.tensor([[context + r]], device=device),
-                      dcache)
+                decoder._draft_step(prefix[r], state, context + r, dcache)
                 synchronize(device)
                 times.append(time.perf_counter() - t0)
             step = statistics.median(times[1:])

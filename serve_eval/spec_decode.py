@@ -42,7 +42,7 @@ from eagle3.draft import Eagle3Draft, KVCache
 from eagle3.metrics import acceptance_per_position, served_tau
 from eagle3.target import Target
 from serve_eval.config import SpecConfig
-from serve_eval.static_cache import StaticKV, check_static_target
+from serve_eval.static_cache import StaticDraftKV, StaticKV, check_static_target
 from serve_eval.verify import (
     Acceptance,
     greedy_chain,
@@ -157,6 +157,10 @@ class SpeculativeDecoder:
         if config.target_cache != "dynamic":
             check_static_target(target, config.target_cache)
             self._static = StaticKV(target, graphs=config.target_cache == "graphs")
+        graphs_chain = config.target_cache == "graphs" and config.mode == "chain"
+        # an EAGLE-3 chain's draft steps replayed as well (a parallel family drafts in one forward)
+        self._draft_static = (StaticDraftKV(draft) if graphs_chain and draft is not None
+                              and draft.config.family == "eagle3" else None)
 
     # -- helpers
 
@@ -168,6 +172,18 @@ class SpeculativeDecoder:
 
             return DynamicCache()
         return self._static.start(slots)
+
+    def draft_cache(self, slots: int) -> KVCache | StaticDraftKV:
+        """An empty draft cache for up to ``slots`` positions: static (the decoder's own) under graphs."""
+        return KVCache() if self._draft_static is None else self._draft_static.start(slots)
+
+    def _draft_step(self, token: int, state: Tensor, position: int, cache: Any) -> tuple[Tensor, Tensor]:
+        """One EAGLE-3 draft step -> (state [1, 1, H], logits [1, Vd])."""
+        ids, pos = torch.tensor([[token]], device=self.device), torch.tensor([[position]], device=self.device)
+        if isinstance(cache, StaticDraftKV):
+            return cache.step(ids, state, pos)
+        state, logits = self.draft(ids, state, pos, cache)
+        return state, logits[:, -1]
 
     def _target(self, ids: list[int], cache: Any, positions: list[int] | None = None,
                 mask: Tensor | None = None) -> Any:
@@ -232,9 +248,7 @@ class SpeculativeDecoder:
                 token = int(torch.multinomial(q, 1, generator=g))
             tokens.append(token)
             if depth < k:
-                state, step_logits = d(torch.tensor([[token]], device=self.device), state,
-                                       torch.tensor([[n - 1 + depth]], device=self.device), cache)
-                logits = step_logits[:, -1]
+                state, logits = self._draft_step(token, state, n - 1 + depth, cache)
         return tokens, list(range(-1, len(tokens) - 1)), (torch.stack(qs) if qs else None)
 
     def _propose_parallel(self, logits: Tensor, params: SamplingConfig, g: torch.Generator | None,
@@ -328,7 +342,7 @@ class SpeculativeDecoder:
         emitted = [first]
         n = len(prompt)
         going = on_tokens is None or on_tokens([first]) is not False
-        draft_cache = KVCache()
+        draft_cache = self.draft_cache(len(prompt) + max_new_tokens + self.config.k + 1)
         root = None
         # Catch-up rows not yet run through the draft: (aux [1, R, A, H], the token after each).
         # They are run in one draft forward right before the next proposal, so rounds that do

@@ -10,7 +10,9 @@ new prompt overwrites from slot 0) and grows, by powers of two, only when one ne
 ``graphs``: the forwards of a fixed length (one token: plain steps; K + 1: a verify) run through
 ``torch.compile(mode="reduce-overhead", dynamic=False)``, i.e. captured and replayed as CUDA graphs
 on CUDA (as gpt-fast does), one compiled forward per length elsewhere; the prefill, of any length,
-runs eagerly. Their outputs are copied out at once (a replay overwrites them).
+runs eagerly. Their outputs are copied out at once (a replay overwrites them). An EAGLE-3 chain
+draft's steps then run the same way over :class:`StaticDraftKV` (its length a device tensor, so one
+captured step replays at every position).
 """
 
 from __future__ import annotations
@@ -102,4 +104,62 @@ def roll_back(cache: Any, n: int) -> None:
                                "write counter to roll back; use target_cache=dynamic")
 
 
-__all__ = ["StaticKV", "check_static_target", "roll_back"]
+class StaticDraftKV:
+    """An EAGLE-3 draft's keys/values in preallocated [1, slots, nkv, d] tensors per layer, written in
+    place at the live length ``pos`` (a device tensor: a compiled step reads it, so one capture
+    serves every position) and read whole under a mask of the live slots. Kept between generations
+    and grown like :class:`StaticKV`; the draft's single-token step compiled once
+    (``torch.compile(mode="reduce-overhead")``: CUDA graphs on CUDA)."""
+
+    def __init__(self, draft: Any) -> None:
+        self.draft = draft
+        self.slots = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.pos = torch.zeros(1, dtype=torch.long, device=draft.fc.weight.device)
+        self._compiled: Any = None
+
+    def start(self, slots: int) -> StaticDraftKV:
+        if slots > self.slots:
+            c, w = self.draft.config, self.draft.fc.weight
+            self.slots = max(_MIN_SLOTS, 1 << (slots - 1).bit_length())
+            shape = (1, self.slots, c.num_key_value_heads, c.head_dim)
+            self.keys = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in range(c.num_layers)]
+            self.values = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in range(c.num_layers)]
+            for t in (*self.keys, *self.values, self.pos):
+                torch._dynamo.mark_static_address(t)
+            self._compiled = None  # its graphs read the old tensors
+        self.truncate(0)
+        return self
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        at = self.pos + torch.arange(k.shape[1], device=k.device)
+        self.keys[layer].index_copy_(1, at, k)
+        self.values[layer].index_copy_(1, at, v)
+        return self.keys[layer], self.values[layer]
+
+    def attention_mask(self, past: int, new: int, device: torch.device) -> torch.Tensor:
+        """[new, slots]: slot j is seen by new token i where j <= pos + i (``past``, the slots, unused)."""
+        return torch.arange(self.slots, device=device) <= self.pos + torch.arange(new, device=device)[:, None]
+
+    def commit(self, new: int) -> None:
+        self.pos.add_(new)
+
+    def truncate(self, length: int) -> None:
+        self.pos.fill_(length)
+
+    def step(self, token: torch.Tensor, state: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One draft step (token, position [1, 1]; state [1, 1, H]) through the compiled forward ->
+        (state [1, 1, H], logits [1, Vd]), copied out of the graph's buffers."""
+        if self._compiled is None:
+            self._compiled = torch.compile(self._step, mode="reduce-overhead", dynamic=False)
+        torch.compiler.cudagraph_mark_step_begin()
+        state = state.clone(memory_format=torch.contiguous_format)  # a row of [1, R, H]: R's stride, one capture
+        return tuple(t.clone() for t in self._compiled(token, state, position))
+
+    def _step(self, token: torch.Tensor, state: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        new_state, logits = self.draft(token, state, position, self)
+        return new_state, logits[:, -1]
+
+
+__all__ = ["StaticDraftKV", "StaticKV", "check_static_target", "roll_back"]

@@ -43,6 +43,63 @@ def test_a_static_cache_rolls_back_accepted_and_rejected_rounds(wrong: int) -> N
         assert got.stats.tau > (4.0 if wrong == 0 else 1.0)
 
 
+def test_the_static_draft_cache_steps_and_rolls_back_as_the_dynamic_one() -> None:
+    """Catch-up rows, compiled single-token steps, a rollback to an earlier length, more rows and
+    steps over the now stale slots: every state and logit equals the dynamic cache's."""
+    from eagle3.draft import KVCache
+    from serve_eval.static_cache import StaticDraftKV
+
+    target = make_target()
+    draft = make_draft(target)
+    g = torch.Generator().manual_seed(0)
+    static, dynamic = StaticDraftKV(draft).start(64), KVCache()
+    h = draft.config.hidden_size
+
+    def rows(start: int, n: int) -> None:
+        ids = torch.randint(0, 100, (1, n), generator=g)
+        hidden, pos = torch.randn(1, n, h, generator=g), torch.arange(start, start + n)[None]
+        for got, want in zip(draft(ids, hidden, pos, static), draft(ids, hidden, pos, dynamic), strict=True):
+            torch.testing.assert_close(got, want)
+
+    def steps(start: int, n: int) -> None:
+        state = torch.randn(1, 1, h, generator=g)
+        for i in range(n):
+            token, pos = torch.randint(0, 100, (1, 1), generator=g), torch.tensor([[start + i]])
+            got = static.step(token, state, pos)
+            want_state, want_logits = draft(token, state, pos, dynamic)
+            torch.testing.assert_close(got[0], want_state)
+            torch.testing.assert_close(got[1], want_logits[:, -1])
+            state = got[0]
+
+    rows(0, 5)
+    steps(5, 3)
+    static.truncate(6)
+    dynamic.truncate(6)
+    steps(6, 2)
+    rows(8, 3)
+    steps(11, 4)
+    assert int(static.pos) == len(dynamic) == 15
+
+
+def test_graphs_replay_the_draft_steps_through_accepted_and_rejected_rounds() -> None:
+    """Under graphs an EAGLE-3 chain drafts over a static draft cache (its length on the device):
+    rolled back after each verify, catch-up rows land where the dynamic cache has them, so the
+    oracle's runs and rejections come out the same."""
+    from serve_eval.static_cache import StaticDraftKV
+
+    target = make_target()
+    draft = make_draft(target)
+    for wrong in (0, 3):
+        graphs = OracleDecoder(target, draft, SpecConfig("chain", k=4, target_cache="graphs"), wrong=wrong)
+        dynamic = OracleDecoder(target, draft, SpecConfig("chain", k=4), wrong=wrong)
+        assert isinstance(graphs.draft_cache(8), StaticDraftKV) and not isinstance(dynamic.draft_cache(8),
+                                                                                     StaticDraftKV)
+        for prompt in PROMPTS:
+            got, want = graphs.generate(prompt, 30), dynamic.generate(prompt, 30)
+            assert got.tokens == want.tokens == plain(target, prompt, 30)
+            assert got.stats.accepted == want.stats.accepted
+
+
 def test_a_transformers_without_static_crop_rolls_the_counter_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers 5.x before ``StaticLayer.crop`` (5.17 on the GPU image): the write counter itself."""
     from transformers.cache_utils import StaticLayer
