@@ -28,6 +28,7 @@ def check_graphs(emit: Emit, model: Any, drafter: Any, prompts: list[list[int]],
                  hf_tps: float) -> None:
     """The loop with the target's static cache under CUDA graphs (``target_cache=graphs``): greedy
     chains against plain decoding with the dynamic cache, and both its tokens/s beside HF generate's."""
+    from serve_eval.adaptive import measure_cost
     from serve_eval.config import SpecConfig
     from serve_eval.spec_decode import SpeculativeDecoder
 
@@ -35,17 +36,23 @@ def check_graphs(emit: Emit, model: Any, drafter: Any, prompts: list[list[int]],
     try:
         decoder = SpeculativeDecoder(model, drafter, SpecConfig("chain", k=3, target_cache="graphs"))
         decoder.generate(prompts[0], 8), decoder.generate(prompts[0], 8, speculate=False)  # compiled here
-        equal, spec, plain = 0, [0.0, 0], [0.0, 0]
+        equal, spec, plain, taus = 0, [0.0, 0], [0.0, 0], []
         for p in prompts:
             want = reference.generate(p, new, speculate=False).tokens
             for speculate, tally in ((True, spec), (False, plain)):
                 got = decoder.generate(p, new, speculate=speculate)
                 equal += got.tokens == want
                 tally[0], tally[1] = tally[0] + got.stats.seconds_total, tally[1] + got.stats.new_tokens
+                if speculate:
+                    taus.append(got.stats.tau)
         ok = equal == 2 * len(prompts) or dtype != "float32"  # bf16 may flip near-ties, as above
+        # the cost model of this decoder (its own cache kind and draft step) at the tau it reached
+        tau, actual = sum(taus) / len(taus), (spec[1] / spec[0]) / (plain[1] / plain[0])
+        predicted = measure_cost(decoder, 3).speedup(tau, 3)
         emit(f"loop.{dtype}.chain.graphs", ok, prompts=len(prompts), equal=equal, of=2 * len(prompts),
              spec_tokens_per_s=round(spec[1] / spec[0], 2), plain_tokens_per_s=round(plain[1] / plain[0], 2),
-             hf_generate_tokens_per_s=hf_tps)
+             hf_generate_tokens_per_s=hf_tps, tau=round(tau, 4), speedup=round(actual, 3),
+             cost_model_speedup=round(predicted, 3), of_cost_model=round(actual / predicted, 3))
     except Exception as err:  # noqa: BLE001 - reported, and the other checks still run
         emit(f"loop.{dtype}.chain.graphs", False, error=f"{type(err).__name__}: {err}")
 

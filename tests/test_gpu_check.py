@@ -33,7 +33,8 @@ def test_the_gpu_check_passes_tiny_on_the_cpu(tmp_path: Path) -> None:
     assert [w for w in wanted if w not in checks] == []
     assert all(r["ok"] for r in rows) and checks["summary"]["failed"] == []
     assert checks["loop.float32.chain.t0"]["equal"] == checks["loop.float32.chain.t0"]["prompts"]
-    assert checks["loop.float32.chain.graphs"]["equal"] == checks["loop.float32.chain.graphs"]["of"] > 0
+    graphs = checks["loop.float32.chain.graphs"]
+    assert graphs["equal"] == graphs["of"] > 0 and graphs["cost_model_speedup"] > 0 and graphs["of_cost_model"] > 0
     assert checks["pipeline.eval"]["cost_model"]["break_even_tau"] > 1
     assert checks["server.t0.8"]["completion_tokens"] > 0
     step, plain = checks["profile.train_micro_batch"], checks["profile.plain_decoding"]
