@@ -141,7 +141,7 @@ def check_profile(emit: Emit, cfg: Any, draft: Path, target: Path, pools: Path, 
             if tokens + len(store[i].input_ids) > size["micro_batch_tokens"] and idx:
                 break
             idx, tokens = [*idx, i], tokens + len(store[i].input_ids)
-        batch = load_batch(store, idx, "pack")
+        batch = load_batch(store, idx, "pack", stored=True)  # as the trainer reads it
 
         def micro_batch() -> None:
             out, _ = train_forward(ttt, head, batch, t2d, dtype, dev)

@@ -272,12 +272,16 @@ def check_compatible(spec: HarvestSpec, *, tokenizer_sha256: str | None = None, 
 
 # ---------------------------------------------------------------- reading
 
-def _read_sample(f: Any, spec: HarvestSpec, sample_id: str, a: int, b: int) -> Sample:
-    """Tokens [a, b) of an open shard as one sample (fp8 states dequantised)."""
+def _read_sample(f: Any, spec: HarvestSpec, sample_id: str, a: int, b: int, stored: bool = False) -> Sample:
+    """Tokens [a, b) of an open shard as one sample: states in fp32 (fp8 dequantised), or with
+    ``stored`` in the store's own dtype where it is a float one (bf16 stays bf16: half the bytes to
+    copy, pin and move; the trainer converts on the device)."""
     def rows(name: str) -> torch.Tensor:
         return f.get_slice(name)[a:b]
 
     def states(name: str) -> torch.Tensor:
+        if stored and spec.dtype != "float8_e4m3fn":
+            return rows(name)
         scale = rows(f"{name}_scale") if spec.dtype == "float8_e4m3fn" else None
         return dequantize(rows(name), scale)
 
@@ -385,10 +389,14 @@ class HarvestStore:
         return [k for k, _ in self._index]
 
     def __getitem__(self, i: int) -> Sample:
+        return self.read(i)
+
+    def read(self, i: int, stored: bool = False) -> Sample:
+        """Sample i; ``stored``: its states in the store's float dtype rather than fp32 (:func:`_read_sample`)."""
         k, j = self._index[i]
         shard = self._shards[k]
         with safe_open(str(shard.path), framework="pt") as f:
-            return _read_sample(f, self.spec, shard.ids[j], shard.offsets[j], shard.offsets[j + 1])
+            return _read_sample(f, self.spec, shard.ids[j], shard.offsets[j], shard.offsets[j + 1], stored)
 
     def __iter__(self) -> Iterator[Sample]:
         """Stream every sample, shard by shard."""
@@ -448,8 +456,11 @@ class StoreUnion:
             st.check_target(target)
 
     def __getitem__(self, i: int) -> Sample:
+        return self.read(i)
+
+    def read(self, i: int, stored: bool = False) -> Sample:
         k, j = self._where[i]
-        return self.stores[k][j]
+        return self.stores[k].read(j, stored)
 
     def __iter__(self) -> Iterator[Sample]:
         for i in range(len(self)):

@@ -235,7 +235,7 @@ class _Loop:
         self.engine.eval()
         with torch.no_grad():
             for idx in eval_batches_for_rank(self.eval_plan, rt.rank, rt.world_size):
-                batch = load_batch(self.eval_store, idx or self.eval_plan[0], cfg.batching)
+                batch = load_batch(self.eval_store, idx or self.eval_plan[0], cfg.batching, stored=True)
                 out = run_batch(self.engine, self.head, batch, self.t2d, self.dtype, rt.device)
                 if idx is not None:  # a pad forward keeps ZeRO-3's collectives in step; not counted
                     tally.add(out)

@@ -148,10 +148,17 @@ def collate(samples: Sequence[Sample], batching: str) -> dict[str, torch.Tensor]
     return batch
 
 
-def load_batch(store: HarvestStore, indices: Sequence[int], batching: str) -> dict[str, torch.Tensor]:
-    """A micro-batch; a store that computes its states (co-located training) gets the indices at once."""
+def load_batch(store: HarvestStore, indices: Sequence[int], batching: str,
+               stored: bool = False) -> dict[str, torch.Tensor]:
+    """A micro-batch; a store that computes its states (co-located training) gets the indices at once.
+    ``stored``: states in the store's float dtype where the store reads so (``HarvestStore.read``),
+    else fp32."""
     get_many = getattr(store, "get_many", None)
-    return collate(get_many(indices) if get_many is not None else [store[i] for i in indices], batching)
+    if get_many is not None:
+        return collate(get_many(indices), batching)
+    if stored and hasattr(store, "read"):
+        return collate([store.read(i, stored=True) for i in indices], batching)
+    return collate([store[i] for i in indices], batching)
 
 
 class BatchLoader:
@@ -173,7 +180,7 @@ class BatchLoader:
         self._pending: tuple[tuple[int, ...], Future[dict[str, torch.Tensor]]] | None = None
 
     def _read(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
-        batch = load_batch(self.store, indices, self.batching)
+        batch = load_batch(self.store, indices, self.batching, stored=True)  # converted on the device
         return {k: v.pin_memory() for k, v in batch.items()} if self.pin else batch
 
     def get(self, indices: Sequence[int], then: Sequence[int] | None = None) -> dict[str, torch.Tensor]:

@@ -29,7 +29,7 @@ def test_the_gpu_check_passes_tiny_on_the_cpu(tmp_path: Path) -> None:
               "family.peagle", "family.dflash", "profile.train_micro_batch", "profile.plain_decoding",
               "profile.train_step",
               *(f"loop.{d}.{m}.t{t}" for d in ("float32", "bfloat16") for m in ("chain", "tree") for t in ("0", "1")),
-              "loop.float32.chain.graphs", "loop.bfloat16.chain.graphs"]
+              "loop.float32.chain.graphs"]  # bf16 graphs: on CUDA only
     assert [w for w in wanted if w not in checks] == []
     assert all(r["ok"] for r in rows) and checks["summary"]["failed"] == []
     assert checks["loop.float32.chain.t0"]["equal"] == checks["loop.float32.chain.t0"]["prompts"]

@@ -16,11 +16,12 @@ from safetensors.torch import load_file
 import eagle3.device
 import eagle3.target
 import eagle3.train
+import eagle3.train_data
 from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
 from eagle3.config import TargetConfig, TrainConfig
 from eagle3.device import CUDNN_SDPA_ENV, allow_cudnn_sdpa, cudnn_sdpa_allowed, every_head, sdpa, sdpa_backends
-from eagle3.shards import HarvestStore
+from eagle3.shards import HarvestStore, StoreUnion
 from eagle3.train import train
 from eagle3.train_data import BatchLoader, load_batch
 from eagle3.train_log import read_metrics
@@ -96,11 +97,44 @@ def test_every_attention_of_the_draft_and_the_target_goes_through_the_choice(mon
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A lively tiny target and stores of it in bf16 (``store``, as harvests write by default), fp32 and fp8."""
     root = tmp_path_factory.mktemp("paths")
     target = lively_target()
-    harvest(HarvestConfig(data=str(regenerated_data(root / "data.jsonl", 16, turns=2)), out_dir=str(root / "store"),
-                          dtype="float32"), TargetConfig(name_or_path="lively"), target=target, progress=False)
-    return {"target": target, "store": root / "store"}
+    data = regenerated_data(root / "data.jsonl", 16, turns=2)
+    for name, dtype in (("store", "bfloat16"), ("fp32", "float32"), ("fp8", "float8_e4m3fn")):
+        harvest(HarvestConfig(data=str(data), out_dir=str(root / name), dtype=dtype),
+                TargetConfig(name_or_path="lively"), target=target, progress=False)
+    return {"target": target, "store": root / "store", "fp32": root / "fp32", "fp8": root / "fp8"}
+
+
+def test_the_trainer_reads_states_in_the_stores_dtype(store: dict) -> None:
+    """bf16 stays bf16 on the host (half the bytes to copy, pin and move; converted on the device),
+    fp32 stays fp32, fp8 is dequantised as before; the values are the fp32 reader's."""
+    for name, want in (("store", torch.bfloat16), ("fp32", torch.float32), ("fp8", torch.float32)):
+        s = HarvestStore(store[name])
+        got, full = s.read(3, stored=True), s[3]
+        assert got.aux.dtype == got.last.dtype == want and full.aux.dtype == torch.float32
+        assert torch.equal(got.aux.float(), full.aux) and torch.equal(got.last.float(), full.last)
+        assert load_batch(s, [0, 2], "pack", stored=True)["aux"].dtype == want
+        union = StoreUnion([store[name], store["fp32"]])  # each sample from its own store; a mix packs as fp32
+        batch = load_batch(union, [0, len(s) + 1, 2], "pack", stored=True)
+        assert batch["aux"].dtype == torch.promote_types(want, torch.float32)
+        assert torch.equal(batch["aux"].float(), load_batch(union, [0, len(s) + 1, 2], "pack")["aux"])
+
+
+def test_reading_the_stored_dtype_trains_the_same_weights(store: dict, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = dict(store=str(store["store"]), steps=4, micro_batch_tokens=128, warmup_steps=1, eval_fraction=0.25,
+               eval_every=2, save_every=0, draft_vocab_size=64, wandb_mode="disabled", progress=False, device="cpu")
+    train(TrainConfig(out_dir=str(tmp_path / "stored"), **cfg), target=store["target"])
+    real = eagle3.train_data.load_batch
+    monkeypatch.setattr(eagle3.train_data, "load_batch", lambda st, idx, b, stored=False: real(st, idx, b))
+    monkeypatch.setattr(eagle3.train, "load_batch", lambda st, idx, b, stored=False: real(st, idx, b))
+    train(TrainConfig(out_dir=str(tmp_path / "fp32"), **cfg), target=store["target"])
+    a, b = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("stored", "fp32"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    evals = [[r for r in read_metrics(tmp_path / d) if "eval/loss" in r] for d in ("stored", "fp32")]
+    assert evals[0] == evals[1] and len(evals[0]) == 3
 
 
 def test_a_batch_read_ahead_is_the_batch_read_in_line(store: dict) -> None:
@@ -113,7 +147,7 @@ def test_a_batch_read_ahead_is_the_batch_read_in_line(store: dict) -> None:
                loader.get([7], [8]),  # not what was read ahead: read in line
                loader.get([8], None)]  # ... and this one was
         for batch, idx in zip(got, [*plan[:2], [7], [8]], strict=True):
-            want = load_batch(s, idx, "pack")
+            want = load_batch(s, idx, "pack", stored=True)
             assert batch.keys() == want.keys() and all(torch.equal(batch[k], want[k]) for k in want)
         assert loader._pending is None
     finally:
