@@ -234,6 +234,7 @@ def check_train_phases(emit: Emit, cfg: Any, steps: int = 12) -> None:
     sync), the first two steps apart, and the same with torch free to pick cuDNN's attention, which
     builds a graph for every new row length (``EAGLE3_CUDNN_SDPA=1``)."""
     import dataclasses
+    from unittest import mock
 
     from eagle3.train_log import read_metrics
     from eagle3.train_step import PHASE_TIMES_ENV
@@ -256,20 +257,14 @@ def check_train_phases(emit: Emit, cfg: Any, steps: int = 12) -> None:
         return {"first_ms": ms(rows[0]), "second_ms": ms(rows[1]) if len(rows) > 1 else None,
                 "later_mean_ms": mean, "later_tokens_per_s": round(tokens / total * 1000, 1) if total else None}
 
-    before = os.environ.get(PHASE_TIMES_ENV)
-    os.environ[PHASE_TIMES_ENV] = "1"
     try:
-        ours = run("default")
-        with allow_cudnn_sdpa():
-            cudnn = run("cudnn") if resolve_device(cfg.train.device).type == "cuda" else None
+        with mock.patch.dict(os.environ, {PHASE_TIMES_ENV: "1"}):
+            ours = run("default")
+            with allow_cudnn_sdpa():
+                cudnn = run("cudnn") if resolve_device(cfg.train.device).type == "cuda" else None
         emit("profile.train_step", True, steps=steps, **ours, cudnn_allowed=cudnn)
     except Exception as err:  # noqa: BLE001 - reported; the other checks still run
         emit("profile.train_step", False, error=f"{type(err).__name__}: {err}")
-    finally:
-        if before is None:
-            os.environ.pop(PHASE_TIMES_ENV, None)
-        else:
-            os.environ[PHASE_TIMES_ENV] = before
 
 
 __all__ = ["check_graphs", "check_profile", "check_speculators", "check_train_phases"]

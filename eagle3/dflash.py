@@ -157,7 +157,7 @@ class DFlashDraft(DraftHead, nn.Module):
             def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
                 keys, values = torch.cat([cache.keys[i], k], dim=1), torch.cat([cache.values[i], v], dim=1)
                 out = sdpa(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                                     enable_gqa=keys.shape[2] != q.shape[2])
+                           enable_gqa=keys.shape[2] != q.shape[2])
                 return out.transpose(1, 2)
             return attend
 

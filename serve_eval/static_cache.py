@@ -38,6 +38,11 @@ def check_static_target(target: Target, setting: str) -> None:
                          "layers, whose static cache rotates and cannot be rolled back; use target_cache=dynamic")
 
 
+def _grown(slots: int) -> int:
+    """Slots to allocate for ``slots`` positions: a power of two, at least _MIN_SLOTS."""
+    return max(_MIN_SLOTS, 1 << (slots - 1).bit_length())
+
+
 class StaticKV:
     """The target's static cache and its live length (the tokens in it that count)."""
 
@@ -53,7 +58,7 @@ class StaticKV:
         if slots > self.slots:
             from transformers import StaticCache
 
-            self.slots = max(_MIN_SLOTS, 1 << (slots - 1).bit_length())
+            self.slots = _grown(slots)
             self.cache = StaticCache(config=self.target.config, max_cache_len=self.slots)
             self._compiled = None  # its graphs read the old cache's tensors
             self.length = 0
@@ -122,7 +127,7 @@ class StaticDraftKV:
     def start(self, slots: int) -> StaticDraftKV:
         if slots > self.slots:
             c, w = self.draft.config, self.draft.fc.weight
-            self.slots = max(_MIN_SLOTS, 1 << (slots - 1).bit_length())
+            self.slots = _grown(slots)
             shape = (1, self.slots, c.num_key_value_heads, c.head_dim)
             self.keys = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in range(c.num_layers)]
             self.values = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in range(c.num_layers)]
