@@ -26,15 +26,22 @@ Emit = Callable[..., None]
 
 def check_graphs(emit: Emit, model: Any, drafter: Any, prompts: list[list[int]], new: int, dtype: str,
                  hf_tps: float) -> None:
-    """The loop with the target's static cache under CUDA graphs (``target_cache=graphs``): greedy
-    chains against plain decoding with the dynamic cache, and both its tokens/s beside HF generate's."""
+    """The loop with the target's static cache under CUDA graphs (``target_cache=graphs``), a chain and
+    a tree: greedy against plain decoding with the dynamic cache, and both its tokens/s beside HF
+    generate's; a chain's speedup beside its cost model's."""
+    for mode in ("chain", "tree"):
+        _check_graphs(emit, model, drafter, prompts, new, dtype, hf_tps, mode)
+
+
+def _check_graphs(emit: Emit, model: Any, drafter: Any, prompts: list[list[int]], new: int, dtype: str,
+                  hf_tps: float, mode: str) -> None:
     from serve_eval.adaptive import measure_cost
     from serve_eval.config import SpecConfig
     from serve_eval.spec_decode import SpeculativeDecoder
 
     reference = SpeculativeDecoder(model, drafter, SpecConfig("chain", k=3))
     try:
-        decoder = SpeculativeDecoder(model, drafter, SpecConfig("chain", k=3, target_cache="graphs"))
+        decoder = SpeculativeDecoder(model, drafter, SpecConfig(mode, k=3, target_cache="graphs"))
         decoder.generate(prompts[0], 8), decoder.generate(prompts[0], 8, speculate=False)  # compiled here
         equal, spec, plain, taus = 0, [0.0, 0], [0.0, 0], []
         for p in prompts:
@@ -46,15 +53,16 @@ def check_graphs(emit: Emit, model: Any, drafter: Any, prompts: list[list[int]],
                 if speculate:
                     taus.append(got.stats.tau)
         ok = equal == 2 * len(prompts) or dtype != "float32"  # bf16 may flip near-ties, as above
-        # the cost model of this decoder (its own cache kind and draft step) at the tau it reached
         tau, actual = sum(taus) / len(taus), (spec[1] / spec[0]) / (plain[1] / plain[0])
-        predicted = measure_cost(decoder, 3).speedup(tau, 3)
-        emit(f"loop.{dtype}.chain.graphs", ok, prompts=len(prompts), equal=equal, of=2 * len(prompts),
+        figures: dict[str, Any] = {}
+        if mode == "chain":  # the cost model of this decoder (its own cache kind and draft step) at its tau
+            predicted = measure_cost(decoder, 3).speedup(tau, 3)
+            figures = {"cost_model_speedup": round(predicted, 3), "of_cost_model": round(actual / predicted, 3)}
+        emit(f"loop.{dtype}.{mode}.graphs", ok, prompts=len(prompts), equal=equal, of=2 * len(prompts),
              spec_tokens_per_s=round(spec[1] / spec[0], 2), plain_tokens_per_s=round(plain[1] / plain[0], 2),
-             hf_generate_tokens_per_s=hf_tps, tau=round(tau, 4), speedup=round(actual, 3),
-             cost_model_speedup=round(predicted, 3), of_cost_model=round(actual / predicted, 3))
+             hf_generate_tokens_per_s=hf_tps, tau=round(tau, 4), speedup=round(actual, 3), **figures)
     except Exception as err:  # noqa: BLE001 - reported, and the other checks still run
-        emit(f"loop.{dtype}.chain.graphs", False, error=f"{type(err).__name__}: {err}")
+        emit(f"loop.{dtype}.{mode}.graphs", False, error=f"{type(err).__name__}: {err}")
 
 
 def _top_ops(prof: Any, cuda: bool, n: int = 10) -> list[list[Any]]:

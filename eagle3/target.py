@@ -220,15 +220,16 @@ class Target:
         position ids are then counted over real tokens only, so a padded row computes
         exactly what it would alone. For tree verification pass a 4D bool ``attention_mask``
         [batch, 1, seq, past + seq] (True: may attend) with explicit ``position_ids``. A static
-        cache (stale slots past the live length) takes ``cache_position``: the positions, alone.
+        cache (stale slots past the live length) takes ``cache_position``: the new tokens' slots, which
+        are their positions unless ``position_ids`` and a 4D mask over every slot are given too.
         """
         if self.head_only:
             raise RuntimeError(f"target {self.name}: loaded with load_target_head (embedding, final norm and "
                                "lm_head only); use load_target to run it")
         batch, seq = input_ids.shape
-        if cache_position is not None:  # the positions, with nothing else that would give them
-            assert attention_mask is None and position_ids is None
-            position_ids = cache_position.expand(batch, seq)
+        if cache_position is not None:  # the slots; the positions too unless given (a tree, with its 4D mask)
+            assert (attention_mask is None) == (position_ids is None)
+            position_ids = cache_position.expand(batch, seq) if position_ids is None else position_ids
         past_len = 0 if past_key_values is None or cache_position is not None else past_key_values.get_seq_length()
         if position_ids is not None:
             if attention_mask is not None and attention_mask.dim() != 4:

@@ -28,8 +28,9 @@ class SpecConfig:
     """Tree: draft tokens verified per round (the best by cumulative draft log-prob)."""
     target_cache: str = "dynamic"
     """The target's KV cache: dynamic (transformers' DynamicCache, cropped after each round); static
-    (chains: one preallocated cache, rolled back by length, :mod:`serve_eval.static_cache`); graphs
-    (static, and the fixed-length forwards compiled with mode reduce-overhead: CUDA graphs on CUDA)."""
+    (one preallocated cache, rolled back by length, a tree's accepted nodes moved down in place,
+    :mod:`serve_eval.static_cache`); graphs (static, and the fixed-length forwards compiled with mode
+    reduce-overhead: CUDA graphs on CUDA)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("chain", "tree"):
@@ -37,9 +38,6 @@ class SpecConfig:
         if self.target_cache not in TARGET_CACHES:
             raise ValueError(f"target_cache={self.target_cache!r}: expected {', '.join(TARGET_CACHES[:-1])} or "
                              f"{TARGET_CACHES[-1]}")
-        if self.target_cache != "dynamic" and self.mode != "chain":
-            raise ValueError(f"target_cache={self.target_cache}: chains only (a tree's accepted nodes move in the "
-                             "cache); use target_cache=dynamic with mode=tree")
         for name in ("k", "topk", "budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")

@@ -118,14 +118,12 @@ def keep_accepted(cache: Any, prefix: int, path: list[int]) -> None:
 
     A chain's path is 0..a-1, a plain crop. A tree's path is moved down entry by entry: node
     path[i] >= i, so copying in increasing i never overwrites a source still to be read. A static
-    cache (chains only) just moves its length back.
+    cache moves the path's entries down in place (:meth:`StaticKV.keep_path`).
     """
-    chain = path == list(range(len(path)))
     if isinstance(cache, StaticKV):
-        if not chain:
-            raise ValueError("a static target cache keeps a chain's accepted prefix only (mode=chain)")
-        cache.keep(prefix + len(path))
+        cache.keep_path(prefix, path)
         return
+    chain = path == list(range(len(path)))
     if not chain:
         for layer in cache.layers:
             for i, node in enumerate(path):
@@ -187,8 +185,8 @@ class SpeculativeDecoder:
 
     def _target(self, ids: list[int], cache: Any, positions: list[int] | None = None,
                 mask: Tensor | None = None) -> Any:
-        if isinstance(cache, StaticKV):  # chains: the next positions
-            return cache.forward(ids)
+        if isinstance(cache, StaticKV):  # the next slots (a tree: its positions, its mask over every slot)
+            return cache.forward(ids, positions, None if mask is None else mask[0, 0])
         x = torch.tensor([ids], device=self.device)
         if positions is None:
             return self.target(x, past_key_values=cache, use_cache=True)
@@ -335,7 +333,8 @@ class SpeculativeDecoder:
         stats = DecodeStats(proposed=self.config.k if speculate else 0)
         synchronize(self.device)
         start = time.perf_counter()
-        cache = self.target_cache(len(prompt) + max_new_tokens + self.config.k + 1)
+        verified = self.config.budget if self.config.mode == "tree" else self.config.k  # draft tokens per verify
+        cache = self.target_cache(len(prompt) + max_new_tokens + max(verified, self.config.k) + 1)
         out = self._target(prompt, cache)
         first = self._pick(out.logits[0, -1], params, g)
         stats.seconds_prefill = time.perf_counter() - start
@@ -419,9 +418,10 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         if tree:  # each node sees the prefix, x and its ancestors, at position n + depth
             m = len(tokens) + 1
-            mask = torch.zeros(m, n + m, dtype=torch.bool)  # built on the host, moved once
+            width = cache.slots if isinstance(cache, StaticKV) else n + m  # a static cache: every slot
+            mask = torch.zeros(m, width, dtype=torch.bool)  # built on the host, moved once
             mask[:, : n + 1] = True
-            mask[1:, n + 1:] = tree_attention_mask(parents)  # [N, N]
+            mask[1:, n + 1:n + m] = tree_attention_mask(parents)  # [N, N]
             mask = mask.to(self.device)
             positions = [n, *(n + depth for depth in tree_depths(parents))]
             out = self._target([x, *tokens], cache, positions, mask[None, None])

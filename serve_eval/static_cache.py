@@ -1,13 +1,17 @@
-"""The target's static KV cache for the bundled loop's chains, optionally under CUDA graphs.
+"""The target's static KV cache for the bundled loop, optionally under CUDA graphs.
 
-transformers' ``StaticCache`` is allocated once, a token's slot being its position; it writes at
-its own length (a counter on the device). A round's rejected proposals stay in their slots: rolling
-back moves that counter back (``crop``, in place, no sync), the next forward writes its tokens
-over them before attending, and the causal mask hides the slots past each query's position (a
-tree's accepted nodes would have to move: chains only). The cache is kept between generations (a
-new prompt overwrites from slot 0) and grows, by powers of two, only when one needs more slots.
+transformers' ``StaticCache`` is allocated once; it writes at its own length (a counter on the
+device), so in a chain a token's slot is its position. A round's rejected proposals stay in their
+slots: rolling back moves that counter back (``crop``, in place, no sync), the next forward writes
+its tokens over them before attending, and the causal mask hides the slots past each query's
+position. A tree's verify writes its nodes in consecutive slots at their depth's positions under a
+4D mask over every slot (the prefix, then each node's ancestors); the accepted nodes are then moved
+down to the slots after the prefix, in place, and the counter set behind them. The cache is kept
+between generations (a new prompt overwrites from slot 0) and grows, by powers of two, only when
+one needs more slots.
 
-``graphs``: the forwards of a fixed length (one token: plain steps; K + 1: a verify) run through
+``graphs``: the forwards of a fixed length (one token: plain steps; K + 1 or a tree's nodes: a
+verify) run through
 ``torch.compile(mode="reduce-overhead", dynamic=False)``, i.e. captured and replayed as CUDA graphs
 on CUDA (as gpt-fast does), one compiled forward per length elsewhere; the prefill, of any length,
 runs eagerly. Their outputs are copied out at once (a replay overwrites them). An EAGLE-3 chain
@@ -51,7 +55,7 @@ class StaticKV:
         self.cache: Any = None
         self.slots = 0
         self.length = 0
-        self._compiled: Any = None
+        self._compiled: dict[bool, Any] = {}  # chain (or plain) and tree forwards
 
     def start(self, slots: int) -> StaticKV:
         """Ready for a generation that needs up to ``slots`` positions: length 0, grown if needed."""
@@ -60,31 +64,51 @@ class StaticKV:
 
             self.slots = _grown(slots)
             self.cache = StaticCache(config=self.target.config, max_cache_len=self.slots)
-            self._compiled = None  # its graphs read the old cache's tensors
+            self._compiled = {}  # their graphs read the old cache's tensors
             self.length = 0
         self.keep(0)
         return self
 
-    def _step(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = self.target(input_ids, past_key_values=self.cache, use_cache=True, cache_position=cache_position)
+    def _step(self, input_ids: torch.Tensor, cache_position: torch.Tensor, position_ids: torch.Tensor | None = None,
+              mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        out = self.target(input_ids, attention_mask=mask, past_key_values=self.cache, use_cache=True,
+                          position_ids=position_ids, cache_position=cache_position)
         return out.logits, out.aux, out.last
 
-    def forward(self, ids: list[int]) -> TargetOutput:
-        """The target over ``ids`` at the next positions; the length moves past them."""
+    def forward(self, ids: list[int], positions: list[int] | None = None,
+                mask: torch.Tensor | None = None) -> TargetOutput:
+        """The target over ``ids`` in the next slots; the length moves past them. A tree's verify gives
+        each token's ``positions`` and ``mask`` [len(ids), slots] bool (True: may attend)."""
         if self.length + len(ids) > self.slots:
             raise ValueError(f"{self.length + len(ids)} positions in a static cache of {self.slots}")
         device = self.target.device
-        x = torch.tensor([ids], device=device)
-        positions = torch.arange(self.length, self.length + len(ids), device=device)
+        args: tuple[torch.Tensor, ...] = (torch.tensor([ids], device=device),
+                                          torch.arange(self.length, self.length + len(ids), device=device))
+        tree = positions is not None
+        if tree:
+            assert mask is not None and mask.shape == (len(ids), self.slots)
+            args += (torch.tensor([positions], device=device), mask.to(device)[None, None])
         if self.graphs and self.length > 0:  # a decode step or a verify: a fixed length, replayed
-            if self._compiled is None:
-                self._compiled = torch.compile(self._step, mode="reduce-overhead", dynamic=False)
+            if self._compiled.get(tree) is None:  # a masked forward is its own graph
+                self._compiled[tree] = torch.compile(self._step, mode="reduce-overhead", dynamic=False)
             torch.compiler.cudagraph_mark_step_begin()
-            logits, aux, last = (t.clone() for t in self._compiled(x, positions))
+            logits, aux, last = (t.clone() for t in self._compiled[tree](*args))
         else:
-            logits, aux, last = self._step(x, positions)
+            logits, aux, last = self._step(*args)
         self.length += len(ids)
         return TargetOutput(aux=aux, last=last, logits=logits, past_key_values=None)
+
+    def keep_path(self, prefix: int, path: list[int]) -> None:
+        """Keep the first ``prefix`` slots and then the verified nodes ``path`` (ascending indices of
+        the nodes written from slot ``prefix``): each moved down to slot prefix + i, in place."""
+        if path != list(range(len(path))):
+            device = self.target.device
+            src = torch.tensor(path, device=device) + prefix
+            dst = torch.arange(prefix, prefix + len(path), device=device)
+            for layer in self.cache.layers:
+                for x in (layer.keys, layer.values):  # [B, nkv, slots, d]
+                    x.index_copy_(2, dst, x.index_select(2, src))
+        self.keep(prefix + len(path))
 
     def keep(self, length: int) -> None:
         """Roll back to the first ``length`` positions."""

@@ -29,12 +29,14 @@ def test_the_gpu_check_passes_tiny_on_the_cpu(tmp_path: Path) -> None:
               "family.peagle", "family.dflash", "profile.train_micro_batch", "profile.plain_decoding",
               "profile.train_step",
               *(f"loop.{d}.{m}.t{t}" for d in ("float32", "bfloat16") for m in ("chain", "tree") for t in ("0", "1")),
-              "loop.float32.chain.graphs"]  # bf16 graphs: on CUDA only
+              "loop.float32.chain.graphs", "loop.float32.tree.graphs"]  # bf16 graphs: on CUDA only
     assert [w for w in wanted if w not in checks] == []
     assert all(r["ok"] for r in rows) and checks["summary"]["failed"] == []
     assert checks["loop.float32.chain.t0"]["equal"] == checks["loop.float32.chain.t0"]["prompts"]
     graphs = checks["loop.float32.chain.graphs"]
     assert graphs["equal"] == graphs["of"] > 0 and graphs["cost_model_speedup"] > 0 and graphs["of_cost_model"] > 0
+    tree = checks["loop.float32.tree.graphs"]
+    assert tree["equal"] == tree["of"] > 0 and tree["spec_tokens_per_s"] > 0
     assert checks["pipeline.eval"]["cost_model"]["break_even_tau"] > 1
     assert checks["server.t0.8"]["completion_tokens"] > 0
     step, plain = checks["profile.train_micro_batch"], checks["profile.plain_decoding"]
