@@ -276,10 +276,12 @@ class SpeculativeDecoder:
         frontier = [(-1, root_state[0, 0], root_logits[0], 0.0)]  # (node, state [H], logits [Vd], score)
         for depth in range(1, self.config.k + 1):
             children = []
-            for node, _state, logits, score in frontier:
-                logp = torch.log_softmax(self._draft_target_logits(logits).float(), dim=-1)
-                best = logp.topk(topk)
-                for lp, token in zip(best.values.tolist(), best.indices.tolist(), strict=True):
+            # every frontier node's top-k in one pass (one read back to the host per depth)
+            logp = torch.log_softmax(self._draft_target_logits(torch.stack([f[2] for f in frontier])).float(), dim=-1)
+            best = logp.topk(topk, dim=-1)  # [F, topk]
+            for (node, _state, _logits, score), lps, ids in zip(frontier, best.values.tolist(), best.indices.tolist(),
+                                                                 strict=True):
+                for lp, token in zip(lps, ids, strict=True):
                     tokens.append(int(token))
                     parents.append(node)
                     scores.append(score + lp)
