@@ -459,13 +459,13 @@ def main(argv: list[str] | None = None) -> int:
             check_export(draft, out, target)
         if "loop" not in args.skip:
             check_loop(draft, target, out / "pools", args.device, size)
+        speculators = args.speculators_python or (str(ROOT / ".venv-speculators/bin/python")
+                                                  if (ROOT / ".venv-speculators/bin/python").exists() else None)
+        if "race" not in args.skip and speculators:  # the headline ratio first: a lent GPU's time runs out
+            check_speculators(emit, cfg, target, out, args.device, size, speculators)
         if "profile" not in args.skip:
             check_train_phases(emit, cfg)
             check_profile(emit, cfg, draft, target, out / "pools", args.device, size)
-        speculators = args.speculators_python or (str(ROOT / ".venv-speculators/bin/python")
-                                                  if (ROOT / ".venv-speculators/bin/python").exists() else None)
-        if "race" not in args.skip and speculators:
-            check_speculators(emit, cfg, target, out, args.device, size, speculators)
         if "server" not in args.skip:
             check_server(draft, target, args.device)
         if "families" not in args.skip:

@@ -222,10 +222,12 @@ def check_speculators(emit: Emit, cfg: Any, target: Path, out: Path, device: str
         # one process of its own: not the distributed settings our trainer left in this one's environment
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-        for cmd in steps:
-            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        for cmd, log_name in zip(steps, ("speculators-data.log", "speculators-train.log"), strict=True):
+            log = out / log_name  # written as it goes: what a run cut off by the time limit got to
+            with log.open("w") as f:
+                done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=1800)
             if done.returncode:
-                raise RuntimeError(f"{' '.join(cmd[:2])} failed: {(done.stdout + done.stderr)[-800:]}")
+                raise RuntimeError(f"{' '.join(cmd[:2])} failed: {log.read_text()[-800:]}")
         theirs = json.loads((spec_out / "result.json").read_text())
         emit("race.train", True, ours_tokens_per_s=ours["tokens_per_s"],
              speculators_tokens_per_s=theirs["tokens_per_s"],

@@ -33,7 +33,8 @@ calls it on every logged step) is a no-op when there is no accelerator; with ``-
 (CPUs without bf16 units) torch's Muon iterates Newton-Schulz in fp32 instead of bf16 (see
 :func:`muon_in_fp32`). One peer bug is worked
 around: with ``--max-steps`` its epoch loop keeps running one extra step (plus validation and a
-checkpoint) in every remaining epoch, so the epoch count is cut to what the steps need.
+checkpoint) in every remaining epoch, so the epoch count is cut to what the steps need; and it
+then saves a checkpoint after the first and the last of those epochs only (``checkpoint_freq``).
 
 Output: ``OUT/checkpoints/<epoch>/`` are speculators' own checkpoints; ``OUT/draft/`` is the last one's
 ``config.json`` + ``model.safetensors`` (speculators format, what ``vllm serve OUT/draft`` loads) with
@@ -119,7 +120,11 @@ def install_cpu_patches(stats: dict[str, Any]) -> None:
                 # the peer's loop runs one more step (+ validation + checkpoint) in every epoch after
                 # reaching max_steps; run only the epochs the steps need
                 needed = math.ceil(self.config.max_steps / steps_per_epoch)
-                self.config = self.config._replace(num_epochs=min(self.config.num_epochs, needed))
+                epochs = min(self.config.num_epochs, needed)
+                # a checkpoint (weights and optimizer state) only after the last epoch, which is the one
+                # read (its epoch 0 is always saved too): every epoch's cost a lent GPU's minutes
+                self.config = self.config._replace(num_epochs=epochs, checkpoint_freq=max(
+                    self.config.checkpoint_freq, epochs))
             stats.update(steps_per_epoch=steps_per_epoch, epochs=self.config.num_epochs,
                          train_tokens=0, train_seconds=0.0, losses=[], lr=[])
             self.model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)

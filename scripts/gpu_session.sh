@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check on a lent GPU machine without network, inside a time budget, in two parts so that
-# the figures that matter most come first: (1) the pipeline up to train, the trainer's phases and
-# profiles, the race against speculators; (2) the serving loop (graphs included), the server, the
+# the figures that matter most come first: (1) the pipeline up to train, the race against
+# speculators, the trainer's phases and profiles; (2) the serving loop (graphs included), the server, the
 # families. Needs what scripts/gpu_bundle.sh put in .gpu/. Output: $OUT (or runs/gpu_session).
 # PART1_S and TOTAL_S (seconds) bound the parts; what finished is kept when time runs out.
 set -uo pipefail
@@ -32,4 +32,5 @@ if [ "$left" -gt 30 ]; then
   tail -c 40000 /tmp/gpu-part2.err > "$out/part2.err"
 fi
 cp /tmp/gpu-check/run/train/metrics.jsonl "$out/train_metrics.jsonl" 2>/dev/null
+for f in /tmp/gpu-check/speculators-*.log; do [ -f "$f" ] && tail -c 20000 "$f" > "$out/$(basename "$f")"; done
 echo "gpu_session: $(( $(date +%s) - t0 )) s"
