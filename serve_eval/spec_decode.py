@@ -155,9 +155,9 @@ class SpeculativeDecoder:
         if config.target_cache != "dynamic":
             check_static_target(target, config.target_cache)
             self._static = StaticKV(target, graphs=config.target_cache == "graphs")
-        graphs_chain = config.target_cache == "graphs" and config.mode == "chain"
-        # an EAGLE-3 chain's draft steps replayed as well (a parallel family drafts in one forward)
-        self._draft_static = (StaticDraftKV(draft) if graphs_chain and draft is not None
+        # an EAGLE-3 draft's steps (a chain's, a tree's expansions) replayed as well (a parallel family
+        # drafts in one forward)
+        self._draft_static = (StaticDraftKV(draft) if config.target_cache == "graphs" and draft is not None
                               and draft.config.family == "eagle3" else None)
 
     # -- helpers
@@ -263,7 +263,7 @@ class SpeculativeDecoder:
             tokens = torch.multinomial(qs, 1, generator=g)[:, 0].tolist()
         return tokens, list(range(-1, len(tokens) - 1)), qs
 
-    def _propose_tree(self, root_state: Tensor, root_logits: Tensor, n: int, cache: KVCache,
+    def _propose_tree(self, root_state: Tensor, root_logits: Tensor, n: int, cache: KVCache | StaticDraftKV,
                       context: list[int]) -> tuple[list[int], list[int]]:
         """EAGLE-2 dynamic tree: deterministic top-k children, expanded by cumulative log-prob."""
         d = self.draft
@@ -291,7 +291,8 @@ class SpeculativeDecoder:
             # expand the best `topk` of this depth's nodes in one draft forward (tree mask)
             chosen = sorted(children, key=lambda i: -scores[i])[:topk]
             rows = len(cache)
-            mask = torch.zeros(len(chosen), rows + len(chosen), dtype=torch.bool)  # built on the host, moved once
+            width = cache.slots if isinstance(cache, StaticDraftKV) else rows + len(chosen)  # static: every slot
+            mask = torch.zeros(len(chosen), width, dtype=torch.bool)  # built on the host, moved once
             mask[:, :past] = True
             for r, node in enumerate(chosen):
                 mask[r, rows + r] = True
@@ -304,7 +305,10 @@ class SpeculativeDecoder:
             states = torch.stack([fed[parents[node]] for node in chosen])[None]  # [1, C, H]
             ids = torch.tensor([[tokens[i] for i in chosen]], device=self.device)
             pos = torch.full((1, len(chosen)), n - 1 + depth, device=self.device)
-            new_states, new_logits = d(ids, states, pos, cache, attn_mask=mask)
+            if isinstance(cache, StaticDraftKV):
+                new_states, new_logits = cache.tree_step(ids, states, pos, mask)
+            else:
+                new_states, new_logits = d(ids, states, pos, cache, attn_mask=mask)
             for r, node in enumerate(chosen):
                 cache_row[node] = rows + r
             frontier = [(node, new_states[0, r], new_logits[0, r], scores[node]) for r, node in enumerate(chosen)]

@@ -136,9 +136,9 @@ def roll_back(cache: Any, n: int) -> None:
 class StaticDraftKV:
     """An EAGLE-3 draft's keys/values in preallocated [1, slots, nkv, d] tensors per layer, written in
     place at the live length ``pos`` (a device tensor: a compiled step reads it, so one capture
-    serves every position) and read whole under a mask of the live slots. Kept between generations
-    and grown like :class:`StaticKV`; the draft's single-token step compiled once
-    (``torch.compile(mode="reduce-overhead")``: CUDA graphs on CUDA)."""
+    serves every position) and read whole under a mask of the live slots (a tree's: given). Kept
+    between generations and grown like :class:`StaticKV`; the draft's single-token step and a tree's
+    expansion each compiled once (``torch.compile(mode="reduce-overhead")``: CUDA graphs on CUDA)."""
 
     def __init__(self, draft: Any) -> None:
         self.draft = draft
@@ -146,7 +146,8 @@ class StaticDraftKV:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.pos = torch.zeros(1, dtype=torch.long, device=draft.fc.weight.device)
-        self._compiled: Any = None
+        self.length = 0  # ``pos`` as the host knows it (a tree's masks are built there)
+        self._compiled: dict[str, Any] = {}  # the chain's step, a tree's step
 
     def start(self, slots: int) -> StaticDraftKV:
         if slots > self.slots:
@@ -157,9 +158,12 @@ class StaticDraftKV:
             self.values = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in range(c.num_layers)]
             for t in (*self.keys, *self.values, self.pos):
                 torch._dynamo.mark_static_address(t)
-            self._compiled = None  # its graphs read the old tensors
+            self._compiled = {}  # their graphs read the old tensors
         self.truncate(0)
         return self
+
+    def __len__(self) -> int:
+        return self.length
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         at = self.pos + torch.arange(k.shape[1], device=k.device)
@@ -173,22 +177,38 @@ class StaticDraftKV:
 
     def commit(self, new: int) -> None:
         self.pos.add_(new)
+        self.length += new
 
     def truncate(self, length: int) -> None:
         self.pos.fill_(length)
+        self.length = length
+
+    def _replay(self, name: str, fn: Any, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if name not in self._compiled:
+            self._compiled[name] = torch.compile(fn, mode="reduce-overhead", dynamic=False)
+        torch.compiler.cudagraph_mark_step_begin()
+        return tuple(t.clone() for t in self._compiled[name](*args))  # out of the graph's buffers
 
     def step(self, token: torch.Tensor, state: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One draft step (token, position [1, 1]; state [1, 1, H]) through the compiled forward ->
-        (state [1, 1, H], logits [1, Vd]), copied out of the graph's buffers."""
-        if self._compiled is None:
-            self._compiled = torch.compile(self._step, mode="reduce-overhead", dynamic=False)
-        torch.compiler.cudagraph_mark_step_begin()
+        (state [1, 1, H], logits [1, Vd])."""
         state = state.clone(memory_format=torch.contiguous_format)  # a row of [1, R, H]: R's stride, one capture
-        return tuple(t.clone() for t in self._compiled(token, state, position))
+        return self._replay("chain", self._step, token, state, position)
+
+    def tree_step(self, ids: torch.Tensor, states: torch.Tensor, positions: torch.Tensor,
+                  mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A tree's expansion: nodes ``ids`` [1, C] fed ``states`` [1, C, H] at ``positions`` [1, C],
+        each seeing the slots ``mask`` [C, slots] allows, through the compiled forward -> (states
+        [1, C, H], logits [1, C, Vd]); C is the same at every depth, so one capture serves them all."""
+        return self._replay("tree", self._tree_step, ids, states.contiguous(), positions, mask)
 
     def _step(self, token: torch.Tensor, state: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, ...]:
         new_state, logits = self.draft(token, state, position, self)
         return new_state, logits[:, -1]
+
+    def _tree_step(self, ids: torch.Tensor, states: torch.Tensor, positions: torch.Tensor,
+                   mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.draft(ids, states, positions, self, attn_mask=mask)
 
 
 __all__ = ["StaticDraftKV", "StaticKV", "check_static_target", "roll_back"]

@@ -45,7 +45,8 @@ def test_a_static_cache_rolls_back_accepted_and_rejected_rounds(wrong: int) -> N
 
 def test_the_static_draft_cache_steps_and_rolls_back_as_the_dynamic_one() -> None:
     """Catch-up rows, compiled single-token steps, a rollback to an earlier length, more rows and
-    steps over the now stale slots: every state and logit equals the dynamic cache's."""
+    steps over the now stale slots, a tree's compiled expansions under their masks: every state and
+    logit equals the dynamic cache's."""
     from eagle3.draft import KVCache
     from serve_eval.static_cache import StaticDraftKV
 
@@ -71,6 +72,17 @@ def test_the_static_draft_cache_steps_and_rolls_back_as_the_dynamic_one() -> Non
             torch.testing.assert_close(got[1], want_logits[:, -1])
             state = got[0]
 
+    def tree(start: int, n: int) -> None:  # a tree's expansion: each node sees some earlier slots and itself
+        ids, states = torch.randint(0, 100, (1, n), generator=g), torch.randn(1, n, h, generator=g)
+        pos = torch.full((1, n), start)
+        mask = torch.rand(n, start + n, generator=g) < 0.5
+        mask[:, start:] = torch.eye(n, dtype=torch.bool)
+        wide = torch.zeros(n, static.slots, dtype=torch.bool)
+        wide[:, :start + n] = mask
+        got = static.tree_step(ids, states, pos, wide)
+        for a, b in zip(got, draft(ids, states, pos, dynamic, attn_mask=mask), strict=True):
+            torch.testing.assert_close(a, b)
+
     rows(0, 5)
     steps(5, 3)
     static.truncate(6)
@@ -78,7 +90,12 @@ def test_the_static_draft_cache_steps_and_rolls_back_as_the_dynamic_one() -> Non
     steps(6, 2)
     rows(8, 3)
     steps(11, 4)
-    assert int(static.pos) == len(dynamic) == 15
+    tree(15, 3)
+    tree(18, 3)  # the same capture, later slots
+    static.truncate(16)
+    dynamic.truncate(16)
+    tree(16, 3)
+    assert int(static.pos) == len(static) == len(dynamic) == 19
 
 
 def test_graphs_replay_the_draft_steps_through_accepted_and_rejected_rounds() -> None:
@@ -135,7 +152,7 @@ def test_graphs_compile_each_forward_length_once_and_change_nothing() -> None:
 @pytest.mark.parametrize("target_cache", ["static", "graphs"])
 def test_a_static_cache_verifies_trees_as_the_dynamic_one(target_cache: str) -> None:
     """A tree's verify in a static cache (its nodes in consecutive slots under a mask over every slot,
-    the accepted ones moved down after): the same tokens and acceptance as the dynamic cache, greedy
+    the accepted ones moved down after; under graphs the draft's expansions replayed too): the same tokens and acceptance as the dynamic cache, greedy
     and sampled, across prompts longer and shorter than the last; an oracle tree whose accepted path
     skips a node (so entries move) gives plain decoding's tokens."""
     target = make_target()
@@ -143,6 +160,9 @@ def test_a_static_cache_verifies_trees_as_the_dynamic_one(target_cache: str) -> 
     config = SpecConfig("tree", k=3, topk=3, budget=10)
     dynamic = SpeculativeDecoder(target, draft, config)
     static = SpeculativeDecoder(target, draft, SpecConfig("tree", k=3, topk=3, budget=10, target_cache=target_cache))
+    from serve_eval.static_cache import StaticDraftKV
+
+    assert isinstance(static.draft_cache(8), StaticDraftKV) == (target_cache == "graphs")  # graphs: drafts replayed
     prompts = (PROMPTS[1], PROMPTS[0], PROMPTS[1]) if target_cache == "static" else (PROMPTS[1],)  # graphs: compiles
     for prompt in prompts:
         for params, seed in ((GREEDY, 0), (SAMPLED, 5)):
