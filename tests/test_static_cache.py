@@ -152,9 +152,10 @@ def test_graphs_compile_each_forward_length_once_and_change_nothing() -> None:
 @pytest.mark.parametrize("target_cache", ["static", "graphs"])
 def test_a_static_cache_verifies_trees_as_the_dynamic_one(target_cache: str) -> None:
     """A tree's verify in a static cache (its nodes in consecutive slots under a mask over every slot,
-    the accepted ones moved down after; under graphs the draft's expansions replayed too): the same tokens and acceptance as the dynamic cache, greedy
-    and sampled, across prompts longer and shorter than the last; an oracle tree whose accepted path
-    skips a node (so entries move) gives plain decoding's tokens."""
+    the accepted ones moved down after; under graphs the draft's expansions replayed too): the same
+    tokens and acceptance as the dynamic cache, greedy and sampled, across prompts longer and shorter
+    than the last; an oracle tree whose accepted path skips a node (so entries move) gives plain
+    decoding's tokens."""
     target = make_target()
     draft = make_draft(target)
     config = SpecConfig("tree", k=3, topk=3, budget=10)
