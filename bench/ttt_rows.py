@@ -1,12 +1,16 @@
-"""Training step of the TTT unroll with and without the rows no step reads (`read_rows`), side by side.
+"""Training step of the TTT unroll with and without the rows no step reads (`read_rows`), or with
+attention over whole rows and by groups of documents (`--compare segments`), side by side.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/ttt_rows.py --store runs/race/harvest --batches 6
+    OMP_NUM_THREADS=1 .venv/bin/python bench/ttt_rows.py --store runs/race/harvest --batches 6 \
+        [--compare rows|segments] [--max-tokens 4096 --ttt-steps 7]
 
 Packs the store's samples into rows of ``--max-tokens`` (as training does), computes the
 target's distribution once per batch, then times forward + backward of a fresh draft (fp32,
 the race's shape: speculators' layer, K=3, the loss on the replies) over the same batches,
-alternating ``skip_unread_rows`` off and on, ``--rounds`` times. One JSON line per mode (tokens/s)
-and one with their ratio; the losses of the two modes are reported too (they agree).
+alternating ``skip_unread_rows`` off and on (``--compare segments``: the rows read in both, attention
+over whole rows, then by groups of documents of ``SEGMENT_MIN_TOKENS``), ``--rounds`` times. One
+JSON line per mode (tokens/s) and one with their ratio; the losses of the two modes are reported
+too (they agree).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from eagle3.draft_vocab import select_draft_vocab  # noqa: E402
 from eagle3.shards import HarvestStore  # noqa: E402
 from eagle3.target import load_target  # noqa: E402
 from eagle3.train_data import epoch_batches, load_batch, loss_token_counts  # noqa: E402
-from eagle3.ttt import ttt_forward  # noqa: E402
+from eagle3.ttt import SEGMENT_MIN_TOKENS, plan_rows, ttt_forward  # noqa: E402
 from hard_mining.score import target_head  # noqa: E402
 
 
@@ -40,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttt-steps", type=int, default=3)
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
     parser.add_argument("--loss-positions", choices=["assistant", "all"], default="assistant")
+    parser.add_argument("--compare", choices=["rows", "segments"], default="rows")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     store = HarvestStore(args.store)
@@ -65,23 +70,29 @@ def main(argv: list[str] | None = None) -> int:
 
     seconds = {False: 0.0, True: 0.0}
     losses: dict[bool, list[float]] = {False: [], True: []}
+    segments = args.compare == "segments"
     for r in range(args.rounds):
-        for skip in (False, True):
+        for on in (False, True):
             for batch, targets in batches:
                 draft.zero_grad(set_to_none=True)
                 start = time.perf_counter()
+                skip = on or segments
+                plan = plan_rows(batch["loss_mask"], batch["document_ids"], args.ttt_steps, skip,
+                                 SEGMENT_MIN_TOKENS if on or not segments else None)
                 out = ttt_forward(draft, batch["input_ids"], batch["aux"].float(), batch["position_ids"],
                                   batch["document_ids"], batch["loss_mask"], targets, num_steps=args.ttt_steps,
-                                  weights=torch.ones(args.ttt_steps), skip_unread_rows=skip)
+                                  weights=torch.ones(args.ttt_steps), skip_unread_rows=skip, plan=plan)
                 out.loss.backward()
-                seconds[skip] += time.perf_counter() - start
+                seconds[on] += time.perf_counter() - start
                 if r == 0:
-                    losses[skip].append(round(out.loss.item(), 5))
-    rate = {skip: args.rounds * tokens / seconds[skip] for skip in seconds}
-    for skip in (False, True):
-        print(json.dumps({"figure": "ttt_tokens_per_s", "skip_unread_rows": skip, "tokens_per_s": round(rate[skip], 1),
-                          "losses": losses[skip], "loss_positions": args.loss_positions}), flush=True)
-    print(json.dumps({"figure": "ttt_speedup", "ratio": round(rate[True] / rate[False], 3),
+                    losses[on].append(round(out.loss.item(), 5))
+    rate = {on: args.rounds * tokens / seconds[on] for on in seconds}
+    mode = "by_document_groups" if segments else "skip_unread_rows"
+    for on in (False, True):
+        print(json.dumps({"figure": "ttt_tokens_per_s", mode: on, "tokens_per_s": round(rate[on], 1),
+                          "losses": losses[on], "loss_positions": args.loss_positions,
+                          "max_tokens": args.max_tokens, "ttt_steps": args.ttt_steps}), flush=True)
+    print(json.dumps({"figure": "ttt_speedup", "compare": args.compare, "ratio": round(rate[True] / rate[False], 3),
                       "batches": len(batches), "tokens": tokens, "rounds": args.rounds}), flush=True)
     return 0
 

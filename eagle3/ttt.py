@@ -247,6 +247,54 @@ def ttt_attention(q: Tensor, step0: tuple[Tensor, Tensor], diagonal: Sequence[tu
     return out.permute(0, 3, 1, 2, 4).reshape(b, sq, nh, d)
 
 
+Segment = tuple[int, int, int, int, int]  # (batch row, first key, end key, first query, end query)
+
+SEGMENT_MIN_TOKENS = 512
+"""Attention runs per group of whole documents at least this long (:func:`plan_rows`): no query sees
+another document's keys, so a row of several documents costs the sum of its groups' squares rather
+than the row's square; smaller groups would cost more calls than they save."""
+
+
+def _segmented(q: Tensor, step0: tuple[Tensor, Tensor], diagonal: Sequence[tuple[Tensor, Tensor]], mask: Tensor,
+               segments: Sequence[Segment] | None) -> Tensor:
+    """:func:`ttt_attention` (its arguments) one segment at a time: each a range of query rows and the
+    step-0 keys they can see, in order over every batch row's queries (None or one segment a row: whole)."""
+    if segments is None or len(segments) <= q.shape[0]:
+        return ttt_attention(q, step0, diagonal, mask)
+    k0, v0 = step0
+    rows: list[list[Tensor]] = [[] for _ in range(q.shape[0])]
+    for b, s0, s1, m0, m1 in segments:
+        rows[b].append(ttt_attention(q[b:b + 1, m0:m1], (k0[b:b + 1, s0:s1], v0[b:b + 1, s0:s1]),
+                                     [(kj[b:b + 1, m0:m1], vj[b:b + 1, m0:m1]) for kj, vj in diagonal],
+                                     mask[b:b + 1, m0:m1, s0:s1]))
+    return torch.cat([torch.cat(parts, dim=1) for parts in rows], dim=0)
+
+
+def plan_segments(document_ids: Tensor, at: Tensor | None, live: Tensor | None,
+                  min_tokens: int) -> tuple[tuple[Segment, ...], tuple[Segment, ...] | None]:
+    """The segments of a batch (:func:`_segmented`): consecutive documents grouped until a group holds
+    ``min_tokens``; for queries at every row, and (``at``) at the rows read, whose padding (position 0)
+    sees the first key only. Read on the host (from the device: a sync on CUDA)."""
+    doc = document_ids.cpu()
+    every: list[Segment] = []
+    read: list[Segment] = []
+    for b in range(doc.shape[0]):
+        cuts = [0, *((doc[b, 1:] != doc[b, :-1]).nonzero().squeeze(1) + 1).tolist(), doc.shape[1]]
+        groups = [[0, 0]]
+        for end in cuts[1:]:
+            if groups[-1][1] - groups[-1][0] >= min_tokens:
+                groups.append([groups[-1][1], end])
+            groups[-1][1] = end
+        every += [(b, s0, s1, s0, s1) for s0, s1 in groups]
+        if at is not None and live is not None:
+            n = int(live[b].sum())
+            bounds = torch.searchsorted(at[b, :n].cpu(), torch.tensor([g[0] for g in groups] + [doc.shape[1]]))
+            read += [(b, s0, s1, int(m0), int(m1)) for (s0, s1), m0, m1 in zip(groups, bounds[:-1], bounds[1:],
+                                                                                strict=True) if m1 > m0]
+            read += [(b, 0, 1, n, at.shape[1])] if n < at.shape[1] else []
+    return tuple(every), (tuple(read) if at is not None else None)
+
+
 # ---------------------------------------------------------------- the unroll
 
 
@@ -292,16 +340,20 @@ class RowPlan:
     live: Tensor | None  # [B, M] False on the padding of ``at``
     counted: tuple[tuple[Tensor, Tensor], ...]  # per step, its counted positions: (batch row, forward row) [M_k]
     shape: tuple[int, ...]  # the batch's [B, S], checked against the batch it meets
+    segments: tuple[tuple[Segment, ...], tuple[Segment, ...] | None] | None = None  # plan_segments' (None: whole rows)
 
     def to(self, device: torch.device) -> RowPlan:
         def move(x: Tensor | None) -> Tensor | None:
             return None if x is None else to_device(x, device)
 
-        return RowPlan(move(self.at), move(self.live), tuple((move(r), move(c)) for r, c in self.counted), self.shape)
+        return RowPlan(move(self.at), move(self.live), tuple((move(r), move(c)) for r, c in self.counted), self.shape,
+                       self.segments)
 
 
-def plan_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int, skip_unread_rows: bool = True) -> RowPlan:
-    """The :class:`RowPlan` of a batch ([B, S] masks, on whichever device holds them)."""
+def plan_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int, skip_unread_rows: bool = True,
+              segment_tokens: int | None = SEGMENT_MIN_TOKENS) -> RowPlan:
+    """The :class:`RowPlan` of a batch ([B, S] masks, on whichever device holds them); attention by
+    groups of documents of ``segment_tokens`` (None: whole rows)."""
     at, live = read_rows(loss_mask, document_ids, num_steps) if skip_unread_rows else (None, None)
     counted = []
     for k in range(num_steps):
@@ -309,7 +361,8 @@ def plan_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int, skip_unre
         if live is not None:
             counted_k = counted_k & live
         counted.append(counted_k.nonzero(as_tuple=True))
-    return RowPlan(at, live, tuple(counted), tuple(loss_mask.shape))
+    segments = None if segment_tokens is None else plan_segments(document_ids, at, live, segment_tokens)
+    return RowPlan(at, live, tuple(counted), tuple(loss_mask.shape), segments)
 
 
 def planned(plan: RowPlan | None, loss_mask: Tensor, document_ids: Tensor, num_steps: int,
@@ -464,7 +517,7 @@ def ttt_forward(
         run_step = functools.partial(_unroll_step, draft, k=k, ids_k=ids_k, pos_k=pos_k, valid=valid_k,
                                      counted=plan.counted[k], at=at, earlier=earlier, masks=(mask0, read_mask),
                                      targets=targets, input_ids=input_ids, return_logits=return_logits,
-                                     objective=objective)
+                                     objective=objective, segments=plan.segments)
 
         if gradient_checkpointing and torch.is_grad_enabled():
             out = checkpoint(run_step, hidden, use_reentrant=False)
@@ -484,12 +537,14 @@ def ttt_forward(
 def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tensor, pos_k: Tensor, valid: Tensor,
                  counted: tuple[Tensor, Tensor], at: Tensor | None, earlier: tuple, masks: tuple[Tensor, Tensor],
                  targets: TTTTargets, input_ids: Tensor, return_logits: bool,
-                 objective: Objective = SOFT_CE) -> tuple[Tensor, ...]:
+                 objective: Objective = SOFT_CE, segments: tuple | None = None) -> tuple[Tensor, ...]:
     """One step of :func:`ttt_forward`, a pure function of its inputs (what checkpointing replays):
     the next hidden state, the step's loss sum, its argmax in target ids, each layer's new keys and
     values, and (``return_logits``) the logits."""
     diag_before, window = earlier
     mask0, read_mask = masks  # [B, S, S] step 0's window; [B, M, S] that of the rows read
+    every, read = segments or (None, None)  # the segments of queries at every row, at the rows read
+    read = every if at is None else read
     num_layers = len(draft.decoder_layers)
     new_kv: list[tuple[Tensor, Tensor]] = []
 
@@ -497,8 +552,9 @@ def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tens
         def attend(q: Tensor, key: Tensor, value: Tensor) -> Tensor:
             new_kv.append((key, value))
             if k == 0:  # step 0's keys are the step-0 window itself; the last layer's queries at `at`
-                return ttt_attention(q, (key, value), [], read_mask if layer == num_layers - 1 else mask0)
-            return ttt_attention(q, window[layer], [*diag_before[layer], (key, value)], read_mask)
+                last = layer == num_layers - 1
+                return _segmented(q, (key, value), [], read_mask if last else mask0, read if last else every)
+            return _segmented(q, window[layer], [*diag_before[layer], (key, value)], read_mask, read)
         return attend
 
     prenorm = draft.decode(hidden_prev, draft.embed(ids_k), pos_k, [attend_for(i) for i in range(num_layers)],
@@ -511,7 +567,8 @@ def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tens
 
 
 __all__ = [
-    "RowPlan", "StepTally", "TTTOutput", "TTTTargets", "plan_rows", "planned", "read_rows", "step_loss",
+    "RowPlan", "StepTally", "TTTOutput", "TTTTargets", "plan_rows", "plan_segments", "planned", "read_rows",
+    "step_loss",
     "prepare_targets",
     "prepare_targets_from_topk", "shift_left", "soft_cross_entropy", "step0_attention_mask",
     "step_counted", "step_input_ids", "step_positions", "step_weights", "ttt_attention",

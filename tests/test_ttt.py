@@ -497,3 +497,44 @@ def test_a_row_plan_made_elsewhere_is_the_one_the_unroll_makes_and_fits_only_its
     for bad, kwargs in ((other, {}), (plan, {"num_steps": 2}), (plan, {"skip_unread_rows": False})):
         with pytest.raises(ValueError, match="row plan"):
             ttt_forward(*args, **{"num_steps": 3, **kwargs}, plan=bad)
+
+
+def test_document_groups_by_hand() -> None:
+    """Documents are grouped until a group holds ``min_tokens``; the rows read are split at the same
+    places, and their padding (position 0) is a segment of its own that sees the first key."""
+    doc = torch.tensor([[0] * 10 + [1] * 3 + [2] * 20])
+    at, live = torch.tensor([[2, 5, 11, 12, 20, 0]]), torch.tensor([[True] * 5 + [False]])
+    every, read = ttt.plan_segments(doc, at, live, 8)
+    assert every == ((0, 0, 10, 0, 10), (0, 10, 33, 10, 33))
+    assert read == ((0, 0, 10, 0, 2), (0, 10, 33, 2, 5), (0, 0, 1, 5, 6))
+    assert ttt.plan_segments(doc, None, None, 100) == (((0, 0, 33, 0, 33),), None)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_attention_by_document_groups_changes_nothing(skip: bool) -> None:
+    """Attention per group of documents (small groups here, so that every row splits) gives the loss,
+    matches and gradients of attention over whole rows: rows read or every row, a row ending in
+    padding (as bucketed rows do), gradient checkpointing, two layers."""
+    draft = tiny_draft(num_layers=2).train()
+    lengths = [[30, 5, 60, 20, 5, 40], [70, 40, 50]]
+    batch = packed_batch(lengths, seed=4, t2d=draft.t2d)
+    batch["loss_mask"] = _prompt_reply_mask(lengths, 0.5)
+    batch["document_ids"][1, 150:], batch["loss_mask"][1, 150:], batch["position_ids"][1, 150:] = -1, False, 0
+    targets = prepare_targets(batch["target_logits"], draft.t2d)
+
+    def run(segment_tokens: int | None) -> tuple[ttt.TTTOutput, dict[str, torch.Tensor], ttt.RowPlan]:
+        draft.zero_grad(set_to_none=True)
+        plan = ttt.plan_rows(batch["loss_mask"], batch["document_ids"], 3, skip, segment_tokens)
+        out = ttt_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
+                          batch["loss_mask"], targets, num_steps=3, skip_unread_rows=skip, plan=plan,
+                          gradient_checkpointing=True)
+        out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}, plan
+
+    whole, g_whole, _ = run(None)
+    split, g_split, plan = run(16)
+    assert plan.segments is not None and len(plan.segments[0]) >= 7 and (not skip or len(plan.segments[1]) >= 6)
+    torch.testing.assert_close(split.loss, whole.loss, rtol=1e-5, atol=1e-6)
+    assert torch.equal(split.match, whole.match) and whole.count.sum() > 0
+    for name in g_whole:
+        torch.testing.assert_close(g_split[name], g_whole[name], rtol=1e-4, atol=1e-6, msg=name)
