@@ -5,6 +5,7 @@ check's ``emit(check, ok, **figures)``."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -132,6 +134,7 @@ def check_profile(emit: Emit, cfg: Any, draft: Path, target: Path, pools: Path, 
     from eagle3.target_head import TargetHead
     from eagle3.train_data import load_batch
     from eagle3.train_step import TTTModel, train_forward
+    from eagle3.ttt import plan_rows
     from serve_eval.evaluate import load_pair, read_prompts
     from serve_eval.spec_decode import SpeculativeDecoder
 
@@ -165,7 +168,20 @@ def check_profile(emit: Emit, cfg: Any, draft: Path, target: Path, pools: Path, 
             synchronize(dev)
             seconds = time.perf_counter() - t0
         located = _first_sync(micro_batch) if syncs else None  # where the first one comes from
+
+        def timed_ms() -> float:
+            micro_batch()  # warm-up (a new plan's shapes)
+            synchronize(dev)
+            t0 = time.perf_counter()
+            micro_batch()
+            synchronize(dev)
+            return round((time.perf_counter() - t0) * 1000, 2)
+
+        grouped = timed_ms()  # attention by groups of documents, as the trainer runs it
+        with mock.patch("eagle3.train_step.plan_rows", functools.partial(plan_rows, segment_tokens=None)):
+            whole = timed_ms()  # attention over the whole row
         emit("profile.train_micro_batch", not syncs, tokens=tokens, ms=round(seconds * 1000, 2), first_sync=located,
+             documents=len(idx), ms_unprofiled=grouped, ms_whole_row_attention=whole,
              tokens_per_s=round(tokens / seconds, 1), host_syncs=None if syncs is None else len(syncs),
              sync_sites=None if syncs is None else Counter(syncs).most_common(8), top_ops=_top_ops(prof, cuda))
     except Exception as err:  # noqa: BLE001 - reported, and the decoding profile still runs
@@ -244,7 +260,6 @@ def check_train_phases(emit: Emit, cfg: Any, steps: int = 12) -> None:
     sync), the first two steps apart, and the same with torch free to pick cuDNN's attention, which
     builds a graph for every new row length (``EAGLE3_CUDNN_SDPA=1``)."""
     import dataclasses
-    from unittest import mock
 
     from eagle3.train_log import read_metrics
     from eagle3.train_step import PHASE_TIMES_ENV

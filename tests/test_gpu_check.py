@@ -41,6 +41,7 @@ def test_the_gpu_check_passes_tiny_on_the_cpu(tmp_path: Path) -> None:
     assert checks["server.t0.8"]["completion_tokens"] > 0
     step, plain = checks["profile.train_micro_batch"], checks["profile.plain_decoding"]
     assert step["tokens"] > 0 and step["top_ops"] and step["host_syncs"] is None  # counted on CUDA only
+    assert step["ms_unprofiled"] > 0 and step["ms_whole_row_attention"] > 0 and step["documents"] >= 1
     assert 0 < plain["forward_ms_per_token"] <= plain["ms_per_token_profiled"] and plain["top_ops"]
     assert plain["ms_per_token"] > 0 and plain["ms_per_token_cudnn_first"] > 0  # the same path on a CPU
     phases = checks["profile.train_step"]
