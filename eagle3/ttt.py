@@ -274,7 +274,8 @@ def plan_segments(document_ids: Tensor, at: Tensor | None, live: Tensor | None,
                   min_tokens: int) -> tuple[tuple[Segment, ...], tuple[Segment, ...] | None]:
     """The segments of a batch (:func:`_segmented`): consecutive documents grouped until a group holds
     ``min_tokens``; for queries at every row, and (``at``) at the rows read, whose padding (position 0)
-    sees the first key only. Read on the host (from the device: a sync on CUDA)."""
+    sees the first key only. A document's rows are contiguous (as ``pack`` and ``collate`` build
+    them: an id never comes back later in a row). Read on the host (from the device: a sync on CUDA)."""
     doc = document_ids.cpu()
     every: list[Segment] = []
     read: list[Segment] = []

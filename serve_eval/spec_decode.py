@@ -279,9 +279,9 @@ class SpeculativeDecoder:
             # every frontier node's top-k in one pass (one read back to the host per depth)
             logp = torch.log_softmax(self._draft_target_logits(torch.stack([f[2] for f in frontier])).float(), dim=-1)
             best = logp.topk(topk, dim=-1)  # [F, topk]
-            for (node, _state, _logits, score), lps, ids in zip(frontier, best.values.tolist(), best.indices.tolist(),
-                                                                 strict=True):
-                for lp, token in zip(lps, ids, strict=True):
+            values, ids = torch.stack([best.values.double(), best.indices.double()]).tolist()  # exact in float64
+            for (node, _state, _logits, score), lps, row_ids in zip(frontier, values, ids, strict=True):
+                for lp, token in zip(lps, row_ids, strict=True):
                     tokens.append(int(token))
                     parents.append(node)
                     scores.append(score + lp)
@@ -339,15 +339,17 @@ class SpeculativeDecoder:
         stats = DecodeStats(proposed=self.config.k if speculate else 0)
         synchronize(self.device)
         start = time.perf_counter()
-        verified = self.config.budget if self.config.mode == "tree" else self.config.k  # draft tokens per verify
-        cache = self.target_cache(len(prompt) + max_new_tokens + max(verified, self.config.k) + 1)
+        k, tree = self.config.k, self.config.mode == "tree"
+        cache = self.target_cache(len(prompt) + max_new_tokens + max(self.config.budget if tree else 0, k) + 1)
         out = self._target(prompt, cache)
         first = self._pick(out.logits[0, -1], params, g)
         stats.seconds_prefill = time.perf_counter() - start
         emitted = [first]
         n = len(prompt)
         going = on_tokens is None or on_tokens([first]) is not False
-        draft_cache = self.draft_cache(len(prompt) + max_new_tokens + self.config.k + 1)
+        # a tree's expansions add topk rows per depth after the catch-up
+        draft_cache = self.draft_cache(len(prompt) + max_new_tokens + max((k - 1) * self.config.topk if tree else 0,
+                                                                           k) + 1)
         root = None
         # Catch-up rows not yet run through the draft: (aux [1, R, A, H], the token after each).
         # They are run in one draft forward right before the next proposal, so rounds that do

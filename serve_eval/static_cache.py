@@ -177,7 +177,8 @@ class StaticDraftKV:
 
     def commit(self, new: int) -> None:
         self.pos.add_(new)
-        self.length += new
+        if not torch.compiler.is_compiling():  # a compiled step's host count moves in step/tree_step: a
+            self.length += new  # Python attribute written inside it would recompile it at every length
 
     def truncate(self, length: int) -> None:
         self.pos.fill_(length)
@@ -193,14 +194,18 @@ class StaticDraftKV:
         """One draft step (token, position [1, 1]; state [1, 1, H]) through the compiled forward ->
         (state [1, 1, H], logits [1, Vd])."""
         state = state.clone(memory_format=torch.contiguous_format)  # a row of [1, R, H]: R's stride, one capture
-        return self._replay("chain", self._step, token, state, position)
+        out = self._replay("chain", self._step, token, state, position)
+        self.length += 1
+        return out
 
     def tree_step(self, ids: torch.Tensor, states: torch.Tensor, positions: torch.Tensor,
                   mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A tree's expansion: nodes ``ids`` [1, C] fed ``states`` [1, C, H] at ``positions`` [1, C],
         each seeing the slots ``mask`` [C, slots] allows, through the compiled forward -> (states
         [1, C, H], logits [1, C, Vd]); C is the same at every depth, so one capture serves them all."""
-        return self._replay("tree", self._tree_step, ids, states.contiguous(), positions, mask)
+        out = self._replay("tree", self._tree_step, ids, states.contiguous(), positions, mask)
+        self.length += ids.shape[1]
+        return out
 
     def _step(self, token: torch.Tensor, state: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, ...]:
         new_state, logits = self.draft(token, state, position, self)

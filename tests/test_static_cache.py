@@ -83,19 +83,24 @@ def test_the_static_draft_cache_steps_and_rolls_back_as_the_dynamic_one() -> Non
         for a, b in zip(got, draft(ids, states, pos, dynamic, attn_mask=mask), strict=True):
             torch.testing.assert_close(a, b)
 
-    rows(0, 5)
-    steps(5, 3)
-    static.truncate(6)
-    dynamic.truncate(6)
-    steps(6, 2)
-    rows(8, 3)
-    steps(11, 4)
-    tree(15, 3)
-    tree(18, 3)  # the same capture, later slots
-    static.truncate(16)
-    dynamic.truncate(16)
-    tree(16, 3)
+    from torch._dynamo.utils import counters
+
+    compiled = counters["stats"]["unique_graphs"]
+    with torch.no_grad():  # as the loop runs it
+        rows(0, 5)
+        steps(5, 3)
+        static.truncate(6)
+        dynamic.truncate(6)
+        steps(6, 2)
+        rows(8, 3)
+        steps(11, 4)
+        tree(15, 3)
+        tree(18, 3)  # the same capture, later slots
+        static.truncate(16)
+        dynamic.truncate(16)
+        tree(16, 3)
     assert int(static.pos) == len(static) == len(dynamic) == 19
+    assert counters["stats"]["unique_graphs"] - compiled <= 2  # one step and one expansion: no recompiles
 
 
 def test_graphs_replay_the_draft_steps_through_accepted_and_rejected_rounds() -> None:
@@ -158,9 +163,9 @@ def test_a_static_cache_verifies_trees_as_the_dynamic_one(target_cache: str) -> 
     decoding's tokens."""
     target = make_target()
     draft = make_draft(target)
-    config = SpecConfig("tree", k=3, topk=3, budget=10)
+    config = SpecConfig("tree", k=3, topk=4, budget=10)
     dynamic = SpeculativeDecoder(target, draft, config)
-    static = SpeculativeDecoder(target, draft, SpecConfig("tree", k=3, topk=3, budget=10, target_cache=target_cache))
+    static = SpeculativeDecoder(target, draft, SpecConfig("tree", k=3, topk=4, budget=10, target_cache=target_cache))
     from serve_eval.static_cache import StaticDraftKV
 
     assert isinstance(static.draft_cache(8), StaticDraftKV) == (target_cache == "graphs")  # graphs: drafts replayed
@@ -170,6 +175,8 @@ def test_a_static_cache_verifies_trees_as_the_dynamic_one(target_cache: str) -> 
             want = dynamic.generate(prompt, 20, params=params, seed=seed)
             got = static.generate(prompt, 20, params=params, seed=seed)
             assert got.tokens == want.tokens and got.stats.accepted == want.stats.accepted
+    long = [(7 * i) % 90 + 3 for i in range(1000)]  # near 1,024 slots: the tree's expansions must fit too
+    assert static.generate(long, 20).tokens == dynamic.generate(long, 20).tokens
     oracle = OracleDecoder(target, draft, SpecConfig("tree", k=4, target_cache=target_cache))
     for prompt in prompts[:2]:
         got = oracle.generate(prompt, 30)
