@@ -70,8 +70,9 @@ def main() -> None:
         plan = [list(range(b * per_batch, (b + 1) * per_batch)) for b in range(args.batches)]
         times: dict[str, list[float]] = {"fp32": [], "stored": []}
         sizes: dict[str, float] = {}
-        for _ in range(args.rounds):
-            for name in times:  # alternated, so that drift on a shared machine hits both
+        for r in range(args.rounds):
+            for name in (list(times) if r % 2 == 0 else list(times)[::-1]):  # alternated: drift and first reads
+                # hit both
                 for idx in plan:
                     t0 = time.perf_counter()
                     batch = load_batch(store, idx, "pack", stored=name == "stored")
