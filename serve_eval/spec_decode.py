@@ -186,7 +186,7 @@ class SpeculativeDecoder:
     def _target(self, ids: list[int], cache: Any, positions: list[int] | None = None,
                 mask: Tensor | None = None) -> Any:
         if isinstance(cache, StaticKV):  # the next slots (a tree: its positions, its mask over every slot)
-            return cache.forward(ids, positions, None if mask is None else mask[0, 0])
+            return cache.forward(ids, positions, mask)
         x = torch.tensor([ids], device=self.device)
         if positions is None:
             return self.target(x, past_key_values=cache, use_cache=True)

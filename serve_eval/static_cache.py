@@ -42,6 +42,15 @@ def check_static_target(target: Target, setting: str) -> None:
                          "layers, whose static cache rotates and cannot be rolled back; use target_cache=dynamic")
 
 
+def _replayed(compiled: dict[Any, Any], key: Any, fn: Any, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``fn(*args)`` through its compiled forward (``compiled[key]``, made on first use; CUDA graphs on
+    CUDA), its outputs copied out of the graph's buffers (the next replay overwrites them)."""
+    if key not in compiled:
+        compiled[key] = torch.compile(fn, mode="reduce-overhead", dynamic=False)
+    torch.compiler.cudagraph_mark_step_begin()
+    return tuple(t.clone() for t in compiled[key](*args))
+
+
 def _grown(slots: int) -> int:
     """Slots to allocate for ``slots`` positions: a power of two, at least _MIN_SLOTS."""
     return max(_MIN_SLOTS, 1 << (slots - 1).bit_length())
@@ -78,7 +87,7 @@ class StaticKV:
     def forward(self, ids: list[int], positions: list[int] | None = None,
                 mask: torch.Tensor | None = None) -> TargetOutput:
         """The target over ``ids`` in the next slots; the length moves past them. A tree's verify gives
-        each token's ``positions`` and ``mask`` [len(ids), slots] bool (True: may attend)."""
+        each token's ``positions`` and ``mask`` [1, 1, len(ids), slots] bool (True: may attend)."""
         if self.length + len(ids) > self.slots:
             raise ValueError(f"{self.length + len(ids)} positions in a static cache of {self.slots}")
         device = self.target.device
@@ -86,13 +95,10 @@ class StaticKV:
                                           torch.arange(self.length, self.length + len(ids), device=device))
         tree = positions is not None
         if tree:
-            assert mask is not None and mask.shape == (len(ids), self.slots)
-            args += (torch.tensor([positions], device=device), mask.to(device)[None, None])
+            assert mask is not None and mask.shape == (1, 1, len(ids), self.slots)
+            args += (torch.tensor([positions], device=device), mask.to(device))
         if self.graphs and self.length > 0:  # a decode step or a verify: a fixed length, replayed
-            if self._compiled.get(tree) is None:  # a masked forward is its own graph
-                self._compiled[tree] = torch.compile(self._step, mode="reduce-overhead", dynamic=False)
-            torch.compiler.cudagraph_mark_step_begin()
-            logits, aux, last = (t.clone() for t in self._compiled[tree](*args))
+            logits, aux, last = _replayed(self._compiled, tree, self._step, *args)  # a tree: its own graph
         else:
             logits, aux, last = self._step(*args)
         self.length += len(ids)
@@ -184,17 +190,11 @@ class StaticDraftKV:
         self.pos.fill_(length)
         self.length = length
 
-    def _replay(self, name: str, fn: Any, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if name not in self._compiled:
-            self._compiled[name] = torch.compile(fn, mode="reduce-overhead", dynamic=False)
-        torch.compiler.cudagraph_mark_step_begin()
-        return tuple(t.clone() for t in self._compiled[name](*args))  # out of the graph's buffers
-
     def step(self, token: torch.Tensor, state: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One draft step (token, position [1, 1]; state [1, 1, H]) through the compiled forward ->
         (state [1, 1, H], logits [1, Vd])."""
         state = state.clone(memory_format=torch.contiguous_format)  # a row of [1, R, H]: R's stride, one capture
-        out = self._replay("chain", self._step, token, state, position)
+        out = _replayed(self._compiled, "chain", self._step, token, state, position)
         self.length += 1
         return out
 
@@ -203,7 +203,7 @@ class StaticDraftKV:
         """A tree's expansion: nodes ``ids`` [1, C] fed ``states`` [1, C, H] at ``positions`` [1, C],
         each seeing the slots ``mask`` [C, slots] allows, through the compiled forward -> (states
         [1, C, H], logits [1, C, Vd]); C is the same at every depth, so one capture serves them all."""
-        out = self._replay("tree", self._tree_step, ids, states.contiguous(), positions, mask)
+        out = _replayed(self._compiled, "tree", self._tree_step, ids, states.contiguous(), positions, mask)
         self.length += ids.shape[1]
         return out
 
