@@ -297,21 +297,18 @@ class TrainConfig:
     progress: bool = True
     """A tqdm progress bar on rank 0."""
 
-    def draft_overrides(self) -> dict[str, Any]:
-        """The draft-shape fields set here, as :meth:`eagle3.draft.DraftConfig.from_target_config` overrides."""
+    def draft_overrides(self, mask_token_id: int | None = None) -> dict[str, Any]:
+        """The draft-shape fields set here, as :meth:`eagle3.draft.DraftConfig.from_target_config` overrides:
+        the common shape, then the family's own fields (``mask_token_id``: the one chosen for it)."""
+        from eagle3.families import get_family  # the families build on these settings
+
         out: dict[str, Any] = {"num_layers": self.num_layers}
         for name in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
             if getattr(self, "draft_" + name) is not None:
                 out[name] = getattr(self, "draft_" + name)
         if self.draft_rope == "plain":
             out["rope_scaling"] = None
-        if self.draft_family == "dflash":  # a block of ttt_steps + 1; the EAGLE-3 layer's variants do not apply
-            return {**out, "block_size": self.ttt_steps + 1}
-        if self.draft_variant == "speculators":
-            out.update(norm_before_residual=True, norm_before_fc=True, norm_output=True)
-        elif self.draft_variant == "eagle3.1":
-            out.update(fc_norm=True, norm_output=True)
-        return out
+        return {**out, **get_family(self.draft_family).config_fields(mask_token_id, self)}
 
     def __post_init__(self) -> None:
         positive = ("steps", "micro_batch_tokens", "gradient_accumulation", "ttt_steps", "draft_vocab_size",
@@ -382,16 +379,9 @@ class TrainConfig:
                 raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 1 (or null)")
         if self.draft_variant not in ("eagle3", "speculators", "eagle3.1"):
             raise ValueError(f"train.draft_variant={self.draft_variant!r}: expected eagle3, speculators or eagle3.1")
-        if self.draft_family not in DRAFT_FAMILIES:
-            raise ValueError(f"train.draft_family={self.draft_family!r}: expected one of {', '.join(DRAFT_FAMILIES)}")
-        if self.mask_token_id is not None and self.draft_family == "eagle3":
-            raise ValueError(f"train.mask_token_id={self.mask_token_id}: only a peagle or dflash draft reads a "
-                             "mask token")
-        if self.draft_family == "dflash" and self.gradient_checkpointing:
-            raise ValueError("train.gradient_checkpointing=true: a dflash draft runs one block, not an unroll to "
-                             "recompute step by step; it is not supported there")
-        if self.draft_family == "dflash" and self.layer_init != "random":
-            raise ValueError(f"train.layer_init={self.layer_init}: a dflash draft starts from random layers")
+        from eagle3.families import get_family  # the families build on these settings
+
+        get_family(self.draft_family, "train.draft_family").check_train(self)
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ValueError(f"train.mask_token_id={self.mask_token_id}: must be a token id (>= 0)")
         if self.draft_rope not in ("target", "plain"):
@@ -409,9 +399,6 @@ class TrainConfig:
             raise ValueError(f"train.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(WANDB_MODES)}")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"train.device={self.device!r}: expected auto, cpu or cuda")
-
-
-DRAFT_FAMILIES = ("eagle3", "peagle", "dflash")
 
 
 def draft_recipe(name: str) -> dict[str, Any]:

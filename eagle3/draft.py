@@ -111,8 +111,16 @@ class DraftConfig:
     block_size: int | None = None
     """Set: a DFlash draft (:mod:`eagle3.dflash`): one non-causal forward over the bonus token and
     ``block_size - 1`` mask tokens (``mask_token_id``) proposes ``block_size - 1`` tokens."""
+    family: str | None = None
+    """The draft family (:mod:`eagle3.families`: eagle3, peagle, dflash, or one registered later).
+    None: read from the fields, as for configs saved before they named it (a block: dflash; a mask
+    token alone: peagle; else eagle3)."""
 
     def __post_init__(self) -> None:
+        from eagle3.families import get_family, legacy_family  # the families build on this module
+
+        if self.family is None:
+            self.family = legacy_family(self.block_size, self.mask_token_id)
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
         if self.head_dim is None:
@@ -128,9 +136,6 @@ class DraftConfig:
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"draft.mask_token_id={self.mask_token_id}: not a token id of the vocabulary "
                              f"(0..{self.vocab_size - 1})")
-        if self.block_size is not None and (self.block_size < 2 or self.mask_token_id is None):
-            raise ValueError(f"draft.block_size={self.block_size}: a DFlash draft needs block_size >= 2 and a "
-                             "mask_token_id")
         if self.head_dim % 2:
             raise ValueError(f"draft.head_dim={self.head_dim}: RoPE needs an even head_dim")
         if self.draft_vocab_size > self.vocab_size:
@@ -148,16 +153,7 @@ class DraftConfig:
             if self.rope_scaling.get("partial_rotary_factor", 1.0) != 1.0:
                 raise ValueError("draft.rope_scaling: partial_rotary_factor is not supported (the draft rotates "
                                  "the whole head)")
-
-    @property
-    def parallel(self) -> bool:
-        """A P-EAGLE draft: one forward over the context and mask tokens proposes every draft token."""
-        return self.mask_token_id is not None and self.block_size is None
-
-    @property
-    def family(self) -> str:
-        """eagle3, peagle (P-EAGLE) or dflash."""
-        return "dflash" if self.block_size is not None else "peagle" if self.parallel else "eagle3"
+        get_family(self.family).check_config(self)
 
     @classmethod
     def from_target_config(cls, hf_config: Any, draft_vocab_size: int, **overrides: Any) -> DraftConfig:
@@ -196,25 +192,6 @@ class DraftConfig:
                 raise
             raise ValueError(f"the target's rope_scaling / rope_parameters: {err}; set train.draft_rope=plain for "
                              "plain RoPE") from None
-
-
-def trainable_parameter_count(config: DraftConfig) -> int:
-    """Closed form of the trainable parameters (everything but the frozen embedding and d2t/t2d)."""
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    if config.family == "dflash":  # fc, hidden_norm; per layer q/k/v/o, q_norm, k_norm, 2 norms, SwiGLU
-        per_layer = h * (q + 2 * kv) + q * h + 2 * d + 2 * h + 3 * h * i
-        return (config.num_aux_layers * config.target_hidden_size * h + h + config.num_layers * per_layer
-                + h + config.draft_vocab_size * h)
-
-    def layer(width: int, norms: int) -> int:  # q/k/v from `width`, o_proj, SwiGLU, RMSNorm weights
-        return width * (q + 2 * kv) + q * h + 3 * h * i + norms * h
-
-    fc = config.num_aux_layers * config.target_hidden_size * (h + config.norm_before_fc + config.fc_norm
-                                                              + config.parallel)  # + mask_hidden
-    first = layer(2 * h, 3)  # input_layernorm, hidden_norm, post_attention_layernorm
-    rest = (config.num_layers - 1) * layer(h, 2)
-    return fc + first + rest + h + config.draft_vocab_size * h  # + final norm + lm_head
 
 
 # ---------------------------------------------------------------- building blocks
@@ -343,6 +320,33 @@ class KVCache:
         """After a forward over ``new`` tokens (a static cache moves its length here)."""
 
 
+class DraftKV(KVCache):
+    """A draft's dynamic cache with the methods the serving proposers call, as the static one
+    (``serve_eval.static_cache.StaticDraftKV``) has them: its steps run the draft eagerly."""
+
+    def __init__(self, draft: Any) -> None:
+        super().__init__()
+        self.draft = draft
+
+    def start(self, slots: int) -> DraftKV:
+        """Empty, for a new generation (a dynamic cache grows as it goes: ``slots`` is not needed)."""
+        self.truncate(0)
+        return self
+
+    def mask_width(self, new: int) -> int:
+        """Columns of a tree mask over the cache and ``new`` rows."""
+        return len(self) + new
+
+    def step(self, token: Tensor, state: Tensor, position: Tensor) -> tuple[Tensor, Tensor]:
+        """One draft step (token, position [1, 1]; state [1, 1, H]) -> (state [1, 1, H], logits [1, Vd])."""
+        state, logits = self.draft(token, state, position, self)
+        return state, logits[:, -1]
+
+    def tree_step(self, ids: Tensor, states: Tensor, positions: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """A tree's expansion: nodes ``ids`` [1, C] fed ``states`` [1, C, H] under ``mask`` [C, T]."""
+        return self.draft(ids, states, positions, self, attn_mask=mask)
+
+
 def _cached_attend(cache: KVCache, layer: int, mask: Tensor | None = None) -> Attend:
     """Attention over the cache plus the new tokens; ``mask`` [S_new, T] (True: may attend)
     replaces the causal default (each new token sees the cache and the new ones up to itself)."""
@@ -460,8 +464,8 @@ class Eagle3Draft(DraftHead, nn.Module):
 
     def __init__(self, config: DraftConfig, embed_tokens_weight: Tensor | None = None) -> None:
         super().__init__()
-        if config.family == "dflash":
-            raise ValueError("a DFlash config (block_size set) builds eagle3.dflash.DFlashDraft, not an EAGLE-3 draft")
+        if config.block_size is not None:
+            raise ValueError("a config with a block (block_size) is not an EAGLE-3 draft's")
         self.config = config
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
@@ -473,7 +477,7 @@ class Eagle3Draft(DraftHead, nn.Module):
             self.fc_norm = nn.ModuleList([RMSNorm(config.target_hidden_size, config.rms_norm_eps)
                                           for _ in range(config.num_aux_layers)])
         self.fc = nn.Linear(width, h, bias=False)
-        if config.parallel:  # P-EAGLE: the aux states fed at every mask position (vLLM's name and layout)
+        if self.has_mask_state:  # P-EAGLE: the aux states fed at every mask position (vLLM's name and layout)
             self.mask_hidden = nn.Parameter(torch.zeros(width))
         self.midlayer = DecoderLayer(config, first=True)
         if config.num_layers > 1:  # vLLM names them layers.<i> (it maps midlayer. to layers.0.)
@@ -484,7 +488,7 @@ class Eagle3Draft(DraftHead, nn.Module):
     def reset_parameters(self) -> None:
         """Fresh init (:meth:`DraftHead.reset_parameters`); P-EAGLE's mask state N(0, 1), as speculators starts it."""
         super().reset_parameters()
-        if self.config.parallel:
+        if self.has_mask_state:
             with torch.no_grad():
                 self.mask_hidden.normal_(0.0, 1.0)
 
@@ -509,6 +513,11 @@ class Eagle3Draft(DraftHead, nn.Module):
             for layer in self.decoder_layers:
                 layer.self_attn.o_proj.weight.zero_()
                 layer.mlp.down_proj.weight.zero_()
+
+    @property
+    def has_mask_state(self) -> bool:
+        """A mask token in the config: P-EAGLE's ``mask_hidden`` is part of the draft."""
+        return self.config.mask_token_id is not None
 
     # -- pieces of the forward, shared by serving and the TTT unroll
 
@@ -581,6 +590,6 @@ class Eagle3Draft(DraftHead, nn.Module):
 
 
 __all__ = [
-    "DraftConfig", "DraftHead", "Eagle3Draft", "KVCache", "apply_rope", "read_rope", "rope_attention_factor",
-    "rope_cos_sin", "rope_inv_freq", "rope_kind", "trainable_parameter_count",
+    "DraftConfig", "DraftHead", "DraftKV", "Eagle3Draft", "KVCache", "apply_rope", "read_rope",
+    "rope_attention_factor", "rope_cos_sin", "rope_inv_freq", "rope_kind",
 ]

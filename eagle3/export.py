@@ -26,18 +26,15 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from eagle3.atomic import atomic_dir, holds_only
-from eagle3.draft import DraftConfig, Eagle3Draft, read_rope, rope_kind
+from eagle3.draft import DraftConfig, DraftHead, read_rope, rope_kind
 from eagle3.errors import USER_ERRORS
+from eagle3.families import family_of
 from eagle3.formats import (
     ARCHITECTURES,
     DFLASH_ARCHITECTURE,
     FORMATS,
     MARKER,
     DraftFormatError,
-    dflash_config,
-    sglang_config,
-    speculators_config,
-    vllm_config,
 )
 
 OUR_META = "draft.json"
@@ -48,7 +45,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class LoadedDraft:
     """A draft read from disk, in our terms."""
 
-    draft: Eagle3Draft
+    draft: DraftHead
     aux_layer_ids: tuple[int, ...] | None
     """Inputs of these target layers (ascending); None: the folder names none (engine defaults)."""
     format: str
@@ -138,18 +135,9 @@ def export_draft_folder(out: str | os.PathLike[str], state: dict[str, Tensor], c
         raise DraftFormatError(f"format {fmt!r}: expected one of {', '.join(FORMATS)}")
     if dtype not in DTYPES:
         raise DraftFormatError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    if fmt == "vllm" and config.family == "dflash":
-        cfg = dflash_config(config, aux_layer_ids, dtype)
-    elif fmt == "vllm":
-        cfg = vllm_config(config, aux_layer_ids, dtype)
-    elif fmt == "sglang":
-        cfg = sglang_config(config, aux_layer_ids, dtype)
-    else:
-        if not verifier:
-            raise DraftFormatError("the speculators format needs the verifier (the target's name or path)")
-        cfg = speculators_config(config, aux_layer_ids, verifier=verifier,
-                                 verifier_architectures=verifier_architectures,
-                                 speculative_tokens=speculative_tokens, torch_dtype=dtype)
+    extra = {} if fmt != "speculators" else {"verifier": verifier, "verifier_architectures": verifier_architectures,
+                                             "speculative_tokens": speculative_tokens}
+    cfg = family_of(config).engine_config(config, aux_layer_ids, fmt, dtype, **extra)
     tensors = engine_tensors(state, fmt, DTYPES[dtype])
     if nonfinite := nonfinite_tensors(tensors):
         raise DraftFormatError(f"{out}: not exported: NaN/Inf in {', '.join(nonfinite[:4])} (a diverged draft)")
@@ -383,7 +371,7 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
                                        f" the config names {len(ids)} layers {list(ids)}")
             config = DraftConfig(**{**asdict(config), "num_aux_layers": width // config.target_hidden_size})
     has_embedding = "embed_tokens.weight" in tensors
-    draft = Eagle3Draft(config, None if has_embedding else embed_tokens_weight)
+    draft = family_of(config).build(config, None if has_embedding else embed_tokens_weight)
     if "d2t" not in tensors:  # a full-vocab draft: draft id i is target id i
         if config.draft_vocab_size != config.vocab_size:
             raise DraftFormatError(f"{folder}: draft_vocab_size={config.draft_vocab_size} < vocab_size="
@@ -429,8 +417,6 @@ def _fill(draft: Any, tensors: dict[str, Tensor], d2t: Tensor, t2d: Tensor, fold
 def _load_dflash(folder: Path, cfg: dict[str, Any], tensors: dict[str, Tensor],
                  embed_tokens_weight: Tensor | None) -> LoadedDraft:
     """A ``DFlashDraftModel`` folder (vLLM's layout: dflash_config.target_layer_ids name layer outputs)."""
-    from eagle3.dflash import DFlashDraft
-
     where = folder / "config.json"
     options = cfg.get("dflash_config") or {}
     tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in tensors.items()}
@@ -451,10 +437,10 @@ def _load_dflash(folder: Path, cfg: dict[str, Any], tensors: dict[str, Tensor],
     block = cfg.get("block_size") or (cfg.get("num_speculative_tokens") or 0) + 1
     try:
         config = DraftConfig(**{**asdict(base), "mask_token_id": int(options["mask_token_id"]),
-                                "block_size": int(block)})
+                                "block_size": int(block), "family": None})  # None: read from the block
     except (TypeError, ValueError) as err:
         raise DraftFormatError(f"{where}: {err} (the block: block_size, or num_speculative_tokens + 1)") from None
-    draft = DFlashDraft(config, None if "embed_tokens.weight" in tensors else embed_tokens_weight)
+    draft = family_of(config).build(config, None if "embed_tokens.weight" in tensors else embed_tokens_weight)
     d2t = tensors.pop("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64)).long()
     tensors.pop("t2d", None)
     target_ids = torch.arange(len(d2t)) + d2t

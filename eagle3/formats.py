@@ -78,18 +78,6 @@ def _layer_config(config: DraftConfig, torch_dtype: str) -> dict[str, Any]:
 def _flags(config: DraftConfig) -> dict[str, Any]:
     return {key: getattr(config, key) for key in NORM_FLAGS}
 
-def _parallel(config: DraftConfig) -> dict[str, Any]:
-    """P-EAGLE's keys: vLLM reads the top-level ``mask_token_id`` (it is served with
-    ``speculative_config={"method": "eagle3", "parallel_drafting": true}``, which the flag records)."""
-    return {"parallel_drafting": True, "mask_token_id": config.mask_token_id} if config.parallel else {}
-
-
-def _refuse_parallel(config: DraftConfig, fmt: str) -> None:
-    if config.family != "eagle3":
-        raise DraftFormatError(f"a {config.family} draft (mask_token_id={config.mask_token_id}) is served by vLLM "
-                               f"only, from the vllm format; the {fmt} format has no keys for it")
-
-
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 
 
@@ -122,7 +110,6 @@ def vllm_config(config: DraftConfig, aux_layer_ids: Sequence[int], torch_dtype: 
     """config.json of the plain format (vLLM, EAGLE, SpecForge)."""
     ids = _checked_ids(aux_layer_ids, config)
     return {
-        **_parallel(config),
         "architectures": ["LlamaForCausalLMEagle3"],
         **_layer_config(config, torch_dtype),
         "draft_vocab_size": config.draft_vocab_size,
@@ -137,7 +124,6 @@ def vllm_config(config: DraftConfig, aux_layer_ids: Sequence[int], torch_dtype: 
 def sglang_config(config: DraftConfig, aux_layer_ids: Sequence[int], torch_dtype: str = "bfloat16") -> dict[str, Any]:
     """config.json for SGLang: ids shifted down by one (SGLang adds it back), under eagle_config only."""
     ids = _checked_ids(aux_layer_ids, config)
-    _refuse_parallel(config, "sglang")
     if ids[0] < 1:
         raise DraftFormatError(f"aux layer ids {ids}: SGLang cannot capture the input of layer 0 (the embedding "
                                "output); its configured ids name layer outputs")
@@ -164,7 +150,6 @@ def speculators_config(config: DraftConfig, aux_layer_ids: Sequence[int], *, ver
                        torch_dtype: str = "bfloat16") -> dict[str, Any]:
     """config.json of vllm-project/speculators' eagle3 format."""
     ids = _checked_ids(aux_layer_ids, config)
-    _refuse_parallel(config, "speculators")
     layer = {**_layer_config(config, torch_dtype), "architectures": ["LlamaForCausalLM"]}
     return {
         "architectures": ["Eagle3Speculator"],

@@ -1,7 +1,7 @@
 """Plan a draft without the target's weights: its shape and trainable parameters from the
 target's config (a recipe's ``target.architecture``, or the model folder's config.json).
 
-The count is made twice: by the closed form (:func:`eagle3.draft.trainable_parameter_count`)
+The count is made twice: by the closed form (:func:`eagle3.families.parameter_count`)
 and by building the draft on the ``meta`` device (no memory) and summing ``requires_grad``
 parameters, so that a frontier-sized draft is checked before any GPU is booked.
 """
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from eagle3.config import TargetConfig, TrainConfig
-from eagle3.dflash import build_draft
-from eagle3.draft import DraftConfig, trainable_parameter_count
+from eagle3.draft import DraftConfig
+from eagle3.families import family_of, get_family, parameter_count
 
 
 def target_architecture(target: TargetConfig) -> dict[str, Any]:
@@ -37,7 +37,7 @@ def text_architecture(architecture: dict[str, Any]) -> dict[str, Any]:
 def count_on_meta(config: DraftConfig) -> dict[str, int]:
     """Trainable and frozen parameters of the draft built on the meta device."""
     with torch.device("meta"):
-        draft = build_draft(config)
+        draft = family_of(config).build(config)
     trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in draft.parameters() if not p.requires_grad)
     return {"trainable": trainable, "frozen": frozen}
@@ -50,11 +50,11 @@ def plan_draft(target: TargetConfig, train: TrainConfig) -> dict[str, Any]:
     ids = sorted(target.aux_layer_ids) if target.aux_layer_ids is not None else [2, n // 2, n - 3]
     vocab = min(train.draft_vocab_size, int(arch["vocab_size"]))
     # a parallel family's mask token is chosen when training starts (it needs the tokenizer); any id counts alike
-    family = {"mask_token_id": train.mask_token_id or 0} if train.draft_family != "eagle3" else {}
+    mask_id = train.mask_token_id or 0 if get_family(train.draft_family).reads_mask_token else None
     config = DraftConfig.from_target_config(arch, draft_vocab_size=vocab, num_aux_layers=len(ids),
-                                            **family, **train.draft_overrides())
+                                            **train.draft_overrides(mask_id))
     counted = count_on_meta(config)
-    closed = trainable_parameter_count(config)
+    closed = parameter_count(config)
     if counted["trainable"] != closed:
         raise AssertionError(f"trainable parameters: {counted['trainable']} on meta, {closed} by the closed form")
     return {"target": target.name_or_path, "target_layers": n, "aux_layer_ids": ids, "family": config.family,

@@ -22,8 +22,8 @@ What it wraps around the library (the draft and TTT code know nothing of this):
 * **Draft vocab**: the ``draft_vocab_size`` most frequent loss-masked tokens of the training
   split, chosen once and saved as ``out_dir/draft_vocab.safetensors`` (frozen for the run,
   reusable by another run with ``draft_vocab=PATH``).
-* **Loss and metrics**: :func:`eagle3.ttt.ttt_forward` (K=7 steps, weights 0.8**k; DFlash's block
-  instead for a DFlash draft, :func:`eagle3.dflash.draft_forward`), per-step accuracy,
+* **Loss and metrics**: the draft family's training forward (:mod:`eagle3.families`; EAGLE-3's
+  :func:`eagle3.ttt.ttt_forward`, K=7 steps, weights 0.8**k), per-step accuracy,
   conditional acceptance and tau_sim (:mod:`eagle3.metrics`) on train batches and on the eval
   split every ``eval_every`` steps; the best eval tau_sim is exported to ``out_dir/best``.
 * **Checkpoints** (:mod:`eagle3.checkpoint`): DeepSpeed's, with the data position, best eval
@@ -63,10 +63,11 @@ from eagle3.cli import add_dataclass_arguments
 from eagle3.colocated import ColocatedStore
 from eagle3.config import TargetConfig, TrainConfig
 from eagle3.distributed import Runtime, all_reduce_sum, barrier, init_runtime
-from eagle3.draft import Eagle3Draft, trainable_parameter_count
+from eagle3.draft import DraftHead
 from eagle3.draft_vocab import read_draft_vocab, write_draft_vocab
 from eagle3.errors import USER_ERRORS, TrainError
 from eagle3.export import nonfinite_tensors
+from eagle3.families import parameter_count
 from eagle3.losses import Objective
 from eagle3.metrics import AcceptanceTally
 from eagle3.optim import (
@@ -112,7 +113,7 @@ from eagle3.ttt import step_weights
 # ---------------------------------------------------------------- the draft's weights and gradients
 
 
-def _draft_state(draft: Eagle3Draft, zero_stage: int) -> dict[str, Tensor]:
+def _draft_state(draft: DraftHead, zero_stage: int) -> dict[str, Tensor]:
     """The full draft state on CPU (gathered from the ranks under ZeRO-3; a collective then)."""
     if zero_stage == 3:
         import deepspeed
@@ -469,7 +470,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         "stage": "train", "out": str(out_dir), "steps": state["step"], "resumed_from_step": resumed_step,
         "world_size": rt.world_size, "zero_stage": cfg.zero_stage, "precision": cfg.precision,
         "device": str(rt.device), "train_samples": len(train_idx), "eval_samples": len(eval_idx),
-        "draft_vocab_size": vocab.size, "trainable_parameters": trainable_parameter_count(draft.config)
+        "draft_vocab_size": vocab.size, "trainable_parameters": parameter_count(draft.config)
         - (draft.config.draft_vocab_size * draft.config.hidden_size if cfg.freeze_lm_head else 0),
         "first_loss": state["first_loss"], "last_loss": loop.last_loss, "tokens": loop.tokens_total,
         "tokens_per_s": round(loop.tokens_total / loop.train_seconds, 1) if loop.train_seconds else None,

@@ -20,11 +20,11 @@ from eagle3.checkpoint import seed_everything
 from eagle3.colocated import ColocatedStore
 from eagle3.config import TargetConfig, TrainConfig
 from eagle3.device import bf16_matmul_speedup
-from eagle3.dflash import build_draft
 from eagle3.distributed import Runtime, all_reduce_sum
-from eagle3.draft import DraftConfig, Eagle3Draft
+from eagle3.draft import DraftConfig, DraftHead
 from eagle3.draft_vocab import DraftVocab, read_draft_vocab, select_draft_vocab
 from eagle3.errors import TrainError
+from eagle3.families import get_family
 from eagle3.shards import HarvestStore, StoreError, StoreUnion, open_stores, store_state, verify_store
 from eagle3.spool import SpoolStore
 from eagle3.target import Target, load_target, load_target_head
@@ -33,7 +33,7 @@ from eagle3.train_log import print0
 
 
 def choose_draft_vocab(cfg: TrainConfig, store: HarvestStore | StoreUnion, train_idx: Sequence[int], vocab_size: int,
-                       always_include: Sequence[int], initial: Eagle3Draft | None = None) -> DraftVocab:
+                       always_include: Sequence[int], initial: DraftHead | None = None) -> DraftVocab:
     """The vocab of the draft training continues from (``initial``), a saved vocab
     (``cfg.draft_vocab``), or the most frequent loss-masked tokens of the training split."""
     if initial is not None:  # the draft's own vocab, whatever its format keeps of it
@@ -242,7 +242,7 @@ def check_weights(target: Target, spec: Any) -> None:
                          f"these {mine[:12]}); train with the target that harvested it")
 
 
-def initial_draft(folder: str, spec: Any, target: Target, embedding: Tensor) -> Eagle3Draft:
+def initial_draft(folder: str, spec: Any, target: Target, embedding: Tensor) -> DraftHead:
     """A draft to continue training, checked against the store and the target."""
     from eagle3.export import check_draft_fits_target, give_target_lm_head, load_draft
     from eagle3.formats import DraftFormatError
@@ -296,50 +296,27 @@ def mask_token_for(cfg: TrainConfig, target: Target) -> int:
     return chosen
 
 
-def as_parallel(draft: Eagle3Draft, mask_token_id: int) -> Eagle3Draft:
-    """An eagle3 draft as a P-EAGLE one: the same weights, a fresh mask state."""
-    from dataclasses import replace
-
-    out = Eagle3Draft(replace(draft.config, mask_token_id=mask_token_id))
-    missing, unexpected = out.load_state_dict(draft.state_dict(), strict=False)
-    assert missing == ["mask_hidden"] and not unexpected, (missing, unexpected)
-    return out
-
-
-def new_draft(cfg: TrainConfig, target: Target, num_aux: int, vocab: DraftVocab, initial: Eagle3Draft | None,
-               embedding: Tensor, device: torch.device) -> Eagle3Draft:
-    """The draft the run starts from (``train.init_draft``'s, or a new one seeded as ``train.seed``
-    says), with the run's vocab and the recipe's initialisation of its head and layer."""
+def new_draft(cfg: TrainConfig, target: Target, num_aux: int, vocab: DraftVocab, initial: DraftHead | None,
+              embedding: Tensor, device: torch.device) -> DraftHead:
+    """The draft the run starts from (``train.init_draft``'s, adopted by the run's family, or a new one
+    of that family seeded as ``train.seed`` says), with the run's vocab and the recipe's
+    initialisation of its head and layer."""
     seed_everything(cfg.seed)  # the same draft on every rank
-    if initial is not None and (cfg.draft_family == "dflash") != (initial.config.family == "dflash"):
-        raise TrainError(f"train.init_draft: {cfg.init_draft} is a {initial.config.family} draft; set "
-                         f"train.draft_family={initial.config.family}")
+    family = get_family(cfg.draft_family)
     own = initial.config.mask_token_id if initial is not None else None
     if own is not None and cfg.mask_token_id is not None and cfg.mask_token_id != own:
         raise TrainError(f"train.init_draft: {cfg.init_draft} was trained with mask_token_id={own}; set "
                          f"train.mask_token_id={own} (or leave it unset)")
-    mask_id = (own if own is not None else mask_token_for(cfg, target)) if cfg.draft_family != "eagle3" else None
+    mask_id = (own if own is not None else mask_token_for(cfg, target)) if family.reads_mask_token else None
     if initial is None:
         try:
             draft_config = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size,
-                                                          num_aux_layers=num_aux, mask_token_id=mask_id,
-                                                          **cfg.draft_overrides())
+                                                          num_aux_layers=num_aux, **cfg.draft_overrides(mask_id))
         except ValueError as err:
             raise TrainError(f"draft shape: {err}") from None
-        draft = build_draft(draft_config, embedding)
-    elif cfg.draft_family == "dflash":
-        draft = initial
-        if draft.config.block_size - 1 < cfg.ttt_steps:
-            raise TrainError(f"train.ttt_steps={cfg.ttt_steps}: the init_draft's DFlash block proposes "
-                             f"{draft.config.block_size - 1} tokens")
+        draft = family.build(draft_config, embedding)
     else:
-        draft = initial
-        if mask_id is not None and not draft.config.parallel:
-            draft = as_parallel(draft, mask_id)
-            print0(f"train.init_draft: the eagle3 draft becomes a P-EAGLE draft (mask token {mask_id}, fresh mask "
-                   "state)")
-        elif mask_id is None and draft.config.parallel:
-            raise TrainError(f"train.init_draft: {cfg.init_draft} is a P-EAGLE draft; set train.draft_family=peagle")
+        draft = family.adopt(initial, cfg, mask_id)
     draft.set_draft_vocab(vocab.d2t, vocab.t2d)
     if cfg.lm_head_init == "target" and not cfg.init_draft:
         # the target's logit scale folded into the rows (a soft cap has no linear equivalent)

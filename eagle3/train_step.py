@@ -1,5 +1,5 @@
 """The module the trainer's DeepSpeed engine wraps and one batch through it: the draft with its
-training forward (:func:`eagle3.dflash.draft_forward`) as :class:`TTTModel`, and :func:`train_forward`
+training forward (its family's, :mod:`eagle3.families`) as :class:`TTTModel`, and :func:`train_forward`
 taking a batch from the host (as the loader builds it) to the loss on the device."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from eagle3.device import synchronize, to_device
-from eagle3.dflash import draft_forward
-from eagle3.draft import Eagle3Draft
+from eagle3.draft import DraftHead
+from eagle3.families import family_of
 from eagle3.losses import SOFT_CE, Objective
 from eagle3.target_head import TargetHead, needed_rows
 from eagle3.ttt import RowPlan, TTTOutput, TTTTargets, plan_rows, step_weights
@@ -33,7 +33,7 @@ def add_feature_noise(aux: Tensor, scale: float) -> Tensor:
 class TTTModel(nn.Module):
     """The module the DeepSpeed engine wraps: the draft and its TTT unroll; returns tensors only."""
 
-    def __init__(self, draft: Eagle3Draft, num_steps: int, step_decay: float,
+    def __init__(self, draft: DraftHead, num_steps: int, step_decay: float,
                  gradient_checkpointing: bool = False, loss_on_oov: bool = False, feature_noise: float = 0.0,
                  gate_steps: bool = False, objective: Objective = SOFT_CE) -> None:
         super().__init__()
@@ -51,7 +51,7 @@ class TTTModel(nn.Module):
                 plan: RowPlan | None = None) -> tuple[Tensor, ...]:
         if self.training and self.feature_noise > 0:
             aux = add_feature_noise(aux, self.feature_noise)
-        out = draft_forward(self.draft, input_ids, aux, position_ids, document_ids, loss_mask,
+        out = family_of(self.draft.config).forward(self.draft, input_ids, aux, position_ids, document_ids, loss_mask,
                           TTTTargets(probs=target_probs, argmax=target_argmax), num_steps=self.num_steps,
                           weights=self.weights, gradient_checkpointing=self.gradient_checkpointing and self.training,
                           loss_on_oov=self.loss_on_oov, gate_steps=self.gate_steps, objective=self.objective,

@@ -52,7 +52,7 @@ Implementation: the step-0 part is a normal causal+document attention (an [S, S]
 diagonal terms are elementwise q.k products, one column per earlier step, softmaxed jointly
 with the step-0 scores. No [S, (K+1)S] mask is built.
 
-P-EAGLE drafts (``draft.config.parallel``): steps >= 1 are fed the mask token and the draft's
+P-EAGLE drafts (``step_inputs``, :mod:`eagle3.families.peagle`): steps >= 1 are fed the mask token and the draft's
 mask state instead of x[t+k+1] and step k-1's output; positions, attention, targets and loss
 are the same, which is what one serving forward over the context and k - 1 mask rows computes.
 
@@ -64,7 +64,7 @@ positions, weighted ``decay**k`` (0.8) and summed.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -477,8 +477,12 @@ def ttt_forward(
     gate_steps: bool = False,
     objective: Objective = SOFT_CE,
     plan: RowPlan | None = None,
+    step_inputs: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
 ) -> TTTOutput:
     """Unroll the draft ``num_steps`` steps over a packed batch; loss and per-step matches.
+
+    ``step_inputs(k, ids, hidden) -> (ids, hidden)`` replaces what steps k >= 1 are fed (the shifted
+    tokens [B, R] and the previous step's states [B, R, H]); P-EAGLE feeds its mask token and state.
 
     ``weights`` defaults to ``step_weights(num_steps)`` (0.8**k). With ``gradient_checkpointing``
     each step's forward (logits and loss included) is recomputed in backward; steps are pure
@@ -509,8 +513,8 @@ def ttt_forward(
         inputs_at = at if k > 0 else None  # step 0 reads every row (keys and values)
         ids_k = _rows(step_input_ids(input_ids, k), inputs_at)  # [B, S] at step 0, else [B, R]
         pos_k = _rows(step_positions(position_ids, k), inputs_at)
-        if draft.config.parallel and k > 0:  # P-EAGLE: the mask token and mask state instead
-            ids_k, hidden = draft.mask_inputs(tuple(ids_k.shape), hidden.dtype, ids_k.device)
+        if step_inputs is not None and k > 0:  # e.g. P-EAGLE: the mask token and mask state instead
+            ids_k, hidden = step_inputs(k, ids_k, hidden)
         valid_k = tally.step(k)  # [B, R]
 
         # A snapshot of the keys so far: a checkpointed step replays against exactly these.

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from eagle3.conversations import iter_jsonl
-from eagle3.dflash import draft_forward
-from eagle3.draft import Eagle3Draft
+from eagle3.draft import DraftHead
+from eagle3.families import family_of
 from eagle3.metrics import accepted_runs, step_hits
 from eagle3.shards import HarvestStore
 from eagle3.train_data import load_batch
@@ -115,13 +115,13 @@ def target_head(target: Any) -> Any:
 
 
 @torch.no_grad()
-def score_sample(draft: Eagle3Draft, head: Any, batch: dict[str, torch.Tensor], ttt_steps: int,
+def score_sample(draft: DraftHead, head: Any, batch: dict[str, torch.Tensor], ttt_steps: int,
                  step_decay: float = 0.8) -> tuple[list[int], float, list[int], list[int]]:
     """One sample (a batch of one row) -> accepted run per start, loss, per-step hits and counts."""
     dtype, device = draft.fc.weight.dtype, draft.fc.weight.device
     batch = {k: v.to(device) for k, v in batch.items()}  # the loader builds it on the host
     targets = head.targets(batch, draft.t2d)
-    out = draft_forward(draft, batch["input_ids"], batch["aux"].to(dtype), batch["position_ids"],
+    out = family_of(draft.config).forward(draft, batch["input_ids"], batch["aux"].to(dtype), batch["position_ids"],
                       batch["document_ids"], batch["loss_mask"], targets, num_steps=ttt_steps,
                       weights=step_weights(ttt_steps, step_decay))
     run, start = accepted_runs(out.match, out.counted)  # [N] each
@@ -129,7 +129,7 @@ def score_sample(draft: Eagle3Draft, head: Any, batch: dict[str, torch.Tensor], 
             out.counted.flatten(1).sum(1).tolist())
 
 
-def score_store(draft: Eagle3Draft, head: Any, store: HarvestStore, meta: dict[str, dict[str, str]],
+def score_store(draft: DraftHead, head: Any, store: HarvestStore, meta: dict[str, dict[str, str]],
                 *, ttt_steps: int, indices: Sequence[int] | None = None, step_decay: float = 0.8,
                 progress: bool = False) -> list[SampleScore]:
     """Score every sample of ``store`` (or ``indices``) with ``draft``."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from eagle3.config import SamplingConfig
 from eagle3.device import synchronize
 
 
@@ -198,7 +199,6 @@ def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int 
     """Time the decoder's target over 1 + k tokens (k = 0..max_depth) after a ``context``-token
     prefix (medians of ``repeats``, fitted by :func:`fit_linear`) and one draft step (median); for
     a parallel family, its one forward proposing ``max_depth`` tokens."""
-    from eagle3.draft import KVCache
     from serve_eval.spec_decode import keep_accepted
 
     target, draft, device = decoder.target, decoder.draft, decoder.device
@@ -221,29 +221,27 @@ def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int 
                 keep_accepted(cache, context, [])
         verify = fit_linear([statistics.median(t) for t in times])
         step = 0.0
-        if draft is not None and draft.config.family != "eagle3":  # one forward proposes the round
-            dcache = KVCache()
-            decoder._draft_rows(out.aux, prefix[1:] + [prefix[0]], 0, dcache)
-            family = draft.config.family
-            masks = max_depth if family == "dflash" else max(max_depth - 1, 0)
+        proposer = decoder.proposer
+        if proposer is not None:
+            proposer.start(context + max_depth + repeats + 2)  # the kind the decoder drafts with
+            greedy = SamplingConfig(temperature=0.0)
             times = []
-            for r in range(repeats + 1):  # a round's forward: one catch-up row and the masks
-                synchronize(device)
-                t0 = time.perf_counter()
-                decoder._draft_rows(out.aux[:, -1:], [prefix[r]], context, dcache, masks)
-                synchronize(device)
-                times.append(time.perf_counter() - t0)
-                dcache.truncate(context)
-            return CostModel(verify, statistics.median(times[1:]), parallel=True)
-        if draft is not None:
-            dcache = decoder.draft_cache(context + repeats + 2)  # the kind the decoder drafts with
-            decoder._draft_rows(out.aux, prefix[1:] + [prefix[0]], 0, dcache)
+            if proposer.one_forward:  # one forward proposes the round: one catch-up row and the masks
+                proposer.propose(out.aux, prefix[1:] + [prefix[0]], 0, 1, greedy, None)
+                for r in range(repeats + 1):
+                    synchronize(device)
+                    t0 = time.perf_counter()
+                    proposer.propose(out.aux[:, -1:], [prefix[r]], context, max_depth, greedy, None)
+                    synchronize(device)
+                    times.append(time.perf_counter() - t0)
+                    proposer.rollback(context)
+                return CostModel(verify, statistics.median(times[1:]), parallel=True)
+            proposer.propose(out.aux, prefix[1:] + [prefix[0]], 0, 1, greedy, None)
             state = torch.zeros(1, 1, draft.config.hidden_size, dtype=draft.fc.weight.dtype, device=device)
-            times = []
             for r in range(repeats + 1):  # the first pass warms up (compiles, where the decoder compiles)
                 synchronize(device)
                 t0 = time.perf_counter()
-                decoder._draft_step(prefix[r], state, context + r, dcache)
+                proposer.step(prefix[r], state, context + r)
                 synchronize(device)
                 times.append(time.perf_counter() - t0)
             step = statistics.median(times[1:])

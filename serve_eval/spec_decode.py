@@ -38,7 +38,8 @@ from torch import Tensor
 
 from eagle3.config import SamplingConfig
 from eagle3.device import synchronize
-from eagle3.draft import Eagle3Draft, KVCache
+from eagle3.draft import DraftHead, DraftKV
+from eagle3.families import Proposal, Proposer, family_of
 from eagle3.metrics import acceptance_per_position, served_tau
 from eagle3.target import Target
 from serve_eval.config import SpecConfig
@@ -136,29 +137,26 @@ def keep_accepted(cache: Any, prefix: int, path: list[int]) -> None:
 class SpeculativeDecoder:
     """Batch-1 generation with a target and a draft of any family (or without, for the baseline)."""
 
-    def __init__(self, target: Target, draft: Eagle3Draft | None, config: SpecConfig = SpecConfig()) -> None:
+    def __init__(self, target: Target, draft: DraftHead | None, config: SpecConfig = SpecConfig()) -> None:
         self.target, self.draft, self.config = target, draft, config
-        if draft is not None:
-            c = draft.config
-            if c.target_hidden_size != target.hidden_size or c.vocab_size != target.vocab_size:
-                raise ValueError(f"draft (target_hidden_size {c.target_hidden_size}, vocab {c.vocab_size}) does "
-                                 f"not fit the target (hidden {target.hidden_size}, vocab {target.vocab_size})")
-            if c.family != "eagle3" and config.mode != "chain":
-                raise ValueError(f"a {c.family} draft proposes a chain in one forward: mode=tree is not supported")
-            if c.family == "dflash" and config.k > c.block_size - 1:
-                raise ValueError(f"k={config.k}: the DFlash draft's block proposes at most {c.block_size - 1} tokens")
-            if c.num_aux_layers != len(target.aux_layer_ids):
-                raise ValueError(f"draft reads {c.num_aux_layers} aux states, the target captures "
-                                 f"{len(target.aux_layer_ids)} layers {list(target.aux_layer_ids)}")
         self.device = target.device
         self._static: StaticKV | None = None  # the target's static cache, kept between generations
         if config.target_cache != "dynamic":
             check_static_target(target, config.target_cache)
             self._static = StaticKV(target, graphs=config.target_cache == "graphs")
-        # an EAGLE-3 draft's steps (a chain's, a tree's expansions) replayed as well (a parallel family
-        # drafts in one forward)
-        self._draft_static = (StaticDraftKV(draft) if config.target_cache == "graphs" and draft is not None
-                              and draft.config.family == "eagle3" else None)
+        self.proposer: Proposer | None = None
+        if draft is not None:
+            c = draft.config
+            if c.target_hidden_size != target.hidden_size or c.vocab_size != target.vocab_size:
+                raise ValueError(f"draft (target_hidden_size {c.target_hidden_size}, vocab {c.vocab_size}) does "
+                                 f"not fit the target (hidden {target.hidden_size}, vocab {target.vocab_size})")
+            if c.num_aux_layers != len(target.aux_layer_ids):
+                raise ValueError(f"draft reads {c.num_aux_layers} aux states, the target captures "
+                                 f"{len(target.aux_layer_ids)} layers {list(target.aux_layer_ids)}")
+            family = family_of(c)
+            # under graphs a family that drafts step by step replays its steps over a static draft cache
+            replayed = config.target_cache == "graphs" and family.replays_steps
+            self.proposer = family.proposer(draft, StaticDraftKV(draft) if replayed else DraftKV(draft), config)
 
     # -- helpers
 
@@ -171,17 +169,11 @@ class SpeculativeDecoder:
             return DynamicCache()
         return self._static.start(slots)
 
-    def draft_cache(self, slots: int) -> KVCache | StaticDraftKV:
-        """An empty draft cache for up to ``slots`` positions: static (the decoder's own) under graphs."""
-        return KVCache() if self._draft_static is None else self._draft_static.start(slots)
-
-    def _draft_step(self, token: int, state: Tensor, position: int, cache: Any) -> tuple[Tensor, Tensor]:
-        """One EAGLE-3 draft step -> (state [1, 1, H], logits [1, Vd])."""
-        ids, pos = torch.tensor([[token]], device=self.device), torch.tensor([[position]], device=self.device)
-        if isinstance(cache, StaticDraftKV):
-            return cache.step(ids, state, pos)
-        state, logits = self.draft(ids, state, pos, cache)
-        return state, logits[:, -1]
+    def draft_cache(self, slots: int) -> Any:
+        """The proposer's draft cache, emptied, for up to ``slots`` rows (static under graphs when the
+        family replays its steps)."""
+        assert self.proposer is not None
+        return self.proposer.start(slots)
 
     def _target(self, ids: list[int], cache: Any, positions: list[int] | None = None,
                 mask: Tensor | None = None) -> Any:
@@ -192,130 +184,6 @@ class SpeculativeDecoder:
             return self.target(x, past_key_values=cache, use_cache=True)
         return self.target(x, attention_mask=mask, past_key_values=cache, use_cache=True,
                            position_ids=torch.tensor([positions], device=self.device))
-
-    def _draft_rows(self, aux: Tensor, tokens: list[int], start: int, cache: KVCache,
-                    masks: int = 0) -> tuple[Tensor, Tensor]:
-        """Catch-up rows start.. from target aux [1, R, A, H] and the token after each -> last (state,
-        logits [1, Vd]). With ``masks`` (P-EAGLE) that many mask rows follow in the same forward (they
-        stay in ``cache`` until the round's rollback) and the logits are the last row's and theirs,
-        [1 + masks, Vd]: one per draft token. A DFlash draft adds the rows' context to ``cache`` and
-        runs its whole trained block; logits of the first ``masks`` mask slots, [masks, Vd]."""
-        d = self.draft
-        assert d is not None
-        if d.config.family == "dflash":  # context keys into the cache, then the trained block [bonus, masks]
-            end, size = start + len(tokens), d.config.block_size
-            d.add_context(aux, torch.arange(start, end, device=self.device)[None], cache)
-            block = torch.tensor([[tokens[-1]] + [d.config.mask_token_id] * (size - 1)], device=self.device)
-            logits = d.propose(block, torch.arange(end, end + size, device=self.device)[None], cache)
-            return logits[:, :0], logits[0, 1:1 + masks]  # no state; [masks, Vd]: the first masks slots
-        hidden = d.combine_aux(aux.to(d.fc.weight.dtype))  # [1, R, H]
-        ids = torch.tensor([tokens], device=self.device)
-        if masks:
-            mask_ids, mask_states = d.mask_inputs((1, masks), hidden.dtype, self.device)
-            hidden, ids = torch.cat([hidden, mask_states], dim=1), torch.cat([ids, mask_ids], dim=1)
-        pos = torch.arange(start, start + ids.shape[1], device=self.device)[None]
-        state, logits = d(ids, hidden, pos, cache)
-        return state[:, -1:], logits[0, -1 - masks:]  # [1, 1, H], [1 + masks, Vd]
-
-    def _draft_target_logits(self, logits: Tensor) -> Tensor:
-        """Draft-vocab logits [.., Vd] -> target-vocab logits [.., V] (-inf outside the draft vocab)."""
-        d = self.draft
-        assert d is not None
-        out = logits.new_full((*logits.shape[:-1], d.config.vocab_size), float("-inf"))
-        out[..., d.draft_to_target_ids(torch.arange(logits.shape[-1], device=logits.device))] = logits
-        return out
-
-    # -- proposals
-
-    def _propose_chain(self, root_state: Tensor, root_logits: Tensor, n: int, cache: KVCache,
-                       params: SamplingConfig, g: torch.Generator | None,
-                       context: list[int], k: int) -> tuple[list[int], list[int], Tensor | None]:
-        """k draft tokens (parents -1, 0, 1, ...) and, when sampling, their proposal
-        distributions [k, V]. ``context``: prompt + emitted tokens (unused by the EAGLE draft)."""
-        d = self.draft
-        assert d is not None
-        tokens, qs = [], []
-        state, logits = root_state, root_logits
-        for depth in range(1, k + 1):
-            full = self._draft_target_logits(logits[0])  # [V]
-            if params.greedy:
-                token = int(full.argmax())
-            else:
-                q = torch.softmax(full.float() / params.temperature, dim=-1)
-                qs.append(q)
-                token = int(torch.multinomial(q, 1, generator=g))
-            tokens.append(token)
-            if depth < k:
-                state, logits = self._draft_step(token, state, n - 1 + depth, cache)
-        return tokens, list(range(-1, len(tokens) - 1)), (torch.stack(qs) if qs else None)
-
-    def _propose_parallel(self, logits: Tensor, params: SamplingConfig, g: torch.Generator | None,
-                          context: list[int]) -> tuple[list[int], list[int], Tensor | None]:
-        """Parallel families: the draft tokens from one forward's rows, logits [k, Vd], each drawn on its own
-        (a proposal need not depend on the earlier draft tokens to stay lossless: verification only
-        needs the distribution each token was drawn from). ``context``: unused, as in the chain."""
-        full = self._draft_target_logits(logits)  # [k, V]
-        if params.greedy:
-            tokens = full.argmax(-1).tolist()
-            qs = None
-        else:
-            qs = torch.softmax(full.float() / params.temperature, dim=-1)  # [k, V]
-            tokens = torch.multinomial(qs, 1, generator=g)[:, 0].tolist()
-        return tokens, list(range(-1, len(tokens) - 1)), qs
-
-    def _propose_tree(self, root_state: Tensor, root_logits: Tensor, n: int, cache: KVCache | StaticDraftKV,
-                      context: list[int]) -> tuple[list[int], list[int]]:
-        """EAGLE-2 dynamic tree: deterministic top-k children, expanded by cumulative log-prob."""
-        d = self.draft
-        assert d is not None
-        topk, past = self.config.topk, len(cache)
-        tokens: list[int] = []
-        parents: list[int] = []
-        scores: list[float] = []
-        cache_row: dict[int, int] = {}  # node -> its row in the draft cache (expanded nodes only)
-        frontier = [(-1, root_state[0, 0], root_logits[0], 0.0)]  # (node, state [H], logits [Vd], score)
-        for depth in range(1, self.config.k + 1):
-            children = []
-            # every frontier node's top-k in one pass (one read back to the host per depth)
-            logp = torch.log_softmax(self._draft_target_logits(torch.stack([f[2] for f in frontier])).float(), dim=-1)
-            best = logp.topk(topk, dim=-1)  # [F, topk]
-            values, ids = torch.stack([best.values.double(), best.indices.double()]).tolist()  # exact in float64
-            for (node, _state, _logits, score), lps, row_ids in zip(frontier, values, ids, strict=True):
-                for lp, token in zip(lps, row_ids, strict=True):
-                    tokens.append(int(token))
-                    parents.append(node)
-                    scores.append(score + lp)
-                    children.append(len(tokens) - 1)
-            if depth == self.config.k:
-                break
-            # expand the best `topk` of this depth's nodes in one draft forward (tree mask)
-            chosen = sorted(children, key=lambda i: -scores[i])[:topk]
-            rows = len(cache)
-            width = cache.slots if isinstance(cache, StaticDraftKV) else rows + len(chosen)  # static: every slot
-            mask = torch.zeros(len(chosen), width, dtype=torch.bool)  # built on the host, moved once
-            mask[:, :past] = True
-            for r, node in enumerate(chosen):
-                mask[r, rows + r] = True
-                ancestor = parents[node]
-                while ancestor >= 0:
-                    mask[r, cache_row[ancestor]] = True
-                    ancestor = parents[ancestor]
-            mask = mask.to(self.device)
-            fed = {node: state for node, state, _, _ in frontier}  # a child is fed its parent's output state
-            states = torch.stack([fed[parents[node]] for node in chosen])[None]  # [1, C, H]
-            ids = torch.tensor([[tokens[i] for i in chosen]], device=self.device)
-            pos = torch.full((1, len(chosen)), n - 1 + depth, device=self.device)
-            if isinstance(cache, StaticDraftKV):
-                new_states, new_logits = cache.tree_step(ids, states, pos, mask)
-            else:
-                new_states, new_logits = d(ids, states, pos, cache, attn_mask=mask)
-            for r, node in enumerate(chosen):
-                cache_row[node] = rows + r
-            frontier = [(node, new_states[0, r], new_logits[0, r], scores[node]) for r, node in enumerate(chosen)]
-        # keep the best `budget` nodes; a child never outscores its parent, so ancestors stay
-        keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[: self.config.budget])
-        index = {old: new for new, old in enumerate(keep)}
-        return [tokens[i] for i in keep], [index[parents[i]] if parents[i] >= 0 else -1 for i in keep]
 
     # -- generation
 
@@ -334,94 +202,78 @@ class SpeculativeDecoder:
             raise ValueError("empty prompt")
         if policy is not None and self.config.mode != "chain":
             raise ValueError("an adaptive depth policy needs mode=chain")
-        speculate = speculate and self.draft is not None
+        proposer = self.proposer if speculate else None
         g = torch.Generator(device=self.device).manual_seed(seed)  # sampling happens where the logits are
-        stats = DecodeStats(proposed=self.config.k if speculate else 0)
+        stats = DecodeStats(proposed=self.config.k if proposer else 0)
         synchronize(self.device)
         start = time.perf_counter()
-        k, tree = self.config.k, self.config.mode == "tree"
-        cache = self.target_cache(len(prompt) + max_new_tokens + max(self.config.budget if tree else 0, k) + 1)
+        cache = self.target_cache(len(prompt) + max_new_tokens + self._extra_slots(target=True))
         out = self._target(prompt, cache)
-        first = self._pick(out.logits[0, -1], params, g)
+        emitted = [self._pick(out.logits[0, -1], params, g)]
         stats.seconds_prefill = time.perf_counter() - start
-        emitted = [first]
-        n = len(prompt)
-        going = on_tokens is None or on_tokens([first]) is not False
-        # a tree's expansions add topk rows per depth after the catch-up
-        draft_cache = self.draft_cache(len(prompt) + max_new_tokens + max((k - 1) * self.config.topk if tree else 0,
-                                                                           k) + 1)
-        root = None
-        # Catch-up rows not yet run through the draft: (aux [1, R, A, H], the token after each).
-        # They are run in one draft forward right before the next proposal, so rounds that do
-        # not speculate (depth 0) cost no draft step.
-        pending: list[tuple[Tensor, list[int]]] = [(out.aux, prompt[1:] + [first])] if speculate else []
-        caught_up = 0  # rows in the draft cache
-
+        going = on_tokens is None or on_tokens(list(emitted)) is not False
+        n = len(prompt)  # tokens in the target's cache (the newest emitted one is not)
+        if proposer is not None:
+            proposer.start(len(prompt) + max_new_tokens + self._extra_slots(target=False))
+        # rows the target verified, not yet run through the draft: (aux [1, R, A, H], the token after
+        # each); run right before the next proposal, so a round at depth 0 costs no draft step
+        pending: list[tuple[Tensor, list[int]]] = [(out.aux, prompt[1:] + emitted)] if proposer else []
         while going and len(emitted) < max_new_tokens and emitted[-1] not in stop_ids:
-            x = emitted[-1]
-            if not speculate:
+            if proposer is None:
+                new = self._plain_step(emitted[-1], cache, params, g, stats)
+            else:
                 t0 = time.perf_counter()
-                out = self._target([x], cache)
+                k = self.config.k if policy is None else min(max(policy.choose(), 0), self.config.k)
+                proposal = Proposal([], [])
+                if k > 0:  # draft: catch up on the pending rows, then propose
+                    aux, tokens = torch.cat([a for a, _ in pending], dim=1), [t for _, ts in pending for t in ts]
+                    pending.clear()
+                    proposal = proposer.propose(aux, tokens, n - len(tokens), k, params, g)
                 synchronize(self.device)
-                stats.seconds_verify += time.perf_counter() - t0
-                stats.target_forwards += 1
-                emitted.append(self._pick(out.logits[0, -1], params, g))
-                n += 1
-                going = on_tokens is None or on_tokens(emitted[-1:]) is not False
-                continue
-            t0 = time.perf_counter()
-            tree = self.config.mode == "tree"
-            k = self.config.k if policy is None else min(max(policy.choose(), 0), self.config.k)
-            family = self.draft.config.family
-            parallel = k > 0 and family != "eagle3"
-            if k > 0 and pending:
-                aux_rows = torch.cat([a for a, _ in pending], dim=1)  # [1, R, A, H]
-                row_tokens = [t for _, ts in pending for t in ts]
-                masks = k if family == "dflash" else k - 1 if parallel else 0
-                root = self._draft_rows(aux_rows, row_tokens, caught_up, draft_cache, masks)
-                caught_up += len(row_tokens)
-                pending.clear()
-            tokens, parents, qs = [], [], None
-            if k > 0:
-                assert root is not None and caught_up == n
-                if parallel:  # every round catches up (pending is never empty then): root holds k rows
-                    tokens, parents, qs = self._propose_parallel(root[1], params, g, prompt + emitted)
-                elif tree:
-                    tokens, parents = self._propose_tree(root[0], root[1], n, draft_cache, prompt + emitted)
-                else:
-                    tokens, parents, qs = self._propose_chain(root[0], root[1], n, draft_cache, params, g,
-                                                              prompt + emitted, k)
-            synchronize(self.device)
-            stats.seconds_draft += time.perf_counter() - t0
-
-            out, acc = self._verify(x, tokens, parents, qs, n, cache, params, g, stats)
-            path = acc.path if acc.path is not None else list(range(acc.accepted))
-            stats.accepted.append(acc.accepted)
-            stats.depths.append(max(tree_depths(parents), default=0) if tree else len(tokens))
-            if policy is not None:
-                policy.observe(len(tokens), acc.accepted)
-            room = max_new_tokens - len(emitted)
-            new = acc.tokens[:room]
-            for i, token in enumerate(new):
-                if token in stop_ids:
-                    new = new[: i + 1]
-                    break
+                stats.seconds_draft += time.perf_counter() - t0
+                out, acc = self._verify(emitted[-1], proposal, n, cache, params, g, stats)  # verify, accept
+                path = acc.path if acc.path is not None else list(range(acc.accepted))
+                stats.accepted.append(acc.accepted)
+                stats.depths.append(max(tree_depths(proposal.parents), default=0) if self.config.mode == "tree"
+                                    else len(proposal.tokens))
+                if policy is not None:
+                    policy.observe(len(proposal.tokens), acc.accepted)
+                keep_accepted(cache, n + 1, path)  # roll back the target and the draft
+                proposer.rollback(n - sum(len(ts) for _, ts in pending))
+                pending.append((out.aux[:, [0, *(1 + p for p in path)]], acc.tokens))  # x and the accepted nodes
+                new = acc.tokens
+            new = _until_stop(new[:max_new_tokens - len(emitted)], stop_ids)
+            n += len(new) if proposer is None else len(pending[-1][1])
             emitted += new
             going = on_tokens is None or on_tokens(new) is not False
-
-            keep_accepted(cache, n + 1, path)
-            draft_cache.truncate(caught_up)  # the proposals' rows go
-            pending.append((out.aux[:, [0, *(1 + p for p in path)]], acc.tokens))  # x and the accepted nodes
-            n += 1 + len(path)
         stats.new_tokens = len(emitted)
         synchronize(self.device)
         stats.seconds_total = time.perf_counter() - start
         return Generation(emitted, stats)
 
-    def _verify(self, x: int, tokens: list[int], parents: list[int], qs: Tensor | None, n: int, cache: Any,
-                params: SamplingConfig, g: torch.Generator | None, stats: DecodeStats) -> tuple[Any, Acceptance]:
+    def _extra_slots(self, target: bool) -> int:
+        """Cache rows beyond prompt + new tokens: a round's proposal (a tree's nodes in the target's
+        cache; a tree's expansions, topk rows per depth, in the draft's), and one more."""
+        k, tree = self.config.k, self.config.mode == "tree"
+        if not tree:
+            return k + 1
+        return max(self.config.budget if target else (k - 1) * self.config.topk, k) + 1
+
+    def _plain_step(self, x: int, cache: Any, params: SamplingConfig, g: torch.Generator | None,
+                    stats: DecodeStats) -> list[int]:
+        """One target step without a draft (the baseline)."""
+        t0 = time.perf_counter()
+        out = self._target([x], cache)
+        synchronize(self.device)
+        stats.seconds_verify += time.perf_counter() - t0
+        stats.target_forwards += 1
+        return [self._pick(out.logits[0, -1], params, g)]
+
+    def _verify(self, x: int, proposal: Proposal, n: int, cache: Any, params: SamplingConfig,
+                g: torch.Generator | None, stats: DecodeStats) -> tuple[Any, Acceptance]:
         """One target forward over ``x`` and the proposal (a chain, or a tree under its mask), then
         acceptance: greedy, or speculative sampling against the proposal's distributions ``qs``."""
+        tokens, parents, qs = proposal.tokens, proposal.parents, proposal.qs
         tree = self.config.mode == "tree"
         t0 = time.perf_counter()
         if tree:  # each node sees the prefix, x and its ancestors, at position n + depth
@@ -451,6 +303,14 @@ class SpeculativeDecoder:
         if params.greedy:
             return int(logits.argmax())
         return int(torch.multinomial(target_probs(logits, params), 1, generator=g))
+
+
+def _until_stop(tokens: list[int], stop_ids: set[int] | frozenset[int]) -> list[int]:
+    """``tokens`` up to and including the first stop id."""
+    for i, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[: i + 1]
+    return tokens
 
 
 __all__ = ["DecodeStats", "DepthPolicy", "Generation", "SpeculativeDecoder", "crop_cache",

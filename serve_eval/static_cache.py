@@ -171,6 +171,10 @@ class StaticDraftKV:
     def __len__(self) -> int:
         return self.length
 
+    def mask_width(self, new: int) -> int:
+        """Columns of a tree mask: every slot (the compiled step attends over all of them)."""
+        return self.slots
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         at = self.pos + torch.arange(k.shape[1], device=k.device)
         self.keys[layer].index_copy_(1, at, k)

@@ -14,9 +14,10 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.conversations import DOMAINS
-from eagle3.dflash import DFlashDraft, build_draft
 from eagle3.draft import DraftConfig, Eagle3Draft, KVCache
 from eagle3.draft_vocab import DraftVocab
+from eagle3.families import Proposal, family_of
+from eagle3.families.dflash import DFlashDraft
 from eagle3.target import Target
 from serve_eval.config import SpecConfig
 from serve_eval.spec_decode import SpeculativeDecoder
@@ -207,7 +208,7 @@ def tiny_draft(num_layers: int = 1, seed: int = 0, **variant: Any) -> Any:
     config = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                          vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=TARGET_HIDDEN,
                          num_layers=num_layers, initializer_range=0.15, **variant)
-    draft = build_draft(config, torch.randn(VOCAB, 64))
+    draft = family_of(config).build(config, torch.randn(VOCAB, 64))
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # norms away from 1, so that a swapped norm would show
         for name, p in draft.named_parameters():
@@ -230,15 +231,14 @@ def documents(batch: dict) -> Iterator[tuple[int, int, int]]:
 def train_briefly(draft: Any, batch: dict, steps: int = 30, num_steps: int = 3,
                   after_backward: Callable[[], None] | None = None) -> list[float]:
     """Adam (lr 3e-3) on one packed batch through the family's training forward; the losses."""
-    from eagle3.dflash import draft_forward
     from eagle3.ttt import prepare_targets
 
     targets = prepare_targets(batch["target_logits"], draft.t2d)
     opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
     losses = []
     for _ in range(steps):
-        out = draft_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
-                            batch["loss_mask"], targets, num_steps=num_steps)
+        out = family_of(draft.config).forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"],
+                                              batch["document_ids"], batch["loss_mask"], targets, num_steps=num_steps)
         opt.zero_grad()
         out.loss.backward()
         if after_backward is not None:
@@ -338,11 +338,37 @@ def tiny_pipeline(root: Path, kind: str = "local") -> Any:
 
 class OracleDecoder(SpeculativeDecoder):
     """Proposes the target's own greedy continuation (with every ``wrong``-th token changed), so
-    that long accepted runs and rejections both happen; the catch-up still runs the real draft."""
+    that long accepted runs and rejections both happen; the family's proposer still runs (its
+    catch-up, masks and rollback), its proposal replaced."""
 
     def __init__(self, *args, wrong: int = 0, **kw) -> None:
         super().__init__(*args, **kw)
         self.wrong = wrong
+        proposer = self.proposer
+        real_start, real_propose = proposer.start, proposer.propose
+        seen: list[int] = []  # every row's token so far: the context is the prompt's first token then these
+
+        def start(slots: int):
+            seen.clear()
+            return real_start(slots)
+
+        def propose(aux, tokens, start_row, k, params, g):
+            real_propose(aux, tokens, start_row, k, params, g)
+            seen.extend(tokens)
+            context, n = [self._first, *seen], start_row + len(tokens)
+            if self.config.mode == "tree":  # a wrong root child first, then the right chain under the second
+                right = self._greedy(context, self.config.k)
+                return Proposal([(right[0] + 1) % self.target.vocab_size, *right], [-1, -1, *range(1, len(right))])
+            out = self._greedy(context, k)
+            if self.wrong:
+                out = [(t + 1) % self.target.vocab_size if (i + n) % self.wrong == 0 else t for i, t in enumerate(out)]
+            return Proposal(out, list(range(-1, len(out) - 1)))
+
+        proposer.start, proposer.propose = start, propose
+
+    def generate(self, prompt: list[int], *args, **kw):
+        self._first = prompt[0]
+        return super().generate(prompt, *args, **kw)
 
     def _greedy(self, context: list[int], k: int) -> list[int]:
         out: list[int] = []
@@ -350,22 +376,6 @@ class OracleDecoder(SpeculativeDecoder):
             logits = self.target(torch.tensor([context + out]), return_logits=True).logits[0, -1]
             out.append(int(logits.argmax()))
         return out
-
-    def _propose_chain(self, root_state, root_logits, n, cache, params, g, context, k):
-        tokens = self._greedy(context, k)
-        if self.wrong:
-            tokens = [(t + 1) % self.target.vocab_size if (i + n) % self.wrong == 0 else t
-                      for i, t in enumerate(tokens)]
-        return tokens, list(range(-1, len(tokens) - 1)), None
-
-    def _propose_parallel(self, logits, params, g, context):
-        # P-EAGLE / DFlash: their one draft forward still runs (cache, masks, rollback); k = its rows
-        return self._propose_chain(None, None, len(context) - 1, None, params, g, context, logits.shape[0])
-
-    def _propose_tree(self, root_state, root_logits, n, cache, context):
-        # a wrong root child first, then the right chain under the second root child
-        right = self._greedy(context, self.config.k)
-        return [(right[0] + 1) % self.target.vocab_size, *right], [-1, -1, *range(1, len(right))]
 
 
 def plain(target: Target, prompt: list[int], n: int = 24) -> list[int]:
@@ -420,7 +430,7 @@ def tiny_dflash(num_layers: int = 1, block_size: int = 4, seed: int = 0) -> DFla
 
 def peagle_for(target) -> Eagle3Draft:
     base = make_draft(target)
-    draft = Eagle3Draft(replace(base.config, mask_token_id=3), target.embed_tokens.weight.detach())
+    draft = Eagle3Draft(replace(base.config, family="peagle", mask_token_id=3), target.embed_tokens.weight.detach())
     draft.load_state_dict({**base.state_dict(), "mask_hidden": torch.randn(draft.mask_hidden.shape)})
     return draft.eval()
 

@@ -13,9 +13,9 @@ import torch
 from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
 from eagle3.config import SamplingConfig, TargetConfig
-from eagle3.dflash import build_draft
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab
+from eagle3.families import family_of
 from eagle3.metrics import AcceptanceTally
 from eagle3.shards import HarvestStore
 from eagle3.target import Target
@@ -129,7 +129,7 @@ def _draft_for(target: Target, vocab: DraftVocab, family: str = "eagle3") -> Eag
     torch.manual_seed(0)
     extra = {"eagle3": {}, "peagle": {"mask_token_id": 3}, "dflash": {"mask_token_id": 3, "block_size": 4}}[family]
     config = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size, **extra)
-    draft = build_draft(config, target.embed_tokens.weight.detach().float())
+    draft = family_of(config).build(config, target.embed_tokens.weight.detach().float())
     draft.set_draft_vocab(vocab.d2t, vocab.t2d)
     return draft
 

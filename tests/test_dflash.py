@@ -8,9 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from eagle3.dflash import DFlashDraft
-from eagle3.dflash import draft_forward as ttt_forward
-from eagle3.draft import KVCache, trainable_parameter_count
+from eagle3.draft import KVCache
+from eagle3.families import parameter_count as trainable_parameter_count
+from eagle3.families.dflash import DFlashDraft
+from eagle3.families.dflash import dflash_forward as ttt_forward
 from eagle3.ttt import prepare_targets
 from serve_eval.config import SpecConfig
 from serve_eval.spec_decode import SpeculativeDecoder

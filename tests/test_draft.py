@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3.draft import DraftConfig, Eagle3Draft, KVCache, rope_cos_sin, trainable_parameter_count
+from eagle3.draft import DraftConfig, Eagle3Draft, KVCache, rope_cos_sin
 from eagle3.draft_vocab import DraftVocab, to_draft_logits
+from eagle3.families import parameter_count as trainable_parameter_count
 from eagle3.target import Target
 from tests.helpers import randomised, small_config, tiny_llama, tiny_tokenizer
 

@@ -11,10 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3.draft import Eagle3Draft, KVCache, trainable_parameter_count
+from eagle3.draft import Eagle3Draft, KVCache
 from eagle3.export import export_draft_folder, load_draft
+from eagle3.families import family_of
+from eagle3.families import parameter_count as trainable_parameter_count
 from eagle3.formats import DraftFormatError
-from eagle3.ttt import prepare_targets, ttt_forward
+from eagle3.ttt import prepare_targets
 from serve_eval.config import SpecConfig
 from serve_eval.spec_decode import SpeculativeDecoder
 from tests.helpers import (
@@ -67,9 +69,10 @@ def test_unroll_equals_one_parallel_forward(num_layers: int, variant: dict) -> N
     num_steps = 4
     ref = parallel_serving_logits(draft, batch, num_steps)
     with torch.no_grad():
-        out = ttt_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
-                          batch["loss_mask"], prepare_targets(batch["target_logits"], draft.t2d),
-                          num_steps=num_steps, return_logits=True)
+        out = family_of(draft.config).forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"],
+                                              batch["document_ids"], batch["loss_mask"],
+                                              prepare_targets(batch["target_logits"], draft.t2d),
+                                              num_steps=num_steps, return_logits=True)
     gaps: dict[int, float] = {}
     for (row, k, t), logits in ref.items():
         gaps[k] = max(gaps.get(k, 0.0), (out.logits[k][row, t] - logits).abs().max().item())
@@ -81,14 +84,14 @@ def test_the_unroll_is_not_the_eagle3_chain() -> None:
     """Negative control: the same weights without the mask (an eagle3 chain) give other logits from
     step 1 on, so the test above does see which inputs the later steps read."""
     draft = parallel_draft()
-    chain = Eagle3Draft(replace(draft.config, mask_token_id=None))
+    chain = Eagle3Draft(replace(draft.config, family="eagle3", mask_token_id=None))
     chain.load_state_dict({k: v for k, v in draft.state_dict().items() if k != "mask_hidden"})
     batch = packed_batch([[9, 7]], t2d=draft.t2d)
     args = (batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"], batch["loss_mask"],
             prepare_targets(batch["target_logits"], draft.t2d))
     with torch.no_grad():
-        a = ttt_forward(draft, *args, num_steps=3, return_logits=True)
-        b = ttt_forward(chain, *args, num_steps=3, return_logits=True)
+        a = family_of(draft.config).forward(draft, *args, num_steps=3, return_logits=True)
+        b = family_of(chain.config).forward(chain, *args, num_steps=3, return_logits=True)
     assert torch.equal(a.logits[0], b.logits[0])
     assert (a.logits[1] - b.logits[1]).abs().max() > 1e-2
 

@@ -33,18 +33,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from eagle3.config import SamplingConfig, TrainConfig
 from eagle3.device import sdpa
 from eagle3.draft import (
     MLP,
     DraftConfig,
     DraftHead,
-    Eagle3Draft,
     KVCache,
     RMSNorm,
     apply_rope,
     gather_rows,
     rope_cos_sin,
 )
+from eagle3.errors import TrainError
+from eagle3.families import DraftFamily, Proposal, Proposer, register
+from eagle3.families.peagle import vllm_only
+from eagle3.formats import dflash_config
 from eagle3.losses import SOFT_CE, Objective
 from eagle3.ttt import (
     RowPlan,
@@ -57,7 +61,6 @@ from eagle3.ttt import (
     step_input_ids,
     step_loss,
     ttt_attention,
-    ttt_forward,
 )
 
 
@@ -164,20 +167,6 @@ class DFlashDraft(DraftHead, nn.Module):
         return self.compute_logits(self.run_block(x, cos, sin, [attend_for(i) for i in range(len(self.layers))]))
 
 
-def build_draft(config: DraftConfig, embed_tokens_weight: Tensor | None = None) -> DraftHead:
-    """A fresh draft of the config's family: :class:`DFlashDraft`, else an EAGLE-3 (or P-EAGLE) draft."""
-    cls = DFlashDraft if config.family == "dflash" else Eagle3Draft
-    return cls(config, embed_tokens_weight)
-
-
-def draft_forward(draft: DraftHead, *args: Any, **kwargs: Any) -> TTTOutput:
-    """The training forward of any draft family, :func:`eagle3.ttt.ttt_forward`'s inputs and output:
-    the TTT unroll for eagle3 and P-EAGLE drafts, :func:`dflash_forward` for DFlash ones."""
-    if draft.config.family == "dflash":
-        return dflash_forward(draft, *args, **kwargs)  # type: ignore[arg-type]
-    return ttt_forward(draft, *args, **kwargs)  # type: ignore[arg-type]
-
-
 def dflash_forward(draft: DFlashDraft, input_ids: Tensor, aux: Tensor, position_ids: Tensor, document_ids: Tensor,
                    loss_mask: Tensor, targets: TTTTargets, *, num_steps: int = 7,
                    weights: Sequence[float] | Tensor | None = None, gradient_checkpointing: bool = False,
@@ -233,4 +222,76 @@ def dflash_forward(draft: DFlashDraft, input_ids: Tensor, aux: Tensor, position_
     return tally.output(return_logits)
 
 
-__all__ = ["DFlashDraft", "build_draft", "dflash_forward", "draft_forward"]
+class DFlashFamily(DraftFamily):
+    name = "dflash"
+    reads_mask_token = True
+
+    def check_train(self, train: TrainConfig) -> None:
+        super().check_train(train)
+        if train.gradient_checkpointing:
+            raise ValueError("train.gradient_checkpointing=true: a dflash draft runs one block, not an unroll to "
+                             "recompute step by step; it is not supported there")
+        if train.layer_init != "random":
+            raise ValueError(f"train.layer_init={train.layer_init}: a dflash draft starts from random layers")
+
+    def check_config(self, config: DraftConfig) -> None:
+        if config.block_size is None or config.block_size < 2 or config.mask_token_id is None:
+            raise ValueError(f"draft.block_size={config.block_size}: a DFlash draft needs block_size >= 2 and a "
+                             "mask_token_id")
+
+    def shape(self, train: TrainConfig) -> dict[str, Any]:
+        return {"block_size": train.ttt_steps + 1}  # a block of ttt_steps + 1; EAGLE-3's layer variants do not apply
+
+    def build(self, config: DraftConfig, embed_tokens_weight: Tensor | None = None) -> DFlashDraft:
+        return DFlashDraft(config, embed_tokens_weight)
+
+    def parameter_count(self, config: DraftConfig) -> int:
+        h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+        q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+        per_layer = h * (q + 2 * kv) + q * h + 2 * d + 2 * h + 3 * h * i  # q/k/v/o, q_norm, k_norm, 2 norms, SwiGLU
+        return (config.num_aux_layers * config.target_hidden_size * h + h + config.num_layers * per_layer
+                + h + config.draft_vocab_size * h)  # fc, hidden_norm, the layers, the final norm, lm_head
+
+    def adopt(self, draft: DraftHead, train: TrainConfig, mask_token_id: int | None) -> DraftHead:
+        draft = super().adopt(draft, train, mask_token_id)
+        if draft.config.block_size - 1 < train.ttt_steps:
+            raise TrainError(f"train.ttt_steps={train.ttt_steps}: the init_draft's DFlash block proposes "
+                             f"{draft.config.block_size - 1} tokens")
+        return draft
+
+    def forward(self, draft: Any, *args: Any, **kwargs: Any) -> TTTOutput:
+        return dflash_forward(draft, *args, **kwargs)
+
+    def proposer(self, draft: Any, cache: Any, spec: Any) -> Proposer:
+        if spec.mode != "chain":
+            raise ValueError(f"a {self.name} draft proposes a chain in one forward: mode=tree is not supported")
+        if spec.k > draft.block_size - 1:
+            raise ValueError(f"k={spec.k}: the DFlash draft's block proposes at most {draft.block_size - 1} tokens")
+        return BlockProposer(draft, cache, spec)
+
+    def engine_config(self, config: DraftConfig, aux_layer_ids: Any, fmt: str, dtype: str,
+                      **speculators: Any) -> dict[str, Any]:
+        vllm_only(self.name, config, fmt)
+        return dflash_config(config, aux_layer_ids, dtype)
+
+
+class BlockProposer(Proposer):
+    """DFlash serving: the catch-up rows' context keys into the draft cache, then the trained block (the
+    newest token and block_size - 1 mask tokens, attending both ways); its first k mask slots are the
+    proposal. The block itself never enters the cache."""
+
+    one_forward = True
+
+    def propose(self, aux: Tensor, tokens: list[int], start: int, k: int, params: SamplingConfig,
+                g: torch.Generator | None) -> Proposal:
+        d = self.draft
+        end, size = start + len(tokens), d.block_size
+        d.add_context(aux, torch.arange(start, end, device=self.device)[None], self.cache)
+        block = torch.tensor([[tokens[-1]] + [d.config.mask_token_id] * (size - 1)], device=self.device)
+        logits = d.propose(block, torch.arange(end, end + size, device=self.device)[None], self.cache)
+        return self.draw_each(logits[0, 1:1 + k], params, g)  # [k, Vd]: the first k mask slots
+
+
+DFLASH = register(DFlashFamily())
+
+__all__ = ["DFLASH", "BlockProposer", "DFlashDraft", "DFlashFamily", "dflash_forward"]
