@@ -25,6 +25,8 @@ from eagle3.shards import Sample, StoreError, as_stored
 class ColocatedStore(PlannedSamples):
     """A store whose ``store[i]`` (and ``get_many``) runs the attached target on the samples asked for."""
 
+    reads_ahead = False  # its reads run the target, on the trainer's device
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         super().__init__(root)
         settings = self.plan_record.get("settings", {})
@@ -38,6 +40,9 @@ class ColocatedStore(PlannedSamples):
     def attach(self, target: Any) -> None:
         """Capture with ``target`` (checked against the plan by the trainer before)."""
         self.capture = HFCapture(target, self.spec.topk)
+
+    def summary(self) -> dict[str, Any]:
+        return {"capture_seconds": round(self.capture_s, 2)}  # the target's share of the time
 
     def get_many(self, indices: Sequence[int]) -> list[Sample]:
         """The samples ``indices`` with their states, captured in batches of the plan's batch size

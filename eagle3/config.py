@@ -12,9 +12,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from eagle3.losses import LOSSES
 from eagle3.target_source import DEFAULT_TARGET
 
-LOSSES = ("soft_ce", "tv", "nla", "lk_hybrid")
 """The draft objectives ``train.loss`` names (defined in eagle3.losses)."""
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -112,15 +112,14 @@ class DraftConfig:
     """Set: a DFlash draft (:mod:`eagle3.dflash`): one non-causal forward over the bonus token and
     ``block_size - 1`` mask tokens (``mask_token_id``) proposes ``block_size - 1`` tokens."""
     family: str | None = None
-    """The draft family (:mod:`eagle3.families`: eagle3, peagle, dflash, or one registered later).
-    None: read from the fields, as for configs saved before they named it (a block: dflash; a mask
-    token alone: peagle; else eagle3)."""
+    """The draft family (:mod:`eagle3.families`: eagle3, peagle, dflash, or one registered later;
+    :func:`eagle3.families.family_of` checks the fields fit it). None: read from the fields, as for
+    configs saved before they named it (a block: dflash; a mask token alone: peagle; else eagle3)."""
 
     def __post_init__(self) -> None:
-        from eagle3.families import get_family, legacy_family  # the families build on this module
-
-        if self.family is None:
-            self.family = legacy_family(self.block_size, self.mask_token_id)
+        if self.family is None:  # a config saved before configs named their family: what its fields make
+            self.family = "dflash" if self.block_size is not None else "peagle" if self.mask_token_id is not None \
+                else "eagle3"
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
         if self.head_dim is None:
@@ -153,7 +152,6 @@ class DraftConfig:
             if self.rope_scaling.get("partial_rotary_factor", 1.0) != 1.0:
                 raise ValueError("draft.rope_scaling: partial_rotary_factor is not supported (the draft rotates "
                                  "the whole head)")
-        get_family(self.family).check_config(self)
 
     @classmethod
     def from_target_config(cls, hf_config: Any, draft_vocab_size: int, **overrides: Any) -> DraftConfig:

@@ -16,7 +16,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -26,38 +26,26 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from eagle3.atomic import atomic_dir, holds_only
-from eagle3.draft import DraftConfig, DraftHead, read_rope, rope_kind
+from eagle3.draft import DraftConfig
 from eagle3.errors import USER_ERRORS
-from eagle3.families import family_of
+from eagle3.families import family_of, family_reading
 from eagle3.formats import (
-    ARCHITECTURES,
-    DFLASH_ARCHITECTURE,
     FORMATS,
     MARKER,
+    OUR_META,
     DraftFormatError,
+    LoadedDraft,
+    aux_ids_of,
+    detect_format,
+    draft_config_from_json,
+    fill_draft,
+    nonfinite_tensors,
+    our_meta,
+    read_json,
+    specforge_ids,
 )
 
-OUR_META = "draft.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class LoadedDraft:
-    """A draft read from disk, in our terms."""
-
-    draft: DraftHead
-    aux_layer_ids: tuple[int, ...] | None
-    """Inputs of these target layers (ascending); None: the folder names none (engine defaults)."""
-    format: str
-    """vllm, speculators or sglang."""
-    path: Path
-    meta: dict[str, Any] = field(default_factory=dict)
-    """Our draft.json when present (training step and eval figures), else {}."""
-    has_embedding: bool = False
-    """The checkpoint carried its own embedding (loaded); otherwise the target's must be given."""
-    has_lm_head: bool = True
-    """False: the checkpoint has no lm_head (engines serve it with the target's, as ModelOpt's
-    full-vocab drafts ship); :func:`fit_to_target` copies the target's in."""
 
 
 # ---------------------------------------------------------------- tensors
@@ -116,11 +104,6 @@ def _is_earlier_export(folder: Path) -> bool:
         return False
 
 
-def nonfinite_tensors(tensors: dict[str, Tensor]) -> list[str]:
-    """Names of the floating tensors holding a NaN or Inf: a diverged or corrupted draft."""
-    return [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-
-
 def export_draft_folder(out: str | os.PathLike[str], state: dict[str, Tensor], config: DraftConfig,
                         aux_layer_ids: Sequence[int], fmt: str = "vllm", *, dtype: str = "bfloat16",
                         verifier: str | None = None, verifier_architectures: Sequence[str] = (),
@@ -152,156 +135,6 @@ def export_draft_folder(out: str | os.PathLike[str], state: dict[str, Tensor], c
 # ---------------------------------------------------------------- import
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DraftFormatError(f"{path}: missing (a draft folder needs config.json and model.safetensors)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DraftFormatError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise DraftFormatError(f"{path}: expected a JSON object")
-    return data
-
-
-def looks_like_eagle3(names: Sequence[str]) -> bool:
-    """Tensor names (ours, see :func:`_our_names`) of an EAGLE-3 decoder layer: ``fc`` over the aux
-    states and a first layer with ``hidden_norm`` (its 2H attention input). EAGLE-1/2 drafts have
-    an fc over [embedding, state] and no ``hidden_norm``; MLA drafts have no ``q_proj``."""
-    have = set(names)
-    return {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight"} <= have
-
-
-def detect_format(cfg: dict[str, Any], path: Path, names: Sequence[str] = ()) -> str:
-    """vllm, speculators or sglang, from a config.json's contents (and the checkpoint's tensor
-    ``names``: a plain config whose architecture is the target's, as EAGLE's own checkpoints write
-    ``LlamaForCausalLM``, counts as vllm when the tensors are an EAGLE-3 layer, as vLLM reads it)."""
-    marker = cfg.get(MARKER)
-    if isinstance(marker, dict) and marker.get("format") in FORMATS:
-        return marker["format"]
-    if "speculators_model_type" in cfg:
-        if cfg["speculators_model_type"] != "eagle3":
-            raise DraftFormatError(f"{path}: speculators_model_type={cfg['speculators_model_type']!r}, only eagle3 "
-                                   "drafts are supported")
-        return "speculators"
-    archs = cfg.get("architectures") or []
-    if any(a in ARCHITECTURES for a in archs) or (archs == ["LlamaForCausalLM"] and looks_like_eagle3(names)):
-        return "vllm"
-    raise DraftFormatError(f"{path}: architectures={archs} is not an EAGLE-3 draft (expected one of "
-                           f"{', '.join(ARCHITECTURES)}, LlamaForCausalLM with an EAGLE-3 layer's tensors, "
-                           "or a speculators config)")
-
-
-def _is_id_list(ids: Any) -> bool:
-    """A JSON list of layer ids: integers, booleans excluded."""
-    return isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
-
-
-def _specforge_ids(cfg: dict[str, Any]) -> list[int] | None:
-    """The ids of an unmarked plain config that names them only under ``eagle_config`` and
-    starts at 1: SpecForge's and ModelOpt's convention (layer outputs; their default for N layers
-    is [1, N/2 - 1, N - 4], the inputs of vLLM's default layers). None otherwise."""
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if MARKER in cfg or cfg.get("eagle_aux_hidden_state_layer_ids") or not ids or not _is_id_list(ids):
-        return None  # a bad list is named by _aux_ids
-    return ids if min(ids) == 1 else None
-
-
-def _aux_ids(cfg: dict[str, Any], fmt: str, path: Path) -> tuple[int, ...] | None:
-    """The aux ids in our terms (input of layer i), from where the format keeps them; places
-    that disagree are refused (an engine would feed whichever one it reads)."""
-    shift = 1 if fmt == "sglang" else 0  # SGLang adds 1 to the ids it is given
-    eagle = cfg.get("eagle_config") or {}
-    marker = cfg.get(MARKER)
-    places = {"eagle_aux_hidden_state_layer_ids": (cfg.get("eagle_aux_hidden_state_layer_ids"), shift),
-              "eagle_config.eagle_aux_hidden_state_layer_ids": (eagle.get("eagle_aux_hidden_state_layer_ids"), shift),
-              f"{MARKER}.aux_layer_ids": (marker.get("aux_layer_ids") if isinstance(marker, dict) else None, 0)}
-    found: dict[str, tuple[int, ...]] = {}
-    for key, (ids, add) in places.items():
-        if ids is None or ids == []:
-            continue
-        if not _is_id_list(ids):
-            raise DraftFormatError(f"{path}: {key}={ids!r} is not a list of integers")
-        found[key] = tuple(sorted(i + add for i in ids))
-    if len(set(found.values())) > 1:
-        raise DraftFormatError(f"{path}: the aux layer ids disagree ("
-                               + ", ".join(f"{key}={list(ids)}" for key, ids in found.items())
-                               + (" in our terms, SGLang's +1 undone" if shift else "") + "); fix config.json")
-    return next(iter(found.values()), None)
-
-
-def draft_config_from_json(cfg: dict[str, Any], fmt: str, path: Path, num_aux_layers: int | None,
-                           parallel: bool = False) -> DraftConfig:
-    """A :class:`DraftConfig` from a config.json (either layout); unsupported variants are refused by name.
-    ``parallel``: the checkpoint holds ``mask_hidden`` (a P-EAGLE draft), so ``mask_token_id`` is required."""
-    cfg = {k: v for k, v in cfg.items() if v is not None}  # null means unset (ModelOpt writes its template's)
-    layer = cfg.get("transformer_layer_config", cfg) if fmt == "speculators" else cfg
-    layer = {k: v for k, v in layer.items() if v is not None}
-    # vLLM's defaults: the speculators path assumes norm_before_residual, the plain path does not
-    flags = {"norm_before_residual": fmt == "speculators", "norm_before_fc": False, "fc_norm": False,
-             "norm_output": False}
-    eagle = cfg.get("eagle_config") or {}
-    for key in flags:
-        value = eagle.get(key, cfg.get(key, layer.get(key)))
-        if value is not None:
-            flags[key] = bool(value)
-    if layer.get("attention_bias") or layer.get("mlp_bias") or cfg.get("bias") is True:
-        raise DraftFormatError(f"{path}: attention_bias/mlp_bias/bias=true is not supported (the draft has no "
-                               "biases; SGLang reads bias as an fc bias, vLLM as an o_proj one)")
-    if cfg.get("quantization_config") or layer.get("quantization_config"):
-        raise DraftFormatError(f"{path}: quantization_config is set: quantized drafts are not supported (export "
-                               "the draft unquantized)")
-    act = layer.get("hidden_act", "silu")
-    if act != "silu":
-        raise DraftFormatError(f"{path}: hidden_act={act!r}, only silu (SwiGLU) is supported")
-    theta, rope = read_rope(layer)
-    if (partial := rope.pop("partial_rotary_factor", 1.0)) != 1.0:
-        raise DraftFormatError(f"{path}: partial_rotary_factor={partial!r}: vLLM would rotate part of the draft's "
-                               "head; the draft rotates all of it")
-    kind = rope_kind(rope)
-    parallel = parallel or bool(cfg.get("parallel_drafting"))
-    if parallel and cfg.get("mask_token_id") is None:
-        raise DraftFormatError(f"{path}: a P-EAGLE draft (mask_hidden / parallel_drafting) needs the top-level "
-                               "mask_token_id (the token vLLM feeds at each mask position)")
-
-    def num(key: str, value: Any, cast: type = int) -> Any:
-        try:
-            return cast(value)
-        except (TypeError, ValueError):
-            raise DraftFormatError(f"{path}: {key}={value!r} is not a number") from None
-
-    try:
-        hidden = num("hidden_size", layer["hidden_size"])
-        heads = num("num_attention_heads", layer["num_attention_heads"])
-        vocab = num("vocab_size", layer.get("vocab_size") or cfg["vocab_size"])
-        return DraftConfig(
-            hidden_size=hidden,
-            intermediate_size=num("intermediate_size", layer["intermediate_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=num("num_key_value_heads", layer.get("num_key_value_heads") or heads),
-            head_dim=num("head_dim", layer.get("head_dim") or hidden // heads),
-            vocab_size=vocab,
-            draft_vocab_size=num("draft_vocab_size", cfg.get("draft_vocab_size") or layer.get("draft_vocab_size")
-                                 or vocab),
-            target_hidden_size=num("target_hidden_size", cfg.get("target_hidden_size")
-                                   or layer.get("target_hidden_size") or hidden),
-            num_aux_layers=num_aux_layers or num("num_aux_hidden_states", cfg.get("num_aux_hidden_states") or 3),
-            rms_norm_eps=num("rms_norm_eps", layer.get("rms_norm_eps", 1e-6), float),
-            rope_theta=num("rope_theta", theta, float),
-            rope_scaling=None if kind == "default" else rope,
-            max_position_embeddings=num("max_position_embeddings", layer.get("max_position_embeddings", 2048)),
-            num_layers=num("num_hidden_layers", layer.get("num_hidden_layers", 1)),
-            mask_token_id=num("mask_token_id", cfg["mask_token_id"]) if parallel else None,
-            **flags,
-        )
-    except KeyError as err:
-        raise DraftFormatError(f"{path}: config key {err.args[0]!r} is missing") from None
-    except DraftFormatError:
-        raise
-    except (TypeError, ValueError) as err:  # DraftConfig's own checks
-        raise DraftFormatError(f"{path}: {err}") from None
-
-
 def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
                embed_tokens_weight: Tensor | None = None) -> LoadedDraft:
     """Read a draft folder (``config.json`` + ``model.safetensors``) of any supported format.
@@ -314,7 +147,7 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
     folder = Path(folder)
     if not folder.is_dir():
         raise DraftFormatError(f"{folder}: not a draft folder")
-    cfg = _read_json(folder / "config.json")
+    cfg = read_json(folder / "config.json")
     if fmt != "auto" and fmt not in FORMATS:
         raise DraftFormatError(f"format {fmt!r}: expected auto or one of {', '.join(FORMATS)}")
     weights = sorted(folder.glob("*.safetensors"))
@@ -323,22 +156,22 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
         hint = (f" ({', '.join(pickles)} are pickles, never loaded here: convert them to safetensors "
                 "yourself if you trust their source)") if pickles else ""
         raise DraftFormatError(f"{folder}: no .safetensors weights{hint}")
-    dflash = DFLASH_ARCHITECTURE in (cfg.get("architectures") or [])
+    owner = family_reading(cfg.get("architectures") or [])  # a family with its own layout reads the folder
     tensors: dict[str, Tensor] = {}
     for path in weights:
         try:
-            tensors.update(load_file(str(path)) if dflash else _our_names(load_file(str(path))))
+            tensors.update(load_file(str(path)) if owner else _our_names(load_file(str(path))))
         except (SafetensorError, OSError) as err:
             raise DraftFormatError(f"{path}: not a readable safetensors file ({err}); truncated or corrupt?") from None
-    if dflash:
+    if owner is not None:
         if fmt not in ("auto", "vllm"):
-            raise DraftFormatError(f"{folder}: a DFlashDraftModel folder is vLLM's layout; format {fmt!r} does not "
-                                   "apply")
-        return _load_dflash(folder, cfg, tensors, embed_tokens_weight)
+            raise DraftFormatError(f"{folder}: a {', '.join(owner.architectures)} folder is a {owner.name} draft's own "
+                                   f"layout; format {fmt!r} does not apply")
+        return owner.load_folder(folder, cfg, tensors, embed_tokens_weight)
     found = detect_format(cfg, folder / "config.json", list(tensors))
     if fmt == "auto":
         fmt = found
-        if fmt == "vllm" and (ids := _specforge_ids(cfg)) is not None:
+        if fmt == "vllm" and (ids := specforge_ids(cfg)) is not None:
             fmt = "sglang"
             warnings.warn(f"{folder / 'config.json'}: eagle_config.eagle_aux_hidden_state_layer_ids={ids} only, "
                           f"starting at 1: read as SpecForge/ModelOpt/SGLang ids (layer outputs), i.e. the inputs "
@@ -348,7 +181,7 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
         raise DraftFormatError(f"{folder / 'config.json'}: eagle_config.use_aux_hidden_state=false: this draft "
                                "reads the target's last hidden state, not aux layers (EAGLE-1/2 style); not "
                                "supported")
-    ids = _aux_ids(cfg, fmt, folder / "config.json")
+    ids = aux_ids_of(cfg, fmt, folder / "config.json")
     config = draft_config_from_json(cfg, fmt, folder / "config.json", len(ids) if ids else None,
                                     parallel="mask_hidden" in tensors)
     has_lm_head = "lm_head.weight" in tensors
@@ -384,77 +217,9 @@ def load_draft(folder: str | os.PathLike[str], fmt: str = "auto", *,
     if "mask_hidden" in tensors:  # vLLM reads any layout of it as one row (view(1, -1))
         tensors["mask_hidden"] = tensors["mask_hidden"].reshape(-1)
     d2t, t2d = tensors.pop("d2t").long(), tensors.pop("t2d").bool()
-    _fill(draft, tensors, d2t, t2d, folder)
-    return LoadedDraft(draft=draft, aux_layer_ids=ids, format=fmt, path=folder, meta=_our_meta(folder),
+    fill_draft(draft, tensors, d2t, t2d, folder)
+    return LoadedDraft(draft=draft, aux_layer_ids=ids, format=fmt, path=folder, meta=our_meta(folder),
                        has_embedding=has_embedding, has_lm_head=has_lm_head)
-
-
-def _our_meta(folder: Path) -> dict[str, Any]:
-    return _read_json(folder / OUR_META) if (folder / OUR_META).is_file() else {}
-
-
-def _fill(draft: Any, tensors: dict[str, Tensor], d2t: Tensor, t2d: Tensor, folder: Path) -> None:
-    """Load a checkpoint's tensors (our names) and vocab mapping into ``draft``, refusing, by name,
-    tensors the config does not have or lacks (but the embedding and lm_head), other shapes, NaN/Inf."""
-    want = draft.state_dict()
-    extra = sorted(set(tensors) - set(want))
-    missing = sorted(set(want) - set(tensors) - {"embed_tokens.weight", "d2t", "t2d", "lm_head.weight"})
-    if extra or missing:
-        raise DraftFormatError(f"{folder}: the weights do not fit the config (unexpected {extra[:8]}, "
-                               f"missing {missing[:8]})")
-    bad = [f"{k} {tuple(v.shape)} vs {tuple(want[k].shape)}" for k, v in tensors.items() if v.shape != want[k].shape]
-    if bad:
-        raise DraftFormatError(f"{folder}: tensor shapes differ from config.json: {'; '.join(bad[:4])}")
-    if nonfinite := nonfinite_tensors(tensors):
-        raise DraftFormatError(f"{folder}: NaN/Inf in {', '.join(nonfinite[:4])}: a diverged or corrupted draft")
-    draft.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
-    try:
-        draft.set_draft_vocab(d2t, t2d)
-    except ValueError as err:
-        raise DraftFormatError(f"{folder}: d2t/t2d: {err}") from None
-
-
-def _load_dflash(folder: Path, cfg: dict[str, Any], tensors: dict[str, Tensor],
-                 embed_tokens_weight: Tensor | None) -> LoadedDraft:
-    """A ``DFlashDraftModel`` folder (vLLM's layout: dflash_config.target_layer_ids name layer outputs)."""
-    where = folder / "config.json"
-    options = cfg.get("dflash_config") or {}
-    tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in tensors.items()}
-    # causality as vLLM resolves it: is_causal, then dflash_config.causal, then sliding layers
-    causal = cfg.get("is_causal", options.get("causal"))
-    sliding = options.get("use_swa") or "sliding_attention" in (cfg.get("layer_types") or [])
-    if causal or sliding or (causal is None and sliding):
-        raise DraftFormatError(f"{where}: a causal or sliding-window DFlash draft is not supported (only the "
-                               "non-causal block of full-attention layers)")
-    ids = options.get("target_layer_ids")
-    if not _is_id_list(ids) or options.get("mask_token_id") is None:
-        raise DraftFormatError(f"{where}: dflash_config needs target_layer_ids (a list of ints) and mask_token_id")
-    aux = tuple(sorted(int(i) + 1 for i in ids))  # vLLM captures them in ascending order
-    plain = {k: v for k, v in cfg.items() if k != "dflash_config"}
-    if plain.get("rope_theta") is None and not (plain.get("rope_parameters") or {}).get("rope_theta"):
-        plain["rope_theta"] = 1e6  # vLLM's default for a DFlash draft without one
-    base = draft_config_from_json(plain, "vllm", where, len(aux))
-    block = cfg.get("block_size") or (cfg.get("num_speculative_tokens") or 0) + 1
-    try:
-        config = DraftConfig(**{**asdict(base), "mask_token_id": int(options["mask_token_id"]),
-                                "block_size": int(block), "family": None})  # None: read from the block
-    except (TypeError, ValueError) as err:
-        raise DraftFormatError(f"{where}: {err} (the block: block_size, or num_speculative_tokens + 1)") from None
-    draft = family_of(config).build(config, None if "embed_tokens.weight" in tensors else embed_tokens_weight)
-    d2t = tensors.pop("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64)).long()
-    tensors.pop("t2d", None)
-    target_ids = torch.arange(len(d2t)) + d2t
-    outside = bool(((target_ids < 0) | (target_ids >= config.vocab_size)).any())
-    if d2t.shape != (config.draft_vocab_size,) or outside:
-        raise DraftFormatError(f"{folder}: d2t {tuple(d2t.shape)} does not map draft_vocab_size="
-                               f"{config.draft_vocab_size} ids into the vocabulary of {config.vocab_size}")
-    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-    t2d[target_ids] = True
-    if "lm_head.weight" not in tensors:
-        raise DraftFormatError(f"{folder}: no lm_head.weight (a DFlash draft has its own head)")
-    _fill(draft, tensors, d2t, t2d, folder)
-    return LoadedDraft(draft=draft, aux_layer_ids=aux, format="vllm", path=folder,  # type: ignore[arg-type]
-                       meta=_our_meta(folder), has_embedding="embed_tokens.weight" in tensors, has_lm_head=True)
 
 
 def check_draft_fits_target(loaded: LoadedDraft, *, hidden_size: int, vocab_size: int,
@@ -557,11 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = [
-    "FORMATS", "DraftFormatError", "LoadedDraft", "check_draft_fits_target", "detect_format",
-    "draft_config_from_json", "engine_tensors", "export_draft_folder", "fit_to_target", "give_target_lm_head",
-    "load_draft", "nonfinite_tensors",
-]
+__all__ = ["check_draft_fits_target", "engine_tensors", "export_draft_folder", "fit_to_target", "give_target_lm_head",
+           "load_draft"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eagle3.config import LOSSES
-
+LOSSES = ("soft_ce", "tv", "nla", "lk_hybrid")
+"""The objectives ``train.loss`` names."""
 ALPHA_FLOOR = 1e-5
 
 

@@ -19,6 +19,7 @@ from safetensors.torch import save
 
 from eagle3.atomic import atomic_write_bytes
 from eagle3.shards import HarvestSpec, StoreError, check_compatible
+from eagle3.store_feed import StoreFeed
 
 PLAN = "plan.json"  # the harvest's plan (data_gen.harvest.plan_harvest pins it)
 INDEX = "index.safetensors"
@@ -61,7 +62,7 @@ def plan_digest(root: str | os.PathLike[str]) -> str:
         raise StoreError(f"{path}: unreadable ({err})") from None
 
 
-class PlannedSamples:
+class PlannedSamples(StoreFeed):
     """A plan's samples without their states: ids, tokens, lengths, the shard each is in, and the
     spec the states must follow; what a store offers a trainer before ``store[i]``. Subclasses
     say where the states come from (a spool, or the trainer's own target)."""
@@ -86,8 +87,10 @@ class PlannedSamples:
                              f"{self.plan[-1][1] if self.plan else 0}")
         self.shard_of = [k for k, (a, b) in enumerate(self.plan) for _ in range(a, b)]
         self.digest = plan_digest(self.root)
-        self.manifest = {"spec": plan["spec"],
-                         "shards": [{"sha256": f"{self.digest}:{k}"} for k in range(len(self.plan))]}
+
+    def identity(self) -> list[str]:
+        """The plan's digest and each shard's place in it (no shard file exists before it is made)."""
+        return [f"{self.digest}:{k}" for k in range(len(self.plan))]
 
     def __len__(self) -> int:
         return len(self.lengths)

@@ -41,6 +41,7 @@ from safetensors.torch import save
 from eagle3.atomic import atomic_write_bytes, atomic_write_text, sha256_file
 from eagle3.errors import Eagle3Error
 from eagle3.fingerprint import UNKNOWN_WEIGHTS
+from eagle3.store_feed import StoreFeed
 
 MANIFEST = "manifest.json"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -316,7 +317,7 @@ class _ShardIndex:
 
 
 @dataclass
-class HarvestStore:
+class HarvestStore(StoreFeed):
     """Random access over a finished store: memory-mapped shards, one sample at a time.
 
     ``store[i]`` reads only sample i's rows (safetensors slices); ``lengths`` lets a
@@ -329,6 +330,9 @@ class HarvestStore:
     lengths: list[int] = field(init=False)
     _index: list[tuple[int, int]] = field(init=False)  # sample -> (shard, position in shard)
     _shards: list[_ShardIndex] = field(init=False)
+
+    def identity(self) -> list[str]:
+        return [entry["sha256"] for entry in self.manifest["shards"]]
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -404,7 +408,7 @@ class HarvestStore:
             yield self[i]
 
 
-class StoreUnion:
+class StoreUnion(StoreFeed):
     """Several finished stores of the same target and layers read as one (e.g. a base store and
     the stores mining rounds appended): indices run through the stores in order."""
 
@@ -430,6 +434,9 @@ class StoreUnion:
 
     def __len__(self) -> int:
         return len(self._where)
+
+    def identity(self) -> list[str]:
+        return [entry["sha256"] for entry in self.manifest["shards"]]
 
     @property
     def sample_ids(self) -> list[str]:

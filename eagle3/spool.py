@@ -373,6 +373,24 @@ class SpoolStore(PlannedSamples):
         self._cache: dict[str, list[Sample]] = {}
         self.stall_s = 0.0  # time spent waiting for shards (the producers fell behind)
 
+    reads_ahead = False  # its reads wait for the producers
+    saves_early = True  # when the shards read since the last checkpoint fill half the spool
+
+    def needs_save(self) -> bool:
+        """The shards this reader read since the last checkpoint fill half the spool (a checkpoint
+        releases them)."""
+        return self.unreleased_bytes() > self.spool.budget_bytes // 2
+
+    def after_checkpoint(self, remaining: Sequence[Sequence[int]], *, leader: bool) -> None:
+        """A resume starts from this checkpoint: the shards before what is left of the epoch go."""
+        self.release_unneeded(remaining, delete=leader)
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"spool_wait_seconds": round(self.stall_s, 2)}  # how long this reader waited
+        if self.keep_first_epoch:  # hybrid: the first epoch's shards as a store, once that epoch was made in full
+            out["kept_store"] = str(self.root) if self.kept is not None else None
+        return out
+
     def begin_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         if self.keep_first_epoch and epoch >= 1 and self.kept is None:

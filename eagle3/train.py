@@ -43,7 +43,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +60,13 @@ from eagle3.checkpoint import (
     save_checkpoint,
 )
 from eagle3.cli import add_dataclass_arguments
-from eagle3.colocated import ColocatedStore
 from eagle3.config import TargetConfig, TrainConfig
 from eagle3.distributed import Runtime, all_reduce_sum, barrier, init_runtime
 from eagle3.draft import DraftHead
 from eagle3.draft_vocab import read_draft_vocab, write_draft_vocab
 from eagle3.errors import USER_ERRORS, TrainError
-from eagle3.export import nonfinite_tensors
 from eagle3.families import parameter_count
+from eagle3.formats import nonfinite_tensors
 from eagle3.losses import Objective
 from eagle3.metrics import AcceptanceTally
 from eagle3.optim import (
@@ -79,7 +78,6 @@ from eagle3.optim import (
     unclip_muon_updates_under_zero,
     warmup_decay,
 )
-from eagle3.spool import SpoolStore
 from eagle3.target import Target
 from eagle3.target_head import TargetHead
 from eagle3.train_data import (
@@ -165,7 +163,30 @@ def _engine(cfg: TrainConfig, model: TTTModel, rt: Runtime) -> Any:
     return engine
 
 
-def _start_over_or_resume(cfg: TrainConfig, engine: Any, rt: Runtime, state: dict[str, Any],
+@dataclass
+class RunState:
+    """Where a run is: kept in every checkpoint (as JSON, also ``trainer.json``) and restored on resume."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_index: int = 0  # micro-batches of the epoch read so far, every rank's
+    best_tau: float | None = None  # the best held-out tau_sim so far, and its step (exported to best/)
+    best_step: int | None = None
+    first_eval: dict[str, float] | None = None
+    last_eval: dict[str, float] | None = None
+    first_loss: float | None = None  # the run's first step's, whichever process ran it
+    pinned: dict[str, Any] = field(default_factory=dict)  # what a resume must share (pinned_settings)
+    tokens: int | None = 0  # trained tokens over the whole run, across resumes
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """A checkpoint's state; one written before runs counted their tokens leaves them unknown (None)."""
+        known = {f.name for f in fields(self)}
+        for key, value in {"tokens": None, **saved}.items():
+            if key in known:
+                setattr(self, key, value)
+
+
+def _start_over_or_resume(cfg: TrainConfig, engine: Any, rt: Runtime, state: RunState,
                           resume_tag: str | None) -> None:
     """Clear what a kill left half-written; starting over, no stale checkpoint or export survives;
     resuming, load ``resume_tag`` into the engine and ``state``."""
@@ -182,8 +203,9 @@ def _start_over_or_resume(cfg: TrainConfig, engine: Any, rt: Runtime, state: dic
     barrier()
     if resume_tag is not None:
         client = load_checkpoint(engine, ckpt_root, resume_tag, rank=rt.rank, world_size=rt.world_size)
-        state.update(json.loads(client["trainer_json"]) if "trainer_json" in client else client["trainer"])
-        print0(f"train: resumed from {ckpt_root / resume_tag} (step {state['step']})")
+        saved = json.loads(client["trainer_json"]) if "trainer_json" in client else client["trainer"]
+        state.restore(saved)
+        print0(f"train: resumed from {ckpt_root / resume_tag} (step {state.step})")
     # after any resume: DeepSpeed restores the clip a checkpoint saved
     if cfg.optimizer == "muon" and unclip_muon_updates_under_zero(engine) and cfg.max_grad_norm:
         print0(f"train.max_grad_norm={cfg.max_grad_norm} is not applied: DeepSpeed's ZeRO optimizer would clip "
@@ -212,7 +234,7 @@ class _Loop:
 
     def __init__(self, cfg: TrainConfig, rt: Runtime, engine: Any, model: TTTModel, head: TargetHead, t2d: Tensor,
                  data: tuple[Any, list[int], dict[str, float]], evals: tuple[Any, list[int]], sink: Any,
-                 state: dict[str, Any], info: dict[str, Any]) -> None:
+                 state: RunState, info: dict[str, Any]) -> None:
         self.cfg, self.rt, self.engine, self.head, self.t2d = cfg, rt, engine, head, t2d
         self.sink, self.state, self.draft, self.info = sink, state, model.draft, info
         self.store, self.train_idx, self.weights_by_id = data
@@ -243,21 +265,23 @@ class _Loop:
         self.engine.train()
         return tally.all_reduce().summary(self.weights, "eval")
 
-    def _spool_full(self) -> bool:
-        """Online: whether the shards some rank read since the last save fill half the spool (every
-        rank gets the same answer, so all of them save together)."""
-        full = self.store.unreleased_bytes() > self.store.spool.budget_bytes // 2
-        return bool(all_reduce_sum(torch.tensor([float(full)], device=self.rt.device)).item())
+    def _store_asks_to_save(self) -> bool:
+        """Whether the store asks some rank for a checkpoint now (online: the shards read since the last
+        one fill half the spool); every rank gets the same answer, so all of them save together."""
+        if not self.store.saves_early:
+            return False
+        asked = self.store.needs_save()
+        return bool(all_reduce_sum(torch.tensor([float(asked)], device=self.rt.device)).item())
 
     def save(self) -> None:
         # as JSON text: a pickled dict's bytes depend on which equal strings are one object, which differs
         # between runs (a CLI run and an in-process one), so the checkpoint files would differ in size
-        client = {"trainer_json": json.dumps(self.state), "draft_config_json": json.dumps(asdict(self.draft.config))}
-        save_checkpoint(self.engine, Path(self.cfg.out_dir) / "checkpoints", self.state["step"], client,
-                        rank=self.rt.rank, keep=self.cfg.keep_checkpoints, readable=dict(self.state))
-        if isinstance(self.store, SpoolStore) and self.plan_epoch == self.state["epoch"]:
-            # a resume starts from this checkpoint: the shards before what is left of the epoch go
-            self.store.release_unneeded(self.plan[self.state["batch_index"]:], delete=self.rt.rank == 0)
+        client = {"trainer_json": json.dumps(asdict(self.state)),
+                  "draft_config_json": json.dumps(asdict(self.draft.config))}
+        save_checkpoint(self.engine, Path(self.cfg.out_dir) / "checkpoints", self.state.step, client,
+                        rank=self.rt.rank, keep=self.cfg.keep_checkpoints, readable=asdict(self.state))
+        if self.plan_epoch == self.state.epoch:  # a resume starts from this checkpoint, there in the epoch
+            self.store.after_checkpoint(self.plan[self.state.batch_index:], leader=self.rt.rank == 0)
 
     def maybe_eval(self) -> dict[str, float] | None:
         """Evaluate; a better held-out tau_sim exports the draft to ``best/``."""
@@ -265,38 +289,37 @@ class _Loop:
             return None
         state = self.state
         metrics = self.evaluate()
-        self.sink.log(metrics, state["step"])
-        if state["first_eval"] is None:
-            state["first_eval"] = {k: v for k, v in metrics.items() if k in ("eval/loss", "eval/tau_sim")}
-        state["last_eval"] = metrics
+        self.sink.log(metrics, state.step)
+        if state.first_eval is None:
+            state.first_eval = {k: v for k, v in metrics.items() if k in ("eval/loss", "eval/tau_sim")}
+        state.last_eval = metrics
         tau = metrics["eval/tau_sim"]
-        better = state["best_tau"] is None or tau > state["best_tau"]
-        if better and state["step"] > 0:
-            state["best_tau"], state["best_step"] = tau, state["step"]
+        better = state.best_tau is None or tau > state.best_tau
+        if better and state.step > 0:
+            state.best_tau, state.best_step = tau, state.step
             weights_now = _draft_state(self.draft, self.cfg.zero_stage)
-            _stop_if_not_finite(weights_now, state["step"])  # on every rank: they hold the same weights
+            _stop_if_not_finite(weights_now, state.step)  # on every rank: they hold the same weights
             if self.rt.rank == 0:
                 export_draft(Path(self.cfg.out_dir) / "best", weights_now, self.draft.config,
-                             {**self.info, "step": state["step"], "eval": metrics})
+                             {**self.info, "step": state.step, "eval": metrics})
         return metrics
 
     def _step_in_epoch(self) -> int | None:
         """Where this step is in its epoch's plan (planning a new epoch when one starts); None at its end."""
         cfg, rt, state = self.cfg, self.rt, self.state
-        if self.plan_epoch != state["epoch"]:
+        if self.plan_epoch != state.epoch:
             epoch_idx = (weighted_indices(self.train_idx, self.store.sample_ids, self.weights_by_id, cfg.seed,
-                                          state["epoch"]) if self.weights_by_id else self.train_idx)
+                                          state.epoch) if self.weights_by_id else self.train_idx)
             self.plan = epoch_batches(self.store.lengths, epoch_idx, cfg.batching, cfg.micro_batch_tokens, cfg.seed,
-                                      state["epoch"], shard_of=self.store.shard_of if cfg.shard_window else None,
+                                      state.epoch, shard_of=self.store.shard_of if cfg.shard_window else None,
                                       window=cfg.shard_window)
-            self.plan_epoch = state["epoch"]
-            if isinstance(self.store, SpoolStore):
-                self.store.begin_epoch(state["epoch"])
+            self.plan_epoch = state.epoch
+            self.store.begin_epoch(state.epoch)
             if steps_per_epoch(len(self.plan), rt.world_size, cfg.gradient_accumulation) == 0:
                 raise TrainError(f"{cfg.store}: {len(self.plan)} micro-batches of train.micro_batch_tokens="
                                  f"{cfg.micro_batch_tokens} per epoch, fewer than world_size x "
                                  f"gradient_accumulation = {self.per_step}")
-        step_in_epoch = state["batch_index"] // self.per_step
+        step_in_epoch = state.batch_index // self.per_step
         if step_in_epoch >= steps_per_epoch(len(self.plan), rt.world_size, cfg.gradient_accumulation):
             return None
         return step_in_epoch
@@ -304,7 +327,7 @@ class _Loop:
     def step(self, step_in_epoch: int) -> tuple[float, dict[str, Any], int]:
         """One optimizer step (its micro-batches on this rank): (loss, metrics, tokens over the ranks)."""
         cfg, rt, engine = self.cfg, self.rt, self.engine
-        lr = cfg.lr * self.schedule(self.state["step"])  # the AdamW lr; Muon matrices follow the same factor
+        lr = cfg.lr * self.schedule(self.state.step)  # the AdamW lr; Muon matrices follow the same factor
         clock = self.clock
         clock.start()
         tally = AcceptanceTally(cfg.ttt_steps, rt.device)
@@ -328,11 +351,11 @@ class _Loop:
         metrics = tally.all_reduce().summary(self.weights, "train")
         loss = float(sums[0]) / self.per_step
         if not math.isfinite(loss):  # every rank sees the same reduced loss
-            raise TrainError(f"step {self.state['step'] + 1}: the loss is {loss}; stopping before a non-finite draft "
+            raise TrainError(f"step {self.state.step + 1}: the loss is {loss}; stopping before a non-finite draft "
                              "is saved or exported (check the store's states, train.init_draft and train.lr)")
         grad_norm = grad_norm if grad_norm is not None else _grad_norm(engine, self.params)
         metrics |= {"train/loss": loss, "train/lr": lr, "train/tokens": int(sums[1]),
-                    "train/epoch": self.state["epoch"]}
+                    "train/epoch": self.state.epoch}
         if grad_norm is not None:
             metrics["train/grad_norm"] = grad_norm
         clock.mark("metrics")
@@ -353,41 +376,43 @@ class _Loop:
         from tqdm import tqdm
 
         cfg, state = self.cfg, self.state
-        if state["step"] == 0 and cfg.eval_at_start:
+        if state.step == 0 and cfg.eval_at_start:
             self.maybe_eval()
-        bar = tqdm(total=cfg.steps, initial=state["step"], desc="train", unit="step", dynamic_ncols=True,
+        bar = tqdm(total=cfg.steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (cfg.progress and self.rt.rank == 0), file=sys.stderr)
         with bar, contextlib.closing(self.loader):
-            while state["step"] < cfg.steps:
+            while state.step < cfg.steps:
                 step_in_epoch = self._step_in_epoch()
                 if step_in_epoch is None:
-                    state["epoch"], state["batch_index"] = state["epoch"] + 1, 0
+                    state.epoch, state.batch_index = state.epoch + 1, 0
                     continue
                 t0 = time.perf_counter()
                 loss, metrics, tokens = self.step(step_in_epoch)
                 seconds = time.perf_counter() - t0
-                state["step"] += 1
-                state["batch_index"] += self.per_step
-                if state["step"] == 1:  # the run's first step, whichever process ran it (kept in checkpoints)
-                    state["first_loss"] = loss
+                state.step += 1
+                state.batch_index += self.per_step
+                if state.step == 1:  # the run's first step, whichever process ran it (kept in checkpoints)
+                    state.first_loss = loss
                 self.last_loss = loss
                 self.tokens_total += tokens
+                if state.tokens is not None:
+                    state.tokens += tokens
                 self.train_seconds += seconds
                 self.window["tokens"] += tokens
                 self.window["seconds"] += seconds
-                if state["step"] % cfg.log_every == 0 or state["step"] == cfg.steps:
+                if state.step % cfg.log_every == 0 or state.step == cfg.steps:
                     metrics["train/tokens_per_s"] = self.window["tokens"] / max(self.window["seconds"], 1e-9)
                     self.window = {"tokens": 0, "seconds": 0.0}
-                    self.sink.log(metrics, state["step"])
+                    self.sink.log(metrics, state.step)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", tau=f"{metrics['train/tau_sim']:.2f}",
                                 tok_s=f"{tokens / seconds:.0f}")
-                at_end = state["step"] == cfg.steps
-                if self.eval_store is not None and ((cfg.eval_every and state["step"] % cfg.eval_every == 0)
+                at_end = state.step == cfg.steps
+                if self.eval_store is not None and ((cfg.eval_every and state.step % cfg.eval_every == 0)
                                                     or at_end):
                     self.maybe_eval()
-                spool_full = isinstance(self.store, SpoolStore) and self._spool_full()
-                if (cfg.save_every and state["step"] % cfg.save_every == 0) or at_end or spool_full:
+                asked = self._store_asks_to_save()
+                if (cfg.save_every and state.step % cfg.save_every == 0) or at_end or asked:
                     self.save()  # online, also when the shards read since the last save fill half the spool
 
 
@@ -440,13 +465,12 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     engine = _engine(cfg, model, rt)
 
     # -- resume, or start over
-    state: dict[str, Any] = {"step": 0, "epoch": 0, "batch_index": 0, "best_tau": None, "best_step": None,
-                             "first_eval": None, "last_eval": None, "first_loss": None, "pinned": pinned}
+    state = RunState(pinned=pinned)
     _start_over_or_resume(cfg, engine, rt, state, resume_tag)
-    resumed_step = state["step"] if resume_tag is not None else None
+    resumed_step = state.step if resume_tag is not None else None
     if (done := _finished_earlier(cfg, rt, resumed_step)) is not None:
-        if isinstance(store, SpoolStore) and rt.rank == 0:
-            store.finish()  # nothing to read: the producers stop
+        if rt.rank == 0:
+            store.finish()  # nothing to read (online: the producers stop)
         return done
 
     sink = (RunSink(out_dir, wandb_mode=cfg.wandb_mode, project=cfg.wandb_project, run_name=cfg.wandb_run_name,
@@ -459,30 +483,30 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     loop.run()
 
     final_state = _draft_state(draft, cfg.zero_stage)
-    _stop_if_not_finite(final_state, state["step"])
+    _stop_if_not_finite(final_state, state.step)
     if rt.rank == 0:
         export_draft(out_dir / "final", final_state, draft.config,
-                     {**info, "step": state["step"], "eval": state["last_eval"] or {}})
+                     {**info, "step": state.step, "eval": state.last_eval or {}})
     sink.close()
-    if isinstance(store, SpoolStore) and rt.rank == 0:
-        store.finish()  # the producers stop
+    if rt.rank == 0:
+        store.finish()  # online: the producers stop
     summary = {
-        "stage": "train", "out": str(out_dir), "steps": state["step"], "resumed_from_step": resumed_step,
+        "stage": "train", "out": str(out_dir), "steps": state.step, "resumed_from_step": resumed_step,
         "world_size": rt.world_size, "zero_stage": cfg.zero_stage, "precision": cfg.precision,
         "device": str(rt.device), "train_samples": len(train_idx), "eval_samples": len(eval_idx),
         "draft_vocab_size": vocab.size, "trainable_parameters": parameter_count(draft.config)
         - (draft.config.draft_vocab_size * draft.config.hidden_size if cfg.freeze_lm_head else 0),
-        "first_loss": state["first_loss"], "last_loss": loop.last_loss, "tokens": loop.tokens_total,
+        "first_loss": state.first_loss, "last_loss": loop.last_loss, "tokens": state.tokens,
         "tokens_per_s": round(loop.tokens_total / loop.train_seconds, 1) if loop.train_seconds else None,
         "peak_gpu_gib": (round(torch.cuda.max_memory_allocated(rt.device) / 2**30, 2) if rt.device.type == "cuda"
                          else None),  # this rank's, beside its tokens/s
-        "eval_first": state["first_eval"], "eval_last": ({k: v for k, v in state["last_eval"].items()
+        "eval_first": state.first_eval, "eval_last": ({k: v for k, v in state.last_eval.items()
                                                           if k in ("eval/loss", "eval/tau_sim")}
-                                                         if state["last_eval"] else None),
-        "best_step": state["best_step"], "best_tau_sim": state["best_tau"],
+                                                         if state.last_eval else None),
+        "best_step": state.best_step, "best_tau_sim": state.best_tau,
         "wall_seconds": round(time.perf_counter() - started, 2),
     }
-    summary |= _data_summary(cfg, store)
+    summary |= store.summary()
     if rt.rank == 0:
         from eagle3.atomic import atomic_write_text
 
@@ -499,21 +523,8 @@ def _data_and_target(cfg: TrainConfig, target_cfg: TargetConfig, target: Target 
                                  store.spec.aux_layer_ids, full=colocated)
     check_weights(target, store.spec)
     store.check_target(target)
-    if isinstance(store, ColocatedStore):
-        store.attach(target)  # this rank's target computes each micro-batch's states
+    store.attach(target)  # co-located: this rank's target computes each micro-batch's states
     return store, target
-
-
-def _data_summary(cfg: TrainConfig, store: Any) -> dict[str, Any]:
-    """What the summary says of where the states came from (online, hybrid, co-located)."""
-    if isinstance(store, ColocatedStore):  # co-located: the target's share of the time
-        return {"capture_seconds": round(store.capture_s, 2)}
-    if not isinstance(store, SpoolStore):
-        return {}
-    out: dict[str, Any] = {"spool_wait_seconds": round(store.stall_s, 2)}  # how long this rank waited
-    if cfg.data == "hybrid":  # the first epoch's shards as a store, once that epoch was made in full
-        out["kept_store"] = str(store.root) if store.kept is not None else None
-    return out
 
 
 # ---------------------------------------------------------------- CLI

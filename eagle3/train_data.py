@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from eagle3.shards import HarvestStore, Sample, StoreUnion, length_buckets, pack, pack_indices
+from eagle3.shards import HarvestStore, Sample, length_buckets, pack, pack_indices
 
 
 def held_out(sample_id: str, fraction: float) -> bool:
@@ -175,7 +175,7 @@ class BatchLoader:
         self.store, self.batching = store, batching
         self.pin = device.type == "cuda"
         if ahead is None:
-            ahead = self.pin and isinstance(store, HarvestStore | StoreUnion)
+            ahead = self.pin and store.reads_ahead
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="batch-ahead") if ahead else None
         self._pending: tuple[tuple[int, ...], Future[dict[str, torch.Tensor]]] | None = None
 

@@ -69,10 +69,10 @@ def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore | Sto
             "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
     pinned = {f"train.{k}": getattr(cfg, k) for k in keys}
     weights = sha256_file(Path(cfg.sample_weights)) if cfg.sample_weights else None
-    held_out = ([entry["sha256"] for entry in eval_store.manifest["shards"]]  # the best draft is picked on it
+    held_out = (eval_store.identity()  # the best draft is picked on it
                 if eval_store is not None and eval_store is not store else None)
     return {**pinned, "world_size": world_size, "store.samples": len(store),
-            "store.shards": [entry["sha256"] for entry in store.manifest["shards"]], "sample_weights": weights,
+            "store.shards": store.identity(), "sample_weights": weights,
             "eval_store.shards": held_out}
 
 
@@ -327,6 +327,8 @@ def new_draft(cfg: TrainConfig, target: Target, num_aux: int, vocab: DraftVocab,
                    "starts at one")
         draft.init_lm_head_from_target(rows, vocab.d2t, norm_scale)
     if cfg.layer_init == "readout" and not cfg.init_draft:
+        if not hasattr(draft, "init_as_readout"):
+            raise TrainError(f"train.layer_init=readout: a {cfg.draft_family} draft has no readout init")
         try:
             draft.init_as_readout()
         except ValueError as err:

@@ -28,12 +28,13 @@ weighted ``train.step_decay**(k-1)``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from eagle3.config import SamplingConfig, TrainConfig
 from eagle3.device import sdpa
 from eagle3.draft import (
     MLP,
@@ -46,9 +47,19 @@ from eagle3.draft import (
     rope_cos_sin,
 )
 from eagle3.errors import TrainError
-from eagle3.families import DraftFamily, Proposal, Proposer, register
-from eagle3.families.peagle import vllm_only
-from eagle3.formats import dflash_config
+from eagle3.families.base import DraftFamily, Proposal, Proposer, register
+from eagle3.formats import (
+    DFLASH_ARCHITECTURE,
+    MARKER,
+    DraftFormatError,
+    LoadedDraft,
+    checked_ids,
+    draft_config_from_json,
+    fill_draft,
+    is_id_list,
+    layer_config,
+    our_meta,
+)
 from eagle3.losses import SOFT_CE, Objective
 from eagle3.ttt import (
     RowPlan,
@@ -62,6 +73,9 @@ from eagle3.ttt import (
     step_loss,
     ttt_attention,
 )
+
+if TYPE_CHECKING:
+    from eagle3.config import SamplingConfig, TrainConfig
 
 
 class DFlashAttention(nn.Module):
@@ -222,9 +236,36 @@ def dflash_forward(draft: DFlashDraft, input_ids: Tensor, aux: Tensor, position_
     return tally.output(return_logits)
 
 
+def dflash_config(config: DraftConfig, aux_layer_ids: Sequence[int], torch_dtype: str = "bfloat16") -> dict[str, Any]:
+    """config.json of a DFlash draft as vLLM's ``DFlashDraftModel`` reads it: a Qwen3 config, the
+    block size, and ``dflash_config`` whose ``target_layer_ids`` name layer *outputs* (our aux ids,
+    which name layer inputs, minus one); ``causal: false`` (the block attends both ways) and
+    ``rope_theta`` written explicitly (vLLM assumes 1e6 when it is absent)."""
+    ids = checked_ids(aux_layer_ids, config)
+    if ids[0] < 1:
+        raise DraftFormatError(f"aux layer ids {ids}: DFlash names layer outputs, so it cannot read the input of "
+                               "layer 0 (the embedding output)")
+    layer = layer_config(config, torch_dtype)
+    return {
+        "architectures": [DFLASH_ARCHITECTURE],
+        **layer,
+        "model_type": "qwen3",
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "num_aux_hidden_states": len(ids),
+        "block_size": config.block_size,
+        "num_speculative_tokens": (config.block_size or 2) - 1,
+        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": [i - 1 for i in ids],
+                          "causal": False},
+        MARKER: {"format": "vllm", "aux_layer_ids": ids, "family": "dflash"},
+    }
+
+
+
 class DFlashFamily(DraftFamily):
     name = "dflash"
     reads_mask_token = True
+    architectures = (DFLASH_ARCHITECTURE,)
 
     def check_train(self, train: TrainConfig) -> None:
         super().check_train(train)
@@ -271,8 +312,50 @@ class DFlashFamily(DraftFamily):
 
     def engine_config(self, config: DraftConfig, aux_layer_ids: Any, fmt: str, dtype: str,
                       **speculators: Any) -> dict[str, Any]:
-        vllm_only(self.name, config, fmt)
+        self.vllm_only(config, fmt)
         return dflash_config(config, aux_layer_ids, dtype)
+
+    def load_folder(self, folder: Path, cfg: dict[str, Any], tensors: dict[str, Tensor],
+                    embed_tokens_weight: Tensor | None) -> Any:
+        """A ``DFlashDraftModel`` folder (vLLM's layout: dflash_config.target_layer_ids name layer outputs)."""
+        where = folder / "config.json"
+        options = cfg.get("dflash_config") or {}
+        tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in tensors.items()}
+        # causality as vLLM resolves it: is_causal, then dflash_config.causal, then sliding layers
+        causal = cfg.get("is_causal", options.get("causal"))
+        sliding = options.get("use_swa") or "sliding_attention" in (cfg.get("layer_types") or [])
+        if causal or sliding or (causal is None and sliding):
+            raise DraftFormatError(f"{where}: a causal or sliding-window DFlash draft is not supported (only the "
+                                   "non-causal block of full-attention layers)")
+        ids = options.get("target_layer_ids")
+        if not is_id_list(ids) or options.get("mask_token_id") is None:
+            raise DraftFormatError(f"{where}: dflash_config needs target_layer_ids (a list of ints) and mask_token_id")
+        aux = tuple(sorted(int(i) + 1 for i in ids))  # vLLM captures them in ascending order
+        plain = {k: v for k, v in cfg.items() if k != "dflash_config"}
+        if plain.get("rope_theta") is None and not (plain.get("rope_parameters") or {}).get("rope_theta"):
+            plain["rope_theta"] = 1e6  # vLLM's default for a DFlash draft without one
+        base = draft_config_from_json(plain, "vllm", where, len(aux))
+        block = cfg.get("block_size") or (cfg.get("num_speculative_tokens") or 0) + 1
+        try:
+            config = DraftConfig(**{**asdict(base), "mask_token_id": int(options["mask_token_id"]),
+                                    "block_size": int(block), "family": self.name})
+        except (TypeError, ValueError) as err:
+            raise DraftFormatError(f"{where}: {err} (the block: block_size, or num_speculative_tokens + 1)") from None
+        draft = self.build(config, None if "embed_tokens.weight" in tensors else embed_tokens_weight)
+        d2t = tensors.pop("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64)).long()
+        tensors.pop("t2d", None)
+        target_ids = torch.arange(len(d2t)) + d2t
+        outside = bool(((target_ids < 0) | (target_ids >= config.vocab_size)).any())
+        if d2t.shape != (config.draft_vocab_size,) or outside:
+            raise DraftFormatError(f"{folder}: d2t {tuple(d2t.shape)} does not map draft_vocab_size="
+                                   f"{config.draft_vocab_size} ids into the vocabulary of {config.vocab_size}")
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[target_ids] = True
+        if "lm_head.weight" not in tensors:
+            raise DraftFormatError(f"{folder}: no lm_head.weight (a DFlash draft has its own head)")
+        fill_draft(draft, tensors, d2t, t2d, folder)
+        return LoadedDraft(draft=draft, aux_layer_ids=aux, format="vllm", path=folder,  # type: ignore[arg-type]
+                           meta=our_meta(folder), has_embedding="embed_tokens.weight" in tensors, has_lm_head=True)
 
 
 class BlockProposer(Proposer):

@@ -4,16 +4,18 @@ dynamic tree, exported in every engine format (vLLM, SGLang, speculators)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from eagle3.config import SamplingConfig, TrainConfig
 from eagle3.draft import DraftConfig, Eagle3Draft
-from eagle3.families import DraftFamily, Proposal, Proposer, register
+from eagle3.families.base import DraftFamily, Proposal, Proposer, register
 from eagle3.formats import DraftFormatError, sglang_config, speculators_config, vllm_config
 from eagle3.ttt import TTTOutput, ttt_forward
+
+if TYPE_CHECKING:
+    from eagle3.config import SamplingConfig, TrainConfig
 
 LAYER_VARIANTS = {"eagle3": {}, "speculators": {"norm_before_residual": True, "norm_before_fc": True,
                                                 "norm_output": True},

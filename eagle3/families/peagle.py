@@ -6,26 +6,21 @@ the context rows and k - 1 mask rows proposes k tokens. vLLM serves it as EAGLE-
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from eagle3.config import SamplingConfig, TrainConfig
 from eagle3.draft import DraftConfig, DraftHead, Eagle3Draft
 from eagle3.errors import TrainError
-from eagle3.families import Proposal, Proposer, register
+from eagle3.families.base import Proposal, Proposer, register
 from eagle3.families.eagle3 import Eagle3Family
-from eagle3.formats import DraftFormatError, vllm_config
+from eagle3.formats import vllm_config
 from eagle3.train_log import print0
 from eagle3.ttt import TTTOutput, ttt_forward
 
-
-def vllm_only(name: str, config: DraftConfig, fmt: str) -> None:
-    """Refuse an engine format other than vLLM's for a family only vLLM serves."""
-    if fmt != "vllm":
-        raise DraftFormatError(f"a {name} draft (mask_token_id={config.mask_token_id}) is served by vLLM only, from "
-                               f"the vllm format; the {fmt} format has no keys for it")
+if TYPE_CHECKING:
+    from eagle3.config import SamplingConfig, TrainConfig
 
 
 def mask_feed(draft: Eagle3Draft):
@@ -66,7 +61,7 @@ class PEagleFamily(Eagle3Family):
                       **speculators: Any) -> dict[str, Any]:
         """vLLM's EAGLE-3 config with the top-level ``mask_token_id`` it reads and ``parallel_drafting``
         (it is served with ``speculative_config={"method": "eagle3", "parallel_drafting": true}``)."""
-        vllm_only(self.name, config, fmt)
+        self.vllm_only(config, fmt)
         return {"parallel_drafting": True, "mask_token_id": config.mask_token_id,
                 **vllm_config(config, aux_layer_ids, dtype)}
 
@@ -93,4 +88,4 @@ class MaskRowsProposer(Proposer):
 
 PEAGLE = register(PEagleFamily())
 
-__all__ = ["PEAGLE", "MaskRowsProposer", "PEagleFamily", "mask_feed", "vllm_only"]
+__all__ = ["PEAGLE", "MaskRowsProposer", "PEagleFamily", "mask_feed"]
