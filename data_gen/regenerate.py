@@ -59,7 +59,7 @@ from eagle3.chat import ChatFormat, messages_sha256
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import TargetConfig, add_target_arguments
 from eagle3.conversations import ConversationError, check_messages, iter_jsonl, messages_of, record_id
-from eagle3.errors import USER_ERRORS, Eagle3Error
+from eagle3.errors import Eagle3Error, run_cli
 from eagle3.target import Target, context_length, load_target
 from eagle3.target_source import target_identity
 
@@ -400,12 +400,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[RegenerateConfig, Tar
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("regenerate", _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     cfg, target_cfg, progress = parse_args(argv)
-    try:
-        summary = run(cfg, target_cfg, progress=progress)
-    except USER_ERRORS as err:
-        print(f"regenerate: error: {err}", file=sys.stderr)
-        return 2
+    summary = run(cfg, target_cfg, progress=progress)
     print(json.dumps(summary))
     return 0
 

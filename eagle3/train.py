@@ -65,7 +65,7 @@ from eagle3.config import TargetConfig, TrainConfig
 from eagle3.distributed import Runtime, all_reduce_sum, barrier, init_runtime
 from eagle3.draft import Eagle3Draft, trainable_parameter_count
 from eagle3.draft_vocab import read_draft_vocab, write_draft_vocab
-from eagle3.errors import USER_ERRORS, TrainError
+from eagle3.errors import TrainError, run_cli
 from eagle3.export import nonfinite_tensors
 from eagle3.losses import Objective
 from eagle3.metrics import AcceptanceTally
@@ -529,6 +529,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("train", _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     target_cfg_args = {"name_or_path": args.pop("target"), "dtype": args.pop("target_dtype")}
@@ -538,12 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         target_cfg = TargetConfig(**target_cfg_args)
     except ValueError as err:
         parser.error(str(err))
-    try:
-        summary = train(cfg, target_cfg)
-    except USER_ERRORS as err:
-        print(f"train: error: {err}", file=sys.stderr)
-        return 2
-    print0(json.dumps(summary))
+    print0(json.dumps(train(cfg, target_cfg)))
     return 0
 
 

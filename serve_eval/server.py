@@ -47,7 +47,7 @@ except ImportError as err:  # the core install trains and harvests; serving is a
 from eagle3.chat import ChatFormat, ChatFormatError
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import SamplingConfig, add_target_arguments
-from eagle3.errors import USER_ERRORS
+from eagle3.errors import run_cli
 from serve_eval.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_cost
 from serve_eval.config import SpecConfig
 from serve_eval.openai_api import BadRequest, ChatRequest, CompletionRequest, parse_body
@@ -537,6 +537,10 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("serve_eval.server", _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve_eval.server", description=__doc__.splitlines()[0])
     parser.add_argument("--draft", required=True, help="draft folder (ours, vLLM, speculators or SGLang format)")
     add_target_arguments(parser)
@@ -566,11 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import uvicorn
 
-    try:
-        engine = build_engine(args)
-    except USER_ERRORS as err:
-        print(f"serve_eval.server: error: {err}", file=sys.stderr)
-        return 2
+    engine = build_engine(args)
     uvicorn.run(build_app(engine, args.api_key), host=args.host, port=args.port, log_level="info")
     engine.close()
     return 0
