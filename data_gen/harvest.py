@@ -39,6 +39,7 @@ from eagle3.capture import HFCapture, capture_shard
 from eagle3.chat import ChatFormat, ChatFormatError
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import TargetConfig, add_target_arguments
+from eagle3.conversations import ConversationError
 from eagle3.errors import Eagle3Error, run_cli
 from eagle3.fingerprint import UNKNOWN_WEIGHTS, tokenizer_fingerprint, weights_fingerprint
 from eagle3.planned import PLAN
@@ -263,7 +264,7 @@ def plan_harvest(cfg: HarvestConfig, target_cfg: TargetConfig, target: Target | 
         raise HarvestError(f"{data}: no such file (regenerate first)")
     try:
         records = read_pool(data)
-    except ValueError as err:  # a bad row, named file:line
+    except ConversationError as err:  # a bad row, named file:line
         raise HarvestError(str(err)) from None
     spec, chat, backend = _spec_and_backend(cfg, target_cfg, target)
     counts: Counter[str] = Counter(records=len(records))

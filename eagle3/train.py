@@ -396,10 +396,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     if not cfg.store or not cfg.out_dir:
         raise TrainError("train.store and train.out_dir must be set")
     started = time.perf_counter()
-    try:
-        rt = init_runtime(cfg.device)
-    except ValueError as err:
-        raise TrainError(str(err)) from None
+    rt = init_runtime(cfg.device)  # train.device=cuda without CUDA: a ConfigError, named
     if rt.device.type == "cpu":
         torch.set_num_threads(cfg.threads)
     cfg = replace(cfg, precision=resolve_precision(cfg, rt.device))

@@ -47,7 +47,7 @@ except ImportError as err:  # the core install trains and harvests; serving is a
 from eagle3.chat import ChatFormat, ChatFormatError
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import SamplingConfig, add_target_arguments
-from eagle3.errors import run_cli
+from eagle3.errors import ConfigError, run_cli
 from serve_eval.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_cost
 from serve_eval.config import SpecConfig
 from serve_eval.openai_api import BadRequest, ChatRequest, CompletionRequest, parse_body
@@ -216,7 +216,7 @@ class Engine:
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
         self.k = decoder.config.k if decoder.draft is not None else 0
         if adaptive and (decoder.draft is None or decoder.config.mode != "chain"):
-            raise ValueError("adaptive speculation needs a draft and mode=chain")
+            raise ConfigError("adaptive speculation needs a draft and mode=chain")
         if adaptive and cost is None:
             raise ValueError("adaptive speculation needs a cost model")
         # every finished request's rounds become the next request's prior
