@@ -174,9 +174,12 @@ def load_source(src: str, dtype: torch.dtype) -> tuple[nn.Module, Any, Path]:
         kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
     try:
         model = from_pretrained_complete(AutoModelForCausalLM, folder, dtype=dtype, use_safetensors=True, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
     except TargetLoadError as err:
         raise NVFP4Error(str(err)) from None
-    return model.eval(), AutoTokenizer.from_pretrained(folder), folder
+    except (OSError, ValueError, KeyError) as err:  # transformers on a folder that holds no model it knows
+        raise NVFP4Error(f"{folder}: cannot load as a causal LM ({type(err).__name__}: {err})") from None
+    return model.eval(), tokenizer, folder
 
 
 @torch.no_grad()
@@ -306,7 +309,11 @@ def _main(argv: Sequence[str] | None) -> int:
     # --ignore also as one comma-separated word, as earlier versions took it
     cfg = dataclass_from_args(QuantizeConfig, args, ignore=[i for w in args.ignore for i in w.split(",") if i])
     if cfg.calibration:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_target(args.target).location)
+        where = resolve_target(args.target).location
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(where)
+        except (OSError, ValueError, KeyError) as err:  # transformers on a folder without a tokenizer it knows
+            raise NVFP4Error(f"{where}: cannot load the tokenizer ({type(err).__name__}: {err})") from None
         calib = calibration_sequences(cfg.calibration, tokenizer, samples=cfg.samples,
                                       max_tokens=cfg.max_tokens, seed=args.seed)
     report = convert(args.target, cfg.out_dir, mode=cfg.mode, calibration=calib, ignore=cfg.ignore,
