@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from eagle3.config import SamplingConfig
+from eagle3.errors import ConfigError
 
 TRAIN_SOURCES = ["sharegpt", "codeio", "stdlib", "reasoning_gym", "mmath", "chatterbot", "dataset_build"]
 
@@ -24,10 +25,11 @@ class UserFileConfig:
         from eagle3.conversations import DOMAINS
 
         if self.domain not in DOMAINS:
-            raise ValueError(f"pools.user_files.domain={self.domain!r}: expected one of {', '.join(DOMAINS)}")
+            raise ConfigError(f"pools.user_files.domain={self.domain!r}: expected one of {', '.join(DOMAINS)}")
         if self.language is not None and not re.fullmatch(r"[a-z]{2,3}", self.language):
-            raise ValueError(f"pools.user_files.language={self.language!r}: expected an ISO 639 code such as en, zh "
-                             "or fil, quoted in YAML where it reads as a boolean ('no'), or unset: detected per prompt")
+            raise ConfigError(f"pools.user_files.language={self.language!r}: expected an ISO 639 code such as en, zh "
+                              "or fil, quoted in YAML where it reads as a boolean ('no'), or unset: detected per "
+                              "prompt")
 
 
 @dataclass
@@ -58,9 +60,9 @@ class PoolsConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"pools.val_fraction={self.val_fraction}: must be in [0, 1)")
+            raise ConfigError(f"pools.val_fraction={self.val_fraction}: must be in [0, 1)")
         if "sharegpt" not in self.sources:
-            raise ValueError("pools.sources must include sharegpt (the Alpaca stand-in eval set is drawn from it)")
+            raise ConfigError("pools.sources must include sharegpt (the Alpaca stand-in eval set is drawn from it)")
 
 
 @dataclass
@@ -79,11 +81,11 @@ class SelectConfig:
 
         unknown = [d for d in self.domains if d not in DOMAINS]
         if unknown or not self.domains:
-            raise ValueError(f"select.domains={self.domains}: expected a non-empty subset of {', '.join(DOMAINS)}")
+            raise ConfigError(f"select.domains={self.domains}: expected a non-empty subset of {', '.join(DOMAINS)}")
         if self.split not in ("train", "val"):
-            raise ValueError(f"select.split={self.split!r}: expected train or val")
+            raise ConfigError(f"select.split={self.split!r}: expected train or val")
         if self.num_prompts < 1:
-            raise ValueError(f"select.num_prompts={self.num_prompts}: must be >= 1")
+            raise ConfigError(f"select.num_prompts={self.num_prompts}: must be >= 1")
 
 @dataclass
 class RegenerateConfig:
@@ -119,18 +121,18 @@ class RegenerateConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in ("hf", "vllm"):
-            raise ValueError(f"regenerate.backend={self.backend!r}: expected hf or vllm")
+            raise ConfigError(f"regenerate.backend={self.backend!r}: expected hf or vllm")
         for name in ("batch_size", "threads"):
             if getattr(self, name) < 1:
-                raise ValueError(f"regenerate.{name}={getattr(self, name)}: must be >= 1")
+                raise ConfigError(f"regenerate.{name}={getattr(self, name)}: must be >= 1")
         if self.limit is not None and self.limit < 0:
-            raise ValueError(f"regenerate.limit={self.limit}: must be >= 0")
+            raise ConfigError(f"regenerate.limit={self.limit}: must be >= 0")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError(f"regenerate.max_prompt_tokens={self.max_prompt_tokens}: must be >= 1 or None")
+            raise ConfigError(f"regenerate.max_prompt_tokens={self.max_prompt_tokens}: must be >= 1 or None")
         try:
             self.sampling  # noqa: B018  (validates the sampling settings)
-        except ValueError as err:
-            raise ValueError(f"regenerate.{err}") from None
+        except ConfigError as err:
+            raise ConfigError(f"regenerate.{err}") from None
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -165,16 +167,16 @@ class HarvestConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in ("hf", "vllm"):
-            raise ValueError(f"harvest.backend={self.backend!r}: expected hf or vllm")
+            raise ConfigError(f"harvest.backend={self.backend!r}: expected hf or vllm")
         if self.dtype not in ("bfloat16", "float8_e4m3fn", "float32"):
-            raise ValueError(f"harvest.dtype={self.dtype!r}: expected bfloat16, float8_e4m3fn or float32")
+            raise ConfigError(f"harvest.dtype={self.dtype!r}: expected bfloat16, float8_e4m3fn or float32")
         if self.store not in ("last", "topk") or (self.store == "topk") != (self.topk > 0):
-            raise ValueError(f"harvest.store={self.store!r}, topk={self.topk}: use last, or topk with topk > 0")
+            raise ConfigError(f"harvest.store={self.store!r}, topk={self.topk}: use last, or topk with topk > 0")
         for name in ("max_seq_len", "batch_size", "threads"):
             if getattr(self, name) < 1:
-                raise ValueError(f"harvest.{name}={getattr(self, name)}: must be >= 1")
+                raise ConfigError(f"harvest.{name}={getattr(self, name)}: must be >= 1")
         if self.max_shard_mb <= 0:
-            raise ValueError(f"harvest.max_shard_mb={self.max_shard_mb}: must be > 0")
+            raise ConfigError(f"harvest.max_shard_mb={self.max_shard_mb}: must be > 0")
         self.worker  # noqa: B018  (validates shard)
 
     @property
@@ -182,9 +184,9 @@ class HarvestConfig:
         try:
             i, n = (int(x) for x in self.shard.split("/"))
         except ValueError:
-            raise ValueError(f"harvest.shard={self.shard!r}: expected i/n, e.g. 0/4") from None
+            raise ConfigError(f"harvest.shard={self.shard!r}: expected i/n, e.g. 0/4") from None
         if not 0 <= i < n:
-            raise ValueError(f"harvest.shard={self.shard!r}: need 0 <= i < n")
+            raise ConfigError(f"harvest.shard={self.shard!r}: need 0 <= i < n")
         return i, n
 
 
@@ -209,7 +211,7 @@ class QuantizeConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in ("w4a4", "w4a16"):
-            raise ValueError(f"quantize.mode={self.mode!r}: expected w4a4 or w4a16")
+            raise ConfigError(f"quantize.mode={self.mode!r}: expected w4a4 or w4a16")
         for name in ("samples", "max_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"quantize.{name}={getattr(self, name)}: must be >= 1")
+                raise ConfigError(f"quantize.{name}={getattr(self, name)}: must be >= 1")

@@ -39,7 +39,8 @@ from eagle3.capture import HFCapture, capture_shard
 from eagle3.chat import ChatFormat, ChatFormatError
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import TargetConfig, add_target_arguments
-from eagle3.errors import USER_ERRORS, Eagle3Error
+from eagle3.conversations import ConversationError
+from eagle3.errors import Eagle3Error, run_cli
 from eagle3.fingerprint import UNKNOWN_WEIGHTS, tokenizer_fingerprint, weights_fingerprint
 from eagle3.planned import PLAN
 from eagle3.shards import (
@@ -263,7 +264,7 @@ def plan_harvest(cfg: HarvestConfig, target_cfg: TargetConfig, target: Target | 
         raise HarvestError(f"{data}: no such file (regenerate first)")
     try:
         records = read_pool(data)
-    except ValueError as err:  # a bad row, named file:line
+    except ConversationError as err:  # a bad row, named file:line
         raise HarvestError(str(err)) from None
     spec, chat, backend = _spec_and_backend(cfg, target_cfg, target)
     counts: Counter[str] = Counter(records=len(records))
@@ -419,15 +420,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps({"verified": argv[1], "shards": len(manifest["shards"]), "samples": manifest["samples"],
                           "tokens": manifest["tokens"], "bytes": manifest["bytes"]}))
         return 0
+    return run_cli("harvest", _harvest, argv)
+
+
+def _harvest(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cfg, target_cfg = configs_from_args(parser, args)
-    try:
-        summary = run(cfg, target_cfg, progress=not args.no_progress)
-    except USER_ERRORS as err:
-        print(f"harvest: error: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary))
+    print(json.dumps(run(cfg, target_cfg, progress=not args.no_progress)))
     return 0
 
 

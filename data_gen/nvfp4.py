@@ -37,7 +37,7 @@ from eagle3.chat import ChatFormat
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.conversations import iter_user_conversations
 from eagle3.device import resolve_dtype
-from eagle3.errors import USER_ERRORS
+from eagle3.errors import run_cli
 from eagle3.nvfp4 import FORMAT, MODES, NVFP4Error, nvfp4_quantization
 from eagle3.target import TargetLoadError, from_pretrained_complete
 from eagle3.target_source import DEFAULT_TARGET, resolve_target
@@ -174,9 +174,12 @@ def load_source(src: str, dtype: torch.dtype) -> tuple[nn.Module, Any, Path]:
         kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
     try:
         model = from_pretrained_complete(AutoModelForCausalLM, folder, dtype=dtype, use_safetensors=True, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
     except TargetLoadError as err:
         raise NVFP4Error(str(err)) from None
-    return model.eval(), AutoTokenizer.from_pretrained(folder), folder
+    except (OSError, ValueError, KeyError) as err:  # transformers on a folder that holds no model it knows
+        raise NVFP4Error(f"{folder}: cannot load as a causal LM ({type(err).__name__}: {err})") from None
+    return model.eval(), tokenizer, folder
 
 
 @torch.no_grad()
@@ -284,6 +287,10 @@ def calibration_sequences(path: str | Path, tokenizer: Any, *, samples: int, max
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("nvfp4", _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     import argparse
 
     from transformers import AutoTokenizer
@@ -299,17 +306,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the calibration pick's seed")
     args = parser.parse_args(argv)
     calib: list[list[int]] = []
-    try:  # --ignore also as one comma-separated word, as earlier versions took it
-        cfg = dataclass_from_args(QuantizeConfig, args, ignore=[i for w in args.ignore for i in w.split(",") if i])
-        if cfg.calibration:
-            tokenizer = AutoTokenizer.from_pretrained(resolve_target(args.target).location)
-            calib = calibration_sequences(cfg.calibration, tokenizer, samples=cfg.samples,
-                                          max_tokens=cfg.max_tokens, seed=args.seed)
-        report = convert(args.target, cfg.out_dir, mode=cfg.mode, calibration=calib, ignore=cfg.ignore,
-                         dtype=resolve_dtype(args.dtype, torch.device("cpu")))
-    except USER_ERRORS as err:
-        print(f"nvfp4: error: {err}", file=sys.stderr)
-        return 2
+    # --ignore also as one comma-separated word, as earlier versions took it
+    cfg = dataclass_from_args(QuantizeConfig, args, ignore=[i for w in args.ignore for i in w.split(",") if i])
+    if cfg.calibration:
+        where = resolve_target(args.target).location
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(where)
+        except (OSError, ValueError, KeyError) as err:  # transformers on a folder without a tokenizer it knows
+            raise NVFP4Error(f"{where}: cannot load the tokenizer ({type(err).__name__}: {err})") from None
+        calib = calibration_sequences(cfg.calibration, tokenizer, samples=cfg.samples,
+                                      max_tokens=cfg.max_tokens, seed=args.seed)
+    report = convert(args.target, cfg.out_dir, mode=cfg.mode, calibration=calib, ignore=cfg.ignore,
+                     dtype=resolve_dtype(args.dtype, torch.device("cpu")))
     summary = {k: report[k] for k in ("mode", "quantized_linears", "calibration_sequences", "calibration_tokens",
                                       "weight_relative_error")}
     summary["fused_groups"] = len(report["fused_groups"])

@@ -39,7 +39,7 @@ from eagle3.conversations import (
     take_in_turn,
     user_turns,
 )
-from eagle3.errors import USER_ERRORS
+from eagle3.errors import MissingInputError, run_cli
 
 EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "math", "multilingual", "alpaca")
 
@@ -268,7 +268,11 @@ def check_no_overlap(pool_dir: str | Path) -> dict[str, int]:
     return dict(overlaps)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("pools", _main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description="Build the prompt pools and held-out eval sets offline.")
     parser.add_argument("--out", default=PoolsConfig.out_dir)
     parser.add_argument("--seed", type=int, default=0)
@@ -292,14 +296,12 @@ def main(argv: list[str] | None = None) -> None:
                      .replace("pools.user_files.language", "--user-language"))
     missing = [p for p in args.user_file if not Path(p).exists()]
     if missing:
-        sys.exit(f"pools: error: --user-file {missing[0]}: no such file or folder")
-    try:
-        manifest = build_pools(cfg)
-    except USER_ERRORS as err:
-        sys.exit(f"pools: error: {err}")
+        raise MissingInputError(f"--user-file {missing[0]}: no such file or folder")
+    manifest = build_pools(cfg)
     print(format_counts(manifest))
     print(f"written to {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

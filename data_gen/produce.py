@@ -32,7 +32,7 @@ from data_gen.harvest import build_parser as harvest_parser
 from data_gen.harvest import configs_from_args, plan_harvest
 from eagle3.capture import capture_shard
 from eagle3.config import TargetConfig
-from eagle3.errors import USER_ERRORS
+from eagle3.errors import run_cli
 from eagle3.planned import plan_digest, write_index
 from eagle3.spool import Heartbeat, Spool, shard_key
 from eagle3.target import Target
@@ -140,14 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("produce", _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cfg, target_cfg = configs_from_args(parser, args)
-    try:
-        summary = produce(cfg, target_cfg, seed=args.seed, max_epochs=args.max_epochs, progress=not args.no_progress)
-    except USER_ERRORS as err:
-        print(f"produce: error: {err}", file=sys.stderr)
-        return 2
+    summary = produce(cfg, target_cfg, seed=args.seed, max_epochs=args.max_epochs, progress=not args.no_progress)
     print(json.dumps(summary))
     return 0
 

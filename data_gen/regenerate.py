@@ -59,7 +59,7 @@ from eagle3.chat import ChatFormat, messages_sha256
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import TargetConfig, add_target_arguments
 from eagle3.conversations import ConversationError, check_messages, iter_jsonl, messages_of, record_id
-from eagle3.errors import USER_ERRORS, Eagle3Error
+from eagle3.errors import Eagle3Error, run_cli
 from eagle3.target import Target, context_length, load_target
 from eagle3.target_source import target_identity
 
@@ -92,7 +92,7 @@ def read_pool(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
 
     Pool records from ``data_gen.pools`` pass as they are; a user's own jsonl (ShareGPT
     ``conversations`` or OpenAI ``messages``) works too, ids derived from the content. A bad
-    row (malformed JSON, not UTF-8, unknown role, empty turn, ...) raises ValueError naming
+    row (malformed JSON, not UTF-8, unknown role, empty turn, ...) raises ConversationError naming
     ``file:line``: nothing is generated from a pool that cannot be read whole.
     """
     records = []
@@ -105,16 +105,16 @@ def read_pool(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
                 raise row
             messages = check_messages(messages_of(row))
         except ConversationError as err:
-            raise ValueError(f"{where}: {err}") from None
+            raise ConversationError(f"{where}: {err}") from None
         record = {k: v for k, v in row.items() if k != "conversations"}
         record["messages"] = messages
         record.setdefault("id", record_id(messages))
         if not isinstance(record["id"], (str, int)) or record["id"] == "":
-            raise ValueError(f"{where}: 'id' {record['id']!r} is not a non-empty string or an integer")
+            raise ConversationError(f"{where}: 'id' {record['id']!r} is not a non-empty string or an integer")
         key = str(record["id"])  # as the harvest names samples: 1 and "1" are one id
         if key in first_at:  # two records, one id: the harvest would refuse it after all the generation
-            raise ValueError(f"{where}: record id {record['id']!r} is also the id of {first_at[key]}"
-                             + ("" if "id" in row else " (ids derived from the content: the same conversation twice)"))
+            derived = "" if "id" in row else " (ids derived from the content: the same conversation twice)"
+            raise ConversationError(f"{where}: record id {record['id']!r} is also the id of {first_at[key]}{derived}")
         first_at[key] = where
         records.append(record)
     return records
@@ -328,7 +328,7 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
     pool_sha256 = sha256_file(pool)
     try:
         records = read_pool(pool, cfg.limit)
-    except ValueError as err:  # a bad row, named file:line
+    except ConversationError as err:  # a bad row, named file:line
         raise RegenerateError(str(err)) from None
     if not records:
         raise RegenerateError(f"{pool}: no records to regenerate")
@@ -400,12 +400,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[RegenerateConfig, Tar
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("regenerate", _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     cfg, target_cfg, progress = parse_args(argv)
-    try:
-        summary = run(cfg, target_cfg, progress=progress)
-    except USER_ERRORS as err:
-        print(f"regenerate: error: {err}", file=sys.stderr)
-        return 2
+    summary = run(cfg, target_cfg, progress=progress)
     print(json.dumps(summary))
     return 0
 

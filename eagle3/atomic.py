@@ -15,6 +15,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from eagle3.errors import OutputExistsError
+
 
 def sha256_file(path: str | os.PathLike[str], chunk_bytes: int = 1 << 20) -> str:
     """Hex sha256 of a file, read in chunks."""
@@ -123,15 +125,15 @@ def remove_leftovers(folder: str | os.PathLike[str], names: list[str]) -> list[s
 
 
 def check_replaceable(path: str | os.PathLike[str], replaces: Callable[[Path], bool]) -> None:
-    """Raise FileExistsError unless ``path`` is absent, an empty folder, or a folder that
+    """Raise OutputExistsError (a FileExistsError) unless ``path`` is absent, an empty folder, or a folder that
     ``replaces`` says is an earlier output of the same writer: a mistyped ``--out`` must never
     delete a user's file or folder. Writers call it again before their work, to fail early."""
     path = Path(path)
     if not (path.exists() or path.is_symlink()):
         return
     if not path.is_dir() or path.is_symlink() or (any(path.iterdir()) and not replaces(path)):
-        raise FileExistsError(f"{path} exists and is not an earlier output of this command; "
-                              "choose another output path, or delete it first")
+        raise OutputExistsError(f"{path} exists and is not an earlier output of this command; "
+                                "choose another output path, or delete it first")
 
 
 def holds_only(*names: str) -> Callable[[Path], bool]:

@@ -12,10 +12,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from eagle3.errors import ConfigError
 from eagle3.losses import LOSSES
 from eagle3.target_source import DEFAULT_TARGET
-
-"""The draft objectives ``train.loss`` names (defined in eagle3.losses)."""
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -49,11 +48,11 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
-            raise ValueError(f"target.dtype={self.dtype!r}: expected one of {', '.join(_DTYPES)}")
+            raise ConfigError(f"target.dtype={self.dtype!r}: expected one of {', '.join(_DTYPES)}")
         if self.nvfp4_mode not in ("auto", "w4a4", "w4a16"):
-            raise ValueError(f"target.nvfp4_mode={self.nvfp4_mode!r}: expected auto, w4a4 or w4a16")
+            raise ConfigError(f"target.nvfp4_mode={self.nvfp4_mode!r}: expected auto, w4a4 or w4a16")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
-            raise ValueError(f"target.device={self.device!r}: expected auto, cpu, cuda, cuda:N or mps")
+            raise ConfigError(f"target.device={self.device!r}: expected auto, cpu, cuda, cuda:N or mps")
 
 
 def add_target_arguments(parser: Any, *, target: str | None = None, dtype_aliases: tuple[str, ...] = ()) -> None:
@@ -82,11 +81,11 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 is greedy)")
+            raise ConfigError(f"temperature={self.temperature}: must be >= 0 (0 is greedy)")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+            raise ConfigError(f"top_p={self.top_p}: must be in (0, 1]")
         if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 disables it)")
+            raise ConfigError(f"top_k={self.top_k}: must be >= 0 (0 disables it)")
 
     @property
     def greedy(self) -> bool:
@@ -315,90 +314,90 @@ class TrainConfig:
                     "num_layers", "keep_checkpoints", "log_every", "threads")
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 1")
+                raise ConfigError(f"train.{name}={getattr(self, name)}: must be >= 1")
         for name in ("warmup_steps", "eval_every", "save_every"):
             if getattr(self, name) < 0:
-                raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 0")
+                raise ConfigError(f"train.{name}={getattr(self, name)}: must be >= 0")
         if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError(f"train.eval_fraction={self.eval_fraction}: must be in [0, 1)")
+            raise ConfigError(f"train.eval_fraction={self.eval_fraction}: must be in [0, 1)")
         if self.eval_store is not None and self.eval_fraction > 0:
-            raise ValueError(f"train.eval_fraction={self.eval_fraction}: set it or eval_store, not both")
+            raise ConfigError(f"train.eval_fraction={self.eval_fraction}: set it or eval_store, not both")
         if self.lr <= 0:
-            raise ValueError(f"train.lr={self.lr}: must be > 0")
+            raise ConfigError(f"train.lr={self.lr}: must be > 0")
         if self.optimizer not in ("adamw", "muon"):
-            raise ValueError(f"train.optimizer={self.optimizer!r}: expected adamw or muon")
+            raise ConfigError(f"train.optimizer={self.optimizer!r}: expected adamw or muon")
         if self.optimizer == "muon" and self.precision == "bf16" and self.zero_stage == 0:
-            raise ValueError("train.optimizer=muon with precision=bf16 needs train.zero_stage >= 1 (DeepSpeed runs "
-                             "Muon on bf16 weights only through its ZeRO optimizers; stage 1 costs nothing extra on "
-                             "one rank)")
+            raise ConfigError("train.optimizer=muon with precision=bf16 needs train.zero_stage >= 1 (DeepSpeed runs "
+                              "Muon on bf16 weights only through its ZeRO optimizers; stage 1 costs nothing extra on "
+                              "one rank)")
         if self.muon_ns_method not in ("auto", "gram", "standard"):
-            raise ValueError(f"train.muon_ns_method={self.muon_ns_method!r}: expected auto, gram or standard")
+            raise ConfigError(f"train.muon_ns_method={self.muon_ns_method!r}: expected auto, gram or standard")
         if not 0.0 <= self.muon_momentum < 1.0:
-            raise ValueError(f"train.muon_momentum={self.muon_momentum}: must be in [0, 1)")
+            raise ConfigError(f"train.muon_momentum={self.muon_momentum}: must be in [0, 1)")
         if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"train.lr_schedule={self.lr_schedule!r}: expected one of {', '.join(LR_SCHEDULES)}")
+            raise ConfigError(f"train.lr_schedule={self.lr_schedule!r}: expected one of {', '.join(LR_SCHEDULES)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+            raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         for name in ("weight_decay", "max_grad_norm"):
             if getattr(self, name) < 0:
-                raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 0")
+                raise ConfigError(f"train.{name}={getattr(self, name)}: must be >= 0")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"train.{name}={getattr(self, name)}: must be in [0, 1)")
+                raise ConfigError(f"train.{name}={getattr(self, name)}: must be in [0, 1)")
         if self.adam_eps <= 0:
-            raise ValueError(f"train.adam_eps={self.adam_eps}: must be > 0")
+            raise ConfigError(f"train.adam_eps={self.adam_eps}: must be > 0")
         if self.feature_noise < 0:
-            raise ValueError(f"train.feature_noise={self.feature_noise}: must be >= 0")
+            raise ConfigError(f"train.feature_noise={self.feature_noise}: must be >= 0")
         if not self.target_temperature > 0:
-            raise ValueError(f"train.target_temperature={self.target_temperature}: must be > 0")
+            raise ConfigError(f"train.target_temperature={self.target_temperature}: must be > 0")
         if not 0.0 < self.step_decay <= 1.0:
-            raise ValueError(f"train.step_decay={self.step_decay}: must be in (0, 1]")
+            raise ConfigError(f"train.step_decay={self.step_decay}: must be in (0, 1]")
         if self.loss not in LOSSES:
-            raise ValueError(f"train.loss={self.loss!r}: expected one of {', '.join(LOSSES)}")
+            raise ConfigError(f"train.loss={self.loss!r}: expected one of {', '.join(LOSSES)}")
         if not self.lk_eta > 0:
-            raise ValueError(f"train.lk_eta={self.lk_eta}: must be > 0")
+            raise ConfigError(f"train.lk_eta={self.lk_eta}: must be > 0")
         if self.data not in ("offline", "online", "hybrid", "colocated"):
-            raise ValueError(f"train.data={self.data!r}: expected offline, online, hybrid or colocated")
+            raise ConfigError(f"train.data={self.data!r}: expected offline, online, hybrid or colocated")
         if self.data == "colocated" and self.extra_stores:
-            raise ValueError("train.data=colocated computes the states of train.store's plan: no train.extra_stores")
+            raise ConfigError("train.data=colocated computes the states of train.store's plan: no train.extra_stores")
         if self.data in ("online", "hybrid") and (self.shard_window < 1 or self.eval_fraction > 0 or self.extra_stores):
-            raise ValueError(f"train.data={self.data} reads its spool a window of shards at a time: it needs "
-                             "train.shard_window >= 1, train.eval_fraction=0 (held-out data: train.eval_store) and "
-                             "no train.extra_stores")
+            raise ConfigError(f"train.data={self.data} reads its spool a window of shards at a time: it needs "
+                              "train.shard_window >= 1, train.eval_fraction=0 (held-out data: train.eval_store) and "
+                              "no train.extra_stores")
         if self.shard_window < 0:
-            raise ValueError(f"train.shard_window={self.shard_window}: must be >= 0 (0: the whole set shuffled)")
+            raise ConfigError(f"train.shard_window={self.shard_window}: must be >= 0 (0: the whole set shuffled)")
         if self.batching not in ("pack", "buckets"):
-            raise ValueError(f"train.batching={self.batching!r}: expected pack or buckets")
+            raise ConfigError(f"train.batching={self.batching!r}: expected pack or buckets")
         if self.precision not in _PRECISIONS:
-            raise ValueError(f"train.precision={self.precision!r}: expected one of {', '.join(_PRECISIONS)}")
+            raise ConfigError(f"train.precision={self.precision!r}: expected one of {', '.join(_PRECISIONS)}")
         if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"train.zero_stage={self.zero_stage}: expected 0, 1, 2 or 3")
+            raise ConfigError(f"train.zero_stage={self.zero_stage}: expected 0, 1, 2 or 3")
         for name in ("draft_intermediate_size", "draft_num_attention_heads", "draft_num_key_value_heads",
                      "draft_head_dim"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 1 (or null)")
+                raise ConfigError(f"train.{name}={getattr(self, name)}: must be >= 1 (or null)")
         if self.draft_variant not in ("eagle3", "speculators", "eagle3.1"):
-            raise ValueError(f"train.draft_variant={self.draft_variant!r}: expected eagle3, speculators or eagle3.1")
+            raise ConfigError(f"train.draft_variant={self.draft_variant!r}: expected eagle3, speculators or eagle3.1")
         from eagle3.families import get_family  # the families build on these settings
 
         get_family(self.draft_family, "train.draft_family").check_train(self)
         if self.mask_token_id is not None and self.mask_token_id < 0:
-            raise ValueError(f"train.mask_token_id={self.mask_token_id}: must be a token id (>= 0)")
+            raise ConfigError(f"train.mask_token_id={self.mask_token_id}: must be a token id (>= 0)")
         if self.draft_rope not in ("target", "plain"):
-            raise ValueError(f"train.draft_rope={self.draft_rope!r}: expected target or plain")
+            raise ConfigError(f"train.draft_rope={self.draft_rope!r}: expected target or plain")
         if self.loss_positions not in ("assistant", "all"):
-            raise ValueError(f"train.loss_positions={self.loss_positions!r}: expected assistant or all")
+            raise ConfigError(f"train.loss_positions={self.loss_positions!r}: expected assistant or all")
         if self.lm_head_init not in ("target", "random"):
-            raise ValueError(f"train.lm_head_init={self.lm_head_init!r}: expected target or random")
+            raise ConfigError(f"train.lm_head_init={self.lm_head_init!r}: expected target or random")
         if self.layer_init not in ("random", "readout"):
-            raise ValueError(f"train.layer_init={self.layer_init!r}: expected random or readout")
+            raise ConfigError(f"train.layer_init={self.layer_init!r}: expected random or readout")
         if self.freeze_lm_head and self.lm_head_init != "target" and not self.init_draft:
-            raise ValueError("train.freeze_lm_head=true needs train.lm_head_init=target (or an init_draft): a frozen "
-                             "random lm_head cannot be learnt around")
+            raise ConfigError("train.freeze_lm_head=true needs train.lm_head_init=target (or an init_draft): a frozen "
+                              "random lm_head cannot be learnt around")
         if self.wandb_mode not in WANDB_MODES:
-            raise ValueError(f"train.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(WANDB_MODES)}")
+            raise ConfigError(f"train.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(WANDB_MODES)}")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ValueError(f"train.device={self.device!r}: expected auto, cpu or cuda")
+            raise ConfigError(f"train.device={self.device!r}: expected auto, cpu or cuda")
 
 
 def draft_recipe(name: str) -> dict[str, Any]:
@@ -412,12 +411,12 @@ def draft_recipe(name: str) -> dict[str, Any]:
     path = DRAFT_RECIPES / f"{name}.yaml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in DRAFT_RECIPES.glob("*.yaml")))
-        raise ValueError(f"draft recipe {name!r}: no {path}; known: {known}, none")
+        raise ConfigError(f"draft recipe {name!r}: no {path}; known: {known}, none")
     settings = OmegaConf.to_container(OmegaConf.load(path))
     known = {f.name for f in fields(TrainConfig)}
     for key, value in settings.items():
         if key not in known:
-            raise ValueError(f"{path}: {key!r} is not a train setting")
+            raise ConfigError(f"{path}: {key!r} is not a train setting")
         if value is None or isinstance(value, list | dict):
-            raise ValueError(f"{path}: {key}={value!r}: a draft recipe sets single values")
+            raise ConfigError(f"{path}: {key}={value!r}: a draft recipe sets single values")
     return settings

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from eagle3.errors import ConfigError
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 def resolve_device(device: str) -> torch.device:
@@ -21,12 +23,12 @@ def resolve_device(device: str) -> torch.device:
     try:
         resolved = torch.device(device)
     except RuntimeError as err:
-        raise ValueError(f"device {device!r}: expected auto, cpu, cuda, cuda:N or mps ({err})") from None
+        raise ConfigError(f"device {device!r}: expected auto, cpu, cuda, cuda:N or mps ({err})") from None
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: this torch has no usable CUDA device (use cpu or auto)")
+            raise ConfigError(f"device {device!r}: this torch has no usable CUDA device (use cpu or auto)")
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+            raise ConfigError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
     return resolved
 
 CUDNN_SDPA_ENV = "EAGLE3_CUDNN_SDPA"
@@ -107,7 +109,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+        raise ConfigError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
 
 @functools.cache

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from eagle3.errors import ConfigError
 from eagle3.home import eagle3_home
 
 
@@ -35,7 +36,7 @@ def init_runtime(device: str = "auto") -> Runtime:
     """
     use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
     if use_cuda and not torch.cuda.is_available():
-        raise ValueError(f"train.device={device!r}, but CUDA is not available")
+        raise ConfigError(f"train.device={device!r}, but CUDA is not available")
     if not use_cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(eagle3_home() / "torch_extensions"))

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eagle3.device import sdpa
+from eagle3.errors import ConfigError
 from eagle3.rope import (
     ROPE_TYPES,
     apply_rope,
@@ -128,29 +129,29 @@ class DraftConfig:
                      "vocab_size", "draft_vocab_size", "target_hidden_size", "num_aux_layers", "head_dim",
                      "num_layers", "max_position_embeddings"):
             if getattr(self, name) < 1:
-                raise ValueError(f"draft.{name}={getattr(self, name)}: must be >= 1")
+                raise ConfigError(f"draft.{name}={getattr(self, name)}: must be >= 1")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"draft.num_attention_heads={self.num_attention_heads} is not a multiple of "
+            raise ConfigError(f"draft.num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"draft.mask_token_id={self.mask_token_id}: not a token id of the vocabulary "
+            raise ConfigError(f"draft.mask_token_id={self.mask_token_id}: not a token id of the vocabulary "
                              f"(0..{self.vocab_size - 1})")
         if self.head_dim % 2:
-            raise ValueError(f"draft.head_dim={self.head_dim}: RoPE needs an even head_dim")
+            raise ConfigError(f"draft.head_dim={self.head_dim}: RoPE needs an even head_dim")
         if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"draft.draft_vocab_size={self.draft_vocab_size} exceeds vocab_size={self.vocab_size}")
+            raise ConfigError(f"draft.draft_vocab_size={self.draft_vocab_size} exceeds vocab_size={self.vocab_size}")
         if self.rope_scaling is not None:
             kind = rope_kind(self.rope_scaling)
             if kind not in ROPE_TYPES:
-                raise ValueError(f"draft.rope_scaling type {kind!r} is not supported (one of {', '.join(ROPE_TYPES)})")
+                raise ConfigError(f"draft.rope_scaling type {kind!r} is not supported (one of {', '.join(ROPE_TYPES)})")
             needed = {"linear": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
                       "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                  "original_max_position_embeddings")}.get(kind, ())
             missing = [key for key in needed if self.rope_scaling.get(key) is None]
             if missing:
-                raise ValueError(f"draft.rope_scaling ({kind}) lacks {', '.join(missing)}")
+                raise ConfigError(f"draft.rope_scaling ({kind}) lacks {', '.join(missing)}")
             if self.rope_scaling.get("partial_rotary_factor", 1.0) != 1.0:
-                raise ValueError("draft.rope_scaling: partial_rotary_factor is not supported (the draft rotates "
+                raise ConfigError("draft.rope_scaling: partial_rotary_factor is not supported (the draft rotates "
                                  "the whole head)")
 
     @classmethod
@@ -188,7 +189,7 @@ class DraftConfig:
         except ValueError as err:  # __post_init__'s RoPE checks (type, keys): the key is the target's
             if "rope_scaling" not in str(err):
                 raise
-            raise ValueError(f"the target's rope_scaling / rope_parameters: {err}; set train.draft_rope=plain for "
+            raise ConfigError(f"the target's rope_scaling / rope_parameters: {err}; set train.draft_rope=plain for "
                              "plain RoPE") from None
 
 

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
+from eagle3.errors import InputError, MissingInputError
 from eagle3.export import load_draft
 
 
@@ -154,32 +155,32 @@ def read_draft_vocab(path: str | os.PathLike[str], vocab_size: int) -> DraftVoca
     if path.is_dir() and not (path / "draft_vocab.safetensors").is_file():
         draft = load_draft(path).draft
         if draft.config.vocab_size != vocab_size:
-            raise ValueError(f"{path}: a draft vocab over {draft.config.vocab_size} target tokens, the target has "
+            raise InputError(f"{path}: a draft vocab over {draft.config.vocab_size} target tokens, the target has "
                              f"{vocab_size}")
         return DraftVocab.from_d2t(draft.d2t, vocab_size)
     if path.is_dir():
         path = path / "draft_vocab.safetensors"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no draft vocab here (expected a draft_vocab.safetensors or a draft folder)")
+        raise MissingInputError(f"{path}: no draft vocab here (expected a draft_vocab.safetensors or a draft folder)")
     try:
         tensors = load_file(str(path))
     except Exception as err:  # safetensors raises its own error types
-        raise ValueError(f"{path}: not a readable safetensors file ({err})") from err
+        raise InputError(f"{path}: not a readable safetensors file ({err})") from err
     missing = [k for k in ("d2t", "t2d") if k not in tensors]
     if missing:
-        raise ValueError(f"{path}: missing tensor(s) {missing}; expected d2t (int64 offsets) and t2d (bool mask); "
+        raise InputError(f"{path}: missing tensor(s) {missing}; expected d2t (int64 offsets) and t2d (bool mask); "
                          "a full-vocab draft has none: pass its folder")
     d2t, t2d = tensors["d2t"], tensors["t2d"]
     if d2t.dim() != 1 or d2t.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"{path}: d2t must be a 1-d integer tensor, got {d2t.dtype} {list(d2t.shape)}")
+        raise InputError(f"{path}: d2t must be a 1-d integer tensor, got {d2t.dtype} {list(d2t.shape)}")
     if t2d.dim() != 1 or t2d.shape[0] != vocab_size:
-        raise ValueError(f"{path}: a draft vocab over {list(t2d.shape)} target tokens, the target has {vocab_size}")
+        raise InputError(f"{path}: a draft vocab over {list(t2d.shape)} target tokens, the target has {vocab_size}")
     try:
         vocab = DraftVocab.from_d2t(d2t.long(), vocab_size)
     except ValueError as err:
-        raise ValueError(f"{path}: d2t does not map to valid target ids ({err})") from err
+        raise InputError(f"{path}: d2t does not map to valid target ids ({err})") from err
     if not torch.equal(vocab.t2d, t2d.bool()):
-        raise ValueError(f"{path}: t2d does not mark exactly the target ids that d2t maps to")
+        raise InputError(f"{path}: t2d does not mark exactly the target ids that d2t maps to")
     return vocab
 
 def write_draft_vocab(path: str | os.PathLike[str], vocab: DraftVocab) -> None:

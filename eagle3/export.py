@@ -27,7 +27,7 @@ from torch import Tensor
 
 from eagle3.atomic import atomic_dir, holds_only
 from eagle3.draft import DraftConfig
-from eagle3.errors import USER_ERRORS
+from eagle3.errors import run_cli
 from eagle3.families import family_of, family_reading
 from eagle3.formats import (
     FORMATS,
@@ -272,6 +272,10 @@ def give_target_lm_head(loaded: LoadedDraft, weight: Tensor) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("export", _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle3.export",
                                      description="Convert a draft folder (ours, vLLM/EAGLE/SpecForge, speculators, "
                                                  "SGLang) into the format an engine loads.")
@@ -292,31 +296,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if Path(args.out).resolve() == Path(args.draft).resolve():
         parser.error(f"--out {args.out} is the --draft folder: an export would replace the draft it reads; "
                      "pass another --out")
-    try:
-        loaded = load_draft(args.draft, args.from_format)
-        ids = loaded.aux_layer_ids
-        if args.aux_layer_ids:
-            try:
-                given = tuple(int(i) for i in args.aux_layer_ids.split(","))
-            except ValueError:
-                parser.error(f"--aux-layer-ids={args.aux_layer_ids!r}: expected comma-separated integers")
-            if ids is not None and tuple(sorted(given)) != ids:  # relabelling: the engine would feed other layers
-                raise DraftFormatError(f"{args.draft}: trained on aux layers {list(ids)}; --aux-layer-ids "
-                                       f"{list(given)} is only for a folder that names none")
-            ids = given
-        if ids is None:
-            raise DraftFormatError(f"{args.draft}: names no aux layer ids; pass --aux-layer-ids (the target's "
-                                   "default is 2,N//2,N-3 for N decoder layers)")
-        verifier = args.verifier or loaded.meta.get("target")
-        meta = {k: v for k, v in loaded.meta.items() if k != "format"} or None
-        state = loaded.draft.state_dict()
-        if not loaded.has_lm_head:  # written without one too: engines give it the target's
-            del state["lm_head.weight"]
-        export_draft_folder(args.out, state, loaded.draft.config, ids, args.format, dtype=args.dtype,
-                            verifier=verifier, speculative_tokens=args.speculative_tokens, meta=meta)
-    except USER_ERRORS as err:
-        print(f"export: error: {err}", file=sys.stderr)
-        return 2
+    loaded = load_draft(args.draft, args.from_format)
+    ids = loaded.aux_layer_ids
+    if args.aux_layer_ids:
+        try:
+            given = tuple(int(i) for i in args.aux_layer_ids.split(","))
+        except ValueError:
+            parser.error(f"--aux-layer-ids={args.aux_layer_ids!r}: expected comma-separated integers")
+        if ids is not None and tuple(sorted(given)) != ids:  # relabelling: the engine would feed other layers
+            raise DraftFormatError(f"{args.draft}: trained on aux layers {list(ids)}; --aux-layer-ids "
+                                   f"{list(given)} is only for a folder that names none")
+        ids = given
+    if ids is None:
+        raise DraftFormatError(f"{args.draft}: names no aux layer ids; pass --aux-layer-ids (the target's "
+                               "default is 2,N//2,N-3 for N decoder layers)")
+    verifier = args.verifier or loaded.meta.get("target")
+    meta = {k: v for k, v in loaded.meta.items() if k != "format"} or None
+    state = loaded.draft.state_dict()
+    if not loaded.has_lm_head:  # written without one too: engines give it the target's
+        del state["lm_head.weight"]
+    export_draft_folder(args.out, state, loaded.draft.config, ids, args.format, dtype=args.dtype,
+                        verifier=verifier, speculative_tokens=args.speculative_tokens, meta=meta)
     print(json.dumps({"stage": "export", "from": str(args.draft), "from_format": loaded.format, "out": args.out,
                       "format": args.format, "aux_layer_ids": list(ids), "dtype": args.dtype}))
     return 0

@@ -39,7 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from eagle3.atomic import atomic_write_bytes, atomic_write_text, sha256_file
-from eagle3.errors import Eagle3Error
+from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.fingerprint import UNKNOWN_WEIGHTS
 from eagle3.store_feed import StoreFeed
 
@@ -71,10 +71,10 @@ class HarvestSpec:
 
     def __post_init__(self) -> None:
         if self.dtype not in STORE_DTYPES:
-            raise ValueError(f"harvest dtype {self.dtype!r}: expected one of {', '.join(STORE_DTYPES)}")
+            raise ConfigError(f"harvest dtype {self.dtype!r}: expected one of {', '.join(STORE_DTYPES)}")
         if self.store not in ("last", "topk") or (self.store == "topk") != (self.topk > 0):
-            raise ValueError(f"harvest store={self.store!r} topk={self.topk}: "
-                             "use store=last, or store=topk with topk > 0")
+            raise ConfigError(f"harvest store={self.store!r} topk={self.topk}: "
+                              "use store=last, or store=topk with topk > 0")
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> HarvestSpec:

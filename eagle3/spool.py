@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.atomic import atomic_write_bytes, atomic_write_text, sha256_file
+from eagle3.errors import ConfigError
 from eagle3.planned import INDEX, PlannedSamples
 from eagle3.shards import (
     MANIFEST,
@@ -99,7 +100,7 @@ class Spool:
     def __init__(self, root: str | os.PathLike[str], spec: HarvestSpec, *, budget_bytes: int,
                  plan_sha256: str, seed: int = 0, poll_s: float = 0.05) -> None:
         if budget_bytes < 1:
-            raise ValueError(f"spool budget_bytes={budget_bytes}: must be >= 1")
+            raise ConfigError(f"spool budget_bytes={budget_bytes}: must be >= 1")
         self.root, self.spec, self.budget_bytes, self.poll_s = Path(root), spec, budget_bytes, poll_s
         self.header = {"format": "eagle3-spool-1", "spec": spec.to_json(), "plan_sha256": plan_sha256,
                        "seed": seed, "budget_bytes": budget_bytes}
@@ -408,7 +409,8 @@ class SpoolStore(PlannedSamples):
         if self.spool.budget_bytes < (window + 1) * largest:
             raise StoreError(f"{self.root / HEADER}: budget_bytes={self.spool.budget_bytes} holds fewer than "
                              f"train.shard_window + 1 = {window + 1} shards of up to {largest:.0f} bytes; give the "
-                             "producers a larger --budget-mb or train with a smaller shard_window")
+                             "producers a larger --spool-budget-mb (harvest.spool_budget_mb in a recipe) or train "
+                             "with a smaller train.shard_window")
 
     def unreleased_bytes(self) -> int:
         """Bytes of the committed shards this trainer has read and not yet released (a checkpoint

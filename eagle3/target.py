@@ -29,7 +29,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from eagle3.device import resolve_device, resolve_dtype, sdpa_backends
-from eagle3.errors import Eagle3Error
+from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.nvfp4 import load_emulated, nvfp4_quantization
 from eagle3.target_source import TargetSourceError, resolve_target
 
@@ -47,15 +47,15 @@ def check_aux_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
     """Validate layer ids against the target depth; returns them ascending (as vLLM orders them)."""
     ids = tuple(int(i) for i in ids)
     if not ids:
-        raise ValueError("aux_layer_ids is empty")
+        raise ConfigError("aux_layer_ids is empty")
     if len(set(ids)) != len(ids):
-        raise ValueError(
+        raise ConfigError(
             f"aux_layer_ids {list(ids)} has duplicates (target has {num_layers} layers); "
             "pass distinct ids explicitly"
         )
     bad = [i for i in ids if not 0 <= i < num_layers]
     if bad:
-        raise ValueError(f"aux_layer_ids {bad} out of range for a target with {num_layers} decoder layers")
+        raise ConfigError(f"aux_layer_ids {bad} out of range for a target with {num_layers} decoder layers")
     return tuple(sorted(ids))
 
 

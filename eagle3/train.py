@@ -64,7 +64,7 @@ from eagle3.config import TargetConfig, TrainConfig
 from eagle3.distributed import Runtime, all_reduce_sum, barrier, init_runtime
 from eagle3.draft import DraftHead
 from eagle3.draft_vocab import read_draft_vocab, write_draft_vocab
-from eagle3.errors import USER_ERRORS, TrainError
+from eagle3.errors import TrainError, run_cli
 from eagle3.families import parameter_count
 from eagle3.formats import nonfinite_tensors
 from eagle3.losses import Objective
@@ -422,10 +422,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     if not cfg.store or not cfg.out_dir:
         raise TrainError("train.store and train.out_dir must be set")
     started = time.perf_counter()
-    try:
-        rt = init_runtime(cfg.device)
-    except ValueError as err:
-        raise TrainError(str(err)) from None
+    rt = init_runtime(cfg.device)  # train.device=cuda without CUDA: a ConfigError, named
     if rt.device.type == "cpu":
         torch.set_num_threads(cfg.threads)
     cfg = replace(cfg, precision=resolve_precision(cfg, rt.device))
@@ -541,6 +538,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("train", _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     target_cfg_args = {"name_or_path": args.pop("target"), "dtype": args.pop("target_dtype")}
@@ -550,12 +551,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         target_cfg = TargetConfig(**target_cfg_args)
     except ValueError as err:
         parser.error(str(err))
-    try:
-        summary = train(cfg, target_cfg)
-    except USER_ERRORS as err:
-        print(f"train: error: {err}", file=sys.stderr)
-        return 2
-    print0(json.dumps(summary))
+    print0(json.dumps(train(cfg, target_cfg)))
     return 0
 
 

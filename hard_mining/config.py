@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eagle3.config import WANDB_MODES
+from eagle3.errors import ConfigError
 
 MINE_STRATEGIES = ("reweight", "hardest", "synthesize", "uniform")
 
@@ -63,16 +64,16 @@ class MineConfig:
     def __post_init__(self) -> None:
         bad = [s for s in self.strategies if s not in MINE_STRATEGIES]
         if bad or not self.strategies:
-            raise ValueError(f"mine.strategies={self.strategies}: expected some of {', '.join(MINE_STRATEGIES)}")
+            raise ConfigError(f"mine.strategies={self.strategies}: expected some of {', '.join(MINE_STRATEGIES)}")
         for name in ("rounds", "steps", "max_new_tokens", "candidate_tokens", "variation_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"mine.{name}={getattr(self, name)}: must be >= 1")
+                raise ConfigError(f"mine.{name}={getattr(self, name)}: must be >= 1")
         for name in ("candidates", "hard_examples", "variations", "procedural", "uniform"):
             if getattr(self, name) < 0:
-                raise ValueError(f"mine.{name}={getattr(self, name)}: must be >= 0")
+                raise ConfigError(f"mine.{name}={getattr(self, name)}: must be >= 0")
         if self.lr is not None and self.lr <= 0:
-            raise ValueError(f"mine.lr={self.lr}: must be > 0 (or null: a quarter of train.lr)")
+            raise ConfigError(f"mine.lr={self.lr}: must be > 0 (or null: a quarter of train.lr)")
         if not 0.0 < self.keep_fraction <= 1.0:
-            raise ValueError(f"mine.keep_fraction={self.keep_fraction}: must be in (0, 1]")
+            raise ConfigError(f"mine.keep_fraction={self.keep_fraction}: must be in (0, 1]")
         if self.wandb_mode not in WANDB_MODES:
-            raise ValueError(f"mine.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(WANDB_MODES)}")
+            raise ConfigError(f"mine.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(WANDB_MODES)}")

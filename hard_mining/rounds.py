@@ -47,7 +47,7 @@ from eagle3.atomic import atomic_write_text, output_dir
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import TargetConfig, TrainConfig, add_target_arguments
 from eagle3.conversations import iter_jsonl, take_in_turn
-from eagle3.errors import USER_ERRORS, Eagle3Error
+from eagle3.errors import Eagle3Error, run_cli
 from eagle3.shards import HarvestStore, open_stores
 from hard_mining.config import MineConfig
 from hard_mining.score import (
@@ -450,20 +450,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("hard_mining", _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
-    try:
-        cfg = dataclass_from_args(MineConfig, args)
-        train_cfg = continued_training(
-            args.recipe, store=args.store, out_dir=args.out_dir, ttt_steps=args.ttt_steps,
-            loss_positions=args.loss_positions, warmup_steps=max(1, args.steps // 20),
-            micro_batch_tokens=args.micro_batch_tokens, batching="buckets", precision=args.precision, eval_every=0,
-            save_every=0, progress=not args.no_progress, threads=args.threads)
-        target_cfg = TargetConfig(name_or_path=args.target, dtype=args.target_dtype, device=args.device)
-        manifest = run_rounds(cfg, train_cfg, target_cfg, progress=not args.no_progress)
-    except USER_ERRORS as err:
-        print(f"hard_mining: error: {err}", file=sys.stderr)
-        return 2
+    cfg = dataclass_from_args(MineConfig, args)
+    train_cfg = continued_training(
+        args.recipe, store=args.store, out_dir=args.out_dir, ttt_steps=args.ttt_steps,
+        loss_positions=args.loss_positions, warmup_steps=max(1, args.steps // 20),
+        micro_batch_tokens=args.micro_batch_tokens, batching="buckets", precision=args.precision, eval_every=0,
+        save_every=0, progress=not args.no_progress, threads=args.threads)
+    target_cfg = TargetConfig(name_or_path=args.target, dtype=args.target_dtype, device=args.device)
+    manifest = run_rounds(cfg, train_cfg, target_cfg, progress=not args.no_progress)
     for entry in manifest["rounds"]:
         print(json.dumps({"stage": "mine", "round": entry["round"],
                           "tau_before": entry["before"]["all"]["all"]["tau_sim"],

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from eagle3.conversations import iter_jsonl
+from eagle3.conversations import ConversationError, iter_jsonl
 from eagle3.draft import DraftHead
 from eagle3.families import family_of
 from eagle3.metrics import accepted_runs, step_hits
@@ -88,7 +88,7 @@ def read_sample_meta(records: str | Path | Iterable[str | Path]) -> dict[str, di
     for path in paths:
         for where, record in iter_jsonl(Path(path)):
             if isinstance(record, Exception):
-                raise ValueError(f"{where}: {record}")
+                raise ConversationError(f"{where}: {record}")
             out[str(record["id"])] = {"domain": str(record.get("domain") or UNKNOWN),
                                       "language": str(record.get("language") or UNKNOWN)}
     return out

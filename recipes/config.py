@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from data_gen.config import HarvestConfig, PoolsConfig, QuantizeConfig, RegenerateConfig, SelectConfig
 from eagle3.config import TargetConfig, TrainConfig
+from eagle3.errors import ConfigError
 from hard_mining.config import MineConfig
 from serve_eval.config import EvalConfig
 
@@ -35,10 +36,10 @@ class LauncherConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in ("none", "local", "slurm"):
-            raise ValueError(f"launcher.kind={self.kind!r}: expected none, local or slurm")
+            raise ConfigError(f"launcher.kind={self.kind!r}: expected none, local or slurm")
         for name in ("timeout_min", "cpus_per_task", "nodes", "tasks_per_node", "harvest_shards"):
             if getattr(self, name) < 1:
-                raise ValueError(f"launcher.{name}={getattr(self, name)}: must be >= 1")
+                raise ConfigError(f"launcher.{name}={getattr(self, name)}: must be >= 1")
 
 
 @dataclass
@@ -69,10 +70,10 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         if self.train.data in ("online", "colocated") and "mine" in self.stages:
-            raise ValueError(f"train.data={self.train.data} keeps no store for the mine stage to score and extend: "
-                             "run without it (stages=[...] without mine), or train with train.data=hybrid or offline")
+            raise ConfigError(f"train.data={self.train.data} keeps no store for the mine stage to score and extend: "
+                              "run without it (stages=[...] without mine), or train with train.data=hybrid or offline")
         if self.train.data != "offline" and self.train.store != self.harvest.out_dir:
-            raise ValueError(f"train.data={self.train.data}: train.store={self.train.store!r} must be the spool the "
-                             f"producers fill, harvest.out_dir={self.harvest.out_dir!r}")
+            raise ConfigError(f"train.data={self.train.data}: train.store={self.train.store!r} must be the spool the "
+                              f"producers fill, harvest.out_dir={self.harvest.out_dir!r}")
         if self.threads < 1:
-            raise ValueError(f"threads={self.threads}: must be >= 1")
+            raise ConfigError(f"threads={self.threads}: must be >= 1")

@@ -295,7 +295,7 @@ def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
         chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
         try:
             prompts = {name: read_prompts(Path(cfg.pools.out_dir), name, e.per_set, chat) for name in e.sets}
-        except (ValueError, FileNotFoundError) as err:  # a missing, empty or malformed eval set, named
+        except Eagle3Error as err:  # a missing, empty or malformed eval set, named
             raise PipelineError(f"eval.sets: {err}") from None
         report = evaluate(target, draft, prompts, config=e.spec, params=e.sampling, max_new_tokens=e.max_new_tokens,
                           stop_ids=sorted(chat.stop_ids), seed=cfg.seed)

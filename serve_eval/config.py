@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eagle3.config import WANDB_MODES, SamplingConfig
+from eagle3.errors import ConfigError
 
 EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "multilingual")
 """The pools' eval sets the evaluation runs by default (``<pools>/eval/<name>.jsonl``)."""
@@ -34,13 +35,13 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in ("chain", "tree"):
-            raise ValueError(f"mode={self.mode!r}: expected chain or tree")
+            raise ConfigError(f"mode={self.mode!r}: expected chain or tree")
         if self.target_cache not in TARGET_CACHES:
-            raise ValueError(f"target_cache={self.target_cache!r}: expected {', '.join(TARGET_CACHES[:-1])} or "
-                             f"{TARGET_CACHES[-1]}")
+            raise ConfigError(f"target_cache={self.target_cache!r}: expected {', '.join(TARGET_CACHES[:-1])} or "
+                              f"{TARGET_CACHES[-1]}")
         for name in ("k", "topk", "budget"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
 
 
 @dataclass
@@ -79,14 +80,14 @@ class EvalConfig:
     def __post_init__(self) -> None:
         for name in ("per_set", "max_new_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"eval.{name}={getattr(self, name)}: must be >= 1")
+                raise ConfigError(f"eval.{name}={getattr(self, name)}: must be >= 1")
         try:
             self.spec  # noqa: B018  (the speculation and sampling settings are checked by their classes)
             self.sampling  # noqa: B018
-        except ValueError as err:
-            raise ValueError(f"eval.{err}") from None
+        except ConfigError as err:
+            raise ConfigError(f"eval.{err}") from None
         if self.wandb_mode not in WANDB_MODES:
-            raise ValueError(f"eval.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(WANDB_MODES)}")
+            raise ConfigError(f"eval.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(WANDB_MODES)}")
 
     @property
     def spec(self) -> SpecConfig:

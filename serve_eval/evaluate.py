@@ -35,7 +35,7 @@ import torch
 from eagle3.atomic import atomic_write_text
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import SamplingConfig, add_target_arguments
-from eagle3.errors import USER_ERRORS
+from eagle3.errors import ConfigError, InputError, MissingInputError, run_cli
 from eagle3.metrics import acceptance_per_position, served_tau
 from eagle3.target import context_length
 from serve_eval.adaptive import measure_cost
@@ -56,13 +56,13 @@ def read_prompts(pools: Path, name: str, per_set: int, chat: Any) -> list[list[i
 
     path = pools / "eval" / f"{name}.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing (build the pools: python -m data_gen.pools --out {pools})")
+        raise MissingInputError(f"{path}: missing (build the pools: python -m data_gen.pools --out {pools})")
     by_language: dict[Any, list[tuple[str, dict]]] = {}
     for where, record in iter_jsonl(path):
         if isinstance(record, Exception):
-            raise ValueError(f"{where}: {record}")
+            raise InputError(f"{where}: {record}")
         if not isinstance(record, dict):
-            raise ValueError(f"{where}: not a JSON object")
+            raise InputError(f"{where}: not a JSON object")
         by_language.setdefault(record.get("language"), []).append((where, record))
     out = []
     for where, record in take_in_turn(by_language.values(), per_set):
@@ -70,10 +70,10 @@ def read_prompts(pools: Path, name: str, per_set: int, chat: Any) -> list[list[i
         turns = messages if isinstance(messages, list) else []
         first_user = next((i for i, m in enumerate(turns) if isinstance(m, dict) and m.get("role") == "user"), None)
         if first_user is None:
-            raise ValueError(f"{where}: no user message in 'messages'")
+            raise InputError(f"{where}: no user message in 'messages'")
         out.append(chat.prompt_ids(messages[: first_user + 1]))
     if not out:
-        raise ValueError(f"{path}: no prompts in it (an eval set needs at least one record)")
+        raise InputError(f"{path}: no prompts in it (an eval set needs at least one record)")
     return out
 
 
@@ -310,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("serve_eval", _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads < 1:
         print(f"serve_eval: error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
@@ -318,17 +322,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from eagle3.chat import ChatFormat
 
-    try:
-        # sets also as one comma-separated word, as earlier versions took them
-        cfg = dataclass_from_args(EvalConfig, args, sets=[s for word in args.sets for s in word.split(",") if s])
-        if Path(cfg.out_dir).exists() and not Path(cfg.out_dir).is_dir():
-            raise ValueError(f"--out {cfg.out_dir}: exists and is not a folder")
-        target, draft = load_pair(cfg.draft, args.target, args.target_dtype, args.device)
-        chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
-        prompts = {name: read_prompts(Path(args.pools), name, cfg.per_set, chat) for name in cfg.sets}
-    except USER_ERRORS as err:
-        print(f"serve_eval: error: {err}", file=sys.stderr)
-        return 2
+    # sets also as one comma-separated word, as earlier versions took them
+    cfg = dataclass_from_args(EvalConfig, args, sets=[s for word in args.sets for s in word.split(",") if s])
+    if Path(cfg.out_dir).exists() and not Path(cfg.out_dir).is_dir():
+        raise ConfigError(f"--out {cfg.out_dir}: exists and is not a folder")
+    target, draft = load_pair(cfg.draft, args.target, args.target_dtype, args.device)
+    chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
+    prompts = {name: read_prompts(Path(args.pools), name, cfg.per_set, chat) for name in cfg.sets}
     report = evaluate(target, draft, prompts, config=cfg.spec, params=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
                       stop_ids=sorted(chat.stop_ids), seed=args.seed, progress=not args.no_progress)
     report["draft"], report["target"] = str(cfg.draft), args.target

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from eagle3.atomic import atomic_write_text
-from eagle3.errors import USER_ERRORS
+from eagle3.errors import InputError, run_cli
 from eagle3.target_source import DEFAULT_TARGET
 from serve_eval.config import EVAL_SETS, EvalConfig
 from serve_eval.evaluate import first_divergence, read_prompts
@@ -112,6 +112,10 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("serve_eval.quant_report", _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve_eval.quant_report", description=__doc__.splitlines()[0])
     parser.add_argument("--quantized", required=True, help="NVFP4 checkpoint folder (python -m data_gen.nvfp4)")
     parser.add_argument("--quantized-mode", choices=("auto", "w4a4", "w4a16"), default="auto")
@@ -135,22 +139,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from eagle3.fingerprint import tokenizer_fingerprint
     from eagle3.target import load_target
 
-    try:
-        quantized = load_target(args.quantized, dtype="float32", device=args.device, nvfp4_mode=args.quantized_mode)
-        reference = load_target(args.reference, dtype="float32", device=args.device)
-    except USER_ERRORS as err:
-        print(f"serve_eval.quant_report: error: {err}", file=sys.stderr)
-        return 2
+    quantized = load_target(args.quantized, dtype="float32", device=args.device, nvfp4_mode=args.quantized_mode)
+    reference = load_target(args.reference, dtype="float32", device=args.device)
     if tokenizer_fingerprint(reference.tokenizer) != tokenizer_fingerprint(quantized.tokenizer):
-        print(f"error: {args.quantized} and {args.reference} have different tokenizers", file=sys.stderr)
-        return 2
+        raise InputError(f"{args.quantized} and {args.reference} have different tokenizers")
     chat = ChatFormat.for_tokenizer(reference.tokenizer, reference.model.generation_config)
-    try:
-        prompts = {name: read_prompts(Path(args.pools), name, args.per_set, chat)
-                   for name in args.sets.split(",") if name}
-    except (FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    prompts = {name: read_prompts(Path(args.pools), name, args.per_set, chat) for name in args.sets.split(",") if name}
     sets = run(reference, quantized, prompts, args.max_new_tokens, sorted(chat.stop_ids))
     report = {"reference": args.reference, "quantized": args.quantized,
               "mode": getattr(quantized.model, "nvfp4_mode", "dense"), "per_set": args.per_set,

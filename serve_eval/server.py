@@ -47,7 +47,7 @@ except ImportError as err:  # the core install trains and harvests; serving is a
 from eagle3.chat import ChatFormat, ChatFormatError
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import SamplingConfig, add_target_arguments
-from eagle3.errors import USER_ERRORS
+from eagle3.errors import ConfigError, run_cli
 from serve_eval.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_cost
 from serve_eval.config import SpecConfig
 from serve_eval.openai_api import BadRequest, ChatRequest, CompletionRequest, parse_body
@@ -216,7 +216,7 @@ class Engine:
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
         self.k = decoder.config.k if decoder.draft is not None else 0
         if adaptive and (decoder.draft is None or decoder.config.mode != "chain"):
-            raise ValueError("adaptive speculation needs a draft and mode=chain")
+            raise ConfigError("adaptive speculation needs a draft and mode=chain")
         if adaptive and cost is None:
             raise ValueError("adaptive speculation needs a cost model")
         # every finished request's rounds become the next request's prior
@@ -537,6 +537,10 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("serve_eval.server", _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve_eval.server", description=__doc__.splitlines()[0])
     parser.add_argument("--draft", required=True, help="draft folder (ours, vLLM, speculators or SGLang format)")
     add_target_arguments(parser)
@@ -566,11 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import uvicorn
 
-    try:
-        engine = build_engine(args)
-    except USER_ERRORS as err:
-        print(f"serve_eval.server: error: {err}", file=sys.stderr)
-        return 2
+    engine = build_engine(args)
     uvicorn.run(build_app(engine, args.api_key), host=args.host, port=args.port, log_level="info")
     engine.close()
     return 0

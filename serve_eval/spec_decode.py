@@ -39,6 +39,7 @@ from torch import Tensor
 from eagle3.config import SamplingConfig
 from eagle3.device import synchronize
 from eagle3.draft import DraftHead, DraftKV
+from eagle3.errors import ConfigError
 from eagle3.families import Proposal, Proposer, family_of
 from eagle3.metrics import acceptance_per_position, served_tau
 from eagle3.target import Target
@@ -148,10 +149,10 @@ class SpeculativeDecoder:
         if draft is not None:
             c = draft.config
             if c.target_hidden_size != target.hidden_size or c.vocab_size != target.vocab_size:
-                raise ValueError(f"draft (target_hidden_size {c.target_hidden_size}, vocab {c.vocab_size}) does "
+                raise ConfigError(f"draft (target_hidden_size {c.target_hidden_size}, vocab {c.vocab_size}) does "
                                  f"not fit the target (hidden {target.hidden_size}, vocab {target.vocab_size})")
             if c.num_aux_layers != len(target.aux_layer_ids):
-                raise ValueError(f"draft reads {c.num_aux_layers} aux states, the target captures "
+                raise ConfigError(f"draft reads {c.num_aux_layers} aux states, the target captures "
                                  f"{len(target.aux_layer_ids)} layers {list(target.aux_layer_ids)}")
             family = family_of(c)
             # under graphs a family that drafts step by step replays its steps over a static draft cache
@@ -201,7 +202,7 @@ class SpeculativeDecoder:
         if not prompt:
             raise ValueError("empty prompt")
         if policy is not None and self.config.mode != "chain":
-            raise ValueError("an adaptive depth policy needs mode=chain")
+            raise ConfigError("an adaptive depth policy needs mode=chain")
         proposer = self.proposer if speculate else None
         g = torch.Generator(device=self.device).manual_seed(seed)  # sampling happens where the logits are
         stats = DecodeStats(proposed=self.config.k if proposer else 0)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from eagle3.errors import ConfigError
 from eagle3.target import Target, TargetOutput
 
 _MIN_SLOTS = 1024
@@ -38,8 +39,8 @@ def check_static_target(target: Target, setting: str) -> None:
     windowed = "sliding_attention" in kinds or (getattr(config, "sliding_window", None)
                                                 and getattr(config, "use_sliding_window", True) and not kinds)
     if windowed:
-        raise ValueError(f"target_cache={setting}: {target.name or 'the target'} has sliding-window attention "
-                         "layers, whose static cache rotates and cannot be rolled back; use target_cache=dynamic")
+        raise ConfigError(f"target_cache={setting}: {target.name or 'the target'} has sliding-window attention "
+                          "layers, whose static cache rotates and cannot be rolled back; use target_cache=dynamic")
 
 
 def _replayed(compiled: dict[Any, Any], key: Any, fn: Any, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -135,8 +136,8 @@ def roll_back(cache: Any, n: int) -> None:
         elif isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
             layer.cumulative_length.sub_(n)
         else:
-            raise RuntimeError(f"{type(layer).__name__}: a static cache layer of this transformers version has no "
-                               "write counter to roll back; use target_cache=dynamic")
+            raise ConfigError(f"{type(layer).__name__}: a static cache layer of this transformers version has no "
+                              "write counter to roll back; use target_cache=dynamic")
 
 
 class StaticDraftKV:

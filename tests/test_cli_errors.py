@@ -1,5 +1,6 @@
 """Every entry point prints a user error as one line naming the file or key, with no traceback:
-each CLI on a missing input (in this process, as ``python -m`` runs it), and ``eagle3-run``."""
+each CLI on a missing input (in this process, as ``python -m`` runs it), and ``eagle3-run``. Anything
+else is a bug and shows its traceback (:func:`eagle3.errors.run_cli`)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,58 @@ def test_eagle3_run_prints_a_stage_error_as_one_line(tmp_path: Path) -> None:
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert errors == [e for e in errors if e.startswith("eagle3-run: error: ")] and len(errors) == 1
     assert f"{NOWHERE}/model" in errors[0]
+
+
+# The training CLI with its stage body replaced by one raising ``error``: run as a program, so that
+# what a user sees (the traceback or the one line, and the exit status) is what the test sees.
+_FAILING_TRAIN = """
+import sys
+import eagle3.train as cli
+def fail(*args, **kwargs):
+    raise {error}
+cli.train = fail
+sys.exit(cli.main(["--store", "store", "--out", sys.argv[1]]))
+"""
+
+
+def _train_failing_with(error: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", _FAILING_TRAIN.format(error=error), str(tmp_path / "t")], cwd=REPO,
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+
+
+def test_an_internal_value_error_is_a_bug_with_its_traceback(tmp_path: Path) -> None:
+    """A ValueError the project did not raise as a user error is a bug: its traceback, not a
+    one-line 'user error' (the old net took every ValueError and OSError)."""
+    done = _train_failing_with('ValueError("boom")', tmp_path)
+    assert done.returncode != 0 and "Traceback (most recent call last)" in done.stderr, done.stderr[-2000:]
+    assert "ValueError: boom" in done.stderr and "train: error:" not in done.stderr, done.stderr[-2000:]
+
+
+def test_an_os_error_is_one_line_where_it_names_a_file_and_a_traceback_where_it_names_none(tmp_path: Path) -> None:
+    named = _train_failing_with('PermissionError(13, "Permission denied", "/srv/data/secret.jsonl")', tmp_path)
+    assert named.returncode == 2 and "Traceback" not in named.stderr, named.stderr[-2000:]
+    assert named.stderr.strip().splitlines() == ["train: error: [Errno 13] Permission denied: "
+                                                 "'/srv/data/secret.jsonl'"], named.stderr[-2000:]
+    unnamed = _train_failing_with('OSError("a socket closed")', tmp_path)
+    assert unnamed.returncode != 0 and "Traceback (most recent call last)" in unnamed.stderr, unnamed.stderr[-2000:]
+    assert "OSError: a socket closed" in unnamed.stderr and "train: error:" not in unnamed.stderr
+
+
+def test_run_cli_prints_a_project_error_as_one_line_and_lets_a_bug_through(capsys: pytest.CaptureFixture) -> None:
+    from eagle3.errors import ConfigError, run_cli
+
+    def body(error: Exception | None) -> int:
+        if error is not None:
+            raise error
+        return 0
+
+    assert run_cli("stage", body, None) == 0
+    assert run_cli("stage", body, ConfigError("train.lr=0: must be > 0")) == 2
+    assert capsys.readouterr().err == "stage: error: train.lr=0: must be > 0\n"
+    for bug in (ValueError("boom"), KeyError("k"), OSError("no file named")):
+        with pytest.raises(type(bug)):
+            run_cli("stage", body, bug)
+    assert capsys.readouterr().err == ""
 
 
 def test_every_user_error_class_has_the_one_base() -> None:

@@ -152,7 +152,7 @@ def test_the_pools_cli_takes_user_files(tmp_path: Path, fake: None, capsys: pyte
     mine = tmp_path / "mine.jsonl"
     mine.write_text('{"messages": [{"role": "user", "content": "Explain Rust lifetimes with an example."}]}\n',
                     encoding="utf-8")
-    pools.main(["--out", str(tmp_path / "p"), "--user-file", str(mine), "--user-domain", "coding"])
+    assert pools.main(["--out", str(tmp_path / "p"), "--user-file", str(mine), "--user-domain", "coding"]) == 0
     train = read_jsonl(tmp_path / "p" / "train.jsonl") + read_jsonl(tmp_path / "p" / "val.jsonl")
     assert [r["domain"] for r in train if r["source"] == "user:mine.jsonl"] == ["coding"]
     (tmp_path / "empty.jsonl").write_text("", encoding="utf-8")
@@ -160,10 +160,12 @@ def test_the_pools_cli_takes_user_files(tmp_path: Path, fake: None, capsys: pyte
                          (["--user-file", str(tmp_path / "empty.jsonl"), "--strict-user-files"],
                           "empty.jsonl: no prompts in it"),
                          (["--user-file", str(mine), "--user-domain", "cooking"], "--user-domain='cooking'")):
-        with pytest.raises(SystemExit) as exit_:
-            pools.main(["--out", str(tmp_path / "q"), *args])
-        said = str(exit_.value.code) if exit_.value.code != 2 else capsys.readouterr().err
-        assert re.search(reason, said), said
+        try:  # a bad flag: the parser's usage and exit 2; a bad file: run_cli's one line and 2
+            code = pools.main(["--out", str(tmp_path / "q"), *args])
+        except SystemExit as exit_:
+            code = exit_.code
+        said = capsys.readouterr().err
+        assert code == 2 and re.search(reason, said), said
         assert not (tmp_path / "q").exists()
 
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from eagle3.errors import TrainError
+from eagle3.errors import ConfigError, TrainError
 
 if TYPE_CHECKING:
     from eagle3.config import SamplingConfig, TrainConfig
@@ -113,10 +113,10 @@ class DraftFamily:
     # -- settings
 
     def check_train(self, train: TrainConfig) -> None:
-        """Refuse training settings this family cannot honour (raise ValueError naming the key)."""
+        """Refuse training settings this family cannot honour (a ConfigError naming the key)."""
         if train.mask_token_id is not None and not self.reads_mask_token:
             readers = [name for name, family in _FAMILIES.items() if family.reads_mask_token]
-            raise ValueError(f"train.mask_token_id={train.mask_token_id}: only a {' or '.join(readers)} draft reads a "
+            raise ConfigError(f"train.mask_token_id={train.mask_token_id}: only a {' or '.join(readers)} draft reads a "
                              "mask token")
 
     def shape(self, train: TrainConfig) -> dict[str, Any]:
@@ -126,7 +126,7 @@ class DraftFamily:
     # -- the draft
 
     def check_config(self, config: DraftConfig) -> None:
-        """Refuse a draft config this family cannot build (ValueError naming the field)."""
+        """Refuse a draft config this family cannot build (a ConfigError naming the field)."""
 
     def config_fields(self, mask_token_id: int | None, train: TrainConfig) -> dict[str, Any]:
         """The family's own draft-config fields: its name and mask token (None when it reads none)."""
@@ -156,7 +156,7 @@ class DraftFamily:
 
     def proposer(self, draft: Any, cache: Any, spec: Any) -> Proposer:
         """The serving proposer for ``spec`` (``serve_eval.config.SpecConfig``: mode, k, topk, budget);
-        refuses (ValueError) what this family cannot propose."""
+        refuses (ConfigError) what this family cannot propose."""
         raise NotImplementedError
 
     # -- export and import
@@ -210,13 +210,13 @@ module that calls :func:`register` when imported (read once, when a name is not 
 
 
 def get_family(name: str, key: str = "draft.family") -> DraftFamily:
-    """The family named ``name``; a ValueError naming ``key`` and the known ones otherwise."""
+    """The family named ``name``; a ConfigError naming ``key`` and the known ones otherwise."""
     if name not in _FAMILIES:
         _load_plugins()
     try:
         return _FAMILIES[name]
     except KeyError:
-        raise ValueError(f"{key}={name!r}: expected one of {', '.join(_FAMILIES)}") from None
+        raise ConfigError(f"{key}={name!r}: expected one of {', '.join(_FAMILIES)}") from None
 
 
 def _load_plugins() -> None:

@@ -46,7 +46,7 @@ from eagle3.draft import (
     gather_rows,
     rope_cos_sin,
 )
-from eagle3.errors import TrainError
+from eagle3.errors import ConfigError, TrainError
 from eagle3.families.base import DraftFamily, Proposal, Proposer, register
 from eagle3.formats import (
     DFLASH_ARCHITECTURE,
@@ -270,14 +270,14 @@ class DFlashFamily(DraftFamily):
     def check_train(self, train: TrainConfig) -> None:
         super().check_train(train)
         if train.gradient_checkpointing:
-            raise ValueError("train.gradient_checkpointing=true: a dflash draft runs one block, not an unroll to "
+            raise ConfigError("train.gradient_checkpointing=true: a dflash draft runs one block, not an unroll to "
                              "recompute step by step; it is not supported there")
         if train.layer_init != "random":
-            raise ValueError(f"train.layer_init={train.layer_init}: a dflash draft starts from random layers")
+            raise ConfigError(f"train.layer_init={train.layer_init}: a dflash draft starts from random layers")
 
     def check_config(self, config: DraftConfig) -> None:
         if config.block_size is None or config.block_size < 2 or config.mask_token_id is None:
-            raise ValueError(f"draft.block_size={config.block_size}: a DFlash draft needs block_size >= 2 and a "
+            raise ConfigError(f"draft.block_size={config.block_size}: a DFlash draft needs block_size >= 2 and a "
                              "mask_token_id")
 
     def shape(self, train: TrainConfig) -> dict[str, Any]:
@@ -305,9 +305,9 @@ class DFlashFamily(DraftFamily):
 
     def proposer(self, draft: Any, cache: Any, spec: Any) -> Proposer:
         if spec.mode != "chain":
-            raise ValueError(f"a {self.name} draft proposes a chain in one forward: mode=tree is not supported")
+            raise ConfigError(f"a {self.name} draft proposes a chain in one forward: mode=tree is not supported")
         if spec.k > draft.block_size - 1:
-            raise ValueError(f"k={spec.k}: the DFlash draft's block proposes at most {draft.block_size - 1} tokens")
+            raise ConfigError(f"k={spec.k}: the DFlash draft's block proposes at most {draft.block_size - 1} tokens")
         return BlockProposer(draft, cache, spec)
 
     def engine_config(self, config: DraftConfig, aux_layer_ids: Any, fmt: str, dtype: str,

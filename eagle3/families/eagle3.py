@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from eagle3.draft import DraftConfig, Eagle3Draft
+from eagle3.errors import ConfigError
 from eagle3.families.base import DraftFamily, Proposal, Proposer, register
 from eagle3.formats import DraftFormatError, sglang_config, speculators_config, vllm_config
 from eagle3.ttt import TTTOutput, ttt_forward
@@ -44,7 +45,7 @@ class Eagle3Family(DraftFamily):
 
     def check_config(self, config: DraftConfig) -> None:
         if config.block_size is not None or (config.mask_token_id is not None) != self.reads_mask_token:
-            raise ValueError(f"draft.family={config.family}: block_size={config.block_size}, mask_token_id="
+            raise ConfigError(f"draft.family={config.family}: block_size={config.block_size}, mask_token_id="
                              f"{config.mask_token_id} do not fit it (eagle3: neither; peagle: a mask token; "
                              "dflash: both)")
 

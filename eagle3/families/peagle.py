@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from eagle3.draft import DraftConfig, DraftHead, Eagle3Draft
-from eagle3.errors import TrainError
+from eagle3.errors import ConfigError, TrainError
 from eagle3.families.base import Proposal, Proposer, register
 from eagle3.families.eagle3 import Eagle3Family
 from eagle3.formats import vllm_config
@@ -54,7 +54,7 @@ class PEagleFamily(Eagle3Family):
 
     def proposer(self, draft: Any, cache: Any, spec: Any) -> Proposer:
         if spec.mode != "chain":
-            raise ValueError(f"a {self.name} draft proposes a chain in one forward: mode=tree is not supported")
+            raise ConfigError(f"a {self.name} draft proposes a chain in one forward: mode=tree is not supported")
         return MaskRowsProposer(draft, cache, spec)
 
     def engine_config(self, config: DraftConfig, aux_layer_ids: Any, fmt: str, dtype: str,
