@@ -159,8 +159,11 @@ def _spec_and_backend(cfg: HarvestConfig, target_cfg: TargetConfig,
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
         from data_gen.vllm_capture import VllmCapture
+        from data_gen.vllm_generate import require_vllm
         from eagle3.target import check_architecture, check_aux_layer_ids, default_aux_layer_ids
         from eagle3.target_source import resolve_target
+
+        require_vllm("harvest.backend")
 
         folder = resolve_target(target_cfg.name_or_path).location
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=target_cfg.trust_remote_code)

@@ -162,9 +162,11 @@ def make_backend(cfg: RegenerateConfig, target_cfg: TargetConfig,
         return HFGenerator(target), chat, str(target.dtype).removeprefix("torch.")
     from transformers import AutoTokenizer, GenerationConfig
 
-    from data_gen.vllm_generate import VllmGenerator
+    from data_gen.vllm_generate import VllmGenerator, require_vllm
     from eagle3.device import resolve_device, resolve_dtype
     from eagle3.target_source import resolve_target
+
+    require_vllm("regenerate.backend")
 
     if target is not None:
         raise ValueError("regenerate.backend=vllm loads the target itself; do not pass a loaded HF target")

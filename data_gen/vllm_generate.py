@@ -16,6 +16,18 @@ from data_gen.generate import Generation, derive_seed, trim_generated
 from eagle3.config import SamplingConfig
 
 
+def require_vllm(key: str) -> None:
+    """Refuse ``key=vllm`` in an environment without vLLM, in one line saying how to get it."""
+    import importlib.util
+    import sys
+
+    from eagle3.errors import ConfigError
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"{key}=vllm: vLLM is not installed in this environment ({sys.executable}); install it "
+                          f"with `bash scripts/setup_vllm_env.sh` and run from .venv-vllm, or set {key}=hf")
+
+
 class VllmGenerator:
     """A vLLM engine over a local model folder, generating from token ids."""
 

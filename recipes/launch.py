@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,9 @@ def train_task(cfg: PipelineConfig) -> dict[str, Any]:
     return summary
 
 
-def _executor(launcher: LauncherConfig, name: str, **params: Any) -> Any:
+def _executor(launcher: LauncherConfig, name: str, gpus: Sequence[int] = (), **params: Any) -> Any:
+    """An executor for one group of jobs. ``gpus`` (local jobs): the GPUs this job's processes see
+    (a local job sees none unless given: submitit hides them); Slurm jobs get ``launcher.gpus_per_node``."""
     try:
         import submitit
     except ImportError as err:
@@ -108,8 +111,8 @@ def _executor(launcher: LauncherConfig, name: str, **params: Any) -> Any:
     folder = Path(launcher.folder) / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{name}"
     if launcher.kind == "local":
         ex = submitit.LocalExecutor(folder=folder)
-        ex.update_parameters(timeout_min=launcher.timeout_min, **{k: v for k, v in params.items()
-                                                                  if k in ("tasks_per_node", "nodes")})
+        ex.update_parameters(timeout_min=launcher.timeout_min, gpus_per_node=len(gpus), visible_gpus=tuple(gpus),
+                             **{k: v for k, v in params.items() if k in ("tasks_per_node", "nodes")})
         return ex
     try:
         ex = submitit.AutoExecutor(folder=folder, cluster="slurm")
@@ -138,6 +141,18 @@ def _after(ex: Any, launcher: LauncherConfig, jobs: list[Any]) -> None:
     ex.update_parameters(slurm_additional_parameters=params)
 
 
+def _array(launcher: LauncherConfig, name: str, fn: Any, cfg: PipelineConfig, previous: list[Any]) -> list[Any]:
+    """``launcher.harvest_shards`` tasks ``fn(cfg, i, n)``: a Slurm job array; locally one process per
+    task, task i on GPU i mod ``launcher.gpus_per_node`` (on a CPU: none)."""
+    n = launcher.harvest_shards
+    if launcher.kind == "local":
+        g = launcher.gpus_per_node
+        return [_executor(launcher, f"{name}-{i}", gpus=[i % g] if g else []).submit(fn, cfg, i, n) for i in range(n)]
+    ex = _executor(launcher, name)
+    _after(ex, launcher, previous)
+    return ex.map_array(fn, [cfg] * n, list(range(n)), [n] * n)
+
+
 class LaunchError(Eagle3Error, RuntimeError):
     """Jobs could not be submitted or one failed; the message names the launcher and the reason."""
 
@@ -164,8 +179,9 @@ def _submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None) ->
             for job in group:
                 job.results()
 
+    first_gpu = list(range(min(launcher.gpus_per_node, 1)))  # local: one GPU for the one-process stages
     if prepare:
-        ex = _executor(launcher, "prepare")
+        ex = _executor(launcher, "prepare", gpus=first_gpu)
         jobs["prepare"] = [ex.submit(run_stages, cfg, prepare)]
         settle(jobs["prepare"])
         previous = jobs["prepare"]
@@ -175,10 +191,7 @@ def _submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None) ->
         cfg = on_quantized_target(cfg)
     online = cfg.train.data in ("online", "hybrid") and "train" in cfg.stages
     if "harvest" in cfg.stages and not online:
-        ex = _executor(launcher, "harvest")
-        _after(ex, launcher, previous)
-        n = launcher.harvest_shards
-        jobs["harvest"] = ex.map_array(harvest_shard, [cfg] * n, list(range(n)), [n] * n)
+        jobs["harvest"] = _array(launcher, "harvest", harvest_shard, cfg, previous)
         settle(jobs["harvest"])
         previous = jobs["harvest"]
     if "train" in cfg.stages:
@@ -186,11 +199,9 @@ def _submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None) ->
             from eagle3.spool import DONE
 
             (Path(cfg.harvest.out_dir) / DONE).unlink(missing_ok=True)
-            ex = _executor(launcher, "produce")
-            _after(ex, launcher, previous)
-            n = launcher.harvest_shards
-            jobs["produce"] = ex.map_array(produce_task, [cfg] * n, list(range(n)), [n] * n)
-        ex = _executor(launcher, "train", nodes=launcher.nodes, tasks_per_node=launcher.tasks_per_node)
+            jobs["produce"] = _array(launcher, "produce", produce_task, cfg, previous)
+        ex = _executor(launcher, "train", gpus=range(launcher.gpus_per_node), nodes=launcher.nodes,
+                       tasks_per_node=launcher.tasks_per_node)
         _after(ex, launcher, previous)
         jobs["train"] = [ex.submit(train_task, cfg)]
         settle(jobs["train"])
@@ -198,7 +209,7 @@ def _submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None) ->
             settle(jobs["produce"])
         previous = jobs["train"]
     if finish:
-        ex = _executor(launcher, "finish")
+        ex = _executor(launcher, "finish", gpus=first_gpu)
         _after(ex, launcher, previous)
         jobs["finish"] = [ex.submit(run_stages, cfg, finish)]
         settle(jobs["finish"])

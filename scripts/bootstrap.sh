@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create the project venv (default .venv, or $EAGLE3_VENV) and install the project into it.
-# A no-op once installed, until pyproject.toml changes. Prints the venv path on stdout.
+# Create the project venv (default .venv, or $EAGLE3_VENV) and install the project into it, every
+# dependency at the version constraints.lock names (the versions CI tested; scripts/lock.sh rewrites it).
+# A no-op once installed, until pyproject.toml or constraints.lock changes. Prints the venv path on stdout.
 #
 # torch: installs torch==${EAGLE3_TORCH_VERSION:-2.13.0} from pip's configured sources unless the
 # venv already has a torch (the build pip finds: this project's machines offer a CPU wheel; PyPI's
@@ -21,7 +22,7 @@ if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
+want="$(cat "$root/pyproject.toml" "$root/constraints.lock" | sha256sum | cut -d' ' -f1)"
 stamp="$venv/.eagle3-installed"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
@@ -30,7 +31,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
       "torch==${EAGLE3_TORCH_VERSION:-2.13.0}" >&2
   fi
   echo "installing the project and its dependencies into $venv" >&2
-  "${pip[@]}" install -q -e "$root[dev,serve,slurm,nvfp4]" >&2
+  "${pip[@]}" install -q -c "$root/constraints.lock" -e "$root[dev,serve,slurm,nvfp4]" >&2
   echo "$want" > "$stamp"
 fi
 echo "$venv"

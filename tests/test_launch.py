@@ -43,3 +43,24 @@ def test_slurm_without_a_cluster_is_one_clear_error(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
     with pytest.raises(LaunchError, match="launcher=slurm: .*Unable to contact slurm controller"):
         submit(cfg, cfg.launcher)
+
+
+def test_local_jobs_see_the_gpus_they_are_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """submitit's local executor hides every GPU unless told: one 8-GPU node without Slurm needs the
+    training job to see all of them (a rank per GPU) and each harvest task its own."""
+    import submitit
+
+    from recipes import launch
+    from recipes.config import LauncherConfig
+
+    seen: list[tuple[int, dict]] = []
+    monkeypatch.setattr(submitit.LocalExecutor, "submit",
+                        lambda self, fn, cfg, i, n: seen.append((i, dict(self.parameters))))
+    node = LauncherConfig(kind="local", folder=str(tmp_path), gpus_per_node=4, harvest_shards=6, tasks_per_node=4)
+    launch._array(node, "harvest", launch.harvest_shard, None, [])
+    assert [(i, p["visible_gpus"], p["gpus_per_node"]) for i, p in seen] == [
+        (0, (0,), 1), (1, (1,), 1), (2, (2,), 1), (3, (3,), 1), (4, (0,), 1), (5, (1,), 1)]
+    train = launch._executor(node, "train", gpus=range(4), tasks_per_node=4).parameters
+    assert train["visible_gpus"] == (0, 1, 2, 3) and train["gpus_per_node"] == 4 and train["tasks_per_node"] == 4
+    cpu = launch._executor(LauncherConfig(kind="local", folder=str(tmp_path)), "prepare").parameters
+    assert cpu["gpus_per_node"] == 0  # a CPU machine: nothing to see, as before

@@ -352,3 +352,16 @@ def test_duplicate_ids_and_a_wrong_pool_path_are_refused_before_any_generation(
         assert len(err) == 1 and reason in err[0] and "Errno" not in err[0], err
     assert main(["--pool", str(pool), "--out", str(out), "--target", "lively"]) == 2  # before loading any target
     assert "record id 'a'" in capsys.readouterr().err and not out.exists()
+
+
+def test_the_vllm_backend_without_vllm_is_one_line_saying_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from data_gen.vllm_generate import require_vllm
+    from eagle3.errors import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"regenerate.backend=vllm: vLLM is not installed .*setup_vllm_env.sh.*"
+                                          r"regenerate.backend=hf"):
+        require_vllm("regenerate.backend")
