@@ -1,6 +1,6 @@
 """Batched generation on a :class:`~eagle3.target.Target`, left-padded, with HF ``generate``.
 
-What comes back per row (:class:`Generation`): the new token ids **without** the stop
+What comes back per row (:class:`Reply`): the new token ids **without** the stop
 token that ended the turn (the chat template writes its own end-of-turn when the reply is
 rendered again), and ``finish_reason``: ``"stop"`` when a stop id was generated,
 ``"length"`` when ``max_new_tokens`` ran out first. ``stop_id`` keeps which stop token it
@@ -31,7 +31,9 @@ from eagle3.target import Target
 
 
 @dataclass(frozen=True)
-class Generation:
+class Reply:
+    """One reply the target generated: its new tokens and why it ended."""
+
     token_ids: list[int]
     """New tokens, without the stop token."""
     finish_reason: str
@@ -58,16 +60,16 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int,
     return ids.to(device), mask.to(device)
 
 
-def trim_generated(new_ids: Tensor | Sequence[Sequence[int]], stop_ids: Iterable[int]) -> list[Generation]:
+def trim_generated(new_ids: Tensor | Sequence[Sequence[int]], stop_ids: Iterable[int]) -> list[Reply]:
     """Cut each row of ``new_ids`` (``[batch, steps]``, or ragged lists) at its first stop id (exclusive)."""
     stops = set(int(i) for i in stop_ids)
     out = []
     for row in (new_ids.tolist() if isinstance(new_ids, Tensor) else [list(r) for r in new_ids]):
         cut = next((i for i, tok in enumerate(row) if tok in stops), None)
         if cut is None:
-            out.append(Generation(row, "length"))
+            out.append(Reply(row, "length"))
         else:
-            out.append(Generation(row[:cut], "stop", row[cut]))
+            out.append(Reply(row[:cut], "stop", row[cut]))
     return out
 
 
@@ -80,7 +82,7 @@ def generate(
     sampling: SamplingConfig = SamplingConfig(),
     *,
     seed: int = 0,
-) -> list[Generation]:
+) -> list[Reply]:
     """Generate a reply of up to ``max_new_tokens`` for every prompt (token ids) in one left-padded batch."""
     from transformers import GenerationConfig
 
@@ -108,7 +110,7 @@ class Generator(Protocol):
     name: str
 
     def generate(self, prompts: Sequence[Sequence[int]], stop_ids: Iterable[int], max_new_tokens: int,
-                 sampling: SamplingConfig, *, seed: int = 0) -> list[Generation]: ...
+                 sampling: SamplingConfig, *, seed: int = 0) -> list[Reply]: ...
 
 
 @dataclass
@@ -119,7 +121,7 @@ class HFGenerator:
     name: str = "hf"
 
     def generate(self, prompts: Sequence[Sequence[int]], stop_ids: Iterable[int], max_new_tokens: int,
-                 sampling: SamplingConfig, *, seed: int = 0) -> list[Generation]:
+                 sampling: SamplingConfig, *, seed: int = 0) -> list[Reply]:
         return generate(self.target, prompts, stop_ids, max_new_tokens, sampling, seed=seed)
 
 
@@ -151,7 +153,7 @@ class RegeneratedConversation:
 
     messages: list[dict[str, str]]
     """System/user messages of the original, each user turn followed by the target's reply."""
-    turns: list[Generation] = field(default_factory=list)
+    turns: list[Reply] = field(default_factory=list)
     """The generation behind each assistant message, in order."""
     dropped_turns: int = 0
     """User turns cut off (with everything after them) because their prompt was too long."""
@@ -225,6 +227,6 @@ def regenerate_conversations(
 
 
 __all__ = [
-    "Generation", "Generator", "HFGenerator", "RegeneratedConversation", "derive_seed",
+    "Generator", "HFGenerator", "RegeneratedConversation", "Reply", "derive_seed",
     "generate", "left_pad", "regenerate_conversations", "trim_generated",
 ]

@@ -3,7 +3,7 @@
 vLLM pins its own torch and transformers, so this runs from the separate venv made by
 ``scripts/setup_vllm_env.sh``; nothing else in the library imports vLLM. Prompts are
 token ids rendered by :class:`eagle3.chat.ChatFormat`, exactly as for the HF backend, and
-replies come back as :class:`data_gen.generate.Generation` with the same stop handling.
+replies come back as :class:`data_gen.generate.Reply` with the same stop handling.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from data_gen.generate import Generation, derive_seed, trim_generated
+from data_gen.generate import Reply, derive_seed, trim_generated
 from eagle3.config import SamplingConfig
 
 
@@ -55,7 +55,7 @@ class VllmGenerator:
 
     def generate(self, prompts: Sequence[Sequence[int]], stop_ids: Iterable[int], max_new_tokens: int,
                  sampling: SamplingConfig,
-                 *, seed: int = 0) -> list[Generation]:
+                 *, seed: int = 0) -> list[Reply]:
         from vllm import SamplingParams
 
         stops = sorted(set(int(i) for i in stop_ids))

@@ -1,4 +1,5 @@
 """Stage: speculative decoding with a trained draft, acceptance length and tokens/s reports.
 
-A thin stage over the ``eagle3`` library; never imports the other stage packages.
+A stage over the ``eagle3`` core and ``data_gen``; it imports no later stage (the chain ``eagle3 ->
+data_gen -> serve_eval -> hard_mining -> recipes``, checked by ``tests/test_layout.py``).
 """

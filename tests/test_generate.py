@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from data_gen.generate import Generation, generate, left_pad, trim_generated
+from data_gen.generate import Reply, generate, left_pad, trim_generated
 from eagle3.chat import ChatFormat
 from eagle3.config import SamplingConfig
 from eagle3.target import Target
@@ -42,9 +42,9 @@ def test_trim_cuts_at_the_first_stop_id_and_drops_it() -> None:
                         [7, 8, 9, 10, 11],
                         [3, 4, 9, 2, 9]])
     assert trim_generated(new, stop_ids=[2, 3]) == [
-        Generation([5, 6], "stop", 2),
-        Generation([7, 8, 9, 10, 11], "length"),
-        Generation([], "stop", 3),
+        Reply([5, 6], "stop", 2),
+        Reply([7, 8, 9, 10, 11], "length"),
+        Reply([], "stop", 3),
     ]
     assert [g.num_generated for g in trim_generated(new, [2, 3])] == [3, 5, 1]
 
@@ -76,7 +76,7 @@ def test_generation_stops_at_a_stop_id(target: Target, chat: ChatFormat) -> None
     stop = free[5]
     first = free.index(stop)  # the stop token may already appear earlier
     cut = generate(target, [prompt], [*chat.stop_ids, stop], 24)[0]
-    assert cut == Generation(free[:first], "stop", stop)
+    assert cut == Reply(free[:first], "stop", stop)
 
 
 def test_the_models_own_generation_defaults_are_ignored(chat: ChatFormat) -> None:
