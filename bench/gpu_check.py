@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             check_loop(draft, target, out / "pools", args.device, size)
         speculators = args.speculators_python or (str(ROOT / ".venv-speculators/bin/python")
                                                   if (ROOT / ".venv-speculators/bin/python").exists() else None)
-        if "race" not in args.skip and speculators:  # the headline ratio first: a lent GPU's time runs out
+        if "race" not in args.skip and speculators:  # the headline ratio first: a GPU booked for a limited time runs out
             check_speculators(emit, cfg, target, out, args.device, size, speculators)
         if "profile" not in args.skip:
             check_train_phases(emit, cfg)

@@ -8,7 +8,7 @@ packed micro-batches of ``--tokens`` tokens as the trainer does and pins them (w
 without blocking needs; pinning works without a GPU where torch can reach a driver, else it is
 skipped and said so). Variants, each in the same run:
 
-- ``fp32``: the states converted to fp32 on the host (the trainer's read before session 18);
+- ``fp32``: the states converted to fp32 on the host (the trainer's read before commit 73aacc2);
 - ``stored``: the states in the store's dtype (``load_batch(stored=True)``, the trainer's read now).
 
 One JSON line per variant (median milliseconds per micro-batch, tokens/s, MB per batch) and the

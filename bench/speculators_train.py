@@ -122,7 +122,7 @@ def install_cpu_patches(stats: dict[str, Any]) -> None:
                 needed = math.ceil(self.config.max_steps / steps_per_epoch)
                 epochs = min(self.config.num_epochs, needed)
                 # a checkpoint (weights and optimizer state) only after the last epoch, which is the one
-                # read (its epoch 0 is always saved too): every epoch's cost a lent GPU's minutes
+                # read (its epoch 0 is always saved too): every epoch's cost minutes of GPU time
                 self.config = self.config._replace(num_epochs=epochs, checkpoint_freq=max(
                     self.config.checkpoint_freq, epochs))
             stats.update(steps_per_epoch=steps_per_epoch, epochs=self.config.num_epochs,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Bundle what the GPU check needs on a GPU machine that has torch but no network (the lent machines'
-# image: Python 3.12, torch, transformers, accelerate, no DeepSpeed): wheels of the missing packages
+# Bundle what the GPU check needs on a GPU machine that has torch but no network (e.g. a cluster node
+# without internet access; the image seen so far: Python 3.12, torch, transformers, accelerate, no DeepSpeed): wheels of the missing packages
 # (.gpu/wheels), transformers at this venv's version (.gpu/tf: older 5.x lacks StaticLayer.crop only,
 # which the static cache works around, but the check should run what CI runs), speculators 0.9.0 for
 # the trainer's race, and the embedded target's tokenizer (.gpu/tokenizer). .gpu/ is git-ignored:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check on a lent GPU machine without network, inside a time budget, in two parts so that
+# The GPU check on a GPU machine without network, inside a time budget, in two parts so that
 # the figures that matter most come first: (1) the pipeline up to train, the race against
 # speculators, the trainer's phases and profiles; (2) the serving loop (graphs included), the server, the
 # families. Needs what scripts/gpu_bundle.sh put in .gpu/. Output: $OUT (or runs/gpu_session).
