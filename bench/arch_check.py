@@ -70,7 +70,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from race_speculators import run  # noqa: E402  (this folder is on sys.path when run as a script)
 

@@ -38,7 +38,6 @@ import torch
 from eagle3.target_source import DEFAULT_TARGET
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def run_ours(decoder: Any, prompts: dict[str, list[list[int]]], stops: list[int], max_new: int,

@@ -42,9 +42,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_speed import EVAL_SETS, check_graphs, check_profile, check_speculators, check_train_phases  # noqa: E402
 
@@ -461,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             check_loop(draft, target, out / "pools", args.device, size)
         speculators = args.speculators_python or (str(ROOT / ".venv-speculators/bin/python")
                                                   if (ROOT / ".venv-speculators/bin/python").exists() else None)
-        if "race" not in args.skip and speculators:  # the headline ratio first: a GPU booked for a limited time runs out
+        if "race" not in args.skip and speculators:  # the headline ratio first: a GPU booked for a while
             check_speculators(emit, cfg, target, out, args.device, size, speculators)
         if "profile" not in args.skip:
             check_train_phases(emit, cfg)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,6 @@ import torch
 from eagle3.target_source import DEFAULT_TARGET
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def load_scores(path: Path) -> list[dict[str, Any]]:

@@ -202,7 +202,6 @@ def main(argv: list[str] | None = None) -> None:
                         "recipe's, e.g. '--loss-positions all'")
     args = parser.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(ROOT))
 
     ours = train_ours("ours", args.store, args)
     vocab = Path(args.out) / "ours" / "draft_vocab.safetensors"

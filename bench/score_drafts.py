@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from eagle3.export import fit_to_target, load_draft  # noqa: E402
 from eagle3.shards import HarvestStore  # noqa: E402

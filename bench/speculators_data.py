@@ -48,8 +48,6 @@ import torch
 from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from eagle3.atomic import atomic_dir  # noqa: E402
 from eagle3.draft_vocab import DraftVocab  # noqa: E402

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from eagle3.draft import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3.draft_vocab import select_draft_vocab  # noqa: E402

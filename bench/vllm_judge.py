@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from eagle3.target_source import DEFAULT_TARGET  # noqa: E402
 

@@ -64,12 +64,15 @@ def help_text(kind: str, name: str) -> str:
             try:
                 if kind == "module":
                     runpy.run_module(name, run_name="__main__", alter_sys=True)
-                else:
+                else:  # `python file` puts the file's folder first on sys.path: its siblings import
+                    sys.path.insert(0, str((REPO / name).parent))
                     runpy.run_path(str(REPO / name), run_name="__main__")
             except SystemExit:
                 pass
     finally:
         sys.argv = argv
+        if kind != "module" and sys.path and sys.path[0] == str((REPO / name).parent):
+            sys.path.pop(0)
     return buffer.getvalue()
 
 
