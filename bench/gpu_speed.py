@@ -256,20 +256,20 @@ def check_speculators(emit: Emit, cfg: Any, target: Path, out: Path, device: str
 
 
 def check_train_phases(emit: Emit, cfg: Any, steps: int = 12) -> None:
-    """Where a training step's time goes (``EAGLE3_PHASE_TIMES=1``: each phase closed by a device
+    """Where a training step's time goes (``train.phase_times``: each phase closed by a device
     sync), the first two steps apart, and the same with torch free to pick cuDNN's attention, which
     builds a graph for every new row length (``EAGLE3_CUDNN_SDPA=1``)."""
     import dataclasses
 
     from eagle3.train_log import read_metrics
-    from eagle3.train_step import PHASE_TIMES_ENV
     from recipes.pipeline import STAGES
 
     def run(name: str) -> dict[str, Any]:
         out = Path(cfg.train.out_dir).with_name(f"train-phases-{name}")
         shutil.rmtree(out, ignore_errors=True)
         STAGES["train"](dataclasses.replace(cfg, train=dataclasses.replace(
-            cfg.train, out_dir=str(out), steps=steps, eval_store=None, eval_every=0, save_every=0, log_every=1)))
+            cfg.train, out_dir=str(out), steps=steps, eval_store=None, eval_every=0, save_every=0, log_every=1,
+            phase_times=True)))
         rows = [r for r in read_metrics(out) if "train/loss" in r]
         later = rows[2:]
 
@@ -283,10 +283,9 @@ def check_train_phases(emit: Emit, cfg: Any, steps: int = 12) -> None:
                 "later_mean_ms": mean, "later_tokens_per_s": round(tokens / total * 1000, 1) if total else None}
 
     try:
-        with mock.patch.dict(os.environ, {PHASE_TIMES_ENV: "1"}):
-            ours = run("default")
-            with allow_cudnn_sdpa():
-                cudnn = run("cudnn") if resolve_device(cfg.train.device).type == "cuda" else None
+        ours = run("default")
+        with allow_cudnn_sdpa():
+            cudnn = run("cudnn") if resolve_device(cfg.train.device).type == "cuda" else None
         emit("profile.train_step", True, steps=steps, **ours, cudnn_allowed=cudnn)
     except Exception as err:  # noqa: BLE001 - reported; the other checks still run
         emit("profile.train_step", False, error=f"{type(err).__name__}: {err}")

@@ -295,6 +295,10 @@ class TrainConfig:
     """None: the name of ``out_dir``."""
     progress: bool = True
     """A tqdm progress bar on rank 0."""
+    phase_times: bool = False
+    """Log where each step's time goes (``time/<phase>_ms``: load, forward, backward, optimizer,
+    metrics), each phase closed by a device sync: the syncs take away the overlap they measure, so
+    the run's tokens/s is then not its speed."""
 
     def draft_overrides(self, mask_token_id: int | None = None) -> dict[str, Any]:
         """The draft-shape fields set here, as :meth:`eagle3.draft.DraftConfig.from_target_config` overrides:

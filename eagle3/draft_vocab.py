@@ -108,44 +108,7 @@ def select_draft_vocab(counts: Tensor, draft_vocab_size: int, always_include: Se
     return DraftVocab.from_target_ids(torch.tensor(sorted(chosen)), vocab_size)
 
 
-def draft_vocab_from_store(root: str | Path, draft_vocab_size: int, vocab_size: int,
-                           always_include: Sequence[int] = ()) -> DraftVocab:
-    counts = count_loss_tokens(store_token_columns(root), vocab_size)
-    return select_draft_vocab(counts, draft_vocab_size, always_include)
-
-
-# ---------------------------------------------------------------- mapping distributions
-
-def to_draft_logits(logits: Tensor, t2d: Tensor) -> Tensor:
-    """Target-vocab logits or log-probs [..., V] -> the draft vocab's [..., Vd] (softmax of the
-    result is the target distribution restricted to the draft vocab and renormalised)."""
-    return logits[..., t2d.to(logits.device)]
-
-
-def to_draft_probs(probs: Tensor, t2d: Tensor) -> Tensor:
-    """Target-vocab probabilities [..., V] -> [..., Vd], renormalised to sum to 1 (0 where no mass)."""
-    kept = probs[..., t2d.to(probs.device)]
-    return kept / kept.sum(-1, keepdim=True).clamp_min(torch.finfo(kept.dtype).tiny)
-
-
-def draft_logits_to_target(logits: Tensor, d2t: Tensor, vocab_size: int) -> Tensor:
-    """Draft logits [..., Vd] -> [..., V] with -inf outside the draft vocab (what vLLM does)."""
-    out = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
-    out[..., torch.arange(len(d2t), device=logits.device) + d2t.to(logits.device)] = logits
-    return out
-
-
-def draft_probs_to_target(probs: Tensor, d2t: Tensor, vocab_size: int) -> Tensor:
-    """Draft probabilities [..., Vd] -> [..., V], zero outside the draft vocab."""
-    out = probs.new_zeros((*probs.shape[:-1], vocab_size))
-    out[..., torch.arange(len(d2t), device=probs.device) + d2t.to(probs.device)] = probs
-    return out
-
-
-__all__ = [
-    "DraftVocab", "count_loss_tokens", "draft_logits_to_target", "draft_probs_to_target", "draft_vocab_from_store",
-    "select_draft_vocab", "store_token_columns", "to_draft_logits", "to_draft_probs",
-]
+__all__ = ["DraftVocab", "count_loss_tokens", "select_draft_vocab", "store_token_columns"]
 
 
 def read_draft_vocab(path: str | os.PathLike[str], vocab_size: int) -> DraftVocab:

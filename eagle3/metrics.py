@@ -36,34 +36,11 @@ def accepted_runs(match: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
     return torch.cumprod(step_hits(match, counted), dim=0).sum(0), counted[0].flatten()
 
 
-def step_accuracy(match: Tensor, counted: Tensor) -> Tensor:
-    """[K] share of counted positions where the draft's argmax equals the target's, per step."""
-    return step_hits(match, counted).sum(1) / counted.flatten(1).sum(1).clamp_min(1)
-
-
-def _upto_before(match: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
+def upto_before(match: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
     """([K, N] steps 0..k all matched, [K, N] steps 0..k-1 all matched and step k counted)."""
     upto = torch.cumprod(step_hits(match, counted), dim=0)
     before = torch.cat([torch.ones_like(upto[:1]), upto[:-1]]).bool() & counted.flatten(1)
     return upto, before
-
-
-def conditional_acceptance(match: Tensor, counted: Tensor) -> Tensor:
-    """[K] accuracy at step k among counted positions whose steps < k all matched."""
-    upto, before = _upto_before(match, counted)
-    return upto.sum(1) / before.sum(1).clamp_min(1)
-
-
-def simulated_tau(match: Tensor, counted: Tensor) -> Tensor:
-    """1 + mean over positions counted at step 0 of sum_k prod_{j<=k} 1[match_j].
-
-    The product runs per position (a miss or an uncounted step ends its run); averaging
-    per-step accuracies first and multiplying them would be biased.
-    """
-    run, start = accepted_runs(match, counted)
-    if not bool(start.any()):
-        return torch.ones((), device=match.device)
-    return 1.0 + run[start].float().mean()
 
 
 class AcceptanceTally:
@@ -77,7 +54,7 @@ class AcceptanceTally:
 
     def add(self, out: TTTOutput) -> None:
         k, v = self.k, self.values
-        upto, before = _upto_before(out.match, out.counted)
+        upto, before = upto_before(out.match, out.counted)
         run, start = accepted_runs(out.match, out.counted)
         v[0:k] += step_hits(out.match, out.counted).sum(1)
         v[k:2 * k] += out.counted.flatten(1).sum(1)
@@ -122,5 +99,4 @@ def acceptance_per_position(accepted: Sequence[int], depths: Sequence[int], k: i
     return out
 
 
-__all__ = ["AcceptanceTally", "acceptance_per_position", "accepted_runs", "conditional_acceptance", "served_tau",
-           "simulated_tau", "step_accuracy", "step_hits"]
+__all__ = ["AcceptanceTally", "acceptance_per_position", "accepted_runs", "served_tau", "step_hits", "upto_before"]

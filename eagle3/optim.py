@@ -56,6 +56,10 @@ def muon_ns_in_fp32_where_bf16_is_slow(device: torch.device | str) -> bool:
     ~170x slower than fp32 and Muon took most of each step. Its iteration reads
     ``original_muon.ns_compute_dtype`` at every call, so this replaces that lookup (process-wide)
     with fp32, which is only more precise.
+
+    Why process-wide: DeepSpeed takes the dtype from that module function inside its optimizer step,
+    with no setting on the engine or the optimizer to pass one; every engine of the process runs on
+    the same CPU, whose missing bf16 units are what the patch answers, so none of them wants bf16.
     """
     if torch.device(device).type != "cpu" or bf16_matmul_speedup("cpu") > 1.0:
         return False

@@ -250,7 +250,7 @@ class _Loop:
         self.tokens_total, self.train_seconds, self.last_loss = 0, 0.0, None
         self.window = {"tokens": 0, "seconds": 0.0}
         self.loader = BatchLoader(self.store, cfg.batching, rt.device)
-        self.clock = PhaseClock(rt.device)
+        self.clock = PhaseClock(rt.device, cfg.phase_times)
 
     def evaluate(self) -> dict[str, float]:
         cfg, rt = self.cfg, self.rt

@@ -4,7 +4,6 @@ taking a batch from the host (as the loader builds it) to the loss on the device
 
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict
 from typing import Any
@@ -89,18 +88,15 @@ def train_forward(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: 
     return out, torch.stack([out.loss.detach().double(), to_device(tokens.double(), device)])
 
 
-PHASE_TIMES_ENV = "EAGLE3_PHASE_TIMES"
-
-
 class PhaseClock:
     """Where a training step's time goes: milliseconds per phase (reading the batch, forward,
     backward, optimizer, metrics), each phase closed by a device sync so that its own queued work
-    is counted in it. On with ``EAGLE3_PHASE_TIMES=1`` only: the syncs take away the overlap of host
+    is counted in it. On with ``train.phase_times`` only: the syncs take away the overlap of host
     and device work that they measure, so a run's tokens/s with it is not the run's speed."""
 
-    def __init__(self, device: torch.device, enabled: bool | None = None) -> None:
+    def __init__(self, device: torch.device, enabled: bool) -> None:
         self.device = device
-        self.enabled = os.environ.get(PHASE_TIMES_ENV) == "1" if enabled is None else enabled
+        self.enabled = enabled
         self._ms: dict[str, float] = defaultdict(float)
         self._last = 0.0
 
@@ -123,4 +119,4 @@ class PhaseClock:
         return {f"time/{k}_ms": round(v, 3) for k, v in self._ms.items()} if self.enabled else {}
 
 
-__all__ = ["PHASE_TIMES_ENV", "PhaseClock", "TTTModel", "add_feature_noise", "run_batch", "train_forward"]
+__all__ = ["PhaseClock", "TTTModel", "add_feature_noise", "run_batch", "train_forward"]

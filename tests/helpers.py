@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import json
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from torch import Tensor
 
 from eagle3.conversations import DOMAINS
 from eagle3.draft import DraftConfig, Eagle3Draft, KVCache
-from eagle3.draft_vocab import DraftVocab
+from eagle3.draft_vocab import DraftVocab, count_loss_tokens, select_draft_vocab, store_token_columns
 from eagle3.families import Proposal, family_of
 from eagle3.families.dflash import DFlashDraft
+from eagle3.metrics import accepted_runs, step_hits, upto_before
 from eagle3.target import Target
 from serve_eval.config import SpecConfig
 from serve_eval.spec_decode import SpeculativeDecoder
@@ -440,3 +442,62 @@ def dflash_for(target, block_size: int = 4) -> DFlashDraft:
     config = DraftConfig.from_target_config(target.config, draft_vocab_size=target.vocab_size, initializer_range=0.2,
                                             mask_token_id=3, block_size=block_size)
     return DFlashDraft(config, target.embed_tokens.weight.detach()).eval()
+
+
+# ---------------------------------------------------------------- reference forms the library does not need
+# (per batch, or by hand): the library's tallies and fused paths are checked against them
+
+
+def draft_vocab_from_store(root: str | Path, draft_vocab_size: int, vocab_size: int,
+                           always_include: Sequence[int] = ()) -> DraftVocab:
+    counts = count_loss_tokens(store_token_columns(root), vocab_size)
+    return select_draft_vocab(counts, draft_vocab_size, always_include)
+
+
+def to_draft_logits(logits: Tensor, t2d: Tensor) -> Tensor:
+    """Target-vocab logits or log-probs [..., V] -> the draft vocab's [..., Vd] (softmax of the
+    result is the target distribution restricted to the draft vocab and renormalised)."""
+    return logits[..., t2d.to(logits.device)]
+
+
+def draft_logits_to_target(logits: Tensor, d2t: Tensor, vocab_size: int) -> Tensor:
+    """Draft logits [..., Vd] -> [..., V] with -inf outside the draft vocab (what vLLM does)."""
+    out = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    out[..., torch.arange(len(d2t), device=logits.device) + d2t.to(logits.device)] = logits
+    return out
+
+
+def to_draft_probs(probs: Tensor, t2d: Tensor) -> Tensor:
+    """Target-vocab probabilities [..., V] -> [..., Vd], renormalised to sum to 1 (0 where no mass)."""
+    kept = probs[..., t2d.to(probs.device)]
+    return kept / kept.sum(-1, keepdim=True).clamp_min(torch.finfo(kept.dtype).tiny)
+
+
+def draft_probs_to_target(probs: Tensor, d2t: Tensor, vocab_size: int) -> Tensor:
+    """Draft probabilities [..., Vd] -> [..., V], zero outside the draft vocab."""
+    out = probs.new_zeros((*probs.shape[:-1], vocab_size))
+    out[..., torch.arange(len(d2t), device=probs.device) + d2t.to(probs.device)] = probs
+    return out
+
+
+def step_accuracy(match: Tensor, counted: Tensor) -> Tensor:
+    """[K] share of counted positions where the draft's argmax equals the target's, per step."""
+    return step_hits(match, counted).sum(1) / counted.flatten(1).sum(1).clamp_min(1)
+
+
+def conditional_acceptance(match: Tensor, counted: Tensor) -> Tensor:
+    """[K] accuracy at step k among counted positions whose steps < k all matched."""
+    upto, before = upto_before(match, counted)
+    return upto.sum(1) / before.sum(1).clamp_min(1)
+
+
+def simulated_tau(match: Tensor, counted: Tensor) -> Tensor:
+    """1 + mean over positions counted at step 0 of sum_k prod_{j<=k} 1[match_j].
+
+    The product runs per position (a miss or an uncounted step ends its run); averaging
+    per-step accuracies first and multiplying them would be biased.
+    """
+    run, start = accepted_runs(match, counted)
+    if not bool(start.any()):
+        return torch.ones((), device=match.device)
+    return 1.0 + run[start].float().mean()

@@ -8,17 +8,15 @@ import pytest
 import torch
 
 from eagle3.atomic import sha256_file
-from eagle3.draft_vocab import (
-    DraftVocab,
-    count_loss_tokens,
+from eagle3.draft_vocab import DraftVocab, count_loss_tokens, select_draft_vocab
+from eagle3.shards import HarvestSpec, Sample, shard_name, write_manifest, write_shard
+from tests.helpers import (
     draft_logits_to_target,
     draft_probs_to_target,
     draft_vocab_from_store,
-    select_draft_vocab,
     to_draft_logits,
     to_draft_probs,
 )
-from eagle3.shards import HarvestSpec, Sample, shard_name, write_manifest, write_shard
 
 
 def test_counts_only_loss_masked_tokens() -> None:

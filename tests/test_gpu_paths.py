@@ -25,7 +25,7 @@ from eagle3.shards import HarvestStore, StoreUnion
 from eagle3.train import train
 from eagle3.train_data import BatchLoader, load_batch
 from eagle3.train_log import read_metrics
-from eagle3.train_step import PHASE_TIMES_ENV, PhaseClock
+from eagle3.train_step import PhaseClock
 from eagle3.ttt import BLOCKED_ATTENTION_MIN_LEN
 from tests.helpers import lively_target, packed_batch, regenerated_data, tiny_draft, train_briefly
 
@@ -157,8 +157,7 @@ def test_stored_dtype_and_reading_ahead_train_the_same_draft_and_the_clock_logs_
             super().__init__(*args, **kw, ahead=True)
 
     monkeypatch.setattr(eagle3.train, "BatchLoader", Ahead)
-    monkeypatch.setenv(PHASE_TIMES_ENV, "1")
-    train(TrainConfig(out_dir=str(tmp_path / "ahead"), **cfg), target=store["target"])
+    train(TrainConfig(out_dir=str(tmp_path / "ahead"), phase_times=True, **cfg), target=store["target"])
     a, b = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("inline", "ahead"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     evals = [[r for r in read_metrics(tmp_path / d) if "eval/loss" in r] for d in ("inline", "ahead")]

@@ -27,7 +27,7 @@ from eagle3.checkpoint import LATEST, CheckpointError, load_exported_draft, tag_
 from eagle3.config import TargetConfig, TrainConfig
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.draft_vocab import DraftVocab, read_draft_vocab
-from eagle3.metrics import AcceptanceTally, conditional_acceptance, simulated_tau, step_accuracy
+from eagle3.metrics import AcceptanceTally
 from eagle3.optim import muon_ns_in_fp32_where_bf16_is_slow, muon_ns_method, resolve_precision, warmup_decay
 from eagle3.shards import HarvestStore, verify_store
 from eagle3.target import Target
@@ -48,10 +48,13 @@ from eagle3.train_step import TTTModel, add_feature_noise
 from eagle3.ttt import TTTOutput, prepare_targets, ttt_forward
 from tests.helpers import (
     TINY_VOCAB,
+    conditional_acceptance,
     lively_target,
     packed_batch,
     regenerated_data,
     save_lively,
+    simulated_tau,
+    step_accuracy,
     tiny_draft,
     tiny_kimi_k25,
     tiny_tokenizer,

@@ -8,7 +8,6 @@ import torch
 
 import eagle3.ttt as ttt
 from eagle3.draft import Eagle3Draft, KVCache
-from eagle3.metrics import conditional_acceptance, simulated_tau, step_accuracy
 from eagle3.ttt import (
     prepare_targets,
     prepare_targets_from_topk,
@@ -22,7 +21,7 @@ from eagle3.ttt import (
     ttt_attention,
     ttt_forward,
 )
-from tests.helpers import documents, packed_batch, tiny_draft
+from tests.helpers import conditional_acceptance, documents, packed_batch, simulated_tau, step_accuracy, tiny_draft
 
 # ---------------------------------------------------------------- the arbiter
 
