@@ -235,7 +235,7 @@ class TrainConfig:
     peagle: P-EAGLE, parallel drafting (the steps after the first read a mask token and a learned
     mask state instead, so one forward proposes them all; vLLM serves it as eagle3 with
     ``parallel_drafting``). An ``init_draft`` of the eagle3 family becomes a P-EAGLE draft with a
-    fresh mask state. dflash: DFlash (:mod:`eagle3.dflash`), Qwen3-style layers that read the aux
+    fresh mask state. dflash: DFlash (:mod:`eagle3.families.dflash`), Qwen3-style layers that read the aux
     states as keys and propose a block of ``ttt_steps`` tokens in one non-causal forward (vLLM
     ``method=dflash``); ``num_layers`` sets its depth, ``draft_variant`` and ``layer_init`` do not apply."""
     mask_token_id: int | None = None

@@ -110,7 +110,7 @@ class DraftConfig:
     token and the learned ``mask_hidden`` (A*H_t, in the aux states' space before ``fc``) instead of
     a drafted token and the previous step's state, so one forward proposes every draft token."""
     block_size: int | None = None
-    """Set: a DFlash draft (:mod:`eagle3.dflash`): one non-causal forward over the bonus token and
+    """Set: a DFlash draft (:mod:`eagle3.families.dflash`): one non-causal forward over the bonus token and
     ``block_size - 1`` mask tokens (``mask_token_id``) proposes ``block_size - 1`` tokens."""
     family: str | None = None
     """The draft family (:mod:`eagle3.families`: eagle3, peagle, dflash, or one registered later;

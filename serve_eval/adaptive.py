@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from eagle3.config import SamplingConfig
 from eagle3.device import synchronize
 
 
@@ -224,19 +223,18 @@ def measure_cost(decoder: Any, max_depth: int, context: int = 256, repeats: int 
         proposer = decoder.proposer
         if proposer is not None:
             proposer.start(context + max_depth + repeats + 2)  # the kind the decoder drafts with
-            greedy = SamplingConfig(temperature=0.0)
             times = []
             if proposer.one_forward:  # one forward proposes the round: one catch-up row and the masks
-                proposer.propose(out.aux, prefix[1:] + [prefix[0]], 0, 1, greedy, None)
+                proposer.proposal_logits(out.aux, prefix[1:] + [prefix[0]], 0, 1)
                 for r in range(repeats + 1):
                     synchronize(device)
                     t0 = time.perf_counter()
-                    proposer.propose(out.aux[:, -1:], [prefix[r]], context, max_depth, greedy, None)
+                    proposer.proposal_logits(out.aux[:, -1:], [prefix[r]], context, max_depth)
                     synchronize(device)
                     times.append(time.perf_counter() - t0)
                     proposer.rollback(context)
                 return CostModel(verify, statistics.median(times[1:]), parallel=True)
-            proposer.propose(out.aux, prefix[1:] + [prefix[0]], 0, 1, greedy, None)
+            proposer.catch_up(out.aux, prefix[1:] + [prefix[0]], 0)
             state = torch.zeros(1, 1, draft.config.hidden_size, dtype=draft.fc.weight.dtype, device=device)
             for r in range(repeats + 1):  # the first pass warms up (compiles, where the decoder compiles)
                 synchronize(device)

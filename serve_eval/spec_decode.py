@@ -170,12 +170,6 @@ class SpeculativeDecoder:
             return DynamicCache()
         return self._static.start(slots)
 
-    def draft_cache(self, slots: int) -> Any:
-        """The proposer's draft cache, emptied, for up to ``slots`` rows (static under graphs when the
-        family replays its steps)."""
-        assert self.proposer is not None
-        return self.proposer.start(slots)
-
     def _target(self, ids: list[int], cache: Any, positions: list[int] | None = None,
                 mask: Tensor | None = None) -> Any:
         if isinstance(cache, StaticKV):  # the next slots (a tree: its positions, its mask over every slot)

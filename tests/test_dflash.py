@@ -200,6 +200,9 @@ def test_export_writes_vllms_dflash_config_and_imports_back(tmp_path) -> None:
     (folder / "config.json").write_text(json.dumps({**cfg, "dflash_config": {"target_layer_ids": [1, 3, 5]}}))
     with pytest.raises(DraftFormatError, match="mask_token_id"):
         load_draft(folder)
+    (folder / "config.json").write_text(json.dumps({**cfg, "block_size": 1, "num_speculative_tokens": 0}))
+    with pytest.raises(DraftFormatError, match="block_size=1: a DFlash draft needs block_size >= 2"):
+        load_draft(folder)  # the family's own check, at load, as a format error naming the file
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DraftFormatError, match="format 'sglang' does not apply"):
         load_draft(folder, "sglang")

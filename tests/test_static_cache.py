@@ -114,7 +114,7 @@ def test_graphs_replay_the_draft_steps_through_accepted_and_rejected_rounds() ->
     for wrong in (0, 3):
         graphs = OracleDecoder(target, draft, SpecConfig("chain", k=4, target_cache="graphs"), wrong=wrong)
         dynamic = OracleDecoder(target, draft, SpecConfig("chain", k=4), wrong=wrong)
-        assert isinstance(graphs.draft_cache(8), StaticDraftKV) and not isinstance(dynamic.draft_cache(8),
+        assert isinstance(graphs.proposer.cache, StaticDraftKV) and not isinstance(dynamic.proposer.cache,
                                                                                      StaticDraftKV)
         for prompt in PROMPTS:
             got, want = graphs.generate(prompt, 30), dynamic.generate(prompt, 30)
@@ -168,7 +168,7 @@ def test_a_static_cache_verifies_trees_as_the_dynamic_one(target_cache: str) -> 
     static = SpeculativeDecoder(target, draft, SpecConfig("tree", k=3, topk=4, budget=10, target_cache=target_cache))
     from serve_eval.static_cache import StaticDraftKV
 
-    assert isinstance(static.draft_cache(8), StaticDraftKV) == (target_cache == "graphs")  # graphs: drafts replayed
+    assert isinstance(static.proposer.cache, StaticDraftKV) == (target_cache == "graphs")  # graphs: drafts replayed
     prompts = (PROMPTS[1], PROMPTS[0], PROMPTS[1]) if target_cache == "static" else (PROMPTS[1],)  # graphs: compiles
     for prompt in prompts:
         for params, seed in ((GREEDY, 0), (SAMPLED, 5)):

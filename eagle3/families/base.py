@@ -73,6 +73,20 @@ class Proposer:
         then ``k`` >= 1 draft tokens after the newest one."""
         raise NotImplementedError
 
+    def catch_up(self, aux: Tensor, tokens: list[int], start: int) -> tuple[Tensor, Tensor]:
+        """Step-by-step families: rows ``start..`` through the draft -> the root's state and logits
+        (the cost model's warm-up before it times :meth:`step`)."""
+        raise NotImplementedError
+
+    def step(self, token: int, state: Tensor, position: int) -> tuple[Tensor, Tensor]:
+        """Step-by-step families: one draft step over the cache (the cost model times it)."""
+        raise NotImplementedError
+
+    def proposal_logits(self, aux: Tensor, tokens: list[int], start: int, k: int) -> Tensor:
+        """One-forward families: the catch-up and the round's one forward -> the k draft tokens'
+        logits [k, Vd] (what :meth:`propose` draws from; the cost model times this)."""
+        raise NotImplementedError
+
     def rollback(self, rows: int) -> None:
         """After verification: keep the draft cache's first ``rows`` rows (the verified ones)."""
         self.cache.truncate(rows)
@@ -166,14 +180,18 @@ class DraftFamily:
         """A folder in this family's own layout (:attr:`architectures`; ``tensors`` as saved) ->
         :class:`eagle3.export.LoadedDraft`. By default the draft config and aux layer ids of our
         ``draft.json`` beside it, which every export of ours writes."""
-        from eagle3.formats import DraftFormatError, LoadedDraft, fill_draft, our_meta
+        from eagle3.formats import OUR_META, DraftFormatError, LoadedDraft, fill_draft, our_meta
 
         meta = our_meta(folder)
         if "draft_config" not in meta or "aux_layer_ids" not in meta:
             raise DraftFormatError(f"{folder}: a {self.name} folder needs its draft.json (draft_config, aux_layer_ids)")
         from eagle3.draft import DraftConfig
 
-        config = DraftConfig(**meta["draft_config"])
+        try:
+            config = DraftConfig(**meta["draft_config"])
+            self.check_config(config)
+        except (TypeError, ValueError) as err:
+            raise DraftFormatError(f"{folder / OUR_META}: draft_config: {err}") from None
         draft = self.build(config, None if "embed_tokens.weight" in tensors else embed_tokens_weight)
         d2t, t2d = tensors.pop("d2t").long(), tensors.pop("t2d").bool()
         fill_draft(draft, tensors, d2t, t2d, folder)

@@ -121,7 +121,7 @@ class DFlashDraft(DraftHead, nn.Module):
     def __init__(self, config: DraftConfig, embed_tokens_weight: Tensor | None = None) -> None:
         super().__init__()
         if config.family != "dflash":
-            raise ValueError("a DFlash draft needs block_size and mask_token_id in its config")
+            raise ValueError(f"draft.family={config.family}: a DFlash draft's config names the dflash family")
         self.config = config
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
@@ -339,6 +339,7 @@ class DFlashFamily(DraftFamily):
         try:
             config = DraftConfig(**{**asdict(base), "mask_token_id": int(options["mask_token_id"]),
                                     "block_size": int(block), "family": self.name})
+            self.check_config(config)
         except (TypeError, ValueError) as err:
             raise DraftFormatError(f"{where}: {err} (the block: block_size, or num_speculative_tokens + 1)") from None
         draft = self.build(config, None if "embed_tokens.weight" in tensors else embed_tokens_weight)
@@ -367,12 +368,15 @@ class BlockProposer(Proposer):
 
     def propose(self, aux: Tensor, tokens: list[int], start: int, k: int, params: SamplingConfig,
                 g: torch.Generator | None) -> Proposal:
+        return self.draw_each(self.proposal_logits(aux, tokens, start, k), params, g)
+
+    def proposal_logits(self, aux: Tensor, tokens: list[int], start: int, k: int) -> Tensor:
         d = self.draft
         end, size = start + len(tokens), d.block_size
         d.add_context(aux, torch.arange(start, end, device=self.device)[None], self.cache)
         block = torch.tensor([[tokens[-1]] + [d.config.mask_token_id] * (size - 1)], device=self.device)
         logits = d.propose(block, torch.arange(end, end + size, device=self.device)[None], self.cache)
-        return self.draw_each(logits[0, 1:1 + k], params, g)  # [k, Vd]: the first k mask slots
+        return logits[0, 1:1 + k]  # [k, Vd]: the first k mask slots
 
 
 DFLASH = register(DFlashFamily())

@@ -82,15 +82,21 @@ class StepProposer(Proposer):
 
     def propose(self, aux: Tensor, tokens: list[int], start: int, k: int, params: SamplingConfig,
                 g: torch.Generator | None) -> Proposal:
+        state, logits = self.catch_up(aux, tokens, start)
+        n = start + len(tokens)  # tokens in the target's cache; the newest emitted one sits at n
+        if self.spec.mode == "tree":
+            return self.tree(state, logits, n)
+        return self.chain(state, logits, n, k, params, g)
+
+    def catch_up(self, aux: Tensor, tokens: list[int], start: int) -> tuple[Tensor, Tensor]:
+        """Rows ``start..`` through the draft in one forward -> the root: the last row's state
+        [1, 1, H] and logits [1, Vd]."""
         d = self.draft
         hidden = d.combine_aux(aux.to(d.fc.weight.dtype))  # [1, R, H]
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.arange(start, start + ids.shape[1], device=self.device)[None]
         state, logits = d(ids, hidden, pos, self.cache)
-        n = start + len(tokens)  # tokens in the target's cache; the newest emitted one sits at n
-        if self.spec.mode == "tree":
-            return self.tree(state[:, -1:], logits[0, -1:], n)
-        return self.chain(state[:, -1:], logits[0, -1:], n, k, params, g)
+        return state[:, -1:], logits[0, -1:]
 
     def step(self, token: int, state: Tensor, position: int) -> tuple[Tensor, Tensor]:
         """One draft step over the cache -> (state [1, 1, H], logits [1, Vd])."""

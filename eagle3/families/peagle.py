@@ -75,7 +75,10 @@ class MaskRowsProposer(Proposer):
 
     def propose(self, aux: Tensor, tokens: list[int], start: int, k: int, params: SamplingConfig,
                 g: torch.Generator | None) -> Proposal:
-        d, masks = self.draft, k - 1
+        return self.draw_each(self.proposal_logits(aux, tokens, start, k), params, g)
+
+    def proposal_logits(self, aux: Tensor, tokens: list[int], start: int, k: int) -> Tensor:
+        d, masks = self.draft, max(k - 1, 0)
         hidden = d.combine_aux(aux.to(d.fc.weight.dtype))  # [1, R, H]
         ids = torch.tensor([tokens], device=self.device)
         if masks:
@@ -83,7 +86,7 @@ class MaskRowsProposer(Proposer):
             hidden, ids = torch.cat([hidden, mask_states], dim=1), torch.cat([ids, mask_ids], dim=1)
         pos = torch.arange(start, start + ids.shape[1], device=self.device)[None]
         _, logits = d(ids, hidden, pos, self.cache)
-        return self.draw_each(logits[0, -1 - masks:], params, g)  # [k, Vd]
+        return logits[0, -1 - masks:]  # [k, Vd]: the last catch-up row's, then the mask rows'
 
 
 PEAGLE = register(PEagleFamily())
