@@ -77,13 +77,10 @@ class ToyProposer(Proposer):
         token, out, qs = tokens[-1], [], []
         for _ in range(k):
             state = d.step(torch.tensor([[token]], device=self.device), state)
-            full = self.target_logits(d.compute_logits(state)[0, 0])  # [V]
-            if params.greedy:
-                token = int(full.argmax())
-            else:
-                qs.append(torch.softmax(full.float() / params.temperature, dim=-1))
-                token = int(torch.multinomial(qs[-1], 1, generator=g))
+            token, q = self.draw(d.compute_logits(state)[0, 0], params, g)
             out.append(token)
+            if q is not None:
+                qs.append(q)
         return Proposal(out, list(range(-1, k - 1)), torch.stack(qs) if qs else None)
 
 

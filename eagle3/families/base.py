@@ -99,6 +99,15 @@ class Proposer:
         out[..., self.draft.draft_to_target_ids(torch.arange(logits.shape[-1], device=logits.device))] = logits
         return out
 
+    def draw(self, logits: Tensor, params: SamplingConfig, g: torch.Generator | None) -> tuple[int, Tensor | None]:
+        """One draft token from one row's draft-vocab logits [Vd] -> (its target id, the distribution
+        [V] it was drawn from when sampling, else None)."""
+        full = self.target_logits(logits)  # [V]
+        if params.greedy:
+            return int(full.argmax()), None
+        q = torch.softmax(full.float() / params.temperature, dim=-1)
+        return int(torch.multinomial(q, 1, generator=g)), q
+
     def draw_each(self, logits: Tensor, params: SamplingConfig, g: torch.Generator | None) -> Proposal:
         """A chain drawn from one forward's rows, logits [k, Vd], each token on its own (a proposal need
         not depend on the earlier draft tokens to stay lossless: verification only needs the

@@ -109,14 +109,10 @@ class StepProposer(Proposer):
         logits [1, Vd] at the root)."""
         tokens, qs = [], []
         for depth in range(1, k + 1):
-            full = self.target_logits(logits[0])  # [V]
-            if params.greedy:
-                token = int(full.argmax())
-            else:
-                q = torch.softmax(full.float() / params.temperature, dim=-1)
-                qs.append(q)
-                token = int(torch.multinomial(q, 1, generator=g))
+            token, q = self.draw(logits[0], params, g)
             tokens.append(token)
+            if q is not None:
+                qs.append(q)
             if depth < k:
                 state, logits = self.step(token, state, n - 1 + depth)
         return Proposal(tokens, list(range(-1, len(tokens) - 1)), torch.stack(qs) if qs else None)
