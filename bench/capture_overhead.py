@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from eagle3.target import load_target
-from eagle3.target_source import DEFAULT_TARGET
+from eagle3.config import DEFAULT_TARGET
+from eagle3.target.model import load_target
 
 
 def _tokens_per_s(fn, tokens: int, repeats: int) -> float:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from eagle3.target_source import DEFAULT_TARGET
+from eagle3.config import DEFAULT_TARGET
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    from eagle3.chat import ChatFormat
+    from eagle3.target.chat import ChatFormat
     from serve_eval.adaptive import AdaptiveSession, measure_cost
     from serve_eval.config import SpecConfig
     from serve_eval.evaluate import load_pair_meta, read_prompts

@@ -106,7 +106,8 @@ def reset_peak(device: torch.device) -> None:
 def tokenizer_folder(given: str | None) -> Path:
     if given:
         return Path(given)
-    from eagle3.target_source import DEFAULT_TARGET, resolve_target
+    from eagle3.config import DEFAULT_TARGET
+    from eagle3.target.source import resolve_target
 
     return Path(resolve_target(DEFAULT_TARGET).location)
 
@@ -163,7 +164,8 @@ def write_pools(folder: Path) -> None:
 
 def pipeline_config(out: Path, target: Path, size: dict[str, Any], device: str) -> Any:
     from data_gen.config import HarvestConfig, RegenerateConfig, SelectConfig
-    from eagle3.config import TargetConfig, TrainConfig
+    from eagle3.config import TargetConfig
+    from eagle3.train.config import TrainConfig
     from hard_mining.config import MineConfig
     from recipes.config import PipelineConfig
     from serve_eval.config import EvalConfig
@@ -262,8 +264,8 @@ def hf_generate_tps(model: Any, prompts: list[list[int]], new: int, attention: A
 
 
 def check_loop(draft: Path, target: Path, pools: Path, device: str, size: dict[str, Any]) -> None:
-    from eagle3.chat import ChatFormat
     from eagle3.config import SamplingConfig
+    from eagle3.target.chat import ChatFormat
     from serve_eval.config import SpecConfig
     from serve_eval.evaluate import first_divergence, load_pair, read_prompts, top2_margin
     from serve_eval.spec_decode import SpeculativeDecoder
@@ -319,9 +321,9 @@ def check_families(cfg: Any, target: Path, pools: Path, device: str, size: dict[
     the export read back, then the chain loop greedy (equal to plain decoding) and sampled."""
     from dataclasses import replace
 
-    from eagle3.chat import ChatFormat
     from eagle3.config import SamplingConfig
-    from eagle3.train import train
+    from eagle3.target.chat import ChatFormat
+    from eagle3.train.loop import train
     from serve_eval.config import SpecConfig
     from serve_eval.evaluate import load_pair, read_prompts
     from serve_eval.spec_decode import SpeculativeDecoder
@@ -397,7 +399,7 @@ def check_two_processes(cfg: Any) -> None:
     """Training in two processes over nccl (only where two GPUs exist)."""
     out = Path(cfg.out_dir) / "train-2gpu"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-           "eagle3.train", "--store", cfg.train.store, "--target", cfg.target.name_or_path, "--out", str(out),
+           "eagle3.train.loop", "--store", cfg.train.store, "--target", cfg.target.name_or_path, "--out", str(out),
            "--steps", "6", "--micro-batch-tokens", str(cfg.train.micro_batch_tokens), "--draft-vocab-size",
            str(cfg.train.draft_vocab_size), "--eval-fraction", "0", "--eval-every", "0", "--save-every", "3",
            "--device", "cuda", "--wandb-mode", "disabled", "--no-progress"]

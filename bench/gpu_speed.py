@@ -128,13 +128,13 @@ def check_profile(emit: Emit, cfg: Any, draft: Path, target: Path, pools: Path, 
 
     from torch.profiler import ProfilerActivity, profile
 
-    from eagle3.chat import ChatFormat
-    from eagle3.metrics import AcceptanceTally
-    from eagle3.shards import HarvestStore
-    from eagle3.target_head import TargetHead
-    from eagle3.train_data import load_batch
-    from eagle3.train_step import TTTModel, train_forward
-    from eagle3.ttt import plan_rows
+    from eagle3.draft.metrics import AcceptanceTally
+    from eagle3.draft.target_head import TargetHead
+    from eagle3.draft.ttt import plan_rows
+    from eagle3.store.batches import load_batch
+    from eagle3.store.shards import HarvestStore
+    from eagle3.target.chat import ChatFormat
+    from eagle3.train.step import TTTModel, train_forward
     from serve_eval.evaluate import load_pair, read_prompts
     from serve_eval.spec_decode import SpeculativeDecoder
 
@@ -178,7 +178,7 @@ def check_profile(emit: Emit, cfg: Any, draft: Path, target: Path, pools: Path, 
             return round((time.perf_counter() - t0) * 1000, 2)
 
         grouped = timed_ms()  # attention by groups of documents, as the trainer runs it
-        with mock.patch("eagle3.train_step.plan_rows", functools.partial(plan_rows, segment_tokens=None)):
+        with mock.patch("eagle3.train.step.plan_rows", functools.partial(plan_rows, segment_tokens=None)):
             whole = timed_ms()  # attention over the whole row
         emit("profile.train_micro_batch", not syncs, tokens=tokens, ms=round(seconds * 1000, 2), first_sync=located,
              documents=len(idx), ms_unprofiled=grouped, ms_whole_row_attention=whole,
@@ -261,7 +261,7 @@ def check_train_phases(emit: Emit, cfg: Any, steps: int = 12) -> None:
     builds a graph for every new row length (``EAGLE3_CUDNN_SDPA=1``)."""
     import dataclasses
 
-    from eagle3.train_log import read_metrics
+    from eagle3.train.log import read_metrics
     from recipes.pipeline import STAGES
 
     def run(name: str) -> dict[str, Any]:

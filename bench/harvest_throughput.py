@@ -22,10 +22,9 @@ import torch
 from data_gen.config import HarvestConfig
 from data_gen.harvest import run, tokenize_records
 from data_gen.regenerate import read_pool
-from eagle3.chat import ChatFormat
-from eagle3.config import TargetConfig
-from eagle3.target import load_target
-from eagle3.target_source import DEFAULT_TARGET
+from eagle3.config import DEFAULT_TARGET, TargetConfig
+from eagle3.target.chat import ChatFormat
+from eagle3.target.model import load_target
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ offsets (the module computes ``x / rms(x) * (1 + weight)``); copied as stored, t
 (``x / rms(x) * weight``) is off by one in every channel. For each family, with the final norm as
 initialised (Llama ones, Gemma zero offsets) and with trained-like weights (the same random
 per-channel scales for both, stored in each family's convention), it prints one JSON line per
-init (``raw``: the stored weight, as before; ``probe``: :meth:`eagle3.target.Target.final_norm_scale`):
+init (``raw``: the stored weight, as before; ``probe``: :meth:`eagle3.target.model.Target.final_norm_scale`):
 the largest difference between the untrained draft's head and the target's on harvested states,
 the training loss at a few steps, and the held-out loss and tau_sim (a fifth of the samples)
 before and after.
@@ -32,7 +32,7 @@ from arch_check import BUILDERS  # noqa: E402
 def make_target(arch: str, scales: torch.Tensor | None) -> Any:
     """A random ``arch`` target (the tests' byte-level tokenizer, weights sharpened as arch_check's);
     with ``scales``, its final norm computes ``x / rms(x) * scales`` in the family's convention."""
-    from eagle3.target import Target
+    from eagle3.target.model import Target
     from tests.helpers import sharpen, tiny_tokenizer
 
     torch.manual_seed(0)
@@ -46,8 +46,8 @@ def make_target(arch: str, scales: torch.Tensor | None) -> Any:
 
 def head_gap(target: Any, store: Any, init: str) -> float:
     """max |draft head - target head| over the draft vocab, on the store's first sample's states."""
-    from eagle3.draft import DraftConfig, Eagle3Draft
-    from eagle3.draft_vocab import DraftVocab
+    from eagle3.draft.model import DraftConfig, Eagle3Draft
+    from eagle3.draft.vocab import DraftVocab
 
     vocab = DraftVocab.from_target_ids(torch.arange(0, target.vocab_size - 62), target.vocab_size)
     draft = Eagle3Draft(DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size),
@@ -72,11 +72,12 @@ def main() -> None:
 
     from data_gen.config import HarvestConfig
     from data_gen.harvest import run as harvest
-    from eagle3.config import TargetConfig, TrainConfig, draft_recipe
-    from eagle3.shards import HarvestStore
-    from eagle3.target import Target
-    from eagle3.train import train
-    from eagle3.train_log import read_metrics
+    from eagle3.config import TargetConfig
+    from eagle3.store.shards import HarvestStore
+    from eagle3.target.model import Target
+    from eagle3.train.config import TrainConfig, draft_recipe
+    from eagle3.train.log import read_metrics
+    from eagle3.train.loop import train
     from tests.helpers import regenerated_data as _data
 
     out = Path(args.out)

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3.shards import HarvestSpec, HarvestStore, Sample, shard_entry, write_manifest, write_shard
-from eagle3.train_data import load_batch
+from eagle3.store.batches import load_batch
+from eagle3.store.shards import HarvestSpec, HarvestStore, Sample, shard_entry, write_manifest, write_shard
 
 
 def write_store(root: Path, hidden: int, aux: int, samples: int, length: int, per_shard: int) -> None:

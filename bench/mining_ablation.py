@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from eagle3.target_source import DEFAULT_TARGET
+from eagle3.config import DEFAULT_TARGET
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,13 +92,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
 
     from eagle3.config import TargetConfig
-    from eagle3.target import load_target
+    from eagle3.target.model import load_target
     from hard_mining.config import MineConfig
     from hard_mining.rounds import continued_training, run_rounds
 
     out = Path(args.out)
     target_cfg = TargetConfig(name_or_path=args.target)
-    from eagle3.shards import HarvestStore
+    from eagle3.store.shards import HarvestStore
 
     target = load_target(args.target, dtype="float32", device="cpu",
                          aux_layer_ids=HarvestStore(Path(args.store)).spec.aux_layer_ids)

@@ -28,10 +28,10 @@ from pathlib import Path
 
 from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
-from eagle3.config import TargetConfig, TrainConfig
-from eagle3.target import load_target
-from eagle3.target_source import DEFAULT_TARGET
-from eagle3.train import train
+from eagle3.config import DEFAULT_TARGET, TargetConfig
+from eagle3.target.model import load_target
+from eagle3.train.config import TrainConfig
+from eagle3.train.loop import train
 
 
 def folder_bytes(root: Path) -> int:

@@ -53,7 +53,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eagle3.target_source import DEFAULT_TARGET
+from eagle3.config import DEFAULT_TARGET
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,8 +79,8 @@ def last_json(text: str) -> dict[str, Any]:
 
 
 def recipe_flags(name: str) -> list[str]:
-    """A draft recipe (:func:`eagle3.config.draft_recipe`) as ``eagle3.train`` flags."""
-    from eagle3.config import draft_recipe
+    """A draft recipe (:func:`eagle3.train.config.draft_recipe`) as ``eagle3.train.loop`` flags."""
+    from eagle3.train.config import draft_recipe
 
     try:
         settings = draft_recipe(name)
@@ -146,7 +146,7 @@ def speculators_name(family: str) -> str:
 
 
 def train_speculators(args: argparse.Namespace, vocab: Path) -> dict[str, Any]:
-    from eagle3.target_source import resolve_target
+    from eagle3.target.source import resolve_target
 
     name = speculators_name(args.speculators_family)
     out, data = Path(args.out) / name, Path(args.out) / "speculators-data"  # the data is the same for every family
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--extra", action="append", default=[],
                         help="NAME=STORE: also train ours on another store (same settings) and judge it")
     parser.add_argument("--variant", action="append", default=[],
-                        help="NAME=ARGS: also train ours on --store with these eagle3.train arguments in place of "
+                        help="NAME=ARGS: also train ours on --store with these eagle3.train.loop arguments in place of "
                              "--ours-args (same recipe, vocab, steps and lr) and judge it, e.g. "
                              "'all=--loss-positions all' or an ablation of one setting")
     parser.add_argument("--target", default=DEFAULT_TARGET)
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--fresh", action="store_true")
-    parser.add_argument("--ours-args", default="", help="more eagle3.train arguments for our runs, after the "
+    parser.add_argument("--ours-args", default="", help="more eagle3.train.loop arguments for our runs, after the "
                         "recipe's, e.g. '--loss-positions all'")
     args = parser.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -20,10 +20,9 @@ import time
 import torch
 
 from data_gen.generate import Generator, HFGenerator, generate
-from eagle3.chat import ChatFormat
-from eagle3.config import SamplingConfig
-from eagle3.target import load_target
-from eagle3.target_source import DEFAULT_TARGET
+from eagle3.config import DEFAULT_TARGET, SamplingConfig
+from eagle3.target.chat import ChatFormat
+from eagle3.target.model import load_target
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively.",

@@ -26,8 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 from eagle3.export import fit_to_target, load_draft  # noqa: E402
-from eagle3.shards import HarvestStore  # noqa: E402
-from eagle3.target import load_target  # noqa: E402
+from eagle3.store.shards import HarvestStore  # noqa: E402
+from eagle3.target.model import load_target  # noqa: E402
 from hard_mining.score import group_scores, read_sample_meta, score_store, target_head  # noqa: E402
 
 

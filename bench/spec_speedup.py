@@ -49,11 +49,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    from eagle3.chat import ChatFormat
     from eagle3.config import SamplingConfig
     from eagle3.device import synchronize
-    from eagle3.formats import DraftFormatError
-    from eagle3.target import TargetLoadError, TargetSourceError
+    from eagle3.draft.formats import DraftFormatError
+    from eagle3.target.chat import ChatFormat
+    from eagle3.target.model import TargetLoadError, TargetSourceError
     from serve_eval.adaptive import measure_cost
     from serve_eval.config import SpecConfig
     from serve_eval.evaluate import evaluate, load_pair, read_prompts, write_report

@@ -50,9 +50,9 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parents[1]
 
 from eagle3.atomic import atomic_dir  # noqa: E402
-from eagle3.draft_vocab import DraftVocab  # noqa: E402
-from eagle3.shards import HarvestStore, StoreError  # noqa: E402
-from eagle3.train_data import split_by_id  # noqa: E402
+from eagle3.draft.vocab import DraftVocab  # noqa: E402
+from eagle3.store.batches import split_by_id  # noqa: E402
+from eagle3.store.shards import HarvestStore, StoreError  # noqa: E402
 
 FORMAT = "eagle3-speculators-data-1"
 SPECULATORS_VERSION = "0.9.0"
@@ -65,7 +65,7 @@ class ConvertError(RuntimeError):
 
 def read_draft_vocab_file(path: Path, vocab_size: int) -> DraftVocab:
     """Our ``draft_vocab.safetensors``, or a draft folder in any format ``eagle3.export`` reads."""
-    from eagle3.draft_vocab import read_draft_vocab
+    from eagle3.export import read_draft_vocab
 
     try:
         return read_draft_vocab(path, vocab_size)

@@ -24,12 +24,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from eagle3.draft import DraftConfig, Eagle3Draft  # noqa: E402
-from eagle3.draft_vocab import select_draft_vocab  # noqa: E402
-from eagle3.shards import HarvestStore  # noqa: E402
-from eagle3.target import load_target  # noqa: E402
-from eagle3.train_data import epoch_batches, load_batch, loss_token_counts  # noqa: E402
-from eagle3.ttt import SEGMENT_MIN_TOKENS, plan_rows, ttt_forward  # noqa: E402
+from eagle3.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
+from eagle3.draft.ttt import SEGMENT_MIN_TOKENS, plan_rows, ttt_forward  # noqa: E402
+from eagle3.draft.vocab import select_draft_vocab  # noqa: E402
+from eagle3.store.batches import epoch_batches, load_batch, loss_token_counts  # noqa: E402
+from eagle3.store.shards import HarvestStore  # noqa: E402
+from eagle3.target.model import load_target  # noqa: E402
 from hard_mining.score import target_head  # noqa: E402
 
 

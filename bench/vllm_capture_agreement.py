@@ -6,7 +6,7 @@ Run from the vLLM venv (scripts/setup_vllm_env.sh), on CPU with scripts/vllm_env
     OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/vllm_capture_agreement.py [--aux-layer-ids 2,15,27 1,10,20]
 
 For each aux-id set (one vLLM engine each, fp32) the same chat conversations are captured
-by :class:`eagle3.target.Target` (HF, one sequence at a time) and by
+by :class:`eagle3.target.model.Target` (HF, one sequence at a time) and by
 :class:`data_gen.vllm_capture.VllmCapture` (all in one batch). One JSON line per state:
 
 * ``max_rel``: the largest over conversations of max |vllm - hf| / max |hf|;
@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from eagle3.target_source import DEFAULT_TARGET
+from eagle3.config import DEFAULT_TARGET
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number iteratively."}],
@@ -89,8 +89,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported
 
     from data_gen.vllm_capture import VllmCapture
-    from eagle3.chat import ChatFormat
-    from eagle3.target import default_aux_layer_ids, load_target
+    from eagle3.target.chat import ChatFormat
+    from eagle3.target.model import default_aux_layer_ids, load_target
 
     hf = load_target(args.target, dtype="float32", device="cpu")
     fmt = ChatFormat.for_tokenizer(hf.tokenizer)

@@ -46,7 +46,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from eagle3.target_source import DEFAULT_TARGET  # noqa: E402
+from eagle3.config import DEFAULT_TARGET  # noqa: E402
 
 # the eval prompts and the divergence check are serve_eval's, so both judges read the same text
 from serve_eval.config import EVAL_SETS  # noqa: E402
@@ -232,9 +232,9 @@ def main(argv: list[str] | None = None) -> None:
                              "for families whose native class lacks EAGLE-3 support); the draft's stays native")
     args = parser.parse_args(argv)
 
-    from eagle3.chat import ChatFormat
-    from eagle3.target import default_aux_layer_ids, load_target
-    from eagle3.target_source import resolve_target
+    from eagle3.target.chat import ChatFormat
+    from eagle3.target.model import default_aux_layer_ids, load_target
+    from eagle3.target.source import resolve_target
 
     folder = resolve_target(args.target).location
     target = load_target(args.target, dtype="float32", device="cpu")

@@ -19,7 +19,7 @@ import argparse
 import json
 import time
 
-from eagle3.target_source import DEFAULT_TARGET
+from eagle3.config import DEFAULT_TARGET
 
 PROMPTS = [
     "What is 2+2?",
@@ -39,7 +39,7 @@ def main() -> None:
     import torch
     from vllm import LLM, SamplingParams
 
-    from eagle3.target import load_target
+    from eagle3.target.model import load_target
 
     target = load_target(args.target, dtype="float32", device="cpu")
     tok = target.tokenizer

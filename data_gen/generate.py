@@ -1,4 +1,4 @@
-"""Batched generation on a :class:`~eagle3.target.Target`, left-padded, with HF ``generate``.
+"""Batched generation on a :class:`~eagle3.target.model.Target`, left-padded, with HF ``generate``.
 
 What comes back per row (:class:`Reply`): the new token ids **without** the stop
 token that ended the turn (the chat template writes its own end-of-turn when the reply is
@@ -24,10 +24,10 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from eagle3.chat import ChatFormat
 from eagle3.config import SamplingConfig
 from eagle3.device import sdpa_backends
-from eagle3.target import Target
+from eagle3.target.chat import ChatFormat
+from eagle3.target.model import Target
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class Generator(Protocol):
 
 @dataclass
 class HFGenerator:
-    """:func:`generate` on a loaded :class:`~eagle3.target.Target`."""
+    """:func:`generate` on a loaded :class:`~eagle3.target.model.Target`."""
 
     target: Target
     name: str = "hf"

@@ -35,15 +35,14 @@ from filelock import FileLock, Timeout
 from data_gen.config import HarvestConfig
 from data_gen.regenerate import read_pool
 from eagle3.atomic import atomic_write_text, remove_leftovers, sha256_file
-from eagle3.capture import HFCapture, capture_shard
-from eagle3.chat import ChatFormat, ChatFormatError
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import TargetConfig, add_target_arguments
-from eagle3.conversations import ConversationError
 from eagle3.errors import Eagle3Error, run_cli
 from eagle3.fingerprint import UNKNOWN_WEIGHTS, tokenizer_fingerprint, weights_fingerprint
-from eagle3.planned import PLAN
-from eagle3.shards import (
+from eagle3.store.capture import HFCapture, capture_shard
+from eagle3.store.conversations import ConversationError
+from eagle3.store.planned import PLAN
+from eagle3.store.shards import (
     HarvestSpec,
     StoreError,
     bytes_per_token,
@@ -57,8 +56,9 @@ from eagle3.shards import (
     write_manifest,
     write_shard,
 )
-from eagle3.target import Target, context_length, load_target
-from eagle3.target_source import target_identity
+from eagle3.target.chat import ChatFormat, ChatFormatError
+from eagle3.target.model import Target, context_length, load_target
+from eagle3.target.source import target_identity
 
 
 class HarvestError(Eagle3Error, RuntimeError):
@@ -160,8 +160,8 @@ def _spec_and_backend(cfg: HarvestConfig, target_cfg: TargetConfig,
 
         from data_gen.vllm_capture import VllmCapture
         from data_gen.vllm_generate import require_vllm
-        from eagle3.target import check_architecture, check_aux_layer_ids, default_aux_layer_ids
-        from eagle3.target_source import resolve_target
+        from eagle3.target.model import check_architecture, check_aux_layer_ids, default_aux_layer_ids
+        from eagle3.target.source import resolve_target
 
         require_vllm("harvest.backend")
 

@@ -3,7 +3,7 @@
     python -m data_gen.nvfp4 --target smollm2-135m --calibration runs/pools/train.jsonl --out runs/nvfp4/smollm2
 
 The output folder is then a target like any other (``target.name_or_path=<out>``): the harvester,
-the regenerator, training and the serving loop run it emulated (:func:`eagle3.nvfp4.load_emulated`),
+the regenerator, training and the serving loop run it emulated (:func:`eagle3.target.nvfp4.load_emulated`),
 W4A4 as Blackwell computes it.
 
 :func:`convert` loads the source (an INT4 ``pack-quantized`` checkpoint, as Kimi K2.x ships, is
@@ -12,7 +12,7 @@ conversations through it to find each Linear's input range, and writes every Lin
 aside, ``lm_head`` by default) as ``weight_packed`` (two FP4 per byte), ``weight_scale`` (FP8 per
 16 inputs), ``weight_global_scale`` and, for W4A4, ``input_global_scale``. Linears that vLLM fuses
 (siblings reading the same input: q/k/v, gate/up) share one weight global scale, as vLLM keeps
-one per fused layer. The arithmetic is :mod:`eagle3.nvfp4`'s.
+one per fused layer. The arithmetic is :mod:`eagle3.target.nvfp4`'s.
 """
 
 from __future__ import annotations
@@ -31,16 +31,17 @@ import torch
 from torch import Tensor, nn
 
 from data_gen.config import QuantizeConfig
-from eagle3 import nvfp4
 from eagle3.atomic import atomic_dir, check_replaceable
-from eagle3.chat import ChatFormat
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
-from eagle3.conversations import iter_user_conversations
+from eagle3.config import DEFAULT_TARGET
 from eagle3.device import resolve_dtype
 from eagle3.errors import run_cli
-from eagle3.nvfp4 import FORMAT, MODES, NVFP4Error, nvfp4_quantization
-from eagle3.target import TargetLoadError, from_pretrained_complete
-from eagle3.target_source import DEFAULT_TARGET, resolve_target
+from eagle3.store.conversations import iter_user_conversations
+from eagle3.target import nvfp4
+from eagle3.target.chat import ChatFormat
+from eagle3.target.model import TargetLoadError, from_pretrained_complete
+from eagle3.target.nvfp4 import FORMAT, MODES, NVFP4Error, nvfp4_quantization
+from eagle3.target.source import resolve_target
 
 REPORT_FILE = "eagle3_nvfp4.json"
 

@@ -6,9 +6,9 @@
 A producer plans the data exactly as the offline harvest does (:func:`data_gen.harvest.plan_harvest`:
 the same tokenisation, shard plan and ``plan.json``), writes every sample's tokens once
 (``index.safetensors``: what the trainer plans its epochs from), then makes the states of the
-plan's shards epoch after epoch in the trainer's order (:func:`eagle3.train_data.shard_sequence`
+plan's shards epoch after epoch in the trainer's order (:func:`eagle3.store.batches.shard_sequence`
 with the run's seed), each shard with the same batches as the offline harvest
-(:func:`eagle3.capture.capture_shard`), so the states are the same bytes. Worker ``i/n`` makes
+(:func:`eagle3.store.capture.capture_shard`), so the states are the same bytes. Worker ``i/n`` makes
 the shards at positions ``seq % n == i``. A shard waits while the spool is at its budget; one a
 trainer has already consumed is skipped; when the trainer writes ``done`` the producers stop. With
 ``--max-epochs N`` a producer stops once its shards of those epochs are consumed or every reader has
@@ -30,13 +30,13 @@ from typing import Any
 from data_gen.config import HarvestConfig
 from data_gen.harvest import build_parser as harvest_parser
 from data_gen.harvest import configs_from_args, plan_harvest
-from eagle3.capture import capture_shard
 from eagle3.config import TargetConfig
 from eagle3.errors import run_cli
-from eagle3.planned import plan_digest, write_index
-from eagle3.spool import Heartbeat, Spool, shard_key
-from eagle3.target import Target
-from eagle3.train_data import shard_sequence
+from eagle3.store.batches import shard_sequence
+from eagle3.store.capture import capture_shard
+from eagle3.store.planned import plan_digest, write_index
+from eagle3.store.spool import Heartbeat, Spool, shard_key
+from eagle3.target.model import Target
 
 
 def produce(cfg: HarvestConfig, target_cfg: TargetConfig, *, seed: int = 0, target: Target | None = None,

@@ -55,13 +55,13 @@ from data_gen.generate import (
     regenerate_conversations,
 )
 from eagle3.atomic import atomic_dir, atomic_write_text, output_dir, sha256_file
-from eagle3.chat import ChatFormat, messages_sha256
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import TargetConfig, add_target_arguments
-from eagle3.conversations import ConversationError, check_messages, iter_jsonl, messages_of, record_id
 from eagle3.errors import Eagle3Error, run_cli
-from eagle3.target import Target, context_length, load_target
-from eagle3.target_source import target_identity
+from eagle3.store.conversations import ConversationError, check_messages, iter_jsonl, messages_of, record_id
+from eagle3.target.chat import ChatFormat, messages_sha256
+from eagle3.target.model import Target, context_length, load_target
+from eagle3.target.source import target_identity
 
 MANIFEST = "manifest.json"
 PARTS = "parts"
@@ -164,7 +164,7 @@ def make_backend(cfg: RegenerateConfig, target_cfg: TargetConfig,
 
     from data_gen.vllm_generate import VllmGenerator, require_vllm
     from eagle3.device import resolve_device, resolve_dtype
-    from eagle3.target_source import resolve_target
+    from eagle3.target.source import resolve_target
 
     require_vllm("regenerate.backend")
 

@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from eagle3.home import eagle3_home
-from eagle3.wheels import extract_wheel, fetch_wheel, list_members, read_member
+from eagle3.target.wheels import extract_wheel, fetch_wheel, list_members, read_member
 
 
 @dataclass

@@ -4,7 +4,7 @@ vLLM's own extraction does the work: the ``extract_hidden_states`` speculative m
 makes the target return the residual stream at the configured layers, a cache-only
 "draft" stores it in a KV-cache group of its own, and a KV connector copies each finished
 request's rows out of that cache into a per-request safetensors file. Per token this
-returns exactly what :meth:`eagle3.target.Target.forward` returns:
+returns exactly what :meth:`eagle3.target.model.Target.forward` returns:
 
 * ``aux``: the **inputs** of the aux decoder layers, ascending. vLLM's layer id ``i`` is
   ``hidden_states + residual`` after ``i`` decoder layers, i.e. HF's
@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from eagle3.errors import Eagle3Error
-from eagle3.target import check_aux_layer_ids
+from eagle3.target.model import check_aux_layer_ids
 
 CONNECTOR_NAME = "SyncHiddenStatesConnector"
 """Class name vLLM's connector factory looks up in this module (``kv_connector_module_path``)."""

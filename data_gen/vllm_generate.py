@@ -2,7 +2,7 @@
 
 vLLM pins its own torch and transformers, so this runs from the separate venv made by
 ``scripts/setup_vllm_env.sh``; nothing else in the library imports vLLM. Prompts are
-token ids rendered by :class:`eagle3.chat.ChatFormat`, exactly as for the HF backend, and
+token ids rendered by :class:`eagle3.target.chat.ChatFormat`, exactly as for the HF backend, and
 replies come back as :class:`data_gen.generate.Reply` with the same stop handling.
 """
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -20,6 +21,16 @@ class Runtime:
     rank: int
     world_size: int
     local_rank: int
+
+
+def is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """``print`` on rank 0 (flushed); a no-op elsewhere."""
+    if is_rank0():
+        print(*args, **kwargs, flush=True)
 
 
 def _free_port() -> int:

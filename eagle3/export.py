@@ -1,7 +1,7 @@
 """Drafts in the formats serving engines load, and back: export and import.
 
 The formats (vLLM's plain layout, speculators', SGLang's) and their ``config.json`` are described
-in :mod:`eagle3.formats`. Aux layer ids inside this library always mean "the input of decoder
+in :mod:`eagle3.draft.formats`. Aux layer ids inside this library always mean "the input of decoder
 layer i" (HF ``hidden_states[i]``), ascending. ``load_draft`` reads all three formats and the
 public ones they come from (EAGLE/SpecForge checkpoints in the plain layout, speculators
 checkpoints), to evaluate a public draft or continue training it. Pickled ``.bin`` weights are
@@ -26,10 +26,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from eagle3.atomic import atomic_dir, holds_only
-from eagle3.draft import DraftConfig
-from eagle3.errors import run_cli
-from eagle3.families import family_of, family_reading
-from eagle3.formats import (
+from eagle3.draft.families import family_of, family_reading
+from eagle3.draft.formats import (
     FORMATS,
     MARKER,
     OUR_META,
@@ -44,6 +42,9 @@ from eagle3.formats import (
     read_json,
     specforge_ids,
 )
+from eagle3.draft.model import DraftConfig
+from eagle3.draft.vocab import DraftVocab, read_vocab_file
+from eagle3.errors import InputError, run_cli
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -269,6 +270,19 @@ def give_target_lm_head(loaded: LoadedDraft, weight: Tensor) -> None:
 
 
 # ---------------------------------------------------------------- CLI
+
+
+def read_draft_vocab(path: str | os.PathLike[str], vocab_size: int) -> DraftVocab:
+    """A draft vocab saved by a run (``draft_vocab.safetensors``) or a draft folder in any format
+    :func:`load_draft` reads (a full-vocab draft carries no d2t: the identity)."""
+    path = Path(path)
+    if not path.is_dir() or (path / "draft_vocab.safetensors").is_file():
+        return read_vocab_file(path, vocab_size)
+    draft = load_draft(path).draft
+    if draft.config.vocab_size != vocab_size:
+        raise InputError(f"{path}: a draft vocab over {draft.config.vocab_size} target tokens, the target has "
+                         f"{vocab_size}")
+    return DraftVocab.from_d2t(draft.d2t, vocab_size)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from eagle3.config import WANDB_MODES
 from eagle3.errors import ConfigError
+from eagle3.train.config import WANDB_MODES
 
 MINE_STRATEGIES = ("reweight", "hardest", "synthesize", "uniform")
 

@@ -45,10 +45,11 @@ import torch
 from data_gen.config import HarvestConfig, RegenerateConfig
 from eagle3.atomic import atomic_write_text, output_dir
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
-from eagle3.config import TargetConfig, TrainConfig, add_target_arguments
-from eagle3.conversations import iter_jsonl, take_in_turn
+from eagle3.config import TargetConfig, add_target_arguments
 from eagle3.errors import Eagle3Error, run_cli
-from eagle3.shards import HarvestStore, open_stores
+from eagle3.store.conversations import iter_jsonl, take_in_turn
+from eagle3.store.shards import HarvestStore, open_stores
+from eagle3.train.config import TrainConfig
 from hard_mining.config import MineConfig
 from hard_mining.score import (
     SampleScore,
@@ -198,8 +199,8 @@ def run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig
 
 def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig, out: Path, target: Any,
                 progress: bool) -> dict[str, Any]:
-    from eagle3.target import load_target
-    from eagle3.train import train
+    from eagle3.target.model import load_target
+    from eagle3.train.loop import train
 
     manifest_path = out / MANIFEST
     manifest: dict[str, Any] = (json.loads(manifest_path.read_text()) if manifest_path.is_file()
@@ -424,8 +425,8 @@ def _log_round(run: Any, entry: dict[str, Any], records: dict[str, dict[str, Any
 
 def continued_training(recipe: str, **settings: Any) -> TrainConfig:
     """The train settings of the rounds' continued training outside the pipeline: a draft recipe
-    (:func:`eagle3.config.draft_recipe`, ``none`` for the library's defaults), then ``settings``."""
-    from eagle3.config import draft_recipe
+    (:func:`eagle3.train.config.draft_recipe`, ``none`` for the library's defaults), then ``settings``."""
+    from eagle3.train.config import draft_recipe
 
     return TrainConfig(**{**draft_recipe(recipe), **settings})
 

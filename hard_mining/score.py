@@ -2,7 +2,7 @@
 harvested data.
 
 Each sample runs through the training-time-test unroll alone (the draft proposing K tokens from
-every assistant position, as :mod:`eagle3.ttt` trains it), so its figures are exactly the ones
+every assistant position, as :mod:`eagle3.draft.ttt` trains it), so its figures are exactly the ones
 the trainer's eval reports, split by sample:
 
 * ``accepted``: per counted start position, how many of the K draft tokens in a row match the
@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from eagle3.conversations import ConversationError, iter_jsonl
-from eagle3.draft import DraftHead
-from eagle3.families import family_of
-from eagle3.metrics import accepted_runs, step_hits
-from eagle3.shards import HarvestStore
-from eagle3.train_data import load_batch
-from eagle3.ttt import step_weights
+from eagle3.draft.families import family_of
+from eagle3.draft.metrics import accepted_runs, step_hits
+from eagle3.draft.model import DraftHead
+from eagle3.draft.ttt import step_weights
+from eagle3.store.batches import load_batch
+from eagle3.store.conversations import ConversationError, iter_jsonl
+from eagle3.store.shards import HarvestStore
 
 UNKNOWN = "unknown"
 
@@ -109,7 +109,7 @@ def meta_of(sample_id: str, meta: dict[str, dict[str, str]]) -> dict[str, str]:
 
 def target_head(target: Any) -> Any:
     """The trainer's frozen head (the target's final norm + lm_head, copied) for ``target``."""
-    from eagle3.target_head import TargetHead
+    from eagle3.draft.target_head import TargetHead
 
     return TargetHead.of_target(target).to(device=target.device, dtype=torch.float32).eval()
 

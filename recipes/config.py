@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from data_gen.config import HarvestConfig, PoolsConfig, QuantizeConfig, RegenerateConfig, SelectConfig
-from eagle3.config import TargetConfig, TrainConfig
+from eagle3.config import TargetConfig
 from eagle3.errors import ConfigError
+from eagle3.train.config import TrainConfig
 from hard_mining.config import MineConfig
 from serve_eval.config import EvalConfig
 

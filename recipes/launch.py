@@ -56,7 +56,7 @@ def harvest_shard(cfg: PipelineConfig, shard: int, shards: int) -> dict[str, Any
     """One task of the harvest array: shard ``shard`` of ``shards``; the task that completes the
     store verifies it and records the stage."""
     from data_gen.harvest import run
-    from eagle3.shards import verify_store
+    from eagle3.store.shards import verify_store
 
     if cfg.train.data == "colocated":  # the plan and the tokens only: the trainer computes the states
         from recipes.pipeline import plan_only
@@ -90,7 +90,7 @@ def rendezvous_from_job(port_base: int = 20000) -> dict[str, str]:
 
 def train_task(cfg: PipelineConfig) -> dict[str, Any]:
     """One rank of the training job."""
-    from eagle3.train import train
+    from eagle3.train.loop import train
 
     os.environ.update(rendezvous_from_job())
     summary = train(cfg.train, cfg.target)
@@ -196,7 +196,7 @@ def _submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None) ->
         previous = jobs["harvest"]
     if "train" in cfg.stages:
         if online:  # the producers start with the trainer, and end when it is done
-            from eagle3.spool import DONE
+            from eagle3.store.spool import DONE
 
             (Path(cfg.harvest.out_dir) / DONE).unlink(missing_ok=True)
             jobs["produce"] = _array(launcher, "produce", produce_task, cfg, previous)

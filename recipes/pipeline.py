@@ -21,7 +21,7 @@ import torch
 from eagle3.atomic import atomic_write_text, sha256_file
 from eagle3.device import synchronize
 from eagle3.errors import Eagle3Error
-from eagle3.target import check_capture, load_target
+from eagle3.target.model import check_capture, load_target
 from recipes.config import PipelineConfig
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ def stage_harvest(cfg: PipelineConfig) -> dict[str, Any]:
     """Hidden states of the regenerated conversations into a shard store (resumable, verified);
     with ``train.data=online`` (or hybrid) nothing: the train stage's producers make the states;
     colocated, only the plan and the tokens."""
-    from eagle3.shards import verify_store
+    from eagle3.store.shards import verify_store
 
     if cfg.train.data == "colocated":
         return plan_only(cfg)
@@ -189,7 +189,7 @@ def _harvest(cfg: PipelineConfig, harvest_cfg: Any, stage: str) -> dict[str, Any
 def stage_train(cfg: PipelineConfig) -> dict[str, Any]:
     """Train the draft head on the harvest store (DeepSpeed, one process here; resumable); online,
     with ``launcher.harvest_shards`` producer processes filling the spool beside it."""
-    from eagle3.train import train
+    from eagle3.train.loop import train
 
     if cfg.train.data in ("offline", "colocated"):
         return train(cfg.train, cfg.target)
@@ -209,7 +209,7 @@ def producers(cfg: PipelineConfig, n: int) -> Iterator[None]:
     import multiprocessing
 
     from data_gen.produce import produce
-    from eagle3.spool import DONE
+    from eagle3.store.spool import DONE
 
     done = Path(cfg.harvest.out_dir) / DONE
     done.unlink(missing_ok=True)  # an earlier run's: this one trains again
@@ -276,7 +276,7 @@ def eval_draft(cfg: PipelineConfig) -> str:
 
 def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
     """The bundled speculative loop vs plain decoding on the eval sets: report.md, PNG plots, wandb."""
-    from eagle3.chat import ChatFormat
+    from eagle3.target.chat import ChatFormat
     from serve_eval.evaluate import evaluate, load_pair, read_prompts, write_report
 
     e = cfg.eval
@@ -379,7 +379,7 @@ def stage_quantize(cfg: PipelineConfig) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from data_gen.nvfp4 import REPORT_FILE, calibration_sequences, convert
-    from eagle3.target_source import resolve_target
+    from eagle3.target.source import resolve_target
 
     q = cfg.quantize
     out = quantized_target_dir(cfg)
@@ -406,7 +406,7 @@ def stage_quantize(cfg: PipelineConfig) -> dict[str, Any]:
 
 def stage_plan(cfg: PipelineConfig) -> dict[str, Any]:
     """The draft's shape and trainable parameters, from the target's config alone (no weights)."""
-    from eagle3.plan import plan_draft
+    from eagle3.train.plan import plan_draft
 
     return plan_draft(cfg.target, cfg.train)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from eagle3.shards import HarvestStore, verify_store  # noqa: E402
+from eagle3.store.shards import HarvestStore, verify_store  # noqa: E402
 from recipes.launch import submit  # noqa: E402
 from tests.helpers import tiny_pipeline  # noqa: E402
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from eagle3.config import WANDB_MODES, SamplingConfig
+from eagle3.config import SamplingConfig
 from eagle3.errors import ConfigError
+from eagle3.train.config import WANDB_MODES
 
 EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "multilingual")
 """The pools' eval sets the evaluation runs by default (``<pools>/eval/<name>.jsonl``)."""

@@ -35,9 +35,9 @@ import torch
 from eagle3.atomic import atomic_write_text
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import SamplingConfig, add_target_arguments
+from eagle3.draft.metrics import acceptance_per_position, served_tau
 from eagle3.errors import ConfigError, InputError, MissingInputError, run_cli
-from eagle3.metrics import acceptance_per_position, served_tau
-from eagle3.target import context_length
+from eagle3.target.model import context_length
 from serve_eval.adaptive import measure_cost
 from serve_eval.config import EvalConfig, SpecConfig
 from serve_eval.spec_decode import DecodeStats, SpeculativeDecoder
@@ -52,7 +52,7 @@ def read_prompts(pools: Path, name: str, per_set: int, chat: Any) -> list[list[i
     language after another) is taken round-robin over its languages in file order, so that its
     first prompts span them all instead of being the first language's.
     """
-    from eagle3.conversations import iter_jsonl, take_in_turn
+    from eagle3.store.conversations import iter_jsonl, take_in_turn
 
     path = pools / "eval" / f"{name}.jsonl"
     if not path.is_file():
@@ -289,7 +289,7 @@ def load_pair_meta(draft_path: str, target_name: str, dtype: str = "auto",
     A draft without its own embedding gets the target's; errors are :class:`DraftFormatError`,
     ``ValueError`` or ``OSError`` naming the file or the mismatch."""
     from eagle3.export import fit_to_target, load_draft
-    from eagle3.target import load_target
+    from eagle3.target.model import load_target
 
     loaded = load_draft(draft_path)
     target = load_target(target_name, dtype=dtype, device=device, aux_layer_ids=loaded.aux_layer_ids)
@@ -320,7 +320,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return 2
     torch.set_num_threads(args.threads)
 
-    from eagle3.chat import ChatFormat
+    from eagle3.target.chat import ChatFormat
 
     # sets also as one comma-separated word, as earlier versions took them
     cfg = dataclass_from_args(EvalConfig, args, sets=[s for word in args.sets for s in word.split(",") if s])

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from eagle3.atomic import atomic_write_text
+from eagle3.config import DEFAULT_TARGET
 from eagle3.errors import InputError, run_cli
-from eagle3.target_source import DEFAULT_TARGET
 from serve_eval.config import EVAL_SETS, EvalConfig
 from serve_eval.evaluate import first_divergence, read_prompts
 
@@ -135,9 +135,9 @@ def _main(argv: Sequence[str] | None) -> int:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     torch.set_num_threads(args.threads)
 
-    from eagle3.chat import ChatFormat
     from eagle3.fingerprint import tokenizer_fingerprint
-    from eagle3.target import load_target
+    from eagle3.target.chat import ChatFormat
+    from eagle3.target.model import load_target
 
     quantized = load_target(args.quantized, dtype="float32", device=args.device, nvfp4_mode=args.quantized_mode)
     reference = load_target(args.reference, dtype="float32", device=args.device)

@@ -44,10 +44,10 @@ try:
 except ImportError as err:  # the core install trains and harvests; serving is an extra
     raise ImportError(f"serve_eval.server needs the [serve] extra: pip install -e '.[serve]' ({err})") from err
 
-from eagle3.chat import ChatFormat, ChatFormatError
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import SamplingConfig, add_target_arguments
 from eagle3.errors import ConfigError, run_cli
+from eagle3.target.chat import ChatFormat, ChatFormatError
 from serve_eval.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_cost
 from serve_eval.config import SpecConfig
 from serve_eval.openai_api import BadRequest, ChatRequest, CompletionRequest, parse_body

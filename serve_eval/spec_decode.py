@@ -38,11 +38,11 @@ from torch import Tensor
 
 from eagle3.config import SamplingConfig
 from eagle3.device import synchronize
-from eagle3.draft import DraftHead, DraftKV
+from eagle3.draft.families import Proposal, Proposer, family_of
+from eagle3.draft.metrics import acceptance_per_position, served_tau
+from eagle3.draft.model import DraftHead, DraftKV
 from eagle3.errors import ConfigError
-from eagle3.families import Proposal, Proposer, family_of
-from eagle3.metrics import acceptance_per_position, served_tau
-from eagle3.target import Target
+from eagle3.target.model import Target
 from serve_eval.config import SpecConfig
 from serve_eval.static_cache import StaticDraftKV, StaticKV, check_static_target
 from serve_eval.verify import (

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from eagle3.errors import ConfigError
-from eagle3.target import Target, TargetOutput
+from eagle3.target.model import Target, TargetOutput
 
 _MIN_SLOTS = 1024
 

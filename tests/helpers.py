@@ -14,13 +14,14 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from eagle3.conversations import DOMAINS
-from eagle3.draft import DraftConfig, Eagle3Draft, KVCache
-from eagle3.draft_vocab import DraftVocab, count_loss_tokens, select_draft_vocab, store_token_columns
-from eagle3.families import Proposal, family_of
-from eagle3.families.dflash import DFlashDraft
-from eagle3.metrics import accepted_runs, step_hits, upto_before
-from eagle3.target import Target
+from eagle3.draft.families import Proposal, family_of
+from eagle3.draft.families.dflash import DFlashDraft
+from eagle3.draft.metrics import accepted_runs, step_hits, upto_before
+from eagle3.draft.model import DraftConfig, Eagle3Draft, KVCache
+from eagle3.draft.vocab import DraftVocab, count_loss_tokens, select_draft_vocab
+from eagle3.store.conversations import DOMAINS
+from eagle3.store.shards import read_manifest
+from eagle3.target.model import Target
 from serve_eval.config import SpecConfig
 from serve_eval.spec_decode import SpeculativeDecoder
 from serve_eval.verify import SamplingConfig, target_probs
@@ -84,7 +85,7 @@ def make_draft(target: Target, draft_vocab: int | None = None) -> Eagle3Draft:
                                             initializer_range=0.2)
     draft = Eagle3Draft(config, target.embed_tokens.weight.detach())
     if draft_vocab is not None:  # every other token: the draft cannot propose odd ids
-        from eagle3.draft_vocab import DraftVocab
+        from eagle3.draft.vocab import DraftVocab
 
         vocab = DraftVocab.from_target_ids(torch.arange(0, target.vocab_size, 2)[:draft_vocab], target.vocab_size)
         draft.set_draft_vocab(vocab.d2t, vocab.t2d)
@@ -233,7 +234,7 @@ def documents(batch: dict) -> Iterator[tuple[int, int, int]]:
 def train_briefly(draft: Any, batch: dict, steps: int = 30, num_steps: int = 3,
                   after_backward: Callable[[], None] | None = None) -> list[float]:
     """Adam (lr 3e-3) on one packed batch through the family's training forward; the losses."""
-    from eagle3.ttt import prepare_targets
+    from eagle3.draft.ttt import prepare_targets
 
     targets = prepare_targets(batch["target_logits"], draft.t2d)
     opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
@@ -251,7 +252,7 @@ def train_briefly(draft: Any, batch: dict, steps: int = 30, num_steps: int = 3,
 
 
 def packed_batch(doc_lengths: list[list[int]], seed: int = 0, t2d: torch.Tensor | None = None) -> dict:
-    """Rows of packed documents (as eagle3.shards.pack builds them), with random states and targets
+    """Rows of packed documents (as eagle3.store.shards.pack builds them), with random states and targets
     (with ``t2d``, the target's argmax mostly falls inside the draft vocab)."""
     g = torch.Generator().manual_seed(seed)
     s = sum(doc_lengths[0])
@@ -318,7 +319,8 @@ def save_lively(folder: Path, **kwargs) -> Path:
 def tiny_pipeline(root: Path, kind: str = "local") -> Any:
     """A harvest + two-rank training pipeline on a lively target, launched locally or on Slurm."""
     from data_gen.config import HarvestConfig
-    from eagle3.config import TargetConfig, TrainConfig
+    from eagle3.config import TargetConfig
+    from eagle3.train.config import TrainConfig
     from recipes.config import LauncherConfig, PipelineConfig
 
     model = save_lively(root / "model")
@@ -501,3 +503,13 @@ def simulated_tau(match: Tensor, counted: Tensor) -> Tensor:
     if not bool(start.any()):
         return torch.ones((), device=match.device)
     return 1.0 + run[start].float().mean()
+
+
+def store_token_columns(root: str | Path) -> Iterator[tuple[Tensor, Tensor]]:
+    """(input_ids, loss_mask) of each shard of a harvest store, without reading any state."""
+    from safetensors import safe_open
+
+    root = Path(root)
+    for entry in read_manifest(root)["shards"]:
+        with safe_open(str(root / entry["file"]), framework="pt") as f:
+            yield f.get_tensor("input_ids"), f.get_tensor("loss_mask")

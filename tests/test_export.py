@@ -12,10 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.draft import Eagle3Draft
-from eagle3.draft_vocab import read_draft_vocab
-from eagle3.export import check_draft_fits_target, export_draft_folder, load_draft, main
-from eagle3.formats import DraftFormatError
+from eagle3.draft.formats import DraftFormatError
+from eagle3.draft.model import Eagle3Draft
+from eagle3.export import check_draft_fits_target, export_draft_folder, load_draft, main, read_draft_vocab
 from tests.helpers import propose, public_config, public_folder, random_draft
 
 AUX = (1, 4, 6)  # not any engine's default

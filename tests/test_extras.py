@@ -30,8 +30,9 @@ SCRIPT = textwrap.dedent('''
     from data_gen.harvest import run as harvest
     from data_gen.regenerate import run as regenerate
     from data_gen.config import HarvestConfig, RegenerateConfig
-    from eagle3.config import TargetConfig, TrainConfig
-    from eagle3.train import train
+    from eagle3.config import TargetConfig
+    from eagle3.train.config import TrainConfig
+    from eagle3.train.loop import train
     from tests.helpers import lively_target, regenerated_data
 
     target = lively_target()

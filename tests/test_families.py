@@ -14,18 +14,19 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-import eagle3.families.base as families
+import eagle3.draft.families.base as families
 from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
-from eagle3.config import SamplingConfig, TargetConfig, TrainConfig
-from eagle3.draft import DraftConfig, DraftHead, gather_rows
+from eagle3.config import SamplingConfig, TargetConfig
+from eagle3.draft.families import DraftFamily, Proposal, Proposer, family_names, family_of, get_family
+from eagle3.draft.losses import SOFT_CE
+from eagle3.draft.model import DraftConfig, DraftHead, gather_rows
+from eagle3.draft.ttt import StepTally, checked_weights, planned, step_input_ids, step_loss
 from eagle3.export import load_draft
-from eagle3.families import DraftFamily, Proposal, Proposer, family_names, family_of, get_family
-from eagle3.losses import SOFT_CE
-from eagle3.plan import count_on_meta
-from eagle3.train import train
-from eagle3.train_log import read_metrics
-from eagle3.ttt import StepTally, checked_weights, planned, step_input_ids, step_loss
+from eagle3.train.config import TrainConfig
+from eagle3.train.log import read_metrics
+from eagle3.train.loop import train
+from eagle3.train.plan import count_on_meta
 from serve_eval.config import SpecConfig
 from serve_eval.spec_decode import SpeculativeDecoder
 from tests.helpers import lively_target, regenerated_data
@@ -178,7 +179,7 @@ def test_an_installed_package_adds_a_family_through_its_entry_point(tmp_path: Pa
     """A distribution on the path whose ``eagle3_forge.draft_families`` entry names a module that
     registers a family: the name resolves when first asked for, as ``train.draft_family`` would."""
     (tmp_path / "toy_plugin.py").write_text(
-        "from eagle3.families import register\n"
+        "from eagle3.draft.families import register\n"
         "from tests.test_families import ToyFamily\n"
         "class PluginFamily(ToyFamily):\n    name = 'toy-plugin'\n"
         "register(PluginFamily())\n")

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from data_gen.generate import Reply, generate, left_pad, trim_generated
-from eagle3.chat import ChatFormat
 from eagle3.config import SamplingConfig
-from eagle3.target import Target
+from eagle3.target.chat import ChatFormat
+from eagle3.target.model import Target
 from tests.helpers import lively_target
 
 PROMPTS = ["Hi", "Write a long poem about the sea and the sky, please.", "2+2?", "abc" * 12, "x",

@@ -14,19 +14,20 @@ import torch
 from safetensors.torch import load_file
 
 import eagle3.device
-import eagle3.target
-import eagle3.train
-import eagle3.train_data
+import eagle3.store.batches
+import eagle3.target.model
+import eagle3.train.loop
 from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
-from eagle3.config import TargetConfig, TrainConfig
+from eagle3.config import TargetConfig
 from eagle3.device import CUDNN_SDPA_ENV, allow_cudnn_sdpa, cudnn_sdpa_allowed, every_head, sdpa, sdpa_backends
-from eagle3.shards import HarvestStore, StoreUnion
-from eagle3.train import train
-from eagle3.train_data import BatchLoader, load_batch
-from eagle3.train_log import read_metrics
-from eagle3.train_step import PhaseClock
-from eagle3.ttt import BLOCKED_ATTENTION_MIN_LEN
+from eagle3.draft.ttt import BLOCKED_ATTENTION_MIN_LEN
+from eagle3.store.batches import BatchLoader, load_batch
+from eagle3.store.shards import HarvestStore, StoreUnion
+from eagle3.train.config import TrainConfig
+from eagle3.train.log import read_metrics
+from eagle3.train.loop import train
+from eagle3.train.step import PhaseClock
 from tests.helpers import lively_target, packed_batch, regenerated_data, tiny_draft, train_briefly
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +90,7 @@ def test_every_attention_of_the_draft_and_the_target_goes_through_the_choice(mon
     train_briefly(tiny_draft(), packed_batch([[BLOCKED_ATTENTION_MIN_LEN, 16]]), steps=1, num_steps=2)
     assert asked == ["cpu", "cpu"]
     asked.clear()
-    monkeypatch.setattr(eagle3.target, "sdpa_backends", recording)
+    monkeypatch.setattr(eagle3.target.model, "sdpa_backends", recording)
     target = lively_target()
     target(torch.tensor([[1, 2, 3]]))
     assert asked == ["cpu"]
@@ -146,17 +147,17 @@ def test_stored_dtype_and_reading_ahead_train_the_same_draft_and_the_clock_logs_
     cfg = dict(store=str(store["store"]), steps=4, micro_batch_tokens=128, gradient_accumulation=2,
                warmup_steps=1, eval_fraction=0.25, eval_every=2, save_every=0, draft_vocab_size=64,
                wandb_mode="disabled", progress=False, device="cpu")
-    real = eagle3.train_data.load_batch
+    real = eagle3.store.batches.load_batch
     with monkeypatch.context() as m:  # the reading before: fp32 on the host, in line
-        m.setattr(eagle3.train_data, "load_batch", lambda st, idx, b, stored=False: real(st, idx, b))
-        m.setattr(eagle3.train, "load_batch", lambda st, idx, b, stored=False: real(st, idx, b))
+        m.setattr(eagle3.store.batches, "load_batch", lambda st, idx, b, stored=False: real(st, idx, b))
+        m.setattr(eagle3.train.loop, "load_batch", lambda st, idx, b, stored=False: real(st, idx, b))
         train(TrainConfig(out_dir=str(tmp_path / "inline"), **cfg), target=store["target"])
 
     class Ahead(BatchLoader):
         def __init__(self, *args, **kw) -> None:
             super().__init__(*args, **kw, ahead=True)
 
-    monkeypatch.setattr(eagle3.train, "BatchLoader", Ahead)
+    monkeypatch.setattr(eagle3.train.loop, "BatchLoader", Ahead)
     train(TrainConfig(out_dir=str(tmp_path / "ahead"), phase_times=True, **cfg), target=store["target"])
     a, b = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("inline", "ahead"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

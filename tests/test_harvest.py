@@ -17,10 +17,10 @@ import torch
 from data_gen import harvest
 from data_gen.config import HarvestConfig
 from data_gen.harvest import HarvestError, run
-from eagle3.chat import ChatFormat
 from eagle3.config import TargetConfig
-from eagle3.shards import HarvestStore, StoreError, verify_store
-from eagle3.target import Target
+from eagle3.store.shards import HarvestStore, StoreError, verify_store
+from eagle3.target.chat import ChatFormat
+from eagle3.target.model import Target
 from tests.helpers import (
     SYSTEM_IN_LAST_USER,
     THINK_DROPPING_TEMPLATE,
@@ -167,7 +167,7 @@ def test_bad_input_is_counted_or_named(target: Target, tmp_path: Path, monkeypat
     with pytest.raises(HarvestError, match=r"harvested with spec.dtype='bfloat16', this run has 'float8_e4m3fn'"):
         run(changed, TargetConfig(name_or_path="lively"), target=target, progress=False)
 
-    from eagle3.capture import CaptureError
+    from eagle3.store.capture import CaptureError
 
     real_capture = harvest.HFCapture.capture
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.checkpoint import load_exported_draft
+from eagle3.draft.formats import DraftFormatError
 from eagle3.export import give_target_lm_head, load_draft
 from eagle3.export import main as export_main
-from eagle3.formats import DraftFormatError
+from eagle3.train.checkpoint import load_exported_draft
 from tests.helpers import propose, public_config, public_folder, random_draft
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.shards import HarvestStore, verify_store
+from eagle3.store.shards import HarvestStore, verify_store
 from recipes.launch import LaunchError, submit
 from tests.helpers import tiny_pipeline
 

@@ -7,7 +7,9 @@ The chain (a package may import from itself and from the packages before it, nev
 
 ``eagle3`` is the core (targets, capture, draft, TTT, trainer, store format, export, config);
 ``data_gen`` makes the data; ``serve_eval`` runs and measures drafts; ``hard_mining`` uses both;
-``recipes`` drives everything.
+``recipes`` drives everything. Inside ``eagle3`` its parts form a chain of their own:
+
+    root (errors, settings, devices, atomic writes)  ->  target  ->  draft  ->  store  ->  export  ->  train
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAIN = ("eagle3", "data_gen", "serve_eval", "hard_mining", "recipes")
+PARTS = ("root", "target", "draft", "store", "export", "train")
+"""``eagle3``'s parts: its subpackages, ``eagle3.export`` (one module), and the root's modules."""
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 100
 
@@ -64,12 +68,36 @@ def import_graph() -> dict[str, dict[str, int]]:
     return graph
 
 
+def part_of(module: str) -> str | None:
+    """The ``eagle3`` part a module belongs to (None outside ``eagle3``)."""
+    parts = module.split(".")
+    if parts[0] != "eagle3":
+        return None
+    if len(parts) > 1 and parts[1] in PARTS:
+        return parts[1]
+    return "root"
+
+
+def _against(graph: dict[str, dict[str, int]], order: tuple[str, ...], where, what: str) -> list[str]:
+    """Edges whose target's place in ``order`` comes after its importer's (``where`` maps a module to
+    its place, None for modules the order does not cover)."""
+    rank = {p: i for i, p in enumerate(order)}
+    paths = _modules()
+    out = []
+    for m, edges in graph.items():
+        for t, line in edges.items():
+            a, b = where(m), where(t)
+            if a is None or b is None or rank[b] <= rank[a]:
+                continue
+            at = f"{paths[m].relative_to(ROOT)}:{line}" if m in paths else m
+            out.append(f"{at}: {m} imports {t} ({what} {b} comes after {a} in {' -> '.join(order)})")
+    return out
+
+
 def chain_violations(graph: dict[str, dict[str, int]]) -> list[str]:
-    rank = {p: i for i, p in enumerate(CHAIN)}
-    return [f"{_modules()[m].relative_to(ROOT)}:{line}: {m} imports {t} ({t.split('.')[0]} comes after "
-            f"{m.split('.')[0]} in {' -> '.join(CHAIN)})"
-            for m, edges in graph.items() for t, line in edges.items()
-            if t.split(".")[0] in rank and rank[t.split(".")[0]] > rank[m.split(".")[0]]]
+    """Imports against the package chain, and inside ``eagle3`` against its parts' chain."""
+    return (_against(graph, CHAIN, lambda m: m.split(".")[0] if m.split(".")[0] in CHAIN else None, "package")
+            + _against(graph, PARTS, part_of, "part"))
 
 
 def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
@@ -139,14 +167,19 @@ def test_files_and_functions_stay_readable() -> None:
 
 
 def test_the_checks_catch_what_they_are_for() -> None:
-    """The checkers themselves, on a made-up graph: a core module importing a stage, and a cycle."""
-    graph = {"eagle3.draft": {"serve_eval.verify": 3}, "serve_eval.verify": {"eagle3.draft": 1},
-             "serve_eval.evaluate": {"eagle3.draft": 2}}
-    assert cycles(graph) == [["eagle3.draft", "serve_eval.verify"]]
+    """The checkers themselves, on a made-up graph: a core module importing a stage, a part of the
+    core importing a later part, and a cycle."""
+    graph = {"eagle3.draft.model": {"serve_eval.verify": 3}, "serve_eval.verify": {"eagle3.draft.model": 1},
+             "serve_eval.evaluate": {"eagle3.draft.model": 2}, "eagle3.target.model": {"eagle3.store.shards": 4},
+             "eagle3.train.loop": {"eagle3.export": 5, "eagle3.errors": 6}, "eagle3.errors": {}}
+    assert cycles(graph) == [["eagle3.draft.model", "serve_eval.verify"]]
     assert cycles({"a.x": {"a.y": 1}, "a.y": {}}) == []
-    rank = {p: i for i, p in enumerate(CHAIN)}
-    against = [(m, t) for m, e in graph.items() for t in e if rank[t.split(".")[0]] > rank[m.split(".")[0]]]
-    assert against == [("eagle3.draft", "serve_eval.verify")]
+    bad = chain_violations(graph)
+    assert len(bad) == 2, bad
+    assert "eagle3.draft.model imports serve_eval.verify (package serve_eval comes after eagle3" in bad[0]
+    assert "eagle3.target.model imports eagle3.store.shards (part store comes after target" in bad[1]
+    assert [part_of(m) for m in ("eagle3.errors", "eagle3.export", "eagle3.draft.families.base", "data_gen.x")] == [
+        "root", "export", "draft", None]
 
 
 def test_tests_share_builders_through_the_helpers_module_only() -> None:

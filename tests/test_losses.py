@@ -1,4 +1,4 @@
-"""The draft objectives (eagle3.losses): hand-worked values, the hybrid's detached weight, and the
+"""The draft objectives (eagle3.draft.losses): hand-worked values, the hybrid's detached weight, and the
 TTT unroll summing the chosen objective over each step's loss positions."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from eagle3 import ttt
-from eagle3.losses import Objective, acceptance, draft_loss, kl_divergence
-from eagle3.ttt import prepare_targets, ttt_forward
+from eagle3.draft import ttt
+from eagle3.draft.losses import Objective, acceptance, draft_loss, kl_divergence
+from eagle3.draft.ttt import prepare_targets, ttt_forward
 from tests.helpers import packed_batch, tiny_draft
 
 P = torch.tensor([0.5, 0.3, 0.2])

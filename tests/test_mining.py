@@ -10,10 +10,11 @@ import pytest
 
 from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
-from eagle3.config import TargetConfig, TrainConfig
-from eagle3.shards import HarvestStore
-from eagle3.train import train
-from eagle3.train_log import read_metrics
+from eagle3.config import TargetConfig
+from eagle3.store.shards import HarvestStore
+from eagle3.train.config import TrainConfig
+from eagle3.train.log import read_metrics
+from eagle3.train.loop import train
 from hard_mining.config import MineConfig
 from hard_mining.rounds import MineError, balanced_pick, run_rounds
 from hard_mining.score import (
@@ -73,7 +74,7 @@ def test_scores_agree_with_the_trainers_eval(world: dict) -> None:
     assert scores[3].language == "de" and scores[0].language == "en"
     pooled = group_scores(scores, "all")["all"]
     assert pooled.tau_sim == pytest.approx(world["summary"]["eval_last"]["eval/tau_sim"], abs=1e-9)
-    from eagle3.train_log import read_metrics
+    from eagle3.train.log import read_metrics
 
     last_eval = [r for r in read_metrics(world["root"] / "train") if "eval/positions" in r][-1]
     assert pooled.positions == last_eval["eval/positions"]
@@ -198,7 +199,7 @@ def test_one_mining_round_end_to_end(world: dict, tmp_path: Path) -> None:
 
 def test_dashboard_panels_name_metrics_the_runs_log(world: dict) -> None:
     from eagle3.dashboards import SECTIONS, spec, workspace
-    from eagle3.train_log import read_metrics
+    from eagle3.train.log import read_metrics
 
     logged = set().union(*(r.keys() for r in read_metrics(world["root"] / "train")))
     k = 3  # the world's TTT steps: deeper per-step panels stay empty for this run

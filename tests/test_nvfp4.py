@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from data_gen import nvfp4 as conversion
-from eagle3 import nvfp4
-from eagle3.target import load_target
+from eagle3.target import nvfp4
+from eagle3.target.model import load_target
 from tests.helpers import TINY_VOCAB, tiny_llama, tiny_tokenizer
 
 ct = pytest.importorskip("compressed_tensors")

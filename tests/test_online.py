@@ -12,12 +12,13 @@ import pytest
 from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
 from data_gen.produce import produce
-from eagle3.config import TargetConfig, TrainConfig
+from eagle3.config import TargetConfig
 from eagle3.errors import TrainError
-from eagle3.planned import plan_digest
-from eagle3.shards import HarvestStore, StoreError
-from eagle3.spool import Spool
-from eagle3.train import train
+from eagle3.store.planned import plan_digest
+from eagle3.store.shards import HarvestStore, StoreError
+from eagle3.store.spool import Spool
+from eagle3.train.config import TrainConfig
+from eagle3.train.loop import train
 from tests.helpers import lively_target, regenerated_data
 
 LIVELY = TargetConfig(name_or_path="lively")
@@ -103,9 +104,9 @@ def test_a_producer_that_stopped_and_one_of_another_target_are_named(setup: dict
     """Online training past the one epoch its producers were told to make: the trainer names the
     producers that stopped, instead of waiting out its limit. A trainer with another target than
     the producers' is refused before it trains."""
-    import eagle3.spool
+    import eagle3.store.spool
 
-    monkeypatch.setattr(eagle3.spool, "PRODUCER_GRACE_S", 0.0)
+    monkeypatch.setattr(eagle3.store.spool, "PRODUCER_GRACE_S", 0.0)
     spool = tmp_path / "spool"
     shard_bytes = max(e["bytes"] for e in HarvestStore(setup["root"] / "store").manifest["shards"])
     producers = _producers(setup, spool, 2, budget_mb=2.5 * shard_bytes / 2**20, max_epochs=1)
@@ -126,7 +127,7 @@ def test_colocated_training_captures_with_its_own_target(setup: dict, tmp_path: 
     composition (how far, measured here), and so does the run."""
     import torch
 
-    from eagle3.colocated import ColocatedStore
+    from eagle3.store.colocated import ColocatedStore
 
     plan = tmp_path / "plan"
     produce(HarvestConfig(data=str(setup["data"]), out_dir=str(plan), dtype="float32", max_shard_mb=0.03), LIVELY,
@@ -259,8 +260,8 @@ def test_producer_and_trainer_killed_at_random_moments_resume_to_the_same_draft(
     import sys
     import time
 
-    from eagle3.checkpoint import LATEST
-    from eagle3.train_log import read_metrics
+    from eagle3.train.checkpoint import LATEST
+    from eagle3.train.log import read_metrics
     from tests.helpers import save_lively
 
     repo = Path(__file__).resolve().parents[1]

@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3.draft import Eagle3Draft, KVCache
+from eagle3.draft.families import family_of
+from eagle3.draft.families import parameter_count as trainable_parameter_count
+from eagle3.draft.formats import DraftFormatError
+from eagle3.draft.model import Eagle3Draft, KVCache
+from eagle3.draft.ttt import prepare_targets
 from eagle3.export import export_draft_folder, load_draft
-from eagle3.families import family_of
-from eagle3.families import parameter_count as trainable_parameter_count
-from eagle3.formats import DraftFormatError
-from eagle3.ttt import prepare_targets
 from serve_eval.config import SpecConfig
 from serve_eval.spec_decode import SpeculativeDecoder
 from tests.helpers import (
@@ -165,9 +165,9 @@ def test_sampled_generation_matches_the_target_distribution() -> None:
 def test_the_default_mask_token() -> None:
     from types import SimpleNamespace
 
-    from eagle3.config import TrainConfig
     from eagle3.errors import TrainError
-    from eagle3.train_setup import mask_token_for
+    from eagle3.train.config import TrainConfig
+    from eagle3.train.setup import mask_token_for
 
     class Tok(SimpleNamespace):
         def __len__(self) -> int:

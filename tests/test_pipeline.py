@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from data_gen.config import HarvestConfig, RegenerateConfig, SelectConfig, UserFileConfig
-from eagle3.config import TargetConfig, TrainConfig
+from eagle3.config import TargetConfig
+from eagle3.train.config import TrainConfig
 from recipes.config import PipelineConfig
 from recipes.pipeline import PipelineError, run_pipeline
 from serve_eval.config import EvalConfig

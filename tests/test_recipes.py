@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 import recipes.run  # noqa: F401  (registers the schema)
-from eagle3.config import TargetConfig, TrainConfig
+from eagle3.config import TargetConfig
+from eagle3.train.config import TrainConfig
 from recipes.config import PipelineConfig
 
 RECIPES = Path(recipes.run.__file__).parent
@@ -92,8 +93,8 @@ BIG = {"llama-3.1-8b": ([2, 16, 29], 0.40e9, 0.45e9), "qwen3-8b": ([2, 18, 33], 
 
 @pytest.mark.parametrize("name", sorted(BIG))
 def test_big_target_recipes_plan_their_draft_on_meta(name: str) -> None:
-    from eagle3.draft import Eagle3Draft
-    from eagle3.plan import plan_draft
+    from eagle3.draft.model import Eagle3Draft
+    from eagle3.train.plan import plan_draft
 
     with initialize_config_module(config_module="recipes", version_base="1.3"):
         config = OmegaConf.to_object(compose(config_name=name))
@@ -111,14 +112,14 @@ def test_big_target_recipes_plan_their_draft_on_meta(name: str) -> None:
         assert plan["trainable_parameters"] == by_hand == 985_427_968
         assert plan["frozen_embedding_parameters"] == 163840 * h
     with torch.device("meta"):  # the frozen embedding is not trainable
-        from eagle3.draft import DraftConfig
+        from eagle3.draft.model import DraftConfig
 
         draft = Eagle3Draft(DraftConfig(**plan["draft"]))
     assert not draft.embed_tokens.weight.requires_grad
 
 
 def test_architecture_mismatch_fails_naming_the_key() -> None:
-    from eagle3.target import TargetLoadError, check_architecture
+    from eagle3.target.model import TargetLoadError, check_architecture
 
     loaded = {"hidden_size": 64, "text_config": {"num_hidden_layers": 2}}
     check_architecture(loaded, {"hidden_size": 64, "text_config": {"num_hidden_layers": 2}}, "m")
@@ -158,12 +159,12 @@ def test_draft_and_serve_groups_set_their_fields() -> None:
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (RECIPES / "draft").glob("*.yaml")))
 def test_the_race_passes_a_draft_recipe_as_the_pipeline_applies_it(name: str) -> None:
-    """bench/race_speculators.py turns recipes/draft/<name>.yaml into eagle3.train flags: they must
+    """bench/race_speculators.py turns recipes/draft/<name>.yaml into eagle3.train.loop flags: they must
     parse to the train fields the pipeline's ``draft=<name>`` sets."""
     import importlib.util
     from dataclasses import fields
 
-    from eagle3.train import build_parser
+    from eagle3.train.loop import build_parser
 
     spec = importlib.util.spec_from_file_location("race", RECIPES.parent / "bench" / "race_speculators.py")
     race = importlib.util.module_from_spec(spec)
@@ -179,7 +180,7 @@ def test_the_race_passes_a_draft_recipe_as_the_pipeline_applies_it(name: str) ->
 
 
 def test_a_draft_recipe_with_a_key_that_is_no_train_setting_is_named(tmp_path: Path, monkeypatch) -> None:
-    from eagle3 import config
+    from eagle3.train import config
 
     monkeypatch.setattr(config, "DRAFT_RECIPES", tmp_path)
     (tmp_path / "typo.yaml").write_text("lr: 1e-3\nstep_decy: 1.0\n")
@@ -197,7 +198,7 @@ def test_the_parallel_family_recipes_plan_their_draft(family: str) -> None:
     """draft=peagle / draft=dflash on Llama-3.1-8B: counted on meta and by the closed form (plan_draft
     checks they agree); P-EAGLE adds its mask state (3 x 4096) to EAGLE-3's layer, DFlash's layer reads
     H wide instead of 2H and adds q_norm/k_norm."""
-    from eagle3.plan import plan_draft
+    from eagle3.train.plan import plan_draft
 
     with initialize_config_module(config_module="recipes", version_base="1.3"):
         config = OmegaConf.to_object(compose(config_name="llama-3.1-8b", overrides=[f"draft={family}"]))

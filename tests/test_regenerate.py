@@ -17,10 +17,10 @@ import data_gen.generate as generation
 from data_gen.config import RegenerateConfig
 from data_gen.generate import generate, regenerate_conversations
 from data_gen.regenerate import ManifestMismatchError, RegenerateError, main, part_path, run
-from eagle3.chat import ChatFormat
 from eagle3.config import TargetConfig
-from eagle3.target import Target
-from eagle3.target_source import TargetSourceError
+from eagle3.target.chat import ChatFormat
+from eagle3.target.model import Target
+from eagle3.target.source import TargetSourceError
 from tests.helpers import THINK_DROPPING_TEMPLATE, lively_target, save_lively
 
 REPO = Path(__file__).resolve().parents[1]
@@ -238,8 +238,8 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 def test_default_target_regeneration_equals_hf_greedy() -> None:
-    from eagle3.target import load_target
-    from eagle3.target_source import DEFAULT_TARGET
+    from eagle3.config import DEFAULT_TARGET
+    from eagle3.target.model import load_target
 
     target = load_target(DEFAULT_TARGET, dtype="float32", device="cpu")
     chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)

@@ -19,8 +19,8 @@ import openai
 import pytest
 import torch
 
-from eagle3.chat import ChatFormat
-from eagle3.target import Target
+from eagle3.target.chat import ChatFormat
+from eagle3.target.model import Target
 from serve_eval.adaptive import CostModel
 from serve_eval.config import SpecConfig
 from serve_eval.server import Engine, TextStream, build_app, main
@@ -304,9 +304,9 @@ def test_memory_is_stable_over_a_thousand_requests(served: Served) -> None:
 def test_startup_refuses_a_draft_that_does_not_fit(tmp_path: Path, tiny_model_dir: Path,
                                                    capsys: pytest.CaptureFixture[str],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from eagle3.checkpoint import export_draft
-    from eagle3.draft import DraftConfig, Eagle3Draft
-    from eagle3.target import load_target
+    from eagle3.draft.model import DraftConfig, Eagle3Draft
+    from eagle3.target.model import load_target
+    from eagle3.train.checkpoint import export_draft
 
     target = load_target(str(tiny_model_dir), dtype="float32", device="cpu")
     ids = list(target.aux_layer_ids)

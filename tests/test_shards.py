@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eagle3.atomic import sha256_file
-from eagle3.shards import (
+from eagle3.store.shards import (
     FP8_MAX,
     HarvestSpec,
     HarvestStore,
@@ -185,7 +185,7 @@ def test_packing_keeps_documents_apart() -> None:
 
 
 def test_compare_stores_reports_the_worst_relative_error(tmp_path: Path) -> None:
-    from eagle3.shards import compare_stores
+    from eagle3.store.shards import compare_stores
 
     spec = _spec(dtype="float32")
     ref = _samples(3)

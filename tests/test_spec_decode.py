@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3.target import Target
+from eagle3.target.model import Target
 from serve_eval.config import SpecConfig
 from serve_eval.spec_decode import SpeculativeDecoder
 from tests.helpers import (

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.draft_vocab import DraftVocab
-from eagle3.shards import HarvestSpec, HarvestStore, Sample, shard_name, write_manifest, write_shard
-from eagle3.train_data import split_by_id
+from eagle3.draft.vocab import DraftVocab
+from eagle3.store.batches import split_by_id
+from eagle3.store.shards import HarvestSpec, HarvestStore, Sample, shard_name, write_manifest, write_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import speculators_data  # noqa: E402

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.shards import HarvestSpec, Sample, StoreError, encode_shard
-from eagle3.spool import Spool
+from eagle3.store.shards import HarvestSpec, Sample, StoreError, encode_shard
+from eagle3.store.spool import Spool
 
 SPEC = HarvestSpec(target="t", weights_fingerprint="w", tokenizer_sha256="k", chat_template_sha256="c", num_layers=4,
                    hidden_size=8, vocab_size=32, aux_layer_ids=(1, 2, 3), dtype="float32")
@@ -123,7 +123,7 @@ def test_a_dead_silent_or_stopped_producer_is_named(tmp_path: Path) -> None:
     import sys
     import time
 
-    from eagle3.spool import Heartbeat, missing_producer
+    from eagle3.store.spool import Heartbeat, missing_producer
 
     assert missing_producer(tmp_path, 0, stale_s=60) is None  # no producer yet: the reader's wait limit decides
     gone = subprocess.Popen([sys.executable, "-c", "pass"])

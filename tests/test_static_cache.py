@@ -47,7 +47,7 @@ def test_the_static_draft_cache_steps_and_rolls_back_as_the_dynamic_one() -> Non
     """Catch-up rows, compiled single-token steps, a rollback to an earlier length, more rows and
     steps over the now stale slots, a tree's compiled expansions under their masks: every state and
     logit equals the dynamic cache's."""
-    from eagle3.draft import KVCache
+    from eagle3.draft.model import KVCache
     from serve_eval.static_cache import StaticDraftKV
 
     target = make_target()

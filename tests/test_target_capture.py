@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.target import (
+from eagle3.draft.target_head import TargetHead
+from eagle3.target.model import (
     CAPTURE_TOLERANCE,
     LogitTransform,
     Target,
@@ -18,7 +19,6 @@ from eagle3.target import (
     load_target_head,
     verify_capture,
 )
-from eagle3.target_head import TargetHead
 from tests.helpers import TINY_VOCAB, tiny_kimi_k25, tiny_llama, tiny_tokenizer
 
 
@@ -192,7 +192,8 @@ def test_trainer_head_gives_the_models_distribution(split: bool, temperature: fl
     t2d[::3] = True
     head = TargetHead.of_target(target, temperature).float()
     head._split_pays = split
-    monkeypatch.setattr("eagle3.target_head.bf16_matmul_speedup", lambda device_type: 2.0)  # a CPU with bf16 units
+    # a CPU with bf16 units
+    monkeypatch.setattr("eagle3.draft.target_head.bf16_matmul_speedup", lambda device_type: 2.0)
     batch = {"last": out.last, "loss_mask": torch.ones(1, 12, dtype=torch.long),
              "document_ids": torch.zeros(1, 12, dtype=torch.long)}
     got = head.targets(batch, t2d)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3 import target_source
 from eagle3.atomic import atomic_dir
-from eagle3.target import TargetLoadError, load_target
-from eagle3.target_source import SOURCE_MARKER, TargetSourceError, WheelGGUF, resolve_target, target_identity
+from eagle3.target import source as target_source
+from eagle3.target.model import TargetLoadError, load_target
+from eagle3.target.source import SOURCE_MARKER, TargetSourceError, WheelGGUF, resolve_target, target_identity
 from tests.helpers import tiny_llama, tiny_tokenizer, wheel_with
 
 

@@ -23,17 +23,14 @@ from torch import nn
 from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
 from eagle3.atomic import atomic_dir, remove_leftovers
-from eagle3.checkpoint import LATEST, CheckpointError, load_exported_draft, tag_of
-from eagle3.config import TargetConfig, TrainConfig
-from eagle3.draft import DraftConfig, Eagle3Draft
-from eagle3.draft_vocab import DraftVocab, read_draft_vocab
-from eagle3.metrics import AcceptanceTally
-from eagle3.optim import muon_ns_in_fp32_where_bf16_is_slow, muon_ns_method, resolve_precision, warmup_decay
-from eagle3.shards import HarvestStore, verify_store
-from eagle3.target import Target
-from eagle3.target_head import TargetHead
-from eagle3.train import TrainError, main, train
-from eagle3.train_data import (
+from eagle3.config import TargetConfig
+from eagle3.draft.metrics import AcceptanceTally
+from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.draft.target_head import TargetHead
+from eagle3.draft.ttt import TTTOutput, prepare_targets, ttt_forward
+from eagle3.draft.vocab import DraftVocab
+from eagle3.export import read_draft_vocab
+from eagle3.store.batches import (
     collate,
     epoch_batches,
     eval_batches_for_rank,
@@ -42,10 +39,15 @@ from eagle3.train_data import (
     split_by_id,
     steps_per_epoch,
 )
-from eagle3.train_log import read_metrics
-from eagle3.train_setup import check_pinned, choose_draft_vocab
-from eagle3.train_step import TTTModel, add_feature_noise
-from eagle3.ttt import TTTOutput, prepare_targets, ttt_forward
+from eagle3.store.shards import HarvestStore, verify_store
+from eagle3.target.model import Target
+from eagle3.train.checkpoint import LATEST, CheckpointError, load_exported_draft, tag_of
+from eagle3.train.config import TrainConfig
+from eagle3.train.log import read_metrics
+from eagle3.train.loop import TrainError, main, train
+from eagle3.train.optim import muon_ns_in_fp32_where_bf16_is_slow, muon_ns_method, resolve_precision, warmup_decay
+from eagle3.train.setup import check_pinned, choose_draft_vocab
+from eagle3.train.step import TTTModel, add_feature_noise
 from tests.helpers import (
     TINY_VOCAB,
     conditional_acceptance,
@@ -479,7 +481,7 @@ def test_a_store_that_verify_rejects_is_not_trained_on(tiny: dict, tmp_path: Pat
         hashed.append(str(root))
         return verify_store(root, part)
 
-    monkeypatch.setattr("eagle3.train_setup.verify_store", counting)
+    monkeypatch.setattr("eagle3.train.setup.verify_store", counting)
     assert train(_cfg(tiny, out, store=str(store), steps=3, save_every=1), target=tiny["target"])["steps"] == 3
     assert hashed == []  # resumed: verified by this run already, unchanged
     with open(shard, "r+b") as f:  # changed since: hashed again, and refused
@@ -508,13 +510,13 @@ def test_auto_precision_is_bf16_only_where_bf16_is_faster(tiny: dict, tmp_path: 
     assert resolve_precision(_cfg(tiny, tmp_path / "a", precision="fp32"), torch.device("cuda")) == "fp32"
     muon0 = _cfg(tiny, tmp_path / "a", precision="auto", optimizer="muon", zero_stage=0)
     assert resolve_precision(muon0, torch.device("cuda")) == "fp32"  # DeepSpeed's Muon needs ZeRO for bf16
-    monkeypatch.setattr("eagle3.optim.bf16_matmul_speedup", lambda device_type: 0.01)  # an AVX2-only CPU
+    monkeypatch.setattr("eagle3.train.optim.bf16_matmul_speedup", lambda device_type: 0.01)  # an AVX2-only CPU
     assert resolve_precision(auto, torch.device("cpu")) == "fp32"
     assert resolve_precision(_cfg(tiny, tmp_path / "a", precision="bf16"), torch.device("cpu")) == "bf16"
     summary = train(_cfg(tiny, tmp_path / "run", precision="auto", steps=2, eval_every=0, save_every=0),
                     target=tiny["target"])
     assert summary["precision"] == "fp32"
-    monkeypatch.setattr("eagle3.optim.bf16_matmul_speedup", lambda device_type: 3.0)  # a CPU with AMX
+    monkeypatch.setattr("eagle3.train.optim.bf16_matmul_speedup", lambda device_type: 3.0)  # a CPU with AMX
     assert resolve_precision(auto, torch.device("cpu")) == "bf16"
 
 
@@ -565,10 +567,10 @@ def test_muon_iterates_in_fp32_on_a_cpu_without_bf16_units(monkeypatch: pytest.M
 
     # DeepSpeed's choice on CPUs (an earlier training test in this process may have replaced it already)
     monkeypatch.setattr(original_muon, "ns_compute_dtype", lambda ns_method="gram": torch.bfloat16)
-    monkeypatch.setattr("eagle3.optim.bf16_matmul_speedup", lambda device_type: 3.0)
+    monkeypatch.setattr("eagle3.train.optim.bf16_matmul_speedup", lambda device_type: 3.0)
     assert not muon_ns_in_fp32_where_bf16_is_slow("cpu")
     assert original_muon.ns_compute_dtype("standard") == torch.bfloat16
-    monkeypatch.setattr("eagle3.optim.bf16_matmul_speedup", lambda device_type: 0.01)
+    monkeypatch.setattr("eagle3.train.optim.bf16_matmul_speedup", lambda device_type: 0.01)
     assert not muon_ns_in_fp32_where_bf16_is_slow("cuda:0")
     assert muon_ns_in_fp32_where_bf16_is_slow("cpu")
     assert original_muon.ns_compute_dtype("standard") == original_muon.ns_compute_dtype("gram") == torch.float32
@@ -586,7 +588,7 @@ def test_bf16_matmul_speedup_is_measured_on_cpus() -> None:
 
 
 def test_weighted_indices_by_hand() -> None:
-    from eagle3.train_data import weighted_indices
+    from eagle3.store.batches import weighted_indices
 
     ids = [f"s{i}" for i in range(400)]
     weights = {"s0": 2.0, "s1": 0.0, "s2": 3.0}
@@ -600,7 +602,7 @@ def test_weighted_indices_by_hand() -> None:
 
 
 def test_extra_stores_and_sample_weights(tiny: dict, tmp_path: Path) -> None:
-    from eagle3.shards import StoreError, StoreUnion
+    from eagle3.store.shards import StoreError, StoreUnion
 
     union = StoreUnion([tiny["store"], tiny["store"]])
     single = HarvestStore(tiny["store"])
@@ -722,7 +724,7 @@ def test_a_diverged_run_stops_before_saving_a_non_finite_draft(tiny: dict, tmp_p
     assert not (out / "final").exists() and not (out / "summary.json").exists()
     # weights gone non-finite in the step just taken (the loss before it was finite): caught before the
     # export of that step's eval
-    import eagle3.train as train_module
+    import eagle3.train.loop as train_module
 
     real = train_module._draft_state
 
@@ -915,7 +917,7 @@ def test_training_continues_from_an_exported_draft_in_another_format(tiny: dict,
         train(_cfg(tiny, tmp_path / "x", steps=1, init_draft=str(bad)), target=tiny["target"])
     from dataclasses import replace
 
-    from eagle3.draft import Eagle3Draft
+    from eagle3.draft.model import Eagle3Draft
 
     c = loaded.draft.config  # a draft of another width: it cannot take the target's embedding
     narrow = Eagle3Draft(replace(c, hidden_size=c.hidden_size // 2, head_dim=c.head_dim // 2))
@@ -998,12 +1000,12 @@ def test_split_head_equals_the_full_product_ties_included(monkeypatch: pytest.Mo
     batch = {"last": x, "loss_mask": torch.ones(1, 400, dtype=torch.long), "document_ids": torch.zeros(1, 400)}
     ref = prepare_targets(lm_head(norm(x[:, :-1])), t2d)
     # where bf16 is slower than fp32 (a CPU without bf16 units) the head takes the full fp32 product
-    monkeypatch.setattr("eagle3.target_head.bf16_matmul_speedup", lambda device_type: 0.01)
+    monkeypatch.setattr("eagle3.draft.target_head.bf16_matmul_speedup", lambda device_type: 0.01)
     full = TargetHead(norm, lm_head)
     got = full.targets(batch, t2d)
     assert full._split is None
     assert torch.equal(got.argmax[:, :-1], ref.argmax) and torch.allclose(got.probs[:, :-1], ref.probs, atol=1e-6)
-    monkeypatch.setattr("eagle3.target_head.bf16_matmul_speedup", lambda device_type: 2.0)
+    monkeypatch.setattr("eagle3.draft.target_head.bf16_matmul_speedup", lambda device_type: 2.0)
     head = TargetHead(norm, lm_head)
     got = head.targets(batch, t2d)
     assert head._split is not None  # the split path ran

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import eagle3.ttt as ttt
-from eagle3.draft import Eagle3Draft, KVCache
-from eagle3.ttt import (
+import eagle3.draft.ttt as ttt
+from eagle3.draft.model import Eagle3Draft, KVCache
+from eagle3.draft.ttt import (
     prepare_targets,
     prepare_targets_from_topk,
     shift_left,
@@ -480,7 +480,7 @@ def test_skipping_unread_rows_changes_nothing(doc_lengths: list[list[int]], num_
 
 
 def test_a_row_plan_made_elsewhere_is_the_one_the_unroll_makes_and_fits_only_its_batch() -> None:
-    """The trainer plans the rows on the host (:func:`eagle3.ttt.plan_rows`): given to the unroll it
+    """The trainer plans the rows on the host (:func:`eagle3.draft.ttt.plan_rows`): given to the unroll it
     gives the very loss and matches of the unroll's own plan; a plan of another batch, another depth
     or read rows for a forward over every row is refused by name."""
     draft = tiny_draft().train()

@@ -14,8 +14,8 @@ import torch
 pytest.importorskip("vllm")
 
 from data_gen.vllm_capture import VllmCapture  # noqa: E402
-from eagle3.target import Target, load_target  # noqa: E402
-from eagle3.target_source import DEFAULT_TARGET  # noqa: E402
+from eagle3.config import DEFAULT_TARGET  # noqa: E402
+from eagle3.target.model import Target, load_target  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

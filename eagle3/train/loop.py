@@ -1,0 +1,561 @@
+"""The trainer: an EAGLE-3 draft head on a harvest store, with the DeepSpeed engine.
+
+    python -m eagle3.train --store runs/harvest --target smollm2-135m --out runs/train \\
+        [--eval-store DIR | --eval-fraction 0.1] [--steps N] [--zero-stage 0..3] [--precision fp32|bf16|auto] ...
+    torchrun --nproc_per_node 2 -m eagle3.train ...          # or: deepspeed --num_gpus 2 eagle3/train/loop.py ...
+
+What it wraps around the library (the draft and TTT code know nothing of this):
+
+* **Distribution**: ``deepspeed.initialize(model, optimizer, lr_scheduler, config)`` with a
+  torch ``AdamW`` (never a JIT-compiled fused optimiser), ZeRO 0-3, fp32 or bf16, gradient
+  accumulation and clipping, linear warmup + cosine decay. One process, or several under
+  ``torchrun`` / the ``deepspeed`` launcher; gloo on CPU, nccl on CUDA; the device is chosen
+  once in :func:`eagle3.distributed.init_runtime` (:mod:`eagle3.train.optim`: schedule, precision,
+  Muon). On CPU DeepSpeed JIT-builds its ``shm_comm`` op on the first
+  start (~50-90 s); ``TORCH_EXTENSIONS_DIR`` defaults to ``$EAGLE3_HOME/torch_extensions`` so
+  it is built once per machine.
+* **Data** (:mod:`eagle3.store.batches`, :mod:`eagle3.train.setup`): the training store (checked
+  against the target), an optional held-out store or an id-hash split; packed or length-bucketed micro-batches,
+  reshuffled per epoch and sharded by rank deterministically.
+* **Targets** (:mod:`eagle3.draft.target_head`): the target's frozen final norm + lm_head turn the
+  stored pre-norm ``last`` states into its next-token distribution (or a top-k store's log-probs are used).
+* **Draft vocab**: the ``draft_vocab_size`` most frequent loss-masked tokens of the training
+  split, chosen once and saved as ``out_dir/draft_vocab.safetensors`` (frozen for the run,
+  reusable by another run with ``draft_vocab=PATH``).
+* **Loss and metrics**: the draft family's training forward (:mod:`eagle3.draft.families`; EAGLE-3's
+  :func:`eagle3.draft.ttt.ttt_forward`, K=7 steps, weights 0.8**k), per-step accuracy,
+  conditional acceptance and tau_sim (:mod:`eagle3.draft.metrics`) on train batches and on the eval
+  split every ``eval_every`` steps; the best eval tau_sim is exported to ``out_dir/best``.
+* **Checkpoints** (:mod:`eagle3.train.checkpoint`): DeepSpeed's, with the data position, best eval
+  and per-rank RNG states, published atomically; a run killed at any moment resumes to the
+  same losses. ``out_dir/final`` holds the last draft.
+* **Logging** (:mod:`eagle3.train.log`): ``metrics.jsonl`` and wandb (offline by default)
+  from rank 0, a tqdm bar on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from eagle3.atomic import remove_leftovers
+from eagle3.cli import add_dataclass_arguments
+from eagle3.config import TargetConfig
+from eagle3.distributed import Runtime, all_reduce_sum, barrier, init_runtime, print0
+from eagle3.draft.families import parameter_count
+from eagle3.draft.formats import nonfinite_tensors
+from eagle3.draft.losses import Objective
+from eagle3.draft.metrics import AcceptanceTally
+from eagle3.draft.model import DraftHead
+from eagle3.draft.target_head import TargetHead
+from eagle3.draft.ttt import step_weights
+from eagle3.draft.vocab import write_draft_vocab
+from eagle3.errors import TrainError, run_cli
+from eagle3.export import read_draft_vocab
+from eagle3.store.batches import (
+    BatchLoader,
+    epoch_batches,
+    eval_batches_for_rank,
+    load_batch,
+    rank_batch_index,
+    steps_per_epoch,
+    weighted_indices,
+)
+from eagle3.target.model import Target
+from eagle3.train.checkpoint import (
+    export_draft,
+    latest_tag,
+    load_checkpoint,
+    read_trainer_state,
+    remove_partial,
+    save_checkpoint,
+)
+from eagle3.train.config import TrainConfig
+from eagle3.train.log import NullSink, RunSink
+from eagle3.train.optim import (
+    deepspeed_config,
+    muon_ns_in_fp32_where_bf16_is_slow,
+    muon_ns_method,
+    muon_param_groups,
+    resolve_precision,
+    unclip_muon_updates_under_zero,
+    warmup_decay,
+)
+from eagle3.train.setup import (
+    DRAFT_VOCAB,
+    VERIFIED,
+    check_pinned,
+    check_weights,
+    choose_draft_vocab,
+    eval_split,
+    initial_draft,
+    load_target_for,
+    new_draft,
+    open_train_store,
+    pinned_settings,
+    sample_weights,
+    verify_stores,
+)
+from eagle3.train.step import PhaseClock, TTTModel, run_batch, train_forward
+
+# ---------------------------------------------------------------- the draft's weights and gradients
+
+
+def _draft_state(draft: DraftHead, zero_stage: int) -> dict[str, Tensor]:
+    """The full draft state on CPU (gathered from the ranks under ZeRO-3; a collective then)."""
+    if zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(draft.parameters()), modifier_rank=None):
+            return {k: v.detach().cpu().clone() for k, v in draft.vllm_state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in draft.vllm_state_dict().items()}
+
+
+def _stop_if_not_finite(weights: dict[str, Tensor], step: int) -> None:
+    """Refuse to export a draft whose weights went NaN/Inf (the update after the last finite loss)."""
+    if bad := nonfinite_tensors(weights):
+        raise TrainError(f"step {step}: NaN/Inf in {', '.join(bad[:4])}; stopping before a non-finite draft is "
+                         "exported (check the store's states, train.init_draft and train.lr)")
+
+
+def _grad_norm(engine: Any, params: Sequence[nn.Parameter]) -> float | None:
+    """The global grad norm DeepSpeed clipped with; computed here where DeepSpeed does not keep
+    it (ZeRO 0 in fp32: the gradients are whole and already averaged over ranks)."""
+    norm = engine.get_global_grad_norm()
+    if norm is not None:
+        return float(norm)
+    grads = [p.grad for p in params if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else None
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def _engine(cfg: TrainConfig, model: TTTModel, rt: Runtime) -> Any:
+    """The DeepSpeed engine around ``model``: a torch AdamW, or DeepSpeed's Muon built from the config."""
+    import deepspeed
+
+    schedule = warmup_decay(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio, cfg.lr_schedule)
+    if cfg.optimizer == "muon":  # DeepSpeed builds Muon + its auxiliary AdamW from the config
+        muon_ns_in_fp32_where_bf16_is_slow(rt.device)
+        groups = muon_param_groups(model, cfg.lr, muon_ns_method(cfg.muon_ns_method, rt.device))
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=groups,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
+            config=deepspeed_config(cfg, rt.world_size))
+        return engine
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=deepspeed_config(cfg, rt.world_size))
+    return engine
+
+
+@dataclass
+class RunState:
+    """Where a run is: kept in every checkpoint (as JSON, also ``trainer.json``) and restored on resume."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_index: int = 0  # micro-batches of the epoch read so far, every rank's
+    best_tau: float | None = None  # the best held-out tau_sim so far, and its step (exported to best/)
+    best_step: int | None = None
+    first_eval: dict[str, float] | None = None
+    last_eval: dict[str, float] | None = None
+    first_loss: float | None = None  # the run's first step's, whichever process ran it
+    pinned: dict[str, Any] = field(default_factory=dict)  # what a resume must share (pinned_settings)
+    tokens: int | None = 0  # trained tokens over the whole run, across resumes
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """A checkpoint's state; one written before runs counted their tokens leaves them unknown (None)."""
+        known = {f.name for f in fields(self)}
+        for key, value in {"tokens": None, **saved}.items():
+            if key in known:
+                setattr(self, key, value)
+
+
+def _start_over_or_resume(cfg: TrainConfig, engine: Any, rt: Runtime, state: RunState,
+                          resume_tag: str | None) -> None:
+    """Clear what a kill left half-written; starting over, no stale checkpoint or export survives;
+    resuming, load ``resume_tag`` into the engine and ``state``."""
+    out_dir = Path(cfg.out_dir)
+    ckpt_root = out_dir / "checkpoints"
+    if rt.rank == 0:  # what a kill left half-written
+        remove_leftovers(out_dir, ["best", "final", "summary.json", "metrics.jsonl", "wandb_run_id",
+                                   DRAFT_VOCAB, VERIFIED])
+    if rt.rank == 0 and resume_tag is None:
+        for old in (ckpt_root, out_dir / "best", out_dir / "final"):
+            shutil.rmtree(old, ignore_errors=True)
+    elif rt.rank == 0:
+        remove_partial(ckpt_root)
+    barrier()
+    if resume_tag is not None:
+        client = load_checkpoint(engine, ckpt_root, resume_tag, rank=rt.rank, world_size=rt.world_size)
+        saved = json.loads(client["trainer_json"]) if "trainer_json" in client else client["trainer"]
+        state.restore(saved)
+        print0(f"train: resumed from {ckpt_root / resume_tag} (step {state.step})")
+    # after any resume: DeepSpeed restores the clip a checkpoint saved
+    if cfg.optimizer == "muon" and unclip_muon_updates_under_zero(engine) and cfg.max_grad_norm:
+        print0(f"train.max_grad_norm={cfg.max_grad_norm} is not applied: DeepSpeed's ZeRO optimizer would clip "
+               "Muon's orthogonalised updates instead of the gradients (train.zero_stage=0, or bf16 at stage 1, "
+               "clips the gradients)")
+
+
+def _finished_earlier(cfg: TrainConfig, rt: Runtime, resumed_step: int | None) -> dict[str, Any] | None:
+    """A run already finished: its summary (rank 0's view decides for every rank), else None."""
+    if resumed_step is None or resumed_step < cfg.steps:
+        return None
+    out_dir = Path(cfg.out_dir)
+    done = out_dir / "summary.json"
+    seen = torch.tensor([float(rt.rank == 0 and done.is_file() and (out_dir / "final").is_dir())], device=rt.device)
+    if not all_reduce_sum(seen).item():
+        return None
+    print0(f"train: finished earlier in {out_dir} (step {resumed_step}); nothing to do")
+    if rt.rank == 0:
+        return json.loads(done.read_text())
+    return {"stage": "train", "out": str(out_dir), "steps": resumed_step}
+
+
+class _Loop:
+    """One run's optimisation loop: the steps over each epoch's plan, evaluation and the best
+    draft, checkpoints, logging. ``state`` is what a checkpoint keeps of it."""
+
+    def __init__(self, cfg: TrainConfig, rt: Runtime, engine: Any, model: TTTModel, head: TargetHead, t2d: Tensor,
+                 data: tuple[Any, list[int], dict[str, float]], evals: tuple[Any, list[int]], sink: Any,
+                 state: RunState, info: dict[str, Any]) -> None:
+        self.cfg, self.rt, self.engine, self.head, self.t2d = cfg, rt, engine, head, t2d
+        self.sink, self.state, self.draft, self.info = sink, state, model.draft, info
+        self.store, self.train_idx, self.weights_by_id = data
+        self.eval_store, eval_idx = evals
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+        self.weights = step_weights(cfg.ttt_steps, cfg.step_decay)
+        self.schedule = warmup_decay(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio, cfg.lr_schedule)
+        self.eval_plan = (epoch_batches(self.eval_store.lengths, eval_idx, cfg.batching, cfg.micro_batch_tokens,
+                                        cfg.seed, 0) if self.eval_store is not None else [])
+        self.per_step = rt.world_size * cfg.gradient_accumulation
+        self.plan_epoch, self.plan = -1, []
+        self.tokens_total, self.train_seconds, self.last_loss = 0, 0.0, None
+        self.window = {"tokens": 0, "seconds": 0.0}
+        self.loader = BatchLoader(self.store, cfg.batching, rt.device)
+        self.clock = PhaseClock(rt.device, cfg.phase_times)
+
+    def evaluate(self) -> dict[str, float]:
+        cfg, rt = self.cfg, self.rt
+        tally = AcceptanceTally(cfg.ttt_steps, rt.device)
+        self.engine.eval()
+        with torch.no_grad():
+            for idx in eval_batches_for_rank(self.eval_plan, rt.rank, rt.world_size):
+                batch = load_batch(self.eval_store, idx or self.eval_plan[0], cfg.batching, stored=True)
+                out = run_batch(self.engine, self.head, batch, self.t2d, self.dtype, rt.device)
+                if idx is not None:  # a pad forward keeps ZeRO-3's collectives in step; not counted
+                    tally.add(out)
+        self.engine.train()
+        return tally.all_reduce().summary(self.weights, "eval")
+
+    def _store_asks_to_save(self) -> bool:
+        """Whether the store asks some rank for a checkpoint now (online: the shards read since the last
+        one fill half the spool); every rank gets the same answer, so all of them save together."""
+        if not self.store.saves_early:
+            return False
+        asked = self.store.needs_save()
+        return bool(all_reduce_sum(torch.tensor([float(asked)], device=self.rt.device)).item())
+
+    def save(self) -> None:
+        # as JSON text: a pickled dict's bytes depend on which equal strings are one object, which differs
+        # between runs (a CLI run and an in-process one), so the checkpoint files would differ in size
+        client = {"trainer_json": json.dumps(asdict(self.state)),
+                  "draft_config_json": json.dumps(asdict(self.draft.config))}
+        save_checkpoint(self.engine, Path(self.cfg.out_dir) / "checkpoints", self.state.step, client,
+                        rank=self.rt.rank, keep=self.cfg.keep_checkpoints, readable=asdict(self.state))
+        if self.plan_epoch == self.state.epoch:  # a resume starts from this checkpoint, there in the epoch
+            self.store.after_checkpoint(self.plan[self.state.batch_index:], leader=self.rt.rank == 0)
+
+    def maybe_eval(self) -> dict[str, float] | None:
+        """Evaluate; a better held-out tau_sim exports the draft to ``best/``."""
+        if self.eval_store is None:
+            return None
+        state = self.state
+        metrics = self.evaluate()
+        self.sink.log(metrics, state.step)
+        if state.first_eval is None:
+            state.first_eval = {k: v for k, v in metrics.items() if k in ("eval/loss", "eval/tau_sim")}
+        state.last_eval = metrics
+        tau = metrics["eval/tau_sim"]
+        better = state.best_tau is None or tau > state.best_tau
+        if better and state.step > 0:
+            state.best_tau, state.best_step = tau, state.step
+            weights_now = _draft_state(self.draft, self.cfg.zero_stage)
+            _stop_if_not_finite(weights_now, state.step)  # on every rank: they hold the same weights
+            if self.rt.rank == 0:
+                export_draft(Path(self.cfg.out_dir) / "best", weights_now, self.draft.config,
+                             {**self.info, "step": state.step, "eval": metrics})
+        return metrics
+
+    def _step_in_epoch(self) -> int | None:
+        """Where this step is in its epoch's plan (planning a new epoch when one starts); None at its end."""
+        cfg, rt, state = self.cfg, self.rt, self.state
+        if self.plan_epoch != state.epoch:
+            epoch_idx = (weighted_indices(self.train_idx, self.store.sample_ids, self.weights_by_id, cfg.seed,
+                                          state.epoch) if self.weights_by_id else self.train_idx)
+            self.plan = epoch_batches(self.store.lengths, epoch_idx, cfg.batching, cfg.micro_batch_tokens, cfg.seed,
+                                      state.epoch, shard_of=self.store.shard_of if cfg.shard_window else None,
+                                      window=cfg.shard_window)
+            self.plan_epoch = state.epoch
+            self.store.begin_epoch(state.epoch)
+            if steps_per_epoch(len(self.plan), rt.world_size, cfg.gradient_accumulation) == 0:
+                raise TrainError(f"{cfg.store}: {len(self.plan)} micro-batches of train.micro_batch_tokens="
+                                 f"{cfg.micro_batch_tokens} per epoch, fewer than world_size x "
+                                 f"gradient_accumulation = {self.per_step}")
+        step_in_epoch = state.batch_index // self.per_step
+        if step_in_epoch >= steps_per_epoch(len(self.plan), rt.world_size, cfg.gradient_accumulation):
+            return None
+        return step_in_epoch
+
+    def step(self, step_in_epoch: int) -> tuple[float, dict[str, Any], int]:
+        """One optimizer step (its micro-batches on this rank): (loss, metrics, tokens over the ranks)."""
+        cfg, rt, engine = self.cfg, self.rt, self.engine
+        lr = cfg.lr * self.schedule(self.state.step)  # the AdamW lr; Muon matrices follow the same factor
+        clock = self.clock
+        clock.start()
+        tally = AcceptanceTally(cfg.ttt_steps, rt.device)
+        sums = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss over micro-batches, tokens
+        grad_norm = None
+        for micro in range(cfg.gradient_accumulation):
+            idx, then = self._micro_batch(step_in_epoch, micro), self._micro_batch(step_in_epoch, micro + 1)
+            batch = self.loader.get(idx, then)
+            clock.mark("load")
+            out, sums_now = train_forward(engine, self.head, batch, self.t2d, self.dtype, rt.device, cfg.loss_positions)
+            clock.mark("forward")
+            engine.backward(out.loss)
+            clock.mark("backward")
+            if micro == cfg.gradient_accumulation - 1 and cfg.zero_stage == 0 and self.dtype == torch.float32:
+                grad_norm = _grad_norm(engine, self.params)
+            engine.step()
+            clock.mark("optimizer")
+            tally.add(out)
+            sums += sums_now
+        all_reduce_sum(sums)
+        metrics = tally.all_reduce().summary(self.weights, "train")
+        loss = float(sums[0]) / self.per_step
+        if not math.isfinite(loss):  # every rank sees the same reduced loss
+            raise TrainError(f"step {self.state.step + 1}: the loss is {loss}; stopping before a non-finite draft "
+                             "is saved or exported (check the store's states, train.init_draft and train.lr)")
+        grad_norm = grad_norm if grad_norm is not None else _grad_norm(engine, self.params)
+        metrics |= {"train/loss": loss, "train/lr": lr, "train/tokens": int(sums[1]),
+                    "train/epoch": self.state.epoch}
+        if grad_norm is not None:
+            metrics["train/grad_norm"] = grad_norm
+        clock.mark("metrics")
+        return loss, metrics | clock.metrics(), int(sums[1])
+
+    def _micro_batch(self, step_in_epoch: int, micro: int) -> list[int] | None:
+        """This rank's sample indices of micro-batch ``micro`` of a step (the next step's first past the
+        last); None past the epoch's end."""
+        cfg, rt = self.cfg, self.rt
+        if micro == cfg.gradient_accumulation:
+            step_in_epoch, micro = step_in_epoch + 1, 0
+        if step_in_epoch >= steps_per_epoch(len(self.plan), rt.world_size, cfg.gradient_accumulation):
+            return None
+        return self.plan[rank_batch_index(step_in_epoch, micro, rt.rank, rt.world_size, cfg.gradient_accumulation)]
+
+    def run(self) -> None:
+        """Steps until ``train.steps``, evaluating and saving as configured."""
+        from tqdm import tqdm
+
+        cfg, state = self.cfg, self.state
+        if state.step == 0 and cfg.eval_at_start:
+            self.maybe_eval()
+        bar = tqdm(total=cfg.steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not (cfg.progress and self.rt.rank == 0), file=sys.stderr)
+        with bar, contextlib.closing(self.loader):
+            while state.step < cfg.steps:
+                step_in_epoch = self._step_in_epoch()
+                if step_in_epoch is None:
+                    state.epoch, state.batch_index = state.epoch + 1, 0
+                    continue
+                t0 = time.perf_counter()
+                loss, metrics, tokens = self.step(step_in_epoch)
+                seconds = time.perf_counter() - t0
+                state.step += 1
+                state.batch_index += self.per_step
+                if state.step == 1:  # the run's first step, whichever process ran it (kept in checkpoints)
+                    state.first_loss = loss
+                self.last_loss = loss
+                self.tokens_total += tokens
+                if state.tokens is not None:
+                    state.tokens += tokens
+                self.train_seconds += seconds
+                self.window["tokens"] += tokens
+                self.window["seconds"] += seconds
+                if state.step % cfg.log_every == 0 or state.step == cfg.steps:
+                    metrics["train/tokens_per_s"] = self.window["tokens"] / max(self.window["seconds"], 1e-9)
+                    self.window = {"tokens": 0, "seconds": 0.0}
+                    self.sink.log(metrics, state.step)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", tau=f"{metrics['train/tau_sim']:.2f}",
+                                tok_s=f"{tokens / seconds:.0f}")
+                at_end = state.step == cfg.steps
+                if self.eval_store is not None and ((cfg.eval_every and state.step % cfg.eval_every == 0)
+                                                    or at_end):
+                    self.maybe_eval()
+                asked = self._store_asks_to_save()
+                if (cfg.save_every and state.step % cfg.save_every == 0) or at_end or asked:
+                    self.save()  # online, also when the shards read since the last save fill half the spool
+
+
+def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: Target | None = None) -> dict[str, Any]:
+    """Train (or resume) a draft head; returns a summary. Every rank calls this."""
+    target_cfg = target_cfg or TargetConfig()
+    if not cfg.store or not cfg.out_dir:
+        raise TrainError("train.store and train.out_dir must be set")
+    started = time.perf_counter()
+    rt = init_runtime(cfg.device)  # train.device=cuda without CUDA: a ConfigError, named
+    if rt.device.type == "cpu":
+        torch.set_num_threads(cfg.threads)
+    cfg = replace(cfg, precision=resolve_precision(cfg, rt.device))
+    out_dir = Path(cfg.out_dir)
+    ckpt_root = out_dir / "checkpoints"
+
+    # -- data, checked against the target before anything is read for training
+    store, target = _data_and_target(cfg, target_cfg, target, rt)
+    spec = store.spec
+    weights_by_id = sample_weights(cfg, store)
+    eval_store, train_idx, eval_idx = eval_split(cfg, store, target)
+    offline = [cfg.store, *cfg.extra_stores] if cfg.data == "offline" else []  # a spool's shards: checked as read
+    verify_stores([*offline, *([cfg.eval_store] if cfg.eval_store else [])], out_dir / VERIFIED, rt)
+    embedding = target.embed_tokens.weight.detach().float().cpu()
+    initial = initial_draft(cfg.init_draft, spec, target, embedding) if cfg.init_draft else None
+
+    # -- draft vocab: chosen once, frozen for the run
+    resume_tag = latest_tag(ckpt_root) if cfg.resume and ckpt_root.is_dir() else None
+    pinned = pinned_settings(cfg, rt.world_size, store, eval_store)
+    if resume_tag is not None:
+        check_pinned(read_trainer_state(ckpt_root, resume_tag).get("pinned", {}), pinned, out_dir)
+        vocab = read_draft_vocab(out_dir / DRAFT_VOCAB, target.vocab_size)
+    else:
+        eos = target.tokenizer.eos_token_id
+        vocab = choose_draft_vocab(cfg, store, train_idx, target.vocab_size, [] if eos is None else [eos], initial)
+        if rt.rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            write_draft_vocab(out_dir / DRAFT_VOCAB, vocab)
+    barrier()
+
+    # -- the draft, the target's head (the target itself is not needed after), the engine
+    draft = new_draft(cfg, target, len(spec.aux_layer_ids), vocab, initial, embedding, rt.device)
+    head = TargetHead.of_target(target, cfg.target_temperature).to(rt.device)
+    del target
+    model = TTTModel(draft, cfg.ttt_steps, cfg.step_decay, cfg.gradient_checkpointing, cfg.loss_on_oov,
+                     cfg.feature_noise, cfg.gate_steps, Objective(cfg.loss, cfg.lk_eta)).to(rt.device)
+    engine = _engine(cfg, model, rt)
+
+    # -- resume, or start over
+    state = RunState(pinned=pinned)
+    _start_over_or_resume(cfg, engine, rt, state, resume_tag)
+    resumed_step = state.step if resume_tag is not None else None
+    if (done := _finished_earlier(cfg, rt, resumed_step)) is not None:
+        if rt.rank == 0:
+            store.finish()  # nothing to read (online: the producers stop)
+        return done
+
+    sink = (RunSink(out_dir, wandb_mode=cfg.wandb_mode, project=cfg.wandb_project, run_name=cfg.wandb_run_name,
+                    config={"train": asdict(cfg), "target": asdict(target_cfg), "draft": asdict(draft.config)},
+                    resume_step=resumed_step)
+            if rt.rank == 0 else NullSink())
+    info = {"target": spec.target, "aux_layer_ids": list(spec.aux_layer_ids), "tokenizer_sha256": spec.tokenizer_sha256}
+    loop = _Loop(cfg, rt, engine, model, head, vocab.t2d.to(rt.device), (store, train_idx, weights_by_id),
+                 (eval_store, eval_idx), sink, state, info)
+    loop.run()
+
+    final_state = _draft_state(draft, cfg.zero_stage)
+    _stop_if_not_finite(final_state, state.step)
+    if rt.rank == 0:
+        export_draft(out_dir / "final", final_state, draft.config,
+                     {**info, "step": state.step, "eval": state.last_eval or {}})
+    sink.close()
+    if rt.rank == 0:
+        store.finish()  # online: the producers stop
+    summary = {
+        "stage": "train", "out": str(out_dir), "steps": state.step, "resumed_from_step": resumed_step,
+        "world_size": rt.world_size, "zero_stage": cfg.zero_stage, "precision": cfg.precision,
+        "device": str(rt.device), "train_samples": len(train_idx), "eval_samples": len(eval_idx),
+        "draft_vocab_size": vocab.size, "trainable_parameters": parameter_count(draft.config)
+        - (draft.config.draft_vocab_size * draft.config.hidden_size if cfg.freeze_lm_head else 0),
+        "first_loss": state.first_loss, "last_loss": loop.last_loss, "tokens": state.tokens,
+        "tokens_per_s": round(loop.tokens_total / loop.train_seconds, 1) if loop.train_seconds else None,
+        "peak_gpu_gib": (round(torch.cuda.max_memory_allocated(rt.device) / 2**30, 2) if rt.device.type == "cuda"
+                         else None),  # this rank's, beside its tokens/s
+        "eval_first": state.first_eval, "eval_last": ({k: v for k, v in state.last_eval.items()
+                                                          if k in ("eval/loss", "eval/tau_sim")}
+                                                         if state.last_eval else None),
+        "best_step": state.best_step, "best_tau_sim": state.best_tau,
+        "wall_seconds": round(time.perf_counter() - started, 2),
+    }
+    summary |= store.summary()
+    if rt.rank == 0:
+        from eagle3.atomic import atomic_write_text
+
+        atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _data_and_target(cfg: TrainConfig, target_cfg: TargetConfig, target: Target | None, rt: Any) -> tuple[Any, Target]:
+    """The training store and the target (its head, or all of it co-located), checked together."""
+    store = open_train_store(cfg, rt.rank)
+    if target is None:
+        colocated = cfg.data == "colocated"  # the whole target, on this rank's device
+        target = load_target_for(replace(target_cfg, device=str(rt.device)) if colocated else target_cfg,
+                                 store.spec.aux_layer_ids, full=colocated)
+    check_weights(target, store.spec)
+    store.check_target(target)
+    store.attach(target)  # co-located: this rank's target computes each micro-batch's states
+    return store, target
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every TrainConfig field a flag (its docstring the help), and the target's name and dtype."""
+    parser = argparse.ArgumentParser(prog="python -m eagle3.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=TargetConfig.name_or_path, help="target name or path (default %(default)s)")
+    parser.add_argument("--target-dtype", default=TargetConfig.dtype, help="dtype the target's head runs in")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    add_dataclass_arguments(parser, TrainConfig, required=("store", "out_dir"), aliases={"out_dir": "--out"})
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("train", _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    target_cfg_args = {"name_or_path": args.pop("target"), "dtype": args.pop("target_dtype")}
+    args.pop("local_rank")
+    try:
+        cfg = TrainConfig(**args)
+        target_cfg = TargetConfig(**target_cfg_args)
+    except ValueError as err:
+        parser.error(str(err))
+    print0(json.dumps(train(cfg, target_cfg)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
