@@ -252,7 +252,7 @@ def train_briefly(draft: Any, batch: dict, steps: int = 30, num_steps: int = 3,
 
 
 def packed_batch(doc_lengths: list[list[int]], seed: int = 0, t2d: torch.Tensor | None = None) -> dict:
-    """Rows of packed documents (as eagle3.store.shards.pack builds them), with random states and targets
+    """Rows of packed documents (as eagle3.store.batches.pack builds them), with random states and targets
     (with ``t2d``, the target's argmax mostly falls inside the draft vocab)."""
     g = torch.Generator().manual_seed(seed)
     s = sum(doc_lengths[0])

@@ -167,7 +167,7 @@ def test_the_default_mask_token() -> None:
 
     from eagle3.errors import TrainError
     from eagle3.train.config import TrainConfig
-    from eagle3.train.setup import mask_token_for
+    from eagle3.train.start import mask_token_for
 
     class Tok(SimpleNamespace):
         def __len__(self) -> int:

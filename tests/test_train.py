@@ -41,12 +41,12 @@ from eagle3.store.batches import (
 )
 from eagle3.store.shards import HarvestStore, verify_store
 from eagle3.target.model import Target
-from eagle3.train.checkpoint import LATEST, CheckpointError, load_exported_draft, tag_of
+from eagle3.train.checkpoint import LATEST, CheckpointError, check_pinned, load_exported_draft, tag_of
 from eagle3.train.config import TrainConfig
 from eagle3.train.log import read_metrics
 from eagle3.train.loop import TrainError, main, train
 from eagle3.train.optim import muon_ns_in_fp32_where_bf16_is_slow, muon_ns_method, resolve_precision, warmup_decay
-from eagle3.train.setup import check_pinned, choose_draft_vocab
+from eagle3.train.start import choose_draft_vocab
 from eagle3.train.step import TTTModel, add_feature_noise
 from tests.helpers import (
     TINY_VOCAB,
@@ -481,7 +481,7 @@ def test_a_store_that_verify_rejects_is_not_trained_on(tiny: dict, tmp_path: Pat
         hashed.append(str(root))
         return verify_store(root, part)
 
-    monkeypatch.setattr("eagle3.train.setup.verify_store", counting)
+    monkeypatch.setattr("eagle3.train.data.verify_store", counting)
     assert train(_cfg(tiny, out, store=str(store), steps=3, save_every=1), target=tiny["target"])["steps"] == 3
     assert hashed == []  # resumed: verified by this run already, unchanged
     with open(shard, "r+b") as f:  # changed since: hashed again, and refused

@@ -28,7 +28,6 @@ import hashlib
 import json
 import math
 import os
-import random
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -499,72 +498,6 @@ def compare_stores(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> dict
             note("last_pre_norm", x.last, y.last)
     return worst
 
-
-# ---------------------------------------------------------------- batching for the trainer
-
-def length_buckets(lengths: Sequence[int], max_tokens: int, seed: int = 0, shuffle: bool = True) -> list[list[int]]:
-    """Batches of sample indices with similar lengths, each padded size <= max_tokens.
-
-    Samples are sorted by length inside random windows of 100 batches' worth, so batches
-    are tight on padding but the order still varies with ``seed``.
-    """
-    order = list(range(len(lengths)))
-    rng = random.Random(seed)
-    if shuffle:
-        rng.shuffle(order)
-    window = max(1, 100 * max(1, max_tokens // max(1, int(sum(lengths) / max(1, len(lengths))))))
-    batches: list[list[int]] = []
-    for w in range(0, len(order), window):
-        chunk = sorted(order[w:w + window], key=lambda i: lengths[i])
-        batch: list[int] = []
-        for i in chunk:
-            if batch and max(lengths[j] for j in batch + [i]) * (len(batch) + 1) > max_tokens:
-                batches.append(batch)
-                batch = []
-            batch.append(i)
-        if batch:
-            batches.append(batch)
-    if shuffle:
-        rng.shuffle(batches)
-    return batches
-
-
-def pack_indices(lengths: Sequence[int], max_len: int) -> list[list[int]]:
-    """Greedy first-fit packing of samples into rows of at most ``max_len`` tokens (in order
-    of decreasing length); samples longer than ``max_len`` get a row of their own."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        n = lengths[i]
-        slot = next((r for r, free in enumerate(room) if free >= n), None)
-        if slot is None:
-            rows.append([i])
-            room.append(max_len - n)
-        else:
-            rows[slot].append(i)
-            room[slot] -= n
-    return rows
-
-
-def pack(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
-    """Concatenate samples into one row, keeping per-document boundaries for the trainer's masks.
-
-    ``position_ids`` restart at 0 for each document and ``document_ids`` number them, so
-    attention never crosses a document and RoPE positions are each document's own.
-    """
-    cat = {
-        "input_ids": torch.cat([s.input_ids for s in samples]),  # [T]
-        "loss_mask": torch.cat([s.loss_mask for s in samples]),  # [T]
-        "aux": torch.cat([s.aux for s in samples]),  # [T, A, H]
-        "position_ids": torch.cat([torch.arange(len(s)) for s in samples]),  # [T]
-        "document_ids": torch.cat([torch.full((len(s),), k) for k, s in enumerate(samples)]),  # [T]
-    }
-    if samples[0].last is not None:
-        cat["last"] = torch.cat([s.last for s in samples])  # [T, H]
-    else:
-        cat["topk_ids"] = torch.cat([s.topk_ids for s in samples])
-        cat["topk_logprobs"] = torch.cat([s.topk_logprobs for s in samples])
-    return cat
 
 
 def shard_plan(lengths: Sequence[int], bytes_per_tok: float, max_shard_bytes: int) -> list[tuple[int, int]]:

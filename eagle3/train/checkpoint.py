@@ -1,4 +1,5 @@
-"""Training checkpoints that a kill never leaves half-written, and the exported draft.
+"""Training checkpoints that a kill never leaves half-written, the settings a resume must keep
+(:func:`pinned_settings`), and the exported draft.
 
 A checkpoint is DeepSpeed's own (model, optimizer and scheduler states per rank, plus our
 ``client_state``: step, data position, best eval) with one ``rng-rank<r>.pt`` per rank::
@@ -32,11 +33,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle3.atomic import atomic_write_text, remove_leftovers
+from eagle3.atomic import atomic_write_text, remove_leftovers, sha256_file
 from eagle3.draft.formats import DraftFormatError
 from eagle3.draft.model import DraftConfig, Eagle3Draft
-from eagle3.errors import Eagle3Error
+from eagle3.errors import Eagle3Error, TrainError
 from eagle3.export import export_draft_folder, load_draft
+from eagle3.store.shards import HarvestStore, StoreUnion
+from eagle3.train.config import TrainConfig
 
 LATEST = "latest"
 EXPORT_FORMAT = "eagle3-draft-2"
@@ -240,3 +243,35 @@ __all__ = [
     "load_exported_draft", "read_trainer_state", "remove_partial", "rng_state", "save_checkpoint",
     "seed_everything", "set_rng_state", "tag_of",
 ]
+
+
+def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore | StoreUnion,
+                    eval_store: HarvestStore | None = None) -> dict[str, Any]:
+    """What a resumed run must share with the run that saved the checkpoint: the settings that
+    decide the data order, the model and how DeepSpeed sharded its states."""
+    keys = ("batching", "shard_window", "micro_batch_tokens", "gradient_accumulation", "seed", "eval_fraction",
+            "ttt_steps",
+            "init_draft", "num_layers", "draft_intermediate_size", "draft_num_attention_heads",
+            "draft_num_key_value_heads", "draft_head_dim", "draft_rope", "draft_variant", "draft_family",
+            "mask_token_id", "zero_stage", "precision",
+            "freeze_lm_head", "optimizer", "muon_momentum", "lm_head_init", "layer_init", "step_decay",
+            "draft_vocab_size", "draft_vocab", "loss", "lk_eta",
+            # a checkpoint restores the optimizer's own lr, decay, betas and eps: a change would only be logged
+            "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
+    pinned = {f"train.{k}": getattr(cfg, k) for k in keys}
+    weights = sha256_file(Path(cfg.sample_weights)) if cfg.sample_weights else None
+    held_out = (eval_store.identity()  # the best draft is picked on it
+                if eval_store is not None and eval_store is not store else None)
+    return {**pinned, "world_size": world_size, "store.samples": len(store),
+            "store.shards": store.identity(), "sample_weights": weights,
+            "eval_store.shards": held_out}
+
+
+def check_pinned(saved: dict[str, Any], now: dict[str, Any], out_dir: Path) -> None:
+    """Keys one side lacks (pinned by an earlier or later version) are not compared."""
+    for key in sorted(set(saved) & set(now)):
+        if saved.get(key) != now.get(key):
+            shown = (lambda v: f"{str(v)[:60]}...") if key.endswith(".shards") else repr
+            raise TrainError(f"{out_dir} was trained with {key}={shown(saved.get(key))}, this run has "
+                             f"{shown(now.get(key))}; use the same settings to resume, or another out_dir "
+                             "(or --no-resume to start over)")

@@ -14,7 +14,7 @@ What it wraps around the library (the draft and TTT code know nothing of this):
   Muon). On CPU DeepSpeed JIT-builds its ``shm_comm`` op on the first
   start (~50-90 s); ``TORCH_EXTENSIONS_DIR`` defaults to ``$EAGLE3_HOME/torch_extensions`` so
   it is built once per machine.
-* **Data** (:mod:`eagle3.store.batches`, :mod:`eagle3.train.setup`): the training store (checked
+* **Data** (:mod:`eagle3.store.batches`, :mod:`eagle3.train.data`): the training store (checked
   against the target), an optional held-out store or an id-hash split; packed or length-bucketed micro-batches,
   reshuffled per epoch and sharded by rank deterministically.
 * **Targets** (:mod:`eagle3.draft.target_head`): the target's frozen final norm + lm_head turn the
@@ -75,39 +75,33 @@ from eagle3.store.batches import (
 )
 from eagle3.target.model import Target
 from eagle3.train.checkpoint import (
+    check_pinned,
     export_draft,
     latest_tag,
     load_checkpoint,
+    pinned_settings,
     read_trainer_state,
     remove_partial,
     save_checkpoint,
 )
 from eagle3.train.config import TrainConfig
+from eagle3.train.data import (
+    VERIFIED,
+    check_weights,
+    eval_split,
+    load_target_for,
+    open_train_store,
+    sample_weights,
+    verify_stores,
+)
 from eagle3.train.log import NullSink, RunSink
 from eagle3.train.optim import (
-    deepspeed_config,
-    muon_ns_in_fp32_where_bf16_is_slow,
-    muon_ns_method,
-    muon_param_groups,
+    build_engine,
     resolve_precision,
     unclip_muon_updates_under_zero,
     warmup_decay,
 )
-from eagle3.train.setup import (
-    DRAFT_VOCAB,
-    VERIFIED,
-    check_pinned,
-    check_weights,
-    choose_draft_vocab,
-    eval_split,
-    initial_draft,
-    load_target_for,
-    new_draft,
-    open_train_store,
-    pinned_settings,
-    sample_weights,
-    verify_stores,
-)
+from eagle3.train.start import DRAFT_VOCAB, choose_draft_vocab, initial_draft, new_draft
 from eagle3.train.step import PhaseClock, TTTModel, run_batch, train_forward
 
 # ---------------------------------------------------------------- the draft's weights and gradients
@@ -141,28 +135,6 @@ def _grad_norm(engine: Any, params: Sequence[nn.Parameter]) -> float | None:
 
 
 # ---------------------------------------------------------------- the loop
-
-
-def _engine(cfg: TrainConfig, model: TTTModel, rt: Runtime) -> Any:
-    """The DeepSpeed engine around ``model``: a torch AdamW, or DeepSpeed's Muon built from the config."""
-    import deepspeed
-
-    schedule = warmup_decay(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio, cfg.lr_schedule)
-    if cfg.optimizer == "muon":  # DeepSpeed builds Muon + its auxiliary AdamW from the config
-        muon_ns_in_fp32_where_bf16_is_slow(rt.device)
-        groups = muon_param_groups(model, cfg.lr, muon_ns_method(cfg.muon_ns_method, rt.device))
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=groups,
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
-            config=deepspeed_config(cfg, rt.world_size))
-        return engine
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(cfg, rt.world_size))
-    return engine
 
 
 @dataclass
@@ -461,7 +433,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     del target
     model = TTTModel(draft, cfg.ttt_steps, cfg.step_decay, cfg.gradient_checkpointing, cfg.loss_on_oov,
                      cfg.feature_noise, cfg.gate_steps, Objective(cfg.loss, cfg.lk_eta)).to(rt.device)
-    engine = _engine(cfg, model, rt)
+    engine = build_engine(cfg, model, rt)
 
     # -- resume, or start over
     state = RunState(pinned=pinned)

@@ -1,5 +1,5 @@
-"""The trainer's optimisation set-up: the lr schedule, the precision, DeepSpeed's config and its
-Muon (parameter groups, Newton-Schulz variant and dtype, the ZeRO clip)."""
+"""The trainer's optimisation set-up: the lr schedule, the precision, DeepSpeed's config, its Muon
+(parameter groups, Newton-Schulz variant and dtype, the ZeRO clip), and the engine they make."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from eagle3.device import bf16_matmul_speedup
+from eagle3.distributed import Runtime
 from eagle3.train.config import LR_SCHEDULES, TrainConfig
 
 
@@ -142,5 +143,27 @@ def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
     }
 
 
-__all__ = ["deepspeed_config", "muon_ns_in_fp32_where_bf16_is_slow", "muon_ns_method", "muon_param_groups",
-           "resolve_precision", "unclip_muon_updates_under_zero", "warmup_decay"]
+def build_engine(cfg: TrainConfig, model: torch.nn.Module, rt: Runtime) -> Any:
+    """The DeepSpeed engine around ``model``: a torch AdamW, or DeepSpeed's Muon built from the config."""
+    import deepspeed
+
+    schedule = warmup_decay(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio, cfg.lr_schedule)
+    if cfg.optimizer == "muon":  # DeepSpeed builds Muon + its auxiliary AdamW from the config
+        muon_ns_in_fp32_where_bf16_is_slow(rt.device)
+        groups = muon_param_groups(model, cfg.lr, muon_ns_method(cfg.muon_ns_method, rt.device))
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=groups,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
+            config=deepspeed_config(cfg, rt.world_size))
+        return engine
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=deepspeed_config(cfg, rt.world_size))
+    return engine
+
+
+__all__ = ["build_engine", "deepspeed_config", "muon_ns_in_fp32_where_bf16_is_slow", "muon_ns_method",
+           "muon_param_groups", "resolve_precision", "unclip_muon_updates_under_zero", "warmup_decay"]

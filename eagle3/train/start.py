@@ -1,0 +1,149 @@
+"""The draft a run starts from: a folder to continue (``train.init_draft``) checked against the
+store and the target, the draft vocabulary (the initial draft's, a saved one, or the most frequent
+training tokens), the mask token of a family that reads one, and the new or adopted draft with
+the recipe's initialisation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from eagle3.device import bf16_matmul_speedup
+from eagle3.distributed import print0
+from eagle3.draft.families import get_family
+from eagle3.draft.model import DraftConfig, DraftHead
+from eagle3.draft.vocab import DraftVocab, select_draft_vocab
+from eagle3.errors import TrainError
+from eagle3.export import read_draft_vocab
+from eagle3.store.batches import loss_token_counts
+from eagle3.store.shards import HarvestStore, StoreUnion
+from eagle3.target.model import Target
+from eagle3.train.checkpoint import seed_everything
+from eagle3.train.config import TrainConfig
+
+
+def choose_draft_vocab(cfg: TrainConfig, store: HarvestStore | StoreUnion, train_idx: Sequence[int], vocab_size: int,
+                       always_include: Sequence[int], initial: DraftHead | None = None) -> DraftVocab:
+    """The vocab of the draft training continues from (``initial``), a saved vocab
+    (``cfg.draft_vocab``), or the most frequent loss-masked tokens of the training split."""
+    if initial is not None:  # the draft's own vocab, whatever its format keeps of it
+        try:
+            return DraftVocab.from_d2t(initial.d2t, vocab_size)
+        except ValueError as err:
+            raise TrainError(f"train.init_draft: {err}") from None
+    if cfg.draft_vocab:
+        try:
+            vocab = read_draft_vocab(cfg.draft_vocab, vocab_size)
+        except (OSError, ValueError) as err:  # DraftFormatError is a ValueError
+            raise TrainError(f"train.draft_vocab: {err}") from None
+        if vocab.size != min(cfg.draft_vocab_size, vocab_size):
+            print0(f"train.draft_vocab: {cfg.draft_vocab} holds {vocab.size} tokens; they replace "
+                   f"train.draft_vocab_size={cfg.draft_vocab_size}")
+        return vocab
+    counts = loss_token_counts(store, train_idx, vocab_size)
+    return select_draft_vocab(counts, min(cfg.draft_vocab_size, vocab_size), always_include)
+
+
+DRAFT_VOCAB = "draft_vocab.safetensors"
+
+
+def initial_draft(folder: str, spec: Any, target: Target, embedding: Tensor) -> DraftHead:
+    """A draft to continue training, checked against the store and the target."""
+    from eagle3.draft.formats import DraftFormatError
+    from eagle3.export import check_draft_fits_target, give_target_lm_head, load_draft
+
+    try:  # the target's embedding goes in once the draft is known to fit it
+        loaded = load_draft(folder)
+        check_draft_fits_target(loaded, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                                aux_layer_ids=spec.aux_layer_ids)
+    except DraftFormatError as err:
+        raise TrainError(f"train.init_draft: {err}") from None
+    own = loaded.draft.embed_tokens.weight.detach().clone() if loaded.has_embedding else None
+    try:  # a checkpoint's own copy is kept out: the target's embedding is the one served
+        loaded.draft.load_embedding(embedding)
+    except ValueError as err:
+        raise TrainError(f"train.init_draft: {folder}: hidden_size={loaded.draft.config.hidden_size} cannot take "
+                         f"the target's embedding ({err})") from None
+    if own is not None:
+        served = loaded.draft.embed_tokens.weight.detach().float()
+        if not any(torch.equal(own.float(), served.to(dtype).float())  # the same, stored rounded
+                   for dtype in (torch.float32, torch.bfloat16, torch.float16)):
+            print0(f"train.init_draft: {folder} carries its own embedding, which differs from the target's (max "
+                   f"|difference| {(own.float() - served).abs().max():.3g}); the draft trains and is exported "
+                   "with the target's, as engines serve a draft without one")
+    if not loaded.has_lm_head:
+        print0(f"train.init_draft: {folder} has no lm_head; it starts from the target's (as engines serve it)")
+        try:
+            give_target_lm_head(loaded, target.lm_head.weight)
+        except DraftFormatError as err:
+            raise TrainError(f"train.init_draft: {err}") from None
+    if loaded.aux_layer_ids is None:
+        print0(f"train.init_draft: {folder} names no aux layer ids; assuming the store's {list(spec.aux_layer_ids)}")
+    return loaded.draft.float()
+
+
+def mask_token_for(cfg: TrainConfig, target: Target) -> int:
+    """The mask token of a peagle/dflash draft: ``train.mask_token_id``; else (as speculators picks
+    one, but without adding a token) the tokenizer's mask token, a vocabulary row no token uses,
+    the pad or unknown token when it is not the end-of-text one, else the last id."""
+    vocab = target.vocab_size
+    chosen = cfg.mask_token_id
+    if chosen is None:
+        tok = target.tokenizer
+        eos: set[Any] = set()
+        for ids in (getattr(tok, "eos_token_id", None), getattr(target.config, "eos_token_id", None)):
+            eos |= set(ids) if isinstance(ids, list | tuple) else {ids}  # Llama-3's config lists several
+        candidates = [getattr(tok, "mask_token_id", None), len(tok) if len(tok) < vocab else None,
+                      getattr(tok, "pad_token_id", None), getattr(tok, "unk_token_id", None)]
+        chosen = next((c for c in candidates if isinstance(c, int) and 0 <= c < vocab and c not in eos), vocab - 1)
+    if not 0 <= chosen < vocab:
+        raise TrainError(f"train.mask_token_id={chosen}: not a token id of the target (0..{vocab - 1})")
+    return chosen
+
+
+def new_draft(cfg: TrainConfig, target: Target, num_aux: int, vocab: DraftVocab, initial: DraftHead | None,
+              embedding: Tensor, device: torch.device) -> DraftHead:
+    """The draft the run starts from (``train.init_draft``'s, adopted by the run's family, or a new one
+    of that family seeded as ``train.seed`` says), with the run's vocab and the recipe's
+    initialisation of its head and layer."""
+    seed_everything(cfg.seed)  # the same draft on every rank
+    family = get_family(cfg.draft_family)
+    own = initial.config.mask_token_id if initial is not None else None
+    if own is not None and cfg.mask_token_id is not None and cfg.mask_token_id != own:
+        raise TrainError(f"train.init_draft: {cfg.init_draft} was trained with mask_token_id={own}; set "
+                         f"train.mask_token_id={own} (or leave it unset)")
+    mask_id = (own if own is not None else mask_token_for(cfg, target)) if family.reads_mask_token else None
+    if initial is None:
+        try:
+            draft_config = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size,
+                                                          num_aux_layers=num_aux, **cfg.draft_overrides(mask_id))
+        except ValueError as err:
+            raise TrainError(f"draft shape: {err}") from None
+        draft = family.build(draft_config, embedding)
+    else:
+        draft = family.adopt(initial, cfg, mask_id)
+    draft.set_draft_vocab(vocab.d2t, vocab.t2d)
+    if cfg.lm_head_init == "target" and not cfg.init_draft:
+        # the target's logit scale folded into the rows (a soft cap has no linear equivalent)
+        rows = target.lm_head.weight.detach().float().cpu() * target.logit_transform.scale
+        norm_scale = target.final_norm_scale()
+        if norm_scale is None:
+            print0("train.lm_head_init=target: the target's final norm is not an RMSNorm; the draft's final norm "
+                   "starts at one")
+        draft.init_lm_head_from_target(rows, vocab.d2t, norm_scale)
+    if cfg.layer_init == "readout" and not cfg.init_draft:
+        if not hasattr(draft, "init_as_readout"):
+            raise TrainError(f"train.layer_init=readout: a {cfg.draft_family} draft has no readout init")
+        try:
+            draft.init_as_readout()
+        except ValueError as err:
+            raise TrainError(f"train.layer_init=readout: {err}") from None
+    if cfg.freeze_lm_head:
+        draft.lm_head.weight.requires_grad_(False)
+    if cfg.precision == "bf16" and device.type == "cpu" and (speedup := bf16_matmul_speedup("cpu")) < 1.0:
+        print0(f"train.precision=bf16: this CPU runs bf16 matmuls {1 / speedup:.0f}x slower than fp32 (no bf16 "
+               f"units, measured); train.precision=fp32 will be much faster here")
+    return draft
