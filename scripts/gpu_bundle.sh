@@ -30,5 +30,5 @@ get .gpu/wheels hjson "pydantic==$(version pydantic)" "pydantic_core==$(version 
   "datasets==5.1.0" "fsspec<=2026.7.0" "speculators==0.9.0" "hs-connectors==0.9.0" loguru pydantic-settings \
   python-dotenv openai jiter distro sniffio httpx2 httpcore2 truststore
 get .gpu/tf "transformers==$(version transformers)"
-"$py" bench/gpu_check.py --save-tokenizer .gpu/tokenizer >/dev/null
+"$py" tools/gpu_check.py --save-tokenizer .gpu/tokenizer >/dev/null
 du -sh .gpu

@@ -20,7 +20,7 @@ export PYTHONPATH="/tmp/gpu-tf:/tmp/gpu-site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFF
   python3 -c "import torch, transformers, deepspeed; print(torch.__version__, transformers.__version__, deepspeed.__version__)"
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
-check=(python3 bench/gpu_check.py --tokenizer .gpu/tokenizer --out /tmp/gpu-check
+check=(python3 tools/gpu_check.py --tokenizer .gpu/tokenizer --out /tmp/gpu-check
        --speculators-python /tmp/gpu-speculators-python)
 timeout "${PART1_S:-330}" "${check[@]}" --stages target regenerate harvest val train \
   --skip export loop server families 2> /tmp/gpu-part1.err | tee "$out/part1.jsonl"

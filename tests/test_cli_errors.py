@@ -22,7 +22,7 @@ CASES = [
     ("data_gen.regenerate", ["--pool", f"{NOWHERE}/a.jsonl", "--out", "{tmp}/r"], f"{NOWHERE}/a.jsonl"),
     ("data_gen.harvest", ["--data", f"{NOWHERE}/a.jsonl", "--out", "{tmp}/h"], f"{NOWHERE}/a.jsonl"),
     ("data_gen.harvest", ["verify", f"{NOWHERE}/store"], f"{NOWHERE}/store"),
-    ("eagle3.train.loop", ["--store", f"{NOWHERE}/store", "--out", "{tmp}/t"], "train.store"),
+    ("eagle3.train", ["--store", f"{NOWHERE}/store", "--out", "{tmp}/t"], "train.store"),
     ("eagle3.export", ["--draft", f"{NOWHERE}/draft", "--out", "{tmp}/e"], f"{NOWHERE}/draft"),
     ("serve_eval.evaluate", ["--draft", f"{NOWHERE}/draft", "--out", "{tmp}/v"], f"{NOWHERE}/draft"),
     ("serve_eval.server", ["--draft", f"{NOWHERE}/draft"], f"{NOWHERE}/draft"),

@@ -1,5 +1,5 @@
 """The docs cannot drift from the CLIs: every fenced shell command in README.md and docs/ that runs
-a project entry point (``python -m <package module>``, ``bench/*.py``, ``scripts/*.py``, torchrun
+a project entry point (``python -m <package module>``, ``tools/*.py``, ``bench/*/*.py``, ``scripts/*.py``, torchrun
 or deepspeed around one) names only flags that entry point's ``--help`` lists, and every
 ``eagle3-run --config-name`` names a recipe that exists. The README stays a user's guide."""
 
@@ -49,7 +49,7 @@ def entry_point(tokens: list[str]) -> tuple[str, str, list[str]] | None:
     for i, tok in enumerate(tokens):
         if tok in ("-m", "--module") and i + 1 < len(tokens) and tokens[i + 1].split(".")[0] in PACKAGES:
             return "module", tokens[i + 1], tokens[i + 2:]
-        if re.fullmatch(r"(\./)?(bench|scripts)/\w+\.py", tok):
+        if re.fullmatch(r"(\./)?(bench/\w+|tools|scripts|scripts/ci)/\w+\.py", tok):
             return "script", tok, tokens[i + 1:]
     return None
 
@@ -102,8 +102,8 @@ def test_the_docs_show_commands_of_every_stage() -> None:
         return shlex.split(parts[2].split("&&")[-1]) if parts[:2] == ["bash", "-c"] else parts
 
     shown = {entry_point(tokens(cmd))[1] for _, cmd in COMMANDS if entry_point(tokens(cmd))}
-    for module in ("data_gen.pools", "data_gen.regenerate", "data_gen.harvest", "eagle3.train.loop", "eagle3.export",
-                   "hard_mining.rounds", "serve_eval.evaluate", "serve_eval.server", "bench/gpu_check.py"):
+    for module in ("data_gen.pools", "data_gen.regenerate", "data_gen.harvest", "eagle3.train", "eagle3.export",
+                   "hard_mining.rounds", "serve_eval.evaluate", "serve_eval.server", "tools/gpu_check.py"):
         assert module in shown, module
 
 

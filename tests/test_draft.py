@@ -159,7 +159,7 @@ YARN_CASES = {
 def test_yarn_rope_matches_hf(case: str) -> None:
     """YaRN's frequencies and its factor on cos / sin, against transformers' own rotary embedding
     (vLLM's YaRNScalingRotaryEmbedding computes the same formula, checked end to end by
-    bench/arch_check.py --archs qwen3_yarn,gpt_oss)."""
+    bench/studies/arch_check.py --archs qwen3_yarn,gpt_oss)."""
     import importlib
 
     import transformers

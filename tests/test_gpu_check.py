@@ -1,4 +1,4 @@
-"""The project's GPU check (bench/gpu_check.py) runs tiny on this CPU: every stage it covers on a
+"""The project's GPU check (tools/gpu_check.py) runs tiny on this CPU: every stage it covers on a
 GPU (pipeline stages, export and reload, the loop in each variant, the server sampling) passes
 here too, so the script a GPU session runs cannot rot unnoticed."""
 
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.integration
 def test_the_gpu_check_passes_tiny_on_the_cpu(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "bench/gpu_check.py", "--size", "tiny", "--device", "cpu",
+    done = subprocess.run([sys.executable, "tools/gpu_check.py", "--size", "tiny", "--device", "cpu",
                            "--out", str(tmp_path / "check")], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=900)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"check"')]

@@ -159,14 +159,14 @@ def test_draft_and_serve_groups_set_their_fields() -> None:
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (RECIPES / "draft").glob("*.yaml")))
 def test_the_race_passes_a_draft_recipe_as_the_pipeline_applies_it(name: str) -> None:
-    """bench/race_speculators.py turns recipes/draft/<name>.yaml into eagle3.train.loop flags: they must
+    """bench/studies/race_speculators.py turns recipes/draft/<name>.yaml into eagle3.train.loop flags: they must
     parse to the train fields the pipeline's ``draft=<name>`` sets."""
     import importlib.util
     from dataclasses import fields
 
     from eagle3.train.loop import build_parser
 
-    spec = importlib.util.spec_from_file_location("race", RECIPES.parent / "bench" / "race_speculators.py")
+    spec = importlib.util.spec_from_file_location("race", RECIPES.parent / "bench" / "studies" / "race_speculators.py")
     race = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(race)
     with initialize_config_module(config_module="recipes", version_base="1.3"):

@@ -1,4 +1,4 @@
-"""bench/speculators_data.py on a tiny store: the files speculators 0.9.0 reads, without speculators."""
+"""bench/studies/speculators_data.py on a tiny store: the files speculators 0.9.0 reads, without speculators."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from eagle3.draft.vocab import DraftVocab
 from eagle3.store.batches import split_by_id
 from eagle3.store.shards import HarvestSpec, HarvestStore, Sample, shard_name, write_manifest, write_shard
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "studies"))
 import speculators_data  # noqa: E402
 
 VOCAB, H, AUX = 64, 16, (1, 3, 5)

@@ -94,7 +94,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 # These tests compare runs bit for bit (resume, two ranks against one), which CUDA kernels do not
-# promise: they run on the CPU on every machine. On a GPU, bench/gpu_check.py trains on the device.
+# promise: they run on the CPU on every machine. On a GPU, tools/gpu_check.py trains on the device.
 def _cfg(tiny: dict, out: Path, **kw) -> TrainConfig:
     base = dict(store=str(tiny["store"]), out_dir=str(out), steps=12, micro_batch_tokens=256, lr=3e-3,
                 warmup_steps=2, eval_fraction=0.2, eval_every=4, save_every=4, draft_vocab_size=64,
@@ -664,7 +664,7 @@ def _gemma3(final_norm_offsets: torch.Tensor | None = None) -> Target:
 def test_the_target_head_init_reproduces_the_targets_head_whatever_its_norm_convention() -> None:
     """Gemma computes x / rms(x) * (1 + weight): its stored weight copied into the draft's norm
     (x / rms(x) * weight) was off by one in every channel (as initialised, offsets 0: a head of zeros
-    whose training stalled; bench/init_check.py). The probed scale reproduces the target's head."""
+    whose training stalled; bench/studies/init_check.py). The probed scale reproduces the target's head."""
     offsets = torch.linspace(-0.5, 1.5, 64)
     gemma = _gemma3(offsets)
     assert torch.allclose(gemma.final_norm_scale(), 1 + offsets)

@@ -1,4 +1,4 @@
-"""CI's real-Slurm check (run by scripts/ci_slurm.sh once the daemons are up): the tiny pipeline's
+"""CI's real-Slurm check (run by scripts/ci/slurm.sh once the daemons are up): the tiny pipeline's
 harvest array (2 shards) and 2-task training job submitted with submitit to Slurm, chained by
 afterok, waited for, and their outputs checked; then the same pipeline trained online (a producer
 job beside the training job, one CPU each), whose draft must equal an offline run's, bit for bit."""
@@ -12,7 +12,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from eagle3.store.shards import HarvestStore, verify_store  # noqa: E402

@@ -1,7 +1,7 @@
 """Where a draft starts: the target-head recipe's untrained head against the target's own, and the
 first training losses, on tiny random Llama and Gemma-3 targets of one shape.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/init_check.py [--steps 40] [--out runs/init_check]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/studies/init_check.py [--steps 40] [--out runs/init_check]
 
 The target-head recipe copies the target's lm_head rows and final norm into the draft, so that a
 draft whose pre-norm state equals the target's gives the target's logits. Gemma stores its norms as
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 from arch_check import BUILDERS  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The race: our trainer against speculators==0.9.0 on the same harvested samples, both drafts
 judged by real vLLM in one run.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/race_speculators.py --store runs/race/harvest \\
+    OMP_NUM_THREADS=1 .venv/bin/python bench/studies/race_speculators.py --store runs/race/harvest \\
         --pools runs/race/pools --out runs/race/bench --steps 180 [--variant "all=--loss-positions all"] \\
         [--extra fp8=runs/race/harvest-fp8] [--extra ids=runs/race/harvest-ids] \\
         [--speculators-family eagle3|peagle|dflash]
@@ -14,11 +14,11 @@ shares the CPU with the other:
 
 1. ours: ``python -m eagle3.train`` on the store (``--eval-fraction`` held out by sample-id hash),
    its draft vocab chosen from the training split;
-2. speculators: the same store converted by ``bench/speculators_data.py`` (the same held-out
-   split, our draft vocab as its d2t/t2d), trained by ``bench/speculators_train.py`` on CPU;
+2. speculators: the same store converted by ``bench/studies/speculators_data.py`` (the same held-out
+   split, our draft vocab as its d2t/t2d), trained by ``bench/studies/speculators_train.py`` on CPU;
 3. both drafts (and every ``--extra`` draft: ours on another store, e.g. fp8-stored states or
    other aux layer ids, same settings; and every ``--variant`` draft: ours on the same store with
-   other training arguments, e.g. one setting ablated) served by vLLM through ``bench/vllm_judge.py``.
+   other training arguments, e.g. one setting ablated) served by vLLM through ``tools/vllm_judge.py``.
 
 Equal for both: samples, TTT steps (3), draft vocab, sequence length per step (2048 tokens:
 speculators packs rows of that length, ours fills length buckets of at most that many tokens),
@@ -29,7 +29,7 @@ pipeline's ``target-head`` draft recipe: the same layer variant, Muon at 2e-3, c
 1.0, lm_head started from the target's rows and trained): those are what is being compared.
 ``--speculators-family peagle|dflash`` trains speculators' P-EAGLE or DFlash instead of its EAGLE-3
 (depth ``--ttt-steps``: P-EAGLE's depths, DFlash's block minus one; its other settings its own
-defaults, see bench/speculators_train.py), into ``OUT/speculators-<family>`` and judged under that
+defaults, see bench/studies/speculators_train.py), into ``OUT/speculators-<family>`` and judged under that
 name, so that runs of different families do not collide (``--ours-recipe peagle|dflash`` races
 our draft of the same family; the judge serves speculators' P-EAGLE and every DFlash draft at
 K = --ttt-steps, our P-EAGLE at --k: keep them equal). Both
@@ -55,7 +55,7 @@ from typing import Any
 
 from eagle3.config import DEFAULT_TARGET
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(cmd: list[str], log: Path) -> str:
@@ -150,7 +150,7 @@ def train_speculators(args: argparse.Namespace, vocab: Path) -> dict[str, Any]:
 
     name = speculators_name(args.speculators_family)
     out, data = Path(args.out) / name, Path(args.out) / "speculators-data"  # the data is the same for every family
-    cmd = [str(ROOT / ".venv-speculators/bin/python"), "bench/speculators_train.py", "--data", str(data),
+    cmd = [str(ROOT / ".venv-speculators/bin/python"), "bench/studies/speculators_train.py", "--data", str(data),
            "--target", str(resolve_target(args.target).location), "--out", str(out), "--steps", str(args.steps),
            "--ttt-steps", str(args.ttt_steps), "--seq-len", str(args.seq_len), "--dtype", cpu_dtype()]
     if args.speculators_family != "eagle3":  # (eagle3 is its default: an earlier EAGLE-3 run's command still matches)
@@ -161,8 +161,8 @@ def train_speculators(args: argparse.Namespace, vocab: Path) -> dict[str, Any]:
         return done
     if not data.is_dir() or args.fresh:
         shutil.rmtree(data, ignore_errors=True)
-        run([str(ROOT / ".venv/bin/python"), "bench/speculators_data.py", "--store", args.store, "--out", str(data),
-             "--draft-vocab", str(vocab), "--eval-fraction", str(args.eval_fraction)],
+        run([str(ROOT / ".venv/bin/python"), "bench/studies/speculators_data.py", "--store", args.store,
+             "--out", str(data), "--draft-vocab", str(vocab), "--eval-fraction", str(args.eval_fraction)],
             Path(args.out) / "speculators-data.log")
     shutil.rmtree(out, ignore_errors=True)
     return ran(out, cmd, Path(args.out) / f"{name}.log")
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     drafts = ["--draft", f"ours={Path(args.out) / 'ours' / 'final'}", "--draft", f"{peer}={spec['draft']}"]
     for name in extras:
         drafts += ["--draft", f"ours-{name}={Path(args.out) / f'ours-{name}' / 'final'}"]
-    judge_cmd = [".venv-vllm/bin/python", "bench/vllm_judge.py", *drafts, "--pools", args.pools,
+    judge_cmd = [".venv-vllm/bin/python", "tools/vllm_judge.py", *drafts, "--pools", args.pools,
                  "--per-set", str(args.per_set), "--k", str(args.k), "--max-new-tokens", str(args.max_new_tokens),
                  "--target", args.target, *(["--controls"] if args.extra else [])]
     # vLLM's CPU settings (scripts/vllm_env.sh) only for the judge: its OpenMP preload is not for our venv

@@ -2,7 +2,7 @@
 
 Prints one JSON line per figure and the ratio (goal >= 0.9 for harvesting).
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/capture_overhead.py [--target smollm2-135m] [--seq 256]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/speed/capture_overhead.py [--target smollm2-135m] [--seq 256]
 """
 
 from __future__ import annotations

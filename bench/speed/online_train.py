@@ -1,6 +1,6 @@
 """Online training against offline training over the same conversations, in the same run.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/online_train.py \\
+    OMP_NUM_THREADS=1 .venv/bin/python bench/speed/online_train.py \\
         [--data runs/quickstart/regenerate/dataset/regenerated.jsonl] [--target smollm2-135m] \\
         [--steps 100] [--max-shard-mb 4] [--budget-mb 20]
 
@@ -67,7 +67,7 @@ def main() -> None:
     torch.set_num_threads(1)
     target_cfg = TargetConfig(name_or_path=args.target)
     target = load_target(args.target, dtype="float32", device="cpu")
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         harvest_cfg = HarvestConfig(data=args.data, out_dir=str(root / "store"), dtype="bfloat16",

@@ -1,4 +1,4 @@
-"""The GPU check's speed checks (bench/gpu_check.py runs them): the loop under CUDA graphs, where a
+"""The GPU check's speed checks (tools/gpu_check.py runs them): the loop under CUDA graphs, where a
 training micro-batch and plain decoding spend their time (with the host syncs they make on CUDA),
 and the trainer's race against speculators 0.9.0 on the same samples. Each reports through the
 check's ``emit(check, ok, **figures)``."""
@@ -228,9 +228,9 @@ def check_speculators(emit: Emit, cfg: Any, target: Path, out: Path, device: str
     try:
         ours = json.loads((train_dir / "summary.json").read_text())
         shutil.rmtree(data, ignore_errors=True)
-        steps = [[sys.executable, "bench/speculators_data.py", "--store", cfg.train.store, "--out", str(data),
+        steps = [[sys.executable, "bench/studies/speculators_data.py", "--store", cfg.train.store, "--out", str(data),
                   "--draft-vocab", str(train_dir / "draft_vocab.safetensors"), "--eval-fraction", "0"],
-                 [python, "bench/speculators_train.py", "--data", str(data), "--target", str(target),
+                 [python, "bench/studies/speculators_train.py", "--data", str(data), "--target", str(target),
                   "--out", str(spec_out), "--steps", str(cfg.train.steps), "--ttt-steps", str(cfg.train.ttt_steps),
                   "--seq-len", str(cfg.train.micro_batch_tokens), "--optimizer", "adamw", "--overwrite",
                   "--train-data-ratio", "0.9",  # it needs held-out rows; tokens/s is what is compared

@@ -4,7 +4,7 @@ output checked against vLLM without speculation.
 Run from the vLLM venv (scripts/setup_vllm_env.sh), on CPU with scripts/vllm_env.sh sourced:
 
     source scripts/vllm_env.sh
-    OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/vllm_judge.py --draft ours=runs/train/best \\
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python tools/vllm_judge.py --draft ours=runs/train/best \\
         [--draft peer=DIR ...] --pools runs/pools --per-set 10 --k 3 --max-new-tokens 128 [--controls]
 
 Each engine runs in its own child process (vLLM's CPU engine is not made to be built twice in
@@ -117,7 +117,7 @@ def draft_family(folder: str) -> dict[str, Any]:
     (config.json ``parallel_drafting``) are served with ``parallel_drafting``, DFlash drafts
     (``DFlashDraftModel``) with ``method=dflash`` and K = block_size - 1 (vLLM runs a block of 1 + K,
     and a block other than the trained one is another model: its attention goes both ways).
-    speculators' own format (``speculators_model_type``, bench/speculators_train.py) is read as vLLM
+    speculators' own format (``speculators_model_type``, bench/studies/speculators_train.py) is read as vLLM
     reads it when served alone: ``dflash`` as DFlash, ``peagle`` with ``parallel_drafting`` and K = its
     ``speculative_tokens`` (the depths it trained)."""
     cfg = json.loads((Path(folder) / "config.json").read_text())

@@ -1,7 +1,7 @@
 """Does mining help at equal compute? Mined rounds vs the uniform mixture, >= 2 seeds, held-out tau
 per domain with bootstrap confidence intervals.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/mining_ablation.py --draft runs/race/bench/ours/final \\
+    OMP_NUM_THREADS=1 .venv/bin/python bench/studies/mining_ablation.py --draft runs/race/bench/ours/final \\
         --store runs/race/harvest --records runs/race/regenerate/dataset/regenerated.jsonl \\
         --eval-store runs/race/val/harvest --eval-records runs/race/val/regenerate/dataset/regenerated.jsonl \\
         --pool runs/race/pools/train.jsonl --eval-sets runs/race/pools/eval --out runs/ablation \\
@@ -32,7 +32,7 @@ import torch
 
 from eagle3.config import DEFAULT_TARGET
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_scores(path: Path) -> list[dict[str, Any]]:

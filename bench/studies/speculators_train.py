@@ -1,9 +1,9 @@
 """Train a speculators peer's draft (0.9.0: EAGLE-3, P-EAGLE or DFlash) on CPU from
-bench/speculators_data.py's output.
+bench/studies/speculators_data.py's output.
 
 Runs in the peer's own venv (``bash scripts/setup_speculators_env.sh``)::
 
-    OMP_NUM_THREADS=1 .venv-speculators/bin/python bench/speculators_train.py \\
+    OMP_NUM_THREADS=1 .venv-speculators/bin/python bench/studies/speculators_train.py \\
         --data runs/race/spec-data --target ~/.cache/eagle3/targets/smollm2-135m \\
         --out runs/race/speculators --steps 300 [--family eagle3|peagle|dflash]
 
@@ -43,7 +43,7 @@ the aux layer ids, the norm flags (EAGLE-3, P-EAGLE) and the verifier path writt
 as ``method=eagle3`` + ``parallel_drafting`` with ``mask_token_id`` as its ``pard_token`` (it drops
 ``fc_norm``/``norm_output``, so a P-EAGLE draft with either set is refused here), ``dflash`` as
 ``DFlashDraftModel`` with ``dflash_config{mask_token_id, target_layer_ids = aux ids - 1}`` and K =
-block_size - 1; bench/vllm_judge.py's ``draft_family`` serves both that way. The last stdout line
+block_size - 1; tools/vllm_judge.py's ``draft_family`` serves both that way. The last stdout line
 is one JSON object (also in ``OUT/result.json``): training tokens/s = non-padding positions the
 training loop consumed / wall seconds of the training epochs (data loading included; validation
 and checkpoint saves excluded).
@@ -193,7 +193,7 @@ class _MetricTap(logging.Handler):
 def read_conversion(data: Path) -> dict[str, Any]:
     path = data / CONVERSION
     if not path.is_file():
-        raise RaceError(f"{path}: missing; make the data with bench/speculators_data.py")
+        raise RaceError(f"{path}: missing; make the data with bench/studies/speculators_data.py")
     try:
         record = json.loads(path.read_text())
     except json.JSONDecodeError as err:
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, passthrough = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="Flags after -- go to `speculators train` unchanged.")
-    p.add_argument("--data", type=Path, required=True, help="folder written by bench/speculators_data.py")
+    p.add_argument("--data", type=Path, required=True, help="folder written by bench/studies/speculators_data.py")
     p.add_argument("--target", type=Path, required=True, help="the target's HF folder (the verifier)")
     p.add_argument("--out", type=Path, required=True, help="output folder (checkpoints/, draft/, result.json)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (speculators' --max-steps)")

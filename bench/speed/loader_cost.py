@@ -1,6 +1,6 @@
 """The trainer's host-side cost of one micro-batch at a target's real size, old read against new.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/loader_cost.py [--hidden 4096] [--tokens 4096]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/speed/loader_cost.py [--hidden 4096] [--tokens 4096]
 
 A bf16 store of random states shaped like Llama-3.1-8B's (hidden 4096, 3 aux layers + the last
 state: 16,384 values a token) is written to a temporary folder; each variant then reads the same

@@ -5,8 +5,8 @@ rows batch 8 generated exactly as batch 1 did. One JSON line per figure. With ``
 (run from the venv of scripts/setup_vllm_env.sh) the vLLM backend is timed too, on the
 same prompts, and its rows are compared with HF's.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/regen_throughput.py [--target smollm2-135m] [--max-new-tokens 64]
-    source scripts/vllm_env.sh; OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/regen_throughput.py --vllm
+    OMP_NUM_THREADS=1 .venv/bin/python bench/speed/regen_throughput.py [--target smollm2-135m] [--max-new-tokens 64]
+    source scripts/vllm_env.sh; OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/speed/regen_throughput.py --vllm
 
 Tokens counted are generated tokens (stop token included, padding of finished rows not).
 """

@@ -1,7 +1,7 @@
 """Cross-checks in one run: our loop (plain, fixed K, adaptive K) vs HF prompt-lookup decoding vs
 vLLM (the same exported draft, and its n-gram speculator), on the same eval prompts.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/cross_check.py --draft runs/train/best --pools runs/pools \\
+    OMP_NUM_THREADS=1 .venv/bin/python bench/speed/cross_check.py --draft runs/train/best --pools runs/pools \\
         [--per-set 5] [--max-new-tokens 96] [--k 3] [--no-vllm] [--out runs/cross_check.md]
 
 Rows (one JSON line each, then the table on stderr and in ``--out``):
@@ -13,7 +13,7 @@ Rows (one JSON line each, then the table on stderr and in ``--out``):
   acceptance carried across requests as the server does;
 * ``hf-generate`` and ``hf-prompt-lookup``: transformers ``generate`` greedy, without and with
   ``prompt_lookup_num_tokens``; the lookup's speedup is over ``hf-generate``;
-* ``vllm-plain``, ``vllm-eagle3``, ``vllm-ngram``: vLLM on CPU (``bench/vllm_judge.py`` in the
+* ``vllm-plain``, ``vllm-eagle3``, ``vllm-ngram``: vLLM on CPU (``tools/vllm_judge.py`` in the
   vLLM venv), tau from its spec-decode counters; speedups over ``vllm-plain``.
 
 ``tau`` is tokens per target forward (1 for plain decoding); ``equal`` counts prompts whose
@@ -37,7 +37,7 @@ import torch
 
 from eagle3.config import DEFAULT_TARGET
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_ours(decoder: Any, prompts: dict[str, list[list[int]]], stops: list[int], max_new: int,
@@ -115,7 +115,7 @@ def vllm_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     setup = ROOT / "scripts" / "vllm_env.sh"
-    cmd = [str(py), "bench/vllm_judge.py", "--draft", f"eagle3={args.draft}", "--ngram", "--pools", args.pools,
+    cmd = [str(py), "tools/vllm_judge.py", "--draft", f"eagle3={args.draft}", "--ngram", "--pools", args.pools,
            "--sets", args.sets, "--per-set", str(args.per_set), "--k", str(args.k),
            "--max-new-tokens", str(args.max_new_tokens), "--target", args.target]
     shell = f"source {setup} >/dev/null 2>&1; exec " + " ".join(f"'{c}'" for c in cmd) if setup.is_file() else None

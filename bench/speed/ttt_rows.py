@@ -1,7 +1,7 @@
 """Training step of the TTT unroll with and without the rows no step reads (`read_rows`), or with
 attention over whole rows and by groups of documents (`--compare segments`), side by side.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/ttt_rows.py --store runs/race/harvest --batches 6 \
+    OMP_NUM_THREADS=1 .venv/bin/python bench/speed/ttt_rows.py --store runs/race/harvest --batches 6 \
         [--compare rows|segments] [--max-tokens 4096 --ttt-steps 7]
 
 Packs the store's samples into rows of ``--max-tokens`` (as training does), computes the
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 from eagle3.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3.draft.ttt import SEGMENT_MIN_TOKENS, plan_rows, ttt_forward  # noqa: E402

@@ -2,7 +2,7 @@
 
 Runs in the project's main venv (no speculators needed)::
 
-    .venv/bin/python bench/speculators_data.py --store runs/quickstart/harvest --out runs/race/spec-data \\
+    .venv/bin/python bench/studies/speculators_data.py --store runs/quickstart/harvest --out runs/race/spec-data \\
         --draft-vocab runs/quickstart/train/draft_vocab.safetensors
 
 What speculators' ``ArrowDataset`` + file backend read from ``--data-path`` (checked against its
@@ -21,7 +21,7 @@ What speculators' ``ArrowDataset`` + file backend read from ``--data-path`` (che
 
 Rows are ordered training samples first, then held-out samples, so that speculators'
 ``--train-data-ratio`` (a head/tail split of the rows) reproduces our split exactly; the ratio to
-pass is in ``eagle3_conversion.json`` (bench/speculators_train.py reads it).
+pass is in ``eagle3_conversion.json`` (bench/studies/speculators_train.py reads it).
 
 Loss mask: our stores mark assistant tokens (1 on x[i] when x[i] is an assistant token), which is
 the same per-token convention speculators' own preprocessing writes, so ``--loss-mask native``
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 from eagle3.atomic import atomic_dir  # noqa: E402
 from eagle3.draft.vocab import DraftVocab  # noqa: E402

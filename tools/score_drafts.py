@@ -1,6 +1,6 @@
 """Teacher-forced acceptance of several drafts on one harvest store, per domain and language.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/score_drafts.py --store runs/mirror/store \\
+    OMP_NUM_THREADS=1 .venv/bin/python tools/score_drafts.py --store runs/mirror/store \\
         --records runs/mirror/regen/dataset/regenerated.jsonl --draft ours=DIR --draft speculators=DIR
 
 Every draft (any format ``eagle3.export.load_draft`` reads: ours, vLLM plain, speculators) runs

@@ -1,7 +1,7 @@
 """Speculative decoding speed on this machine: the bundled loop against plain decoding in the same
 loop and against HF ``generate``, next to the cost model's prediction for the measured tau.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/spec_speedup.py --draft runs/train/best --pools runs/pools \\
+    OMP_NUM_THREADS=1 .venv/bin/python bench/speed/spec_speedup.py --draft runs/train/best --pools runs/pools \\
         [--per-set 5] [--max-new-tokens 96] [--k 3] [--mode chain|tree] [--device auto] [--target-dtype auto]
 
 One JSON line per figure:
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 from eagle3.config import add_target_arguments  # noqa: E402
 

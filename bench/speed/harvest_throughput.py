@@ -1,6 +1,6 @@
 """Harvest speed against the bare target forward, and disk per token, in the same run.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/harvest_throughput.py \\
+    OMP_NUM_THREADS=1 .venv/bin/python bench/speed/harvest_throughput.py \\
         [--data runs/quickstart/regenerate/dataset/regenerated.jsonl] [--target smollm2-135m]
 
 Figures (one JSON line each): bare decoder forward tokens/s on the harvest's own batches;

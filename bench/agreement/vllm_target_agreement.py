@@ -3,7 +3,7 @@
 Run from the vLLM venv (scripts/setup_vllm_env.sh), on CPU with scripts/vllm_env.sh sourced:
 
     source scripts/vllm_env.sh
-    OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/vllm_target_agreement.py
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/agreement/vllm_target_agreement.py
 
 Prints one JSON line per prompt (tokens equal up to the first divergence) and a summary.
 

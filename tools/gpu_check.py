@@ -1,7 +1,7 @@
 """The project's GPU check: every stage on one device, with a random-weight target built from a
 config and the embedded target's real tokenizer (no network, no weights to carry).
 
-    .venv/bin/python bench/gpu_check.py [--size gpu|smol|tiny] [--device auto] [--out runs/gpu_check]
+    .venv/bin/python tools/gpu_check.py [--size gpu|smol|tiny] [--device auto] [--out runs/gpu_check]
         [--tokenizer DIR]
 
 It builds the target, writes a small prompt pool, then runs the pipeline's stages with

@@ -3,7 +3,7 @@
 Run from the vLLM venv (scripts/setup_vllm_env.sh), on CPU with scripts/vllm_env.sh sourced:
 
     source scripts/vllm_env.sh
-    OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/vllm_capture_agreement.py [--aux-layer-ids 2,15,27 1,10,20]
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/agreement/vllm_capture_agreement.py [--aux-layer-ids 2,15,27 1,10,20]
 
 For each aux-id set (one vLLM engine each, fp32) the same chat conversations are captured
 by :class:`eagle3.target.model.Target` (HF, one sequence at a time) and by

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # CI only (root, Debian): a real single-node Slurm on localhost, started by hand (no systemd), then
-# scripts/slurm_e2e.py submits a tiny harvest array and a 2-task training job through submitit and
+# scripts/ci/slurm_e2e.py submits a tiny harvest array and a 2-task training job through submitit and
 # checks their outputs. Stops only the daemons it started (their PID files). Never run by
 # scripts/test.sh: a user's test run does not install daemons.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 work="$(mktemp -d /tmp/eagle3-slurm-XXXXXX)"
 chmod 755 "$work"  # munge and mysql run as their own users
 echo "slurm CI: state in $work" >&2
@@ -112,5 +112,5 @@ sinfo >&2
 [ "$state" = "idle" ] || { echo "slurm CI: the node never became idle" >&2; tail -n 30 "$work/log/"*.log >&2; exit 1; }
 
 cd "$root"
-.venv/bin/python scripts/slurm_e2e.py --work "$work/e2e"
+.venv/bin/python scripts/ci/slurm_e2e.py --work "$work/e2e"
 echo "slurm CI: passed" >&2

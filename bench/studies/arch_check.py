@@ -2,7 +2,7 @@
 the whole pipeline (regenerate, harvest, train, our serving loop) and then served by real vLLM
 with the exported draft, both judged on the same eval prompts.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/arch_check.py --out runs/arch_check \\
+    OMP_NUM_THREADS=1 .venv/bin/python bench/studies/arch_check.py --out runs/arch_check \\
         [--archs llama,qwen2,qwen3] [--archs deepseek_v3 on a GPU] [--steps 300] [--no-vllm]
 
 Needs ``.venv`` and, unless ``--no-vllm``, ``.venv-vllm`` (scripts/setup_vllm_env.sh). Each target
@@ -69,7 +69,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 from race_speculators import run  # noqa: E402  (this folder is on sys.path when run as a script)
 
@@ -273,7 +273,7 @@ def check(arch: str, out: Path, steps: int, vllm: bool, per_set: int, max_new_to
                             "ours_lossless": ours["lossless"]}
     if not vllm:
         return line
-    judge = [".venv-vllm/bin/python", "bench/vllm_judge.py", "--target", str(target.resolve()),
+    judge = [".venv-vllm/bin/python", "tools/vllm_judge.py", "--target", str(target.resolve()),
              "--draft", f"{arch}={work / 'train' / 'final'}", "--pools", str(out / "pools"),
              "--per-set", str(per_set), "--k", "3", "--max-new-tokens", str(max_new_tokens), "--controls",
              "--model-impl", MODEL_IMPL.get(arch, "auto")]
