@@ -37,7 +37,7 @@ class TargetConfig:
     architecture: dict[str, Any] | None = None
     """The target's architecture as its config.json states it (hidden_size, num_hidden_layers,
     vocab_size, ...; nested under ``text_config`` for multimodal checkpoints): lets a recipe be
-    planned without the weights (``stages=[plan]``: draft shape and parameter count). Once the
+    planned without the weights (``stages=[size]``: draft shape and parameter count). Once the
     model is loaded, every value given here is checked against its config."""
     nvfp4_mode: str = "auto"
     """For an NVFP4 checkpoint (``python -m eagle3.target.nvfp4 convert``), run emulated: auto (as the

@@ -3,6 +3,7 @@ compose YAML over these dataclasses; the entry point converts once, and nothing 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 from data_gen.config import HarvestConfig, PoolsConfig, QuantizeConfig, RegenerateConfig, SelectConfig
@@ -11,6 +12,9 @@ from eagle3.errors import ConfigError
 from eagle3.train.config import TrainConfig
 from hard_mining.config import MineConfig
 from serve_eval.config import EvalConfig
+
+RENAMED_STAGES = {"plan": "size"}
+"""Stage names recipes may still use: the draft's size before any weights was the ``plan`` stage."""
 
 
 @dataclass
@@ -70,6 +74,10 @@ class PipelineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for old, new in RENAMED_STAGES.items():
+            if old in self.stages:
+                print(f"stages: {old!r} is now called {new!r}; running {new}", file=sys.stderr)
+                self.stages = [new if s == old else s for s in self.stages]
         if self.train.data in ("online", "colocated") and "mine" in self.stages:
             raise ConfigError(f"train.data={self.train.data} keeps no store for the mine stage to score and extend: "
                               "run without it (stages=[...] without mine), or train with train.data=hybrid or offline")

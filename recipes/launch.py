@@ -33,7 +33,7 @@ from typing import Any
 from eagle3.errors import Eagle3Error
 from recipes.config import LauncherConfig, PipelineConfig
 
-PREPARE = ("plan", "target", "pools", "quantize", "regenerate", "val")
+PREPARE = ("size", "target", "pools", "quantize", "regenerate", "val")
 FINISH = ("mine", "eval", "report")
 
 

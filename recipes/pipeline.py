@@ -404,15 +404,15 @@ def stage_quantize(cfg: PipelineConfig) -> dict[str, Any]:
             "weight_relative_error_mean": round(report["weight_relative_error"]["mean"], 5)}
 
 
-def stage_plan(cfg: PipelineConfig) -> dict[str, Any]:
+def stage_size(cfg: PipelineConfig) -> dict[str, Any]:
     """The draft's shape and trainable parameters, from the target's config alone (no weights)."""
-    from eagle3.train.plan import plan_draft
+    from eagle3.train.size import size_draft
 
-    return plan_draft(cfg.target, cfg.train)
+    return size_draft(cfg.target, cfg.train)
 
 
 STAGES: dict[str, Callable[[PipelineConfig], dict[str, Any]]] = {
-    "plan": stage_plan, "target": stage_target, "pools": stage_pools, "quantize": stage_quantize,
+    "size": stage_size, "target": stage_target, "pools": stage_pools, "quantize": stage_quantize,
     "regenerate": stage_regenerate, "harvest": stage_harvest, "train": stage_train, "val": stage_val,
     "mine": stage_mine, "eval": stage_eval, "report": stage_report,
 }

@@ -21,12 +21,12 @@ from eagle3.config import SamplingConfig, TargetConfig
 from eagle3.draft.families import DraftFamily, Proposal, Proposer, family_names, family_of, get_family
 from eagle3.draft.losses import SOFT_CE
 from eagle3.draft.model import DraftConfig, DraftHead, gather_rows
-from eagle3.draft.ttt import StepTally, checked_weights, planned, step_input_ids, step_loss
+from eagle3.draft.ttt import StepTally, checked_weights, layout_of, step_input_ids, step_loss
 from eagle3.export import load_draft
 from eagle3.train.config import TrainConfig
 from eagle3.train.log import read_metrics
 from eagle3.train.loop import train
-from eagle3.train.plan import count_on_meta
+from eagle3.train.size import count_on_meta
 from serve_eval.config import SpecConfig
 from serve_eval.spec_decode import SpeculativeDecoder
 from tests.helpers import lively_target, regenerated_data
@@ -54,18 +54,18 @@ def toy_forward(draft: ToyDraft, input_ids: Tensor, aux: Tensor, position_ids: T
                 loss_mask: Tensor, targets: Any, *, num_steps: int = 7, weights: Any = None,
                 gradient_checkpointing: bool = False, return_logits: bool = False, loss_on_oov: bool = False,
                 skip_unread_rows: bool = True, gate_steps: bool = False, objective: Any = SOFT_CE,
-                plan: Any = None) -> Any:
+                layout: Any = None) -> Any:
     """Step k at row t is fed x[t+k+1] and scored against p[t+k+1], as the TTT unroll's steps."""
-    plan = planned(plan, loss_mask, document_ids, num_steps, skip_unread_rows and not return_logits)
-    at = plan.at
+    layout = layout_of(layout, loss_mask, document_ids, num_steps, skip_unread_rows and not return_logits)
+    at = layout.at
     rows = (lambda x: x) if at is None else (lambda x: gather_rows(x, at))
     tally = StepTally(checked_weights(num_steps, weights), loss_mask, document_ids, targets, draft.t2d,
-                      loss_on_oov=loss_on_oov, gate_steps=gate_steps, at=at, live=plan.live)
+                      loss_on_oov=loss_on_oov, gate_steps=gate_steps, at=at, live=layout.live)
     state = rows(draft.start(aux))
     for k in range(num_steps):
         trained = tally.step(k)
         state = draft.step(rows(step_input_ids(input_ids, k)), state)
-        tally.add(*step_loss(draft, state, k, trained, plan.counted[k], at, targets, input_ids, return_logits,
+        tally.add(*step_loss(draft, state, k, trained, layout.counted[k], at, targets, input_ids, return_logits,
                              objective))
     return tally.output(return_logits)
 

@@ -79,28 +79,34 @@ def test_invalid_values_fail_with_the_field_named() -> None:
 def test_unknown_stage_is_named() -> None:
     from recipes.pipeline import run_pipeline
 
-    known = (r"known stages are \['plan', 'target', 'pools', 'quantize', 'regenerate', 'harvest', 'train', 'val', "
+    known = (r"known stages are \['size', 'target', 'pools', 'quantize', 'regenerate', 'harvest', 'train', 'val', "
              r"'mine', 'eval', 'report'\]")
     with pytest.raises(ValueError, match=r"unknown \['harvst'\]; " + known):
         run_pipeline(PipelineConfig(stages=["target", "harvst"]))
 
 
-# ---------------------------------------------------------------- big-target recipes, planned on meta
+def test_a_renamed_stage_runs_under_its_new_name_with_one_line(capsys) -> None:
+    config = PipelineConfig(stages=["plan", "target"])
+    assert config.stages == ["size", "target"]
+    assert capsys.readouterr().err == "stages: 'plan' is now called 'size'; running size\n"
+
+
+# ---------------------------------------------------------------- big-target recipes, sized on meta
 
 BIG = {"llama-3.1-8b": ([2, 16, 29], 0.40e9, 0.45e9), "qwen3-8b": ([2, 18, 33], 0.38e9, 0.42e9),
        "kimi-k2.5": ([2, 30, 58], 0.95e9, 1.05e9)}
 
 
 @pytest.mark.parametrize("name", sorted(BIG))
-def test_big_target_recipes_plan_their_draft_on_meta(name: str) -> None:
+def test_big_target_recipes_size_their_draft_on_meta(name: str) -> None:
     from eagle3.draft.model import Eagle3Draft
-    from eagle3.train.plan import plan_draft
+    from eagle3.train.size import size_draft
 
     with initialize_config_module(config_module="recipes", version_base="1.3"):
         config = OmegaConf.to_object(compose(config_name=name))
     assert isinstance(config, PipelineConfig) and config.train.precision == "bf16"
     assert config.regenerate.backend == config.harvest.backend == "vllm"
-    plan = plan_draft(config.target, config.train)  # counted on meta and by the closed form (they must agree)
+    plan = size_draft(config.target, config.train)  # counted on meta and by the closed form (they must agree)
     ids, low, high = BIG[name]
     assert plan["aux_layer_ids"] == ids and low < plan["trainable_parameters"] < high
     assert plan["draft"]["draft_vocab_size"] == 32000
@@ -195,18 +201,18 @@ def test_a_draft_recipe_with_a_key_that_is_no_train_setting_is_named(tmp_path: P
 
 @pytest.mark.parametrize("family", ["peagle", "dflash"])
 def test_the_parallel_family_recipes_plan_their_draft(family: str) -> None:
-    """draft=peagle / draft=dflash on Llama-3.1-8B: counted on meta and by the closed form (plan_draft
+    """draft=peagle / draft=dflash on Llama-3.1-8B: counted on meta and by the closed form (size_draft
     checks they agree); P-EAGLE adds its mask state (3 x 4096) to EAGLE-3's layer, DFlash's layer reads
     H wide instead of 2H and adds q_norm/k_norm."""
-    from eagle3.train.plan import plan_draft
+    from eagle3.train.size import size_draft
 
     with initialize_config_module(config_module="recipes", version_base="1.3"):
         config = OmegaConf.to_object(compose(config_name="llama-3.1-8b", overrides=[f"draft={family}"]))
     assert config.train.draft_family == family
     assert config.train.num_layers == (5 if family == "dflash" else 1)  # DFlash: five, as speculators' and its authors'
     train = replace(config.train, num_layers=1)  # the arithmetic below is per layer
-    plan = plan_draft(config.target, train)
-    eagle3 = plan_draft(config.target, replace(train, draft_family="eagle3", draft_variant="speculators"))
+    plan = size_draft(config.target, train)
+    eagle3 = size_draft(config.target, replace(train, draft_family="eagle3", draft_variant="speculators"))
     assert plan["family"] == family
     h, q, kv = 4096, 4096, 1024
     if family == "peagle":

@@ -480,8 +480,8 @@ def test_skipping_unread_rows_changes_nothing(doc_lengths: list[list[int]], num_
 
 
 def test_a_row_plan_made_elsewhere_is_the_one_the_unroll_makes_and_fits_only_its_batch() -> None:
-    """The trainer plans the rows on the host (:func:`eagle3.draft.ttt.plan_rows`): given to the unroll it
-    gives the very loss and matches of the unroll's own plan; a plan of another batch, another depth
+    """The trainer plans the rows on the host (:func:`eagle3.draft.ttt.layout_rows`): given to the unroll it
+    gives the very loss and matches of the unroll's own layout; a layout of another batch, another depth
     or read rows for a forward over every row is refused by name."""
     draft = tiny_draft().train()
     batch = packed_batch([[30, 20], [50]], seed=6, t2d=draft.t2d)
@@ -489,13 +489,13 @@ def test_a_row_plan_made_elsewhere_is_the_one_the_unroll_makes_and_fits_only_its
     targets = prepare_targets(batch["target_logits"], draft.t2d)
     args = (draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"], batch["loss_mask"],
             targets)
-    plan = ttt.plan_rows(batch["loss_mask"], batch["document_ids"], 3)
-    own, given = ttt_forward(*args, num_steps=3), ttt_forward(*args, num_steps=3, plan=plan)
+    layout = ttt.layout_rows(batch["loss_mask"], batch["document_ids"], 3)
+    own, given = ttt_forward(*args, num_steps=3), ttt_forward(*args, num_steps=3, layout=layout)
     assert torch.equal(own.loss, given.loss) and torch.equal(own.match, given.match)
-    other = ttt.plan_rows(batch["loss_mask"][:1], batch["document_ids"][:1], 3)
-    for bad, kwargs in ((other, {}), (plan, {"num_steps": 2}), (plan, {"skip_unread_rows": False})):
-        with pytest.raises(ValueError, match="row plan"):
-            ttt_forward(*args, **{"num_steps": 3, **kwargs}, plan=bad)
+    other = ttt.layout_rows(batch["loss_mask"][:1], batch["document_ids"][:1], 3)
+    for bad, kwargs in ((other, {}), (layout, {"num_steps": 2}), (layout, {"skip_unread_rows": False})):
+        with pytest.raises(ValueError, match="row layout"):
+            ttt_forward(*args, **{"num_steps": 3, **kwargs}, layout=bad)
 
 
 def test_document_groups_by_hand() -> None:
@@ -503,10 +503,10 @@ def test_document_groups_by_hand() -> None:
     places, and their padding (position 0) is a segment of its own that sees the first key."""
     doc = torch.tensor([[0] * 10 + [1] * 3 + [2] * 20])
     at, live = torch.tensor([[2, 5, 11, 12, 20, 0]]), torch.tensor([[True] * 5 + [False]])
-    every, read = ttt.plan_segments(doc, at, live, 8)
+    every, read = ttt.layout_segments(doc, at, live, 8)
     assert every == ((0, 0, 10, 0, 10), (0, 10, 33, 10, 33))
     assert read == ((0, 0, 10, 0, 2), (0, 10, 33, 2, 5), (0, 0, 1, 5, 6))
-    assert ttt.plan_segments(doc, None, None, 100) == (((0, 0, 33, 0, 33),), None)
+    assert ttt.layout_segments(doc, None, None, 100) == (((0, 0, 33, 0, 33),), None)
 
 
 @pytest.mark.parametrize("skip", [True, False])
@@ -521,18 +521,18 @@ def test_attention_by_document_groups_changes_nothing(skip: bool) -> None:
     batch["document_ids"][1, 150:], batch["loss_mask"][1, 150:], batch["position_ids"][1, 150:] = -1, False, 0
     targets = prepare_targets(batch["target_logits"], draft.t2d)
 
-    def run(segment_tokens: int | None) -> tuple[ttt.TTTOutput, dict[str, torch.Tensor], ttt.RowPlan]:
+    def run(segment_tokens: int | None) -> tuple[ttt.TTTOutput, dict[str, torch.Tensor], ttt.RowLayout]:
         draft.zero_grad(set_to_none=True)
-        plan = ttt.plan_rows(batch["loss_mask"], batch["document_ids"], 3, skip, segment_tokens)
+        layout = ttt.layout_rows(batch["loss_mask"], batch["document_ids"], 3, skip, segment_tokens)
         out = ttt_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
-                          batch["loss_mask"], targets, num_steps=3, skip_unread_rows=skip, plan=plan,
+                          batch["loss_mask"], targets, num_steps=3, skip_unread_rows=skip, layout=layout,
                           gradient_checkpointing=True)
         out.loss.backward()
-        return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}, plan
+        return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}, layout
 
     whole, g_whole, _ = run(None)
-    split, g_split, plan = run(16)
-    assert plan.segments is not None and len(plan.segments[0]) >= 7 and (not skip or len(plan.segments[1]) >= 6)
+    split, g_split, layout = run(16)
+    assert layout.segments is not None and len(layout.segments[0]) >= 7 and (not skip or len(layout.segments[1]) >= 6)
     torch.testing.assert_close(split.loss, whole.loss, rtol=1e-5, atol=1e-6)
     assert torch.equal(split.match, whole.match) and whole.count.sum() > 0
     for name in g_whole:

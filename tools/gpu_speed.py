@@ -130,7 +130,7 @@ def check_profile(emit: Emit, cfg: Any, draft: Path, target: Path, pools: Path, 
 
     from eagle3.draft.metrics import AcceptanceTally
     from eagle3.draft.target_head import TargetHead
-    from eagle3.draft.ttt import plan_rows
+    from eagle3.draft.ttt import layout_rows
     from eagle3.store.batches import load_batch
     from eagle3.store.shards import HarvestStore
     from eagle3.target.chat import ChatFormat
@@ -170,7 +170,7 @@ def check_profile(emit: Emit, cfg: Any, draft: Path, target: Path, pools: Path, 
         located = _first_sync(micro_batch) if syncs else None  # where the first one comes from
 
         def timed_ms() -> float:
-            micro_batch()  # warm-up (a new plan's shapes)
+            micro_batch()  # warm-up (a new layout's shapes)
             synchronize(dev)
             t0 = time.perf_counter()
             micro_batch()
@@ -178,7 +178,7 @@ def check_profile(emit: Emit, cfg: Any, draft: Path, target: Path, pools: Path, 
             return round((time.perf_counter() - t0) * 1000, 2)
 
         grouped = timed_ms()  # attention by groups of documents, as the trainer runs it
-        with mock.patch("eagle3.train.step.plan_rows", functools.partial(plan_rows, segment_tokens=None)):
+        with mock.patch("eagle3.train.step.layout_rows", functools.partial(layout_rows, segment_tokens=None)):
             whole = timed_ms()  # attention over the whole row
         emit("profile.train_micro_batch", not syncs, tokens=tokens, ms=round(seconds * 1000, 2), first_sync=located,
              documents=len(idx), ms_unprofiled=grouped, ms_whole_row_attention=whole,

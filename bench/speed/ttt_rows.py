@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 from eagle3.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
-from eagle3.draft.ttt import SEGMENT_MIN_TOKENS, plan_rows, ttt_forward  # noqa: E402
+from eagle3.draft.ttt import SEGMENT_MIN_TOKENS, layout_rows, ttt_forward  # noqa: E402
 from eagle3.draft.vocab import select_draft_vocab  # noqa: E402
 from eagle3.store.batches import epoch_batches, load_batch, loss_token_counts  # noqa: E402
 from eagle3.store.shards import HarvestStore  # noqa: E402
@@ -75,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
                 draft.zero_grad(set_to_none=True)
                 start = time.perf_counter()
                 skip = on or segments
-                plan = plan_rows(batch["loss_mask"], batch["document_ids"], args.ttt_steps, skip,
+                layout = layout_rows(batch["loss_mask"], batch["document_ids"], args.ttt_steps, skip,
                                  SEGMENT_MIN_TOKENS if on or not segments else None)
                 out = ttt_forward(draft, batch["input_ids"], batch["aux"].float(), batch["position_ids"],
                                   batch["document_ids"], batch["loss_mask"], targets, num_steps=args.ttt_steps,
-                                  weights=torch.ones(args.ttt_steps), skip_unread_rows=skip, plan=plan)
+                                  weights=torch.ones(args.ttt_steps), skip_unread_rows=skip, layout=layout)
                 out.loss.backward()
                 seconds[on] += time.perf_counter() - start
                 if r == 0:

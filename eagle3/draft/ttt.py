@@ -250,7 +250,7 @@ def ttt_attention(q: Tensor, step0: tuple[Tensor, Tensor], diagonal: Sequence[tu
 Segment = tuple[int, int, int, int, int]  # (batch row, first key, end key, first query, end query)
 
 SEGMENT_MIN_TOKENS = 512
-"""Attention runs per group of whole documents at least this long (:func:`plan_rows`): no query sees
+"""Attention runs per group of whole documents at least this long (:func:`layout_rows`): no query sees
 another document's keys, so a row of several documents costs the sum of its groups' squares rather
 than the row's square; smaller groups would cost more calls than they save."""
 
@@ -270,7 +270,7 @@ def _segmented(q: Tensor, step0: tuple[Tensor, Tensor], diagonal: Sequence[tuple
     return torch.cat([torch.cat(parts, dim=1) for parts in rows], dim=0)
 
 
-def plan_segments(document_ids: Tensor, at: Tensor | None, live: Tensor | None,
+def layout_segments(document_ids: Tensor, at: Tensor | None, live: Tensor | None,
                   min_tokens: int) -> tuple[tuple[Segment, ...], tuple[Segment, ...] | None]:
     """The segments of a batch (:func:`_segmented`): consecutive documents grouped until a group holds
     ``min_tokens``; for queries at every row, and (``at``) at the rows read, whose padding (position 0)
@@ -331,29 +331,29 @@ def read_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int) -> tuple[
 
 
 @dataclass(frozen=True)
-class RowPlan:
+class RowLayout:
     """The data-dependent shapes of a training forward, which depend on ``loss_mask`` and
     ``document_ids`` alone: the rows the unroll reads (:func:`read_rows`) and, per step, where its
     loss and metrics are read. Worked out where those masks are built (the trainer: on the host,
-    :func:`plan_rows`), the device never has to report a count back, a host sync on CUDA."""
+    :func:`layout_rows`), the device never has to report a count back, a host sync on CUDA."""
 
     at: Tensor | None  # [B, M] the rows every step's output is read at (None: all rows)
     live: Tensor | None  # [B, M] False on the padding of ``at``
     counted: tuple[tuple[Tensor, Tensor], ...]  # per step, its counted positions: (batch row, forward row) [M_k]
     shape: tuple[int, ...]  # the batch's [B, S], checked against the batch it meets
-    segments: tuple[tuple[Segment, ...], tuple[Segment, ...] | None] | None = None  # plan_segments' (None: whole rows)
+    segments: tuple[tuple[Segment, ...], tuple[Segment, ...] | None] | None = None  # layout_segments' (None: whole rows)
 
-    def to(self, device: torch.device) -> RowPlan:
+    def to(self, device: torch.device) -> RowLayout:
         def move(x: Tensor | None) -> Tensor | None:
             return None if x is None else to_device(x, device)
 
-        return RowPlan(move(self.at), move(self.live), tuple((move(r), move(c)) for r, c in self.counted), self.shape,
+        return RowLayout(move(self.at), move(self.live), tuple((move(r), move(c)) for r, c in self.counted), self.shape,
                        self.segments)
 
 
-def plan_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int, skip_unread_rows: bool = True,
-              segment_tokens: int | None = SEGMENT_MIN_TOKENS) -> RowPlan:
-    """The :class:`RowPlan` of a batch ([B, S] masks, on whichever device holds them); attention by
+def layout_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int, skip_unread_rows: bool = True,
+              segment_tokens: int | None = SEGMENT_MIN_TOKENS) -> RowLayout:
+    """The :class:`RowLayout` of a batch ([B, S] masks, on whichever device holds them); attention by
     groups of documents of ``segment_tokens`` (None: whole rows)."""
     at, live = read_rows(loss_mask, document_ids, num_steps) if skip_unread_rows else (None, None)
     counted = []
@@ -362,21 +362,21 @@ def plan_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int, skip_unre
         if live is not None:
             counted_k = counted_k & live
         counted.append(counted_k.nonzero(as_tuple=True))
-    segments = None if segment_tokens is None else plan_segments(document_ids, at, live, segment_tokens)
-    return RowPlan(at, live, tuple(counted), tuple(loss_mask.shape), segments)
+    segments = None if segment_tokens is None else layout_segments(document_ids, at, live, segment_tokens)
+    return RowLayout(at, live, tuple(counted), tuple(loss_mask.shape), segments)
 
 
-def planned(plan: RowPlan | None, loss_mask: Tensor, document_ids: Tensor, num_steps: int,
-            skip_unread_rows: bool) -> RowPlan:
-    """``plan`` (checked against the forward's settings), else the batch's own on its device."""
-    if plan is None:
-        return plan_rows(loss_mask, document_ids, num_steps, skip_unread_rows)
-    if (len(plan.counted) != num_steps or (plan.at is not None and not skip_unread_rows)
-            or plan.shape != tuple(loss_mask.shape)):
-        raise ValueError(f"a row plan of {len(plan.counted)} steps{' over read rows' if plan.at is not None else ''} "
-                         f"for a {list(plan.shape)} batch, given a forward of {num_steps} steps"
+def layout_of(layout: RowLayout | None, loss_mask: Tensor, document_ids: Tensor, num_steps: int,
+            skip_unread_rows: bool) -> RowLayout:
+    """``layout`` (checked against the forward's settings), else the batch's own on its device."""
+    if layout is None:
+        return layout_rows(loss_mask, document_ids, num_steps, skip_unread_rows)
+    if (len(layout.counted) != num_steps or (layout.at is not None and not skip_unread_rows)
+            or layout.shape != tuple(loss_mask.shape)):
+        raise ValueError(f"a row layout of {len(layout.counted)} steps{' over read rows' if layout.at is not None else ''} "
+                         f"for a {list(layout.shape)} batch, given a forward of {num_steps} steps"
                          f"{'' if skip_unread_rows else ' over every row'} on a {list(loss_mask.shape)} batch")
-    return plan
+    return layout
 
 
 def _rows(x: Tensor, idx: Tensor | None) -> Tensor:
@@ -444,7 +444,7 @@ def step_loss(draft: DraftHead, prenorm: Tensor, k: int, valid: Tensor, counted:
     """Step k's objective summed over ``valid`` and the draft's argmax [B, S] in target ids, from its
     pre-norm outputs [B, R, H] at the rows ``at`` (all rows: None); with ``return_logits`` also the
     logits [B, S, Vd], else logits only on the ``counted`` positions ((batch row, forward row), the
-    step's entry of :attr:`RowPlan.counted`; the lm_head is most of a step's compute, and under
+    step's entry of :attr:`RowLayout.counted`; the lm_head is most of a step's compute, and under
     half the rows are counted; uncounted rows never match)."""
     if return_logits:
         logits = draft.compute_logits(prenorm)  # [B, S, Vd]
@@ -476,7 +476,7 @@ def ttt_forward(
     skip_unread_rows: bool = True,
     gate_steps: bool = False,
     objective: Objective = SOFT_CE,
-    plan: RowPlan | None = None,
+    layout: RowLayout | None = None,
     step_inputs: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
 ) -> TTTOutput:
     """Unroll the draft ``num_steps`` steps over a packed batch; loss and per-step matches.
@@ -503,8 +503,8 @@ def ttt_forward(
     num_layers = len(draft.decoder_layers)
     step0_kv: list[tuple[Tensor, Tensor]] = []  # per layer (k0, v0) [B, S, nkv, d]
     diagonal: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(num_layers)]  # per layer, steps 1..k-1
-    plan = planned(plan, loss_mask, document_ids, num_steps, skip_unread_rows and not return_logits)
-    at, live = plan.at, plan.live  # [B, M]: the output rows of every step (None: all); step 0 still reads all
+    layout = layout_of(layout, loss_mask, document_ids, num_steps, skip_unread_rows and not return_logits)
+    at, live = layout.at, layout.live  # [B, M]: the output rows of every step (None: all); step 0 still reads all
     read_mask = _rows(mask0, at)  # [B, M, S]: the step-0 window of those rows
 
     tally = StepTally(w, loss_mask, document_ids, targets, t2d, loss_on_oov=loss_on_oov, gate_steps=gate_steps,
@@ -520,9 +520,9 @@ def ttt_forward(
         # A snapshot of the keys so far: a checkpointed step replays against exactly these.
         earlier = ([list(d) for d in diagonal], list(step0_kv))
         run_step = functools.partial(_unroll_step, draft, k=k, ids_k=ids_k, pos_k=pos_k, valid=valid_k,
-                                     counted=plan.counted[k], at=at, earlier=earlier, masks=(mask0, read_mask),
+                                     counted=layout.counted[k], at=at, earlier=earlier, masks=(mask0, read_mask),
                                      targets=targets, input_ids=input_ids, return_logits=return_logits,
-                                     objective=objective, segments=plan.segments)
+                                     objective=objective, segments=layout.segments)
 
         if gradient_checkpointing and torch.is_grad_enabled():
             out = checkpoint(run_step, hidden, use_reentrant=False)
@@ -572,7 +572,7 @@ def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tens
 
 
 __all__ = [
-    "RowPlan", "StepTally", "TTTOutput", "TTTTargets", "plan_rows", "plan_segments", "planned", "read_rows",
+    "RowLayout", "StepTally", "TTTOutput", "TTTTargets", "layout_rows", "layout_segments", "layout_of", "read_rows",
     "step_loss",
     "prepare_targets",
     "prepare_targets_from_topk", "shift_left", "soft_cross_entropy", "step0_attention_mask",

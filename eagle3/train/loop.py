@@ -217,7 +217,7 @@ class _Loop:
         self.dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         self.weights = step_weights(cfg.ttt_steps, cfg.step_decay)
         self.schedule = warmup_decay(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio, cfg.lr_schedule)
-        self.eval_plan = (epoch_batches(self.eval_store.lengths, eval_idx, cfg.batching, cfg.micro_batch_tokens,
+        self.eval_batches_all = (epoch_batches(self.eval_store.lengths, eval_idx, cfg.batching, cfg.micro_batch_tokens,
                                         cfg.seed, 0) if self.eval_store is not None else [])
         self.per_step = rt.world_size * cfg.gradient_accumulation
         self.plan_epoch, self.plan = -1, []
@@ -231,8 +231,8 @@ class _Loop:
         tally = AcceptanceTally(cfg.ttt_steps, rt.device)
         self.engine.eval()
         with torch.no_grad():
-            for idx in eval_batches_for_rank(self.eval_plan, rt.rank, rt.world_size):
-                batch = load_batch(self.eval_store, idx or self.eval_plan[0], cfg.batching, stored=True)
+            for idx in eval_batches_for_rank(self.eval_batches_all, rt.rank, rt.world_size):
+                batch = load_batch(self.eval_store, idx or self.eval_batches_all[0], cfg.batching, stored=True)
                 out = run_batch(self.engine, self.head, batch, self.t2d, self.dtype, rt.device)
                 if idx is not None:  # a pad forward keeps ZeRO-3's collectives in step; not counted
                     tally.add(out)

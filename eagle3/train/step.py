@@ -16,7 +16,7 @@ from eagle3.draft.families import family_of
 from eagle3.draft.losses import SOFT_CE, Objective
 from eagle3.draft.model import DraftHead
 from eagle3.draft.target_head import TargetHead, needed_rows
-from eagle3.draft.ttt import RowPlan, TTTOutput, TTTTargets, plan_rows, step_weights
+from eagle3.draft.ttt import RowLayout, TTTOutput, TTTTargets, layout_rows, step_weights
 
 
 def add_feature_noise(aux: Tensor, scale: float) -> Tensor:
@@ -47,14 +47,14 @@ class TTTModel(nn.Module):
 
     def forward(self, input_ids: Tensor, aux: Tensor, position_ids: Tensor, document_ids: Tensor,
                 loss_mask: Tensor, target_probs: Tensor, target_argmax: Tensor,
-                plan: RowPlan | None = None) -> tuple[Tensor, ...]:
+                layout: RowLayout | None = None) -> tuple[Tensor, ...]:
         if self.training and self.feature_noise > 0:
             aux = add_feature_noise(aux, self.feature_noise)
         out = family_of(self.draft.config).forward(self.draft, input_ids, aux, position_ids, document_ids, loss_mask,
                           TTTTargets(probs=target_probs, argmax=target_argmax), num_steps=self.num_steps,
                           weights=self.weights, gradient_checkpointing=self.gradient_checkpointing and self.training,
                           loss_on_oov=self.loss_on_oov, gate_steps=self.gate_steps, objective=self.objective,
-                          plan=plan)
+                          layout=layout)
         return out.loss, out.loss_sum, out.count, out.match, out.counted
 
 
@@ -66,13 +66,13 @@ def run_batch(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: Tens
     here, on the host, before the batch moves: the device then never reports a count back, which on
     CUDA would make the host wait for it (``tests/test_device.py`` counts such syncs)."""
     model = getattr(engine, "module", engine)  # the TTTModel, inside DeepSpeed's engine or not
-    plan = plan_rows(batch["loss_mask"], batch["document_ids"], model.num_steps)
+    layout = layout_rows(batch["loss_mask"], batch["document_ids"], model.num_steps)
     rows = needed_rows(batch["loss_mask"], batch["document_ids"]) if "last" in batch else None
     batch = to_device(batch, device)
     targets = head.targets(batch, t2d, rows=None if rows is None else to_device(rows, device))
     loss, loss_sum, count, match, counted = engine(batch["input_ids"], batch["aux"].to(dtype), batch["position_ids"],
                                                    batch["document_ids"], batch["loss_mask"], targets.probs,
-                                                   targets.argmax, plan=to_device(plan, device))
+                                                   targets.argmax, layout=to_device(layout, device))
     return TTTOutput(loss=loss, loss_sum=loss_sum, count=count, match=match, counted=counted, valid=counted)
 
 

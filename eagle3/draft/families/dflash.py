@@ -61,12 +61,12 @@ from eagle3.draft.model import (
     rope_cos_sin,
 )
 from eagle3.draft.ttt import (
-    RowPlan,
+    RowLayout,
     StepTally,
     TTTOutput,
     TTTTargets,
     checked_weights,
-    planned,
+    layout_of,
     step0_attention_mask,
     step_input_ids,
     step_loss,
@@ -186,7 +186,7 @@ def dflash_forward(draft: DFlashDraft, input_ids: Tensor, aux: Tensor, position_
                    loss_mask: Tensor, targets: TTTTargets, *, num_steps: int = 7,
                    weights: Sequence[float] | Tensor | None = None, gradient_checkpointing: bool = False,
                    return_logits: bool = False, loss_on_oov: bool = False, skip_unread_rows: bool = True,
-                   gate_steps: bool = False, objective: Objective = SOFT_CE, plan: RowPlan | None = None) -> TTTOutput:
+                   gate_steps: bool = False, objective: Objective = SOFT_CE, layout: RowLayout | None = None) -> TTTOutput:
     """The DFlash block at every row at once (module docstring): :func:`eagle3.draft.ttt.ttt_forward`'s
     inputs and output, step k being slot k + 1. Tensors: ids/positions/documents/mask [B, S],
     aux [B, S, A, H_t]. ``gradient_checkpointing`` is not applied (one block, no unroll to replay)."""
@@ -194,8 +194,8 @@ def dflash_forward(draft: DFlashDraft, input_ids: Tensor, aux: Tensor, position_
         raise ValueError(f"num_steps={num_steps}: the DFlash block proposes 1..{draft.block_size - 1} tokens")
     w = checked_weights(num_steps, weights)
     mask0 = step0_attention_mask(document_ids)  # [B, S, S]: row t sees context rows s <= t
-    plan = planned(plan, loss_mask, document_ids, num_steps, skip_unread_rows and not return_logits)
-    at, live = plan.at, plan.live
+    layout = layout_of(layout, loss_mask, document_ids, num_steps, skip_unread_rows and not return_logits)
+    at, live = layout.at, layout.live
     rows = (lambda x: x) if at is None else (lambda x: gather_rows(x, at))
     b = input_ids.shape[0]
     r = input_ids.shape[1] if at is None else at.shape[1]
@@ -232,7 +232,7 @@ def dflash_forward(draft: DFlashDraft, input_ids: Tensor, aux: Tensor, position_
     for k in range(num_steps):
         trained_k = tally.step(k)  # [B, R]
         out_k = prenorm[:, (k + 1) * r:(k + 2) * r]  # [B, R, H]: slot k + 1
-        tally.add(*step_loss(draft, out_k, k, trained_k, plan.counted[k], at, targets, input_ids, return_logits,
+        tally.add(*step_loss(draft, out_k, k, trained_k, layout.counted[k], at, targets, input_ids, return_logits,
                              objective))
     return tally.output(return_logits)
 

@@ -1,4 +1,4 @@
-"""Plan a draft without the target's weights: its shape and trainable parameters from the
+"""Size a draft without the target's weights: its shape and trainable parameters from the
 target's config (a recipe's ``target.architecture``, or the model folder's config.json).
 
 The count is made twice: by the closed form (:func:`eagle3.draft.families.parameter_count`)
@@ -44,7 +44,7 @@ def count_on_meta(config: DraftConfig) -> dict[str, int]:
     return {"trainable": trainable, "frozen": frozen}
 
 
-def plan_draft(target: TargetConfig, train: TrainConfig) -> dict[str, Any]:
+def size_draft(target: TargetConfig, train: TrainConfig) -> dict[str, Any]:
     """Draft config, aux layer ids and parameter counts for this target and training config."""
     arch = text_architecture(target_architecture(target))
     n = int(arch["num_hidden_layers"])
@@ -64,4 +64,4 @@ def plan_draft(target: TargetConfig, train: TrainConfig) -> dict[str, Any]:
             "trainable_billions": round(counted["trainable"] / 1e9, 3)}
 
 
-__all__ = ["count_on_meta", "plan_draft", "target_architecture", "text_architecture"]
+__all__ = ["count_on_meta", "size_draft", "target_architecture", "text_architecture"]
