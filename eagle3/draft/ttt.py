@@ -341,14 +341,15 @@ class RowLayout:
     live: Tensor | None  # [B, M] False on the padding of ``at``
     counted: tuple[tuple[Tensor, Tensor], ...]  # per step, its counted positions: (batch row, forward row) [M_k]
     shape: tuple[int, ...]  # the batch's [B, S], checked against the batch it meets
-    segments: tuple[tuple[Segment, ...], tuple[Segment, ...] | None] | None = None  # layout_segments' (None: whole rows)
+    # layout_segments' (None: whole rows)
+    segments: tuple[tuple[Segment, ...], tuple[Segment, ...] | None] | None = None
 
     def to(self, device: torch.device) -> RowLayout:
         def move(x: Tensor | None) -> Tensor | None:
             return None if x is None else to_device(x, device)
 
-        return RowLayout(move(self.at), move(self.live), tuple((move(r), move(c)) for r, c in self.counted), self.shape,
-                       self.segments)
+        return RowLayout(move(self.at), move(self.live), tuple((move(r), move(c)) for r, c in self.counted),
+                         self.shape, self.segments)
 
 
 def layout_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int, skip_unread_rows: bool = True,
@@ -373,7 +374,8 @@ def layout_of(layout: RowLayout | None, loss_mask: Tensor, document_ids: Tensor,
         return layout_rows(loss_mask, document_ids, num_steps, skip_unread_rows)
     if (len(layout.counted) != num_steps or (layout.at is not None and not skip_unread_rows)
             or layout.shape != tuple(loss_mask.shape)):
-        raise ValueError(f"a row layout of {len(layout.counted)} steps{' over read rows' if layout.at is not None else ''} "
+        over = " over read rows" if layout.at is not None else ""
+        raise ValueError(f"a row layout of {len(layout.counted)} steps{over} "
                          f"for a {list(layout.shape)} batch, given a forward of {num_steps} steps"
                          f"{'' if skip_unread_rows else ' over every row'} on a {list(loss_mask.shape)} batch")
     return layout

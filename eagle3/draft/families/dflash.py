@@ -186,7 +186,8 @@ def dflash_forward(draft: DFlashDraft, input_ids: Tensor, aux: Tensor, position_
                    loss_mask: Tensor, targets: TTTTargets, *, num_steps: int = 7,
                    weights: Sequence[float] | Tensor | None = None, gradient_checkpointing: bool = False,
                    return_logits: bool = False, loss_on_oov: bool = False, skip_unread_rows: bool = True,
-                   gate_steps: bool = False, objective: Objective = SOFT_CE, layout: RowLayout | None = None) -> TTTOutput:
+                   gate_steps: bool = False, objective: Objective = SOFT_CE,
+                   layout: RowLayout | None = None) -> TTTOutput:
     """The DFlash block at every row at once (module docstring): :func:`eagle3.draft.ttt.ttt_forward`'s
     inputs and output, step k being slot k + 1. Tensors: ids/positions/documents/mask [B, S],
     aux [B, S, A, H_t]. ``gradient_checkpointing`` is not applied (one block, no unroll to replay)."""
