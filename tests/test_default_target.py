@@ -65,6 +65,7 @@ def test_padded_batch_equals_batch_of_one(target: Target) -> None:
             assert rel < 1e-5, f"{name} row {r}: relative error {rel:.2e}"
 
 
+@pytest.mark.slow
 def test_conversion_preserves_the_gguf_model(target: Target, tmp_path) -> None:
     """The cached safetensors folder computes what transformers computes from the GGUF itself."""
     from transformers import AutoModelForCausalLM

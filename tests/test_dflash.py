@@ -156,6 +156,7 @@ def test_k_beyond_the_block_and_trees_are_refused() -> None:
         SpeculativeDecoder(target, dflash_for(target), SpecConfig("tree", k=3))
 
 
+@pytest.mark.slow
 def test_sampled_generation_matches_the_target_distribution() -> None:
     assert_sampling_matches_target(SpecConfig("chain", k=2), dflash_for)
 

@@ -15,6 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_the_gpu_check_passes_tiny_on_the_cpu(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -183,6 +183,7 @@ def test_bad_input_is_counted_or_named(target: Target, tmp_path: Path, monkeypat
     assert not list((tmp_path / "nan").glob("shard-*")) and not (tmp_path / "nan" / "manifest.json").exists()
 
 
+@pytest.mark.slow
 def test_kill_9_at_three_points_then_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     model = save_lively(tmp_path / "model", num_layers=8)
     data = regenerated_data(tmp_path / "data.jsonl", 48, turns=3)

@@ -13,6 +13,7 @@ from recipes.launch import LaunchError, submit
 from tests.helpers import tiny_pipeline
 
 
+@pytest.mark.slow
 def test_harvest_array_and_two_rank_training_as_local_jobs(tmp_path: Path) -> None:
     cfg = tiny_pipeline(tmp_path)
     out = submit(cfg, cfg.launcher)

@@ -199,7 +199,9 @@ def test_the_spool_stays_within_its_budget_the_trainer_saving_early_to_release(s
         train(_train_cfg(spool, tmp_path / "wide", data="online", shard_window=3), target=setup["target"])
 
 
-@pytest.mark.parametrize(("launcher", "mode"), [("none", "online"), ("local", "online"), ("none", "colocated")])
+@pytest.mark.parametrize(("launcher", "mode"), [("none", "online"),
+                                               pytest.param("local", "online", marks=pytest.mark.slow),
+                                               ("none", "colocated")])
 def test_the_pipeline_trains_online_with_producer_processes(tmp_path: Path, launcher: str, mode: str) -> None:
     """The pipeline's train stage with train.data=online: producer processes (launcher none: beside
     the in-process trainer; local: a submitit array beside a 2-rank training job) fill the spool, and
@@ -249,6 +251,7 @@ def test_the_pipeline_trains_online_with_producer_processes(tmp_path: Path, laun
     assert summary["world_size"] == online.launcher.tasks_per_node
 
 
+@pytest.mark.slow
 def test_producer_and_trainer_killed_at_random_moments_resume_to_the_same_draft(tmp_path: Path) -> None:
     """kill -9 of the trainer (after a checkpoint, at a random moment) and of the producer (at random
     moments), three times each, every one restarted: the run ends with the draft of a run never

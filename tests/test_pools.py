@@ -183,6 +183,7 @@ def test_an_out_folder_that_is_not_a_pool_is_refused_before_any_work(tmp_path: P
     build_pools(_cfg(tmp_path / "pool"))  # an earlier pool is replaced
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_real_pools_meet_the_counts(tmp_path: Path) -> None:
     manifest = build_pools(PoolsConfig(out_dir=str(tmp_path / "pools")))

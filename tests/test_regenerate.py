@@ -198,6 +198,7 @@ def test_rerun_with_other_settings_fails_naming_the_key(target: Target, tmp_path
     assert (out / "manifest.json").read_bytes() == manifest
 
 
+@pytest.mark.slow
 def test_kill_9_then_rerun_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     model = save_lively(tmp_path / "model")
     pool = _write_pool(tmp_path / "pool.jsonl", _varied_pool(36))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from eagle3.atomic import sha256_file
+from eagle3.store.batches import length_buckets, pack, pack_indices
 from eagle3.store.shards import (
     FP8_MAX,
     HarvestSpec,
@@ -18,9 +19,6 @@ from eagle3.store.shards import (
     bytes_per_token,
     check_compatible,
     dequantize,
-    length_buckets,
-    pack,
-    pack_indices,
     quantize_fp8,
     shard_name,
     shard_plan,

@@ -118,6 +118,7 @@ def test_mismatched_draft_is_refused() -> None:
 
 # ---------------------------------------------------------------- sampling: chi-square on a tiny model
 
-@pytest.mark.parametrize("config", [SpecConfig("chain", k=2), SpecConfig("tree", k=2, topk=2, budget=4)])
+@pytest.mark.parametrize("config", [SpecConfig("chain", k=2),
+                                    pytest.param(SpecConfig("tree", k=2, topk=2, budget=4), marks=pytest.mark.slow)])
 def test_sampled_generation_matches_the_target_distribution(config: SpecConfig) -> None:
     assert_sampling_matches_target(config, make_draft)

@@ -520,6 +520,7 @@ def test_auto_precision_is_bf16_only_where_bf16_is_faster(tiny: dict, tmp_path: 
     assert resolve_precision(auto, torch.device("cpu")) == "bf16"
 
 
+@pytest.mark.slow
 def test_muon_orthogonalises_the_hidden_matrices_and_learns(tiny: dict, tmp_path: Path) -> None:
     def first_step(name: str, lr: float, **kw) -> dict[str, torch.Tensor]:
         train(_cfg(tiny, tmp_path / name, steps=1, eval_every=0, save_every=0, lr=lr, **kw), target=tiny["target"])
@@ -758,6 +759,7 @@ def test_topk_store_and_a_held_out_store(tiny: dict, tmp_path: Path) -> None:
 # ---------------------------------------------------------------- subprocesses: kill -9, two processes
 
 
+@pytest.mark.slow
 def test_kill_9_mid_training_then_resume_gives_the_same_losses(tiny: dict, tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "eagle3.train", "--steps", "40", "--save-every", "3", "--eval-every", "5"]
     straight = tmp_path / "straight"  # in this process: bitwise the same as the CLI (checked), and faster
@@ -866,6 +868,7 @@ def _two_processes(tiny: dict, out: Path, *extra: str) -> None:
     assert summary["world_size"] == 2 and summary["steps"] == 6
 
 
+@pytest.mark.slow
 def test_deepspeed_two_gloo_processes_match_one_process(tiny: dict, tmp_path: Path) -> None:
     """Two ranks with one micro-batch each = one rank accumulating two (the same global batches):
     bitwise equal under ZeRO 0. ZeRO 3 shards parameters, gradients and optimizer states, so sums
