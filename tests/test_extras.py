@@ -11,8 +11,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 HIDDEN = ("fastapi", "uvicorn", "prometheus_client", "matplotlib", "submitit", "compressed_tensors", "starlette")
 
@@ -65,7 +63,6 @@ SCRIPT = textwrap.dedent('''
 ''').format(hidden=HIDDEN)
 
 
-@pytest.mark.slow
 def test_the_core_install_trains_and_harvests_without_the_extras(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, timeout=600)

@@ -158,7 +158,6 @@ def test_a_parallel_draft_refuses_trees() -> None:
         SpeculativeDecoder(target, peagle_for(target), SpecConfig("tree", k=3))
 
 
-@pytest.mark.slow
 def test_sampled_generation_matches_the_target_distribution() -> None:
     assert_sampling_matches_target(SpecConfig("chain", k=2), peagle_for)
 

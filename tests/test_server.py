@@ -286,7 +286,6 @@ def _rss_mb() -> float:
     raise AssertionError("no VmRSS")
 
 
-@pytest.mark.slow
 def test_memory_is_stable_over_a_thousand_requests(served: Served) -> None:
     body = {"model": MODEL, "prompt": "memory check", "max_tokens": 2, "temperature": 0}
     with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:

@@ -103,7 +103,6 @@ def test_the_static_draft_cache_steps_and_rolls_back_as_the_dynamic_one() -> Non
     assert counters["stats"]["unique_graphs"] - compiled <= 2  # one step and one expansion: no recompiles
 
 
-@pytest.mark.slow
 def test_graphs_replay_the_draft_steps_through_accepted_and_rejected_rounds() -> None:
     """Under graphs an EAGLE-3 chain drafts over a static draft cache (its length on the device):
     rolled back after each verify, catch-up rows land where the dynamic cache has them, so the
@@ -134,7 +133,6 @@ def test_a_transformers_without_static_crop_rolls_the_counter_back(monkeypatch: 
     assert got.tokens == plain(target, PROMPTS[0], 30) and got.stats.tau > 1.0
 
 
-@pytest.mark.slow
 def test_graphs_compile_each_forward_length_once_and_change_nothing() -> None:
     """Compiled (mode reduce-overhead; CUDA graphs on CUDA, a compiled forward here): the same tokens
     as the dynamic cache, and a second prompt of another length compiles nothing new (the prefill,
@@ -156,7 +154,7 @@ def test_graphs_compile_each_forward_length_once_and_change_nothing() -> None:
     assert counters["stats"]["unique_graphs"] == compiled  # the other prompt length compiled nothing
 
 
-@pytest.mark.parametrize("target_cache", ["static", pytest.param("graphs", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("target_cache", ["static", "graphs"])
 def test_a_static_cache_verifies_trees_as_the_dynamic_one(target_cache: str) -> None:
     """A tree's verify in a static cache (its nodes in consecutive slots under a mask over every slot,
     the accepted ones moved down after; under graphs the draft's expansions replayed too): the same

@@ -520,7 +520,6 @@ def test_auto_precision_is_bf16_only_where_bf16_is_faster(tiny: dict, tmp_path: 
     assert resolve_precision(auto, torch.device("cpu")) == "bf16"
 
 
-@pytest.mark.slow
 def test_muon_orthogonalises_the_hidden_matrices_and_learns(tiny: dict, tmp_path: Path) -> None:
     def first_step(name: str, lr: float, **kw) -> dict[str, torch.Tensor]:
         train(_cfg(tiny, tmp_path / name, steps=1, eval_every=0, save_every=0, lr=lr, **kw), target=tiny["target"])
