@@ -91,7 +91,7 @@ class SelectConfig:
 class RegenerateConfig:
     """The regeneration stage: every assistant turn of a prompt pool rewritten by the target.
 
-    All fields but ``threads`` (and the paths) go into the output folder's manifest: a
+    All fields but ``threads``, ``workers`` (and the paths) go into the output folder's manifest: a
     rerun into the same folder must use the same values, so that resumed batches match.
     """
 
@@ -116,15 +116,22 @@ class RegenerateConfig:
     """A turn whose prompt is longer is dropped with the turns after it (None, or 0 on the command line: no limit)."""
     threads: int = 1
     """torch intra-op threads on CPU; 1 was fastest on a loaded 2-core machine."""
+    workers: int = 1
+    """Processes generating batches side by side (hf backend), each with its own copy of the target
+    and ``threads`` threads; on CUDA with as many GPUs, worker i uses GPU i. Each batch is generated
+    alone from its own seed, so the output is the same for any number of workers."""
     backend: str = "hf"
     """hf (transformers) or vllm (run from the venv of scripts/setup_vllm_env.sh)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("hf", "vllm"):
             raise ConfigError(f"regenerate.backend={self.backend!r}: expected hf or vllm")
-        for name in ("batch_size", "threads"):
+        for name in ("batch_size", "threads", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"regenerate.{name}={getattr(self, name)}: must be >= 1")
+        if self.workers > 1 and self.backend != "hf":
+            raise ConfigError(f"regenerate.workers={self.workers}: only the hf backend runs workers (vLLM batches "
+                              "and shards on its own); set regenerate.workers=1")
         if self.limit is not None and self.limit < 0:
             raise ConfigError(f"regenerate.limit={self.limit}: must be >= 0")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:

@@ -309,6 +309,88 @@ def assemble(out_dir: Path, batches: int) -> dict[str, int]:
     return counts
 
 
+def _generate_batch(generator: Generator, chat: ChatFormat, cfg: RegenerateConfig, target_cfg: TargetConfig,
+                    records: list[dict[str, Any]], b: int, prompt_limit: int | None) -> tuple[int, float]:
+    """Batch ``b`` regenerated into its part file; (new tokens, seconds). A batch depends on nothing
+    but its records and its seed, whichever process runs it."""
+    chunk = records[b * cfg.batch_size:(b + 1) * cfg.batch_size]
+    t0 = time.perf_counter()
+    results = regenerate_conversations(generator, chat, [r["messages"] for r in chunk], cfg.max_new_tokens,
+                                       cfg.sampling, seed=derive_seed(cfg.seed, b), max_prompt_tokens=prompt_limit)
+    seconds = time.perf_counter() - t0
+    lines = [_dumps(output_record(rec, res, cfg, target_cfg.name_or_path, chat.renders_time))
+             for rec, res in zip(chunk, results, strict=True)]
+    atomic_write_text(part_path(Path(cfg.out_dir), b), "".join(line + "\n" for line in lines))
+    return sum(t.num_generated for r in results for t in r.turns), seconds
+
+
+def _worker(cfg: RegenerateConfig, target_cfg: TargetConfig, batches: list[int], done: Any) -> None:
+    """A worker process: its own target, its share of the batches, (new tokens, seconds) sent per batch."""
+    torch.set_num_threads(cfg.threads)
+    records = read_pool(Path(cfg.pool), cfg.limit)
+    generator, chat, _ = make_backend(cfg, target_cfg)
+    prompt_limit = _prompt_limit(cfg, generator)
+    for b in batches:
+        done.put(_generate_batch(generator, chat, cfg, target_cfg, records, b, prompt_limit))
+
+
+class _Workers:
+    """``cfg.workers - 1`` processes beside this one, worker i taking batches ``todo[i::workers]``;
+    on CUDA with at least ``workers`` GPUs and the device left to the default, worker i runs on GPU i."""
+
+    def __init__(self, cfg: RegenerateConfig, target_cfg: TargetConfig, todo: list[int]) -> None:
+        self.cfg, self.target_cfg, self.todo = cfg, target_cfg, todo
+        self.procs: list[Any] = []
+        self.done: Any = None
+        self.tokens, self.seconds = 0, 0.0  # what the workers generated, in how many process-seconds
+
+    def __enter__(self) -> _Workers:
+        import multiprocessing
+        from dataclasses import replace
+
+        n = self.cfg.workers
+        if n == 1 or len(self.todo) < 2:
+            return self
+        ctx = multiprocessing.get_context("spawn")
+        self.done = ctx.Queue()
+        per_gpu = (self.target_cfg.device in ("auto", "cuda") and torch.cuda.is_available()
+                   and torch.cuda.device_count() >= n)
+        for i in range(1, min(n, len(self.todo))):
+            target_cfg = replace(self.target_cfg, device=f"cuda:{i}") if per_gpu else self.target_cfg
+            proc = ctx.Process(target=_worker, args=(self.cfg, target_cfg, self.todo[i::n], self.done), daemon=True)
+            proc.start()
+            self.procs.append(proc)
+        return self
+
+    def finished(self) -> int:
+        """Batches the workers finished since the last call (their tokens and seconds kept)."""
+        count = 0
+        while self.done is not None and not self.done.empty():
+            n, seconds = self.done.get()
+            self.tokens, self.seconds, count = self.tokens + n, self.seconds + seconds, count + 1
+        return count
+
+    def wait(self) -> int:
+        """Wait for every worker; the batches they finished since the last call. A worker that failed
+        fails the run, naming its exit code (the batches finished are kept: a rerun resumes)."""
+        count = 0
+        for proc in self.procs:
+            while proc.is_alive():  # read as they come: a worker exits only once its messages are read
+                count += self.finished()
+                proc.join(timeout=1.0)
+        failed = [p.exitcode for p in self.procs if p.exitcode != 0]
+        if failed:
+            raise RegenerateError(f"regenerate.workers: a worker exited with code {failed[0]} (its message is above); "
+                                  "the finished batches are kept: rerun to resume")
+        return count + self.finished()
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:  # on an error here, the workers stop too
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+
+
 def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = True,
         target: Target | None = None) -> dict[str, Any]:
     """Regenerate ``cfg.pool`` into ``cfg.out_dir``, resuming finished batches; returns the summary.
@@ -353,25 +435,17 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
             check_manifest(out_dir, settings)
             write_manifest(out_dir, settings, len(records), batches)
             prompt_limit = _prompt_limit(cfg, generator)
-            sampling = cfg.sampling
             generated, gen_seconds = 0, 0.0
             bar = tqdm(total=batches, initial=batches - len(todo), unit="batch", desc="regenerate",
                        disable=not progress, file=sys.stderr, dynamic_ncols=True)
-            with bar:
-                for b in todo:
-                    chunk = records[b * cfg.batch_size:(b + 1) * cfg.batch_size]
-                    t0 = time.perf_counter()
-                    results = regenerate_conversations(
-                        generator, chat, [r["messages"] for r in chunk], cfg.max_new_tokens, sampling,
-                        seed=derive_seed(cfg.seed, b), max_prompt_tokens=prompt_limit,
-                    )
-                    gen_seconds += time.perf_counter() - t0
-                    generated += sum(t.num_generated for r in results for t in r.turns)
-                    lines = [_dumps(output_record(rec, res, cfg, target_cfg.name_or_path, chat.renders_time))
-                             for rec, res in zip(chunk, results, strict=True)]
-                    atomic_write_text(part_path(out_dir, b), "".join(line + "\n" for line in lines))
+            with bar, _Workers(cfg, target_cfg, todo) as workers:
+                for b in todo[::cfg.workers]:  # this process's share; the workers take the rest
+                    n, seconds = _generate_batch(generator, chat, cfg, target_cfg, records, b, prompt_limit)
+                    generated, gen_seconds = generated + n, gen_seconds + seconds
                     bar.set_postfix_str(f"{generated / gen_seconds:.1f} tok/s")
-                    bar.update(1)
+                    bar.update(1 + workers.finished())
+                bar.update(workers.wait())
+            generated, gen_seconds = generated + workers.tokens, gen_seconds + workers.seconds
             counts = assemble(out_dir, batches)
             summary = {
                 "stage": "regenerate", "out": str(out_dir / DATASET / STORE), "target": target_cfg.name_or_path,
@@ -379,6 +453,7 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
                 "generated_tokens_this_run": generated, "generation_seconds": round(gen_seconds, 3),
                 "generated_tokens_per_s": round(generated / gen_seconds, 2) if gen_seconds else None,
                 "wall_seconds": round(time.perf_counter() - started, 3), "threads": torch.get_num_threads(),
+                "workers": cfg.workers,
             }
             atomic_write_text(out_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
             return summary

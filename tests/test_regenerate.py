@@ -237,6 +237,36 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     assert not list(killed.rglob("*.tmp"))
 
 
+def test_workers_write_what_one_process_writes(tmp_path: Path) -> None:
+    """regenerate.workers=3 (two spawned processes beside this one, each its own target) writes the
+    dataset one process writes, byte for byte, sampling included; a rerun finds every batch done."""
+    model = save_lively(tmp_path / "model")
+    pool = _write_pool(tmp_path / "pool.jsonl", _varied_pool(10))
+    threads = torch.get_num_threads()
+    outs, tokens = {}, {}
+    try:
+        for workers in (1, 3):
+            cfg = RegenerateConfig(pool=str(pool), out_dir=str(tmp_path / f"w{workers}"), batch_size=2,
+                                   max_new_tokens=12, temperature=0.8, threads=1, workers=workers)
+            summary = run(cfg, TargetConfig(name_or_path=str(model)), progress=False)
+            assert summary["batches_run"] == 5 and summary["records"] == 10 and summary["workers"] == workers
+            tokens[workers] = summary["generated_tokens_this_run"]
+            outs[workers] = (tmp_path / f"w{workers}" / "dataset" / "regenerated.jsonl").read_bytes()
+        again = run(cfg, TargetConfig(name_or_path=str(model)), progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert outs[3] == outs[1] and outs[1].count(b"\n") == 10
+    assert tokens[3] == tokens[1] > 0  # the workers' tokens counted too
+    assert again["batches_run"] == 0
+
+
+def test_workers_need_the_hf_backend() -> None:
+    with pytest.raises(ValueError, match=r"regenerate.workers=2: only the hf backend"):
+        RegenerateConfig(workers=2, backend="vllm")
+    with pytest.raises(ValueError, match=r"regenerate.workers=0: must be >= 1"):
+        RegenerateConfig(workers=0)
+
+
 @pytest.mark.integration
 def test_default_target_regeneration_equals_hf_greedy() -> None:
     from eagle3.config import DEFAULT_TARGET
