@@ -117,9 +117,10 @@ class RegenerateConfig:
     threads: int = 1
     """torch intra-op threads on CPU; 1 was fastest on a loaded 2-core machine."""
     workers: int = 1
-    """Processes generating batches side by side (hf backend), each with its own copy of the target
-    and ``threads`` threads; on CUDA with as many GPUs, worker i uses GPU i. Each batch is generated
-    alone from its own seed, so the output is the same for any number of workers."""
+    """Processes generating batches side by side (hf backend; vLLM batches and shards on its own and
+    runs as one), each with its own copy of the target and ``threads`` threads; on CUDA with as many
+    GPUs, worker i uses GPU i. Each batch is generated alone from its own seed, so the output is the
+    same for any number of workers."""
     backend: str = "hf"
     """hf (transformers) or vllm (run from the venv of scripts/setup_vllm_env.sh)."""
 
@@ -129,9 +130,6 @@ class RegenerateConfig:
         for name in ("batch_size", "threads", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"regenerate.{name}={getattr(self, name)}: must be >= 1")
-        if self.workers > 1 and self.backend != "hf":
-            raise ConfigError(f"regenerate.workers={self.workers}: only the hf backend runs workers (vLLM batches "
-                              "and shards on its own); set regenerate.workers=1")
         if self.limit is not None and self.limit < 0:
             raise ConfigError(f"regenerate.limit={self.limit}: must be >= 0")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:

@@ -338,8 +338,8 @@ class _Workers:
     """``cfg.workers - 1`` processes beside this one, worker i taking batches ``todo[i::workers]``;
     on CUDA with at least ``workers`` GPUs and the device left to the default, worker i runs on GPU i."""
 
-    def __init__(self, cfg: RegenerateConfig, target_cfg: TargetConfig, todo: list[int]) -> None:
-        self.cfg, self.target_cfg, self.todo = cfg, target_cfg, todo
+    def __init__(self, cfg: RegenerateConfig, target_cfg: TargetConfig, todo: list[int], n: int) -> None:
+        self.cfg, self.target_cfg, self.todo, self.n = cfg, target_cfg, todo, n
         self.procs: list[Any] = []
         self.done: Any = None
         self.tokens, self.seconds = 0, 0.0  # what the workers generated, in how many process-seconds
@@ -348,7 +348,7 @@ class _Workers:
         import multiprocessing
         from dataclasses import replace
 
-        n = self.cfg.workers
+        n = self.n
         if n == 1 or len(self.todo) < 2:
             return self
         ctx = multiprocessing.get_context("spawn")
@@ -438,8 +438,9 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
             generated, gen_seconds = 0, 0.0
             bar = tqdm(total=batches, initial=batches - len(todo), unit="batch", desc="regenerate",
                        disable=not progress, file=sys.stderr, dynamic_ncols=True)
-            with bar, _Workers(cfg, target_cfg, todo) as workers:
-                for b in todo[::cfg.workers]:  # this process's share; the workers take the rest
+            n_workers = cfg.workers if cfg.backend == "hf" else 1
+            with bar, _Workers(cfg, target_cfg, todo, n_workers) as workers:
+                for b in todo[::n_workers]:  # this process's share; the workers take the rest
                     n, seconds = _generate_batch(generator, chat, cfg, target_cfg, records, b, prompt_limit)
                     generated, gen_seconds = generated + n, gen_seconds + seconds
                     bar.set_postfix_str(f"{generated / gen_seconds:.1f} tok/s")
@@ -453,7 +454,7 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
                 "generated_tokens_this_run": generated, "generation_seconds": round(gen_seconds, 3),
                 "generated_tokens_per_s": round(generated / gen_seconds, 2) if gen_seconds else None,
                 "wall_seconds": round(time.perf_counter() - started, 3), "threads": torch.get_num_threads(),
-                "workers": cfg.workers,
+                "workers": n_workers,
             }
             atomic_write_text(out_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
             return summary
