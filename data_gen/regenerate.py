@@ -335,8 +335,8 @@ def _worker(cfg: RegenerateConfig, target_cfg: TargetConfig, batches: list[int],
 
 
 class _Workers:
-    """``cfg.workers - 1`` processes beside this one, worker i taking batches ``todo[i::workers]``;
-    on CUDA with at least ``workers`` GPUs and the device left to the default, worker i runs on GPU i."""
+    """``n - 1`` processes beside this one, worker i taking batches ``todo[i::n]``; on CUDA with at
+    least ``n`` GPUs and the device left to the default, worker i runs on GPU i."""
 
     def __init__(self, cfg: RegenerateConfig, target_cfg: TargetConfig, todo: list[int], n: int) -> None:
         self.cfg, self.target_cfg, self.todo, self.n = cfg, target_cfg, todo, n
