@@ -57,6 +57,9 @@ class MineConfig:
     lowered it (21.22)."""
     max_new_tokens: int = 160
     """Regeneration length of the mined prompts."""
+    workers: int = 1
+    """Processes regenerating the mined prompts side by side (``regenerate.workers``: the same output
+    for any number)."""
     seed: int = 0
     wandb_mode: str = "offline"
     wandb_project: str = "eagle3"
@@ -65,7 +68,7 @@ class MineConfig:
         bad = [s for s in self.strategies if s not in MINE_STRATEGIES]
         if bad or not self.strategies:
             raise ConfigError(f"mine.strategies={self.strategies}: expected some of {', '.join(MINE_STRATEGIES)}")
-        for name in ("rounds", "steps", "max_new_tokens", "candidate_tokens", "variation_tokens"):
+        for name in ("rounds", "steps", "max_new_tokens", "candidate_tokens", "variation_tokens", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"mine.{name}={getattr(self, name)}: must be >= 1")
         for name in ("candidates", "hard_examples", "variations", "procedural", "uniform"):

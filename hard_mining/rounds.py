@@ -134,8 +134,9 @@ class Harvester:
     """Regenerate + harvest prompt records with the library, into folders under ``root``."""
 
     def __init__(self, root: Path, target: Any, target_cfg: TargetConfig, like: HarvestStore, seed: int,
-                 progress: bool) -> None:
+                 progress: bool, workers: int = 1) -> None:
         self.root, self.target, self.target_cfg, self.seed, self.progress = root, target, target_cfg, seed, progress
+        self.workers = workers
         self.dtype, self.max_seq_len = like.spec.dtype, like.spec.max_seq_len
 
     def __call__(self, name: str, records: Sequence[dict[str, Any]], max_new_tokens: int,
@@ -150,7 +151,8 @@ class Harvester:
         work = self.root / name
         write_records(work / "prompts.jsonl", records)
         regenerate(RegenerateConfig(pool=str(work / "prompts.jsonl"), out_dir=str(work / "regen"),
-                                    max_new_tokens=max_new_tokens, temperature=temperature, seed=self.seed),
+                                    max_new_tokens=max_new_tokens, temperature=temperature, seed=self.seed,
+                                    workers=self.workers),
                    self.target_cfg, target=self.target, progress=self.progress)
         data = work / "regen" / "dataset" / "regenerated.jsonl"
         if not any(True for _ in iter_jsonl(data)):
@@ -205,7 +207,7 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
     manifest_path = out / MANIFEST
     manifest: dict[str, Any] = (json.loads(manifest_path.read_text()) if manifest_path.is_file()
                                 else {"config": asdict(cfg), "rounds": []})
-    loose = ("rounds", "wandb_mode", "wandb_project")  # more rounds extend a finished run
+    loose = ("rounds", "workers", "wandb_mode", "wandb_project")  # more rounds extend a finished run
     # settings an earlier version did not write are not compared: its runs resume
     pinned = {k: v for k, v in asdict(cfg).items() if k not in loose and k in manifest["config"]}
     changed = sorted(k for k in pinned if manifest["config"][k] != pinned[k])
@@ -255,7 +257,7 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
                     train_scores=train_scores, before=before, records=records,
                     known=[*eval_sets, *eval_records, *records],
                     fresh=[p for p in pool if str(p.get("id")) not in harvested_ids],
-                    harvester=Harvester(rdir, target, target_cfg, base, seed, progress))
+                    harvester=Harvester(rdir, target, target_cfg, base, seed, progress, cfg.workers))
         new_records, added, weights_file = _mine(rd, weights_file)
         harvester = rd.harvester
 
