@@ -57,7 +57,8 @@ from eagle3.store.shards import (
     write_shard,
 )
 from eagle3.target.chat import ChatFormat, ChatFormatError
-from eagle3.target.model import Target, context_length, load_target
+from eagle3.target.model import Target, load_target
+from eagle3.target.positions import context_length
 from eagle3.target.source import target_identity
 
 

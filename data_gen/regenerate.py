@@ -60,7 +60,8 @@ from eagle3.config import TargetConfig, add_target_arguments
 from eagle3.errors import Eagle3Error, run_cli
 from eagle3.store.conversations import ConversationError, check_messages, iter_jsonl, messages_of, record_id
 from eagle3.target.chat import ChatFormat, messages_sha256
-from eagle3.target.model import Target, context_length, load_target
+from eagle3.target.model import Target, load_target
+from eagle3.target.positions import context_length
 from eagle3.target.source import target_identity
 
 MANIFEST = "manifest.json"

@@ -37,7 +37,7 @@ from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import SamplingConfig, add_target_arguments
 from eagle3.draft.metrics import acceptance_per_position, served_tau
 from eagle3.errors import ConfigError, InputError, MissingInputError, run_cli
-from eagle3.target.model import context_length
+from eagle3.target.positions import context_length
 from serve_eval.adaptive import measure_cost
 from serve_eval.config import EvalConfig, SpecConfig
 from serve_eval.spec_decode import DecodeStats, SpeculativeDecoder

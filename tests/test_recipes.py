@@ -110,6 +110,12 @@ def test_big_target_recipes_size_their_draft_on_meta(name: str) -> None:
     ids, low, high = BIG[name]
     assert plan["aux_layer_ids"] == ids and low < plan["trainable_parameters"] < high
     assert plan["draft"]["draft_vocab_size"] == 32000
+    # the draft carries the target's positions (engines clamp a draft to its config's)
+    arch = config.target.architecture.get("text_config") or config.target.architecture
+    rope = dict(arch["rope_parameters"])
+    assert plan["draft"]["max_position_embeddings"] == arch["max_position_embeddings"] > 32000
+    assert plan["draft"]["rope_theta"] == rope.pop("rope_theta")
+    assert plan["draft"]["rope_scaling"] == (None if rope["rope_type"] == "default" else rope)
     # by hand for Kimi: fc 3*7168^2, q/k/v from 2*7168 to 64*128 + 2*8*128, o, SwiGLU 3*7168*18432,
     # 4 norms of 7168, lm_head 32000*7168
     if name == "kimi-k2.5":
@@ -131,6 +137,29 @@ def test_architecture_mismatch_fails_naming_the_key() -> None:
     check_architecture(loaded, {"hidden_size": 64, "text_config": {"num_hidden_layers": 2}}, "m")
     with pytest.raises(TargetLoadError, match=r"target.architecture.text_config.num_hidden_layers=61"):
         check_architecture(loaded, {"text_config": {"num_hidden_layers": 61}}, "m")
+
+
+def test_the_rope_compares_by_meaning_whatever_the_spelling() -> None:
+    from eagle3.target.model import TargetLoadError, check_architecture
+
+    yarn = {"type": "yarn", "factor": 64, "original_max_position_embeddings": 4096, "beta_fast": 32}
+    legacy = {"rope_theta": 50000, "rope_scaling": yarn, "max_position_embeddings": 262144}  # transformers 4
+    current = {"rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0, "beta_fast": 32.0,
+                                   "original_max_position_embeddings": 4096, "beta_slow": 1.0},
+               "max_position_embeddings": 262144}  # transformers 5
+    recipe = {"max_position_embeddings": 262144,
+              "rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0, "beta_fast": 32.0,
+                                  "original_max_position_embeddings": 4096}}
+    for loaded in (legacy, current):
+        check_architecture(loaded, recipe, "m")
+        check_architecture({"text_config": loaded}, {"text_config": recipe}, "m")
+    wrong = {**recipe, "rope_parameters": {**recipe["rope_parameters"], "factor": 32.0}}
+    with pytest.raises(TargetLoadError, match=r"target.architecture.text_config.rope_parameters: factor=32.0, .* 64"):
+        check_architecture({"text_config": current}, {"text_config": wrong}, "m")
+    with pytest.raises(TargetLoadError, match=r"rope_parameters: rope_theta=10000.0, .* 50000"):
+        check_architecture(legacy, {"rope_theta": 10000.0}, "m")
+    with pytest.raises(TargetLoadError, match=r"rope_parameters: rope_type='default', .* 'yarn'"):
+        check_architecture(current, {"rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}}, "m")
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in RECIPES.glob("*.yaml")))
@@ -220,3 +249,20 @@ def test_the_parallel_family_recipes_plan_their_draft(family: str) -> None:
     else:  # q/k/v read H, not 2H; two head norms of 128 instead of input_norm (3H), hidden_norm stays
         assert plan["draft"]["block_size"] == config.train.ttt_steps + 1
         assert eagle3["trainable_parameters"] - plan["trainable_parameters"] == h * (q + 2 * kv) + 3 * h - 2 * 128
+
+
+def test_sizing_from_an_architecture_without_positions_says_so(capsys) -> None:
+    """A recipe's architecture without the context length or the RoPE sizes a draft with the
+    defaults (2,048 positions, theta 10,000), the very config engines clamp a draft to: one line says it."""
+    from eagle3.train.size import size_draft
+
+    with initialize_config_module(config_module="recipes", version_base="1.3"):
+        config = OmegaConf.to_object(compose(config_name="llama-3.1-8b"))
+    size_draft(config.target, config.train)
+    assert capsys.readouterr().err == ""
+    arch = {k: v for k, v in config.target.architecture.items() if k not in ("max_position_embeddings",
+                                                                            "rope_parameters")}
+    plan = size_draft(replace(config.target, architecture=arch), config.train)
+    err = capsys.readouterr().err
+    assert "no max_position_embeddings or rope_parameters" in err and len(err.splitlines()) == 1
+    assert plan["draft"]["max_position_embeddings"] == 2048

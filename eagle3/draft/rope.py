@@ -1,6 +1,7 @@
 """Rotary position embeddings of the draft families: the inverse frequencies (plain, linear,
-Llama-3 and YaRN scaling, as HF and vLLM compute them), cos/sin tables, the rotation, and how a
-config.json's RoPE keys are read. ``config`` arguments are :class:`eagle3.draft.model.DraftConfig`s."""
+Llama-3 and YaRN scaling, as HF and vLLM compute them), cos/sin tables and the rotation (how a
+config.json states its RoPE: :mod:`eagle3.target.positions`). ``config`` arguments are
+:class:`eagle3.draft.model.DraftConfig`s."""
 
 from __future__ import annotations
 
@@ -10,35 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from eagle3.target.positions import read_rope, rope_kind
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-def rope_kind(scaling: dict[str, Any] | None) -> str:
-    """A RoPE scaling dict's type (``rope_type``, or the older ``type``); default when unset."""
-    scaling = scaling or {}
-    return scaling.get("rope_type", scaling.get("type", "default"))
-
-
-def read_rope(config: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """(theta, scaling dict) from a config.json's keys, read as transformers and vLLM read them:
-    ``rope_parameters`` or ``rope_scaling``; per-layer-type dicts (Gemma 3's
-    ``{"full_attention": .., "sliding_attention": ..}``) give the full-attention layers' RoPE; for
-    llama3 / yarn / longrope a top-level ``original_max_position_embeddings`` wins over the dict's,
-    and ``max_position_embeddings`` fills it in when neither has one; a top-level
-    ``partial_rotary_factor`` goes into the dict."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if "full_attention" in rope and isinstance(rope["full_attention"], dict):
-        rope = rope["full_attention"]
-    rope = dict(rope)
-    theta = rope.pop("rope_theta", None) or config.get("rope_theta") or 10000.0  # as written: callers check it
-    if config.get("partial_rotary_factor") is not None:
-        rope.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
-    if rope_kind(rope) in ("llama3", "yarn", "longrope"):
-        if config.get("original_max_position_embeddings") is not None:
-            rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
-        elif config.get("max_position_embeddings") is not None:
-            rope.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
-    return theta, rope
 
 
 def rope_inv_freq(config: Any, device: torch.device | None = None) -> Tensor:

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from eagle3.device import resolve_device, resolve_dtype, sdpa_backends
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.target.nvfp4 import load_emulated, nvfp4_quantization
+from eagle3.target.positions import ROPE_KEYS, rope_difference
 from eagle3.target.source import TargetSourceError, resolve_target
 
 
@@ -57,14 +58,6 @@ def check_aux_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
     if bad:
         raise ConfigError(f"aux_layer_ids {bad} out of range for a target with {num_layers} decoder layers")
     return tuple(sorted(ids))
-
-
-def context_length(config: Any) -> int | None:
-    """How many positions the target attends over (``max_position_embeddings`` of its text config),
-    or None where the config does not say."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    value = getattr(text, "max_position_embeddings", None)
-    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 _UNHANDLED_LOGIT_KEYS = ("logits_mup_width_multiplier", "unpadded_vocab_size")
@@ -536,8 +529,16 @@ def verify_capture(target: Target, where: str) -> None:
 
 def check_architecture(config: Any, expected: dict[str, Any], where: str, prefix: str = "") -> None:
     """Every value of ``expected`` (nested dicts for sub-configs such as ``text_config``) equals the
-    loaded config's; otherwise a :class:`TargetLoadError` naming the key."""
+    loaded config's; otherwise a :class:`TargetLoadError` naming the key. The RoPE keys compare by
+    meaning, in whichever spelling the recipe and the installed transformers use (``ROPE_KEYS``)."""
+    differs = rope_difference(config, expected)
+    if differs:
+        key, want, got = differs
+        raise TargetLoadError(f"{where}: target.architecture.{prefix}{ROPE_KEYS[0]}: {key}={want!r}, but the "
+                              f"model's config has {got!r} (is the recipe for another model?)")
     for key, want in expected.items():
+        if key in ROPE_KEYS:
+            continue
         got = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
         if isinstance(want, dict) and got is not None:  # a sub-config or dict: the keys given must match
             check_architecture(got, want, where, f"{prefix}{key}.")

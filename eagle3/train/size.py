@@ -8,6 +8,7 @@ parameters, so that a frontier-sized draft is checked before any GPU is booked.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from eagle3.config import TargetConfig
 from eagle3.draft.families import family_of, get_family, parameter_count
 from eagle3.draft.model import DraftConfig
+from eagle3.target.positions import ROPE_KEYS
 from eagle3.train.config import TrainConfig
 
 
@@ -47,6 +49,12 @@ def count_on_meta(config: DraftConfig) -> dict[str, int]:
 def size_draft(target: TargetConfig, train: TrainConfig) -> dict[str, Any]:
     """Draft config, aux layer ids and parameter counts for this target and training config."""
     arch = text_architecture(target_architecture(target))
+    unstated = [k for k in ("max_position_embeddings", "rope_parameters") if k not in arch
+                and not (k == "rope_parameters" and set(ROPE_KEYS) & set(arch))]
+    if target.architecture and unstated:
+        print(f"size: target.architecture states no {' or '.join(unstated)}: the draft is sized with 2,048 "
+              "positions and plain RoPE (theta 10,000), not the target's; training takes the target's own",
+              file=sys.stderr)
     n = int(arch["num_hidden_layers"])
     ids = sorted(target.aux_layer_ids) if target.aux_layer_ids is not None else [2, n // 2, n - 3]
     vocab = min(train.draft_vocab_size, int(arch["vocab_size"]))
