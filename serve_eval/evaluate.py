@@ -35,7 +35,7 @@ import torch
 from eagle3.atomic import atomic_write_text
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import SamplingConfig, add_target_arguments
-from eagle3.draft.metrics import acceptance_per_position, served_tau
+from eagle3.draft.metrics import acceptance_by_context, acceptance_per_position, served_tau
 from eagle3.errors import ConfigError, InputError, MissingInputError, run_cli
 from eagle3.target.positions import context_length
 from serve_eval.adaptive import measure_cost
@@ -95,6 +95,7 @@ def summarise(spec: list[DecodeStats], plain: list[DecodeStats]) -> dict[str, An
     """One eval set (or all of them): pooled over prompts."""
     accepted = [a for s in spec for a in s.accepted]
     depths = [d for s in spec for d in (s.depths or [s.proposed] * len(s.accepted))]
+    contexts = [c for s in spec for c in s.contexts]
     k = max((s.proposed for s in spec), default=0)
     spec_s = sum(s.seconds_total for s in spec)
     plain_s = sum(s.seconds_total for s in plain)
@@ -105,6 +106,7 @@ def summarise(spec: list[DecodeStats], plain: list[DecodeStats]) -> dict[str, An
         "prompts": len(spec),
         "tau": round(served_tau(accepted), 4),
         "accept_per_pos": [round(a, 4) for a in acceptance_per_position(accepted, depths, k)],
+        "by_context": acceptance_by_context(accepted, depths, contexts, k),
         "spec_tokens_per_s": round(spec_tokens / spec_s, 2) if spec_s else None,
         "plain_tokens_per_s": round(plain_tokens / plain_s, 2) if plain_s else None,
         "speedup": round((plain_s / max(plain_tokens, 1)) / (spec_s / max(spec_tokens, 1)), 3) if spec_s else None,
@@ -186,6 +188,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {name} | {s['prompts']} | {s['tau']:.3f} | {accept}"
                      f" | {s['spec_tokens_per_s']} | {s['plain_tokens_per_s']} | {s['speedup']} | {s['ttft_s']} | "
                      f"{s['time_split']['draft']:.2f} / {s['time_split']['verify']:.2f} | {eq} |")
+    lines += context_table(report)
     if cost := report["overall"].get("cost_model"):
         lines += ["", f"Cost model on this machine ({c.get('device', '?')}, {c.get('dtype', '?')}): one target "
                   f"forward t(1) = {cost['t1_ms']} ms, verifying {cost['verified']} tokens "
@@ -201,6 +204,25 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"- {n} prompt {d['prompt']}, token {d['position']}: margin {d['margin']}"
                   + (" (near-tie)" if d["tie"] else " (NOT a near-tie)") for n, d in divergences]
     return "\n".join(lines) + "\n"
+
+
+def context_table(report: dict[str, Any]) -> list[str]:
+    """tau per context-length bucket (the context before a round's first drafted token), per set:
+    where a long context costs acceptance. Rounds in brackets."""
+    named = [*report["sets"].items(), ("overall", report["overall"])]
+    buckets = sorted({b for _, s in named for b in s.get("by_context", {})}, key=_bucket_start)
+    if not buckets:
+        return []
+    lines = ["", "tau by context length (tokens before the round's first drafted token; rounds in brackets):", "",
+             "| set | " + " | ".join(buckets) + " |", "| --- |" + " --- |" * len(buckets)]
+    for name, s in named:
+        cells = [f"{g['tau']:.3f} ({g['rounds']})" if (g := s.get("by_context", {}).get(b)) else "-" for b in buckets]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _bucket_start(label: str) -> int:
+    return int(label.split("-")[0].rstrip("k+"))
 
 
 def plots(report: dict[str, Any], out: Path) -> list[str]:
@@ -236,6 +258,20 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
     fig.tight_layout()
     fig.savefig(out / "acceptance_by_position.png", dpi=100)
     plt.close(fig)
+    overall = report["overall"].get("by_context", {})
+    if len(overall) > 1:  # one bucket says nothing about length
+        fig3, ax3 = plt.subplots(figsize=(6, 4))
+        for name in [*names, "overall"]:
+            groups = report["sets"].get(name, report["overall"]).get("by_context", {})
+            labels = [b for b in overall if b in groups]
+            ax3.plot(labels, [groups[b]["tau"] for b in labels], marker="o", label=name,
+                     linewidth=2.5 if name == "overall" else 1.2)
+        ax3.set(xlabel="context before the round (tokens)", ylabel="tau", title="tau by context length")
+        ax3.legend()
+        fig3.tight_layout()
+        fig3.savefig(out / "tau_by_context.png", dpi=100)
+        plt.close(fig3)
+        written.append("tau_by_context.png")
     return ["acceptance_by_position.png", *written]
 
 
@@ -256,6 +292,8 @@ def log_wandb(report: dict[str, Any], out: Path, mode: str, project: str) -> Non
         run.summary[f"serve/{name}/tokens_per_s"] = s["spec_tokens_per_s"]
         for i, a in enumerate(s["accept_per_pos"], start=1):
             run.summary[f"serve/{name}/accept_pos{i}"] = a
+        for bucket, g in s.get("by_context", {}).items():
+            run.summary[f"serve/{name}/tau_context_{bucket}"] = g["tau"]
     columns = ["set", "prompt", "tau", "tokens_per_s", "plain_tokens_per_s", "new_tokens"]
     run.log({"serve/prompts": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in report["prompts"]]),
              **{f"serve/{png.removesuffix('.png')}": wandb.Image(str(out / png)) for png in report["plots"]}})

@@ -46,6 +46,7 @@ except ImportError as err:  # the core install trains and harvests; serving is a
 
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import SamplingConfig, add_target_arguments
+from eagle3.draft.metrics import context_bucket
 from eagle3.errors import ConfigError, run_cli
 from eagle3.target.chat import ChatFormat, ChatFormatError
 from serve_eval.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_cost
@@ -122,6 +123,10 @@ class Metrics:
         for i in range(1, max_depth + 1):  # present from the start, at 0
             self.proposed_pos.labels(str(i))
             self.accepted_pos.labels(str(i))
+        self.rounds_ctx = Counter("eagle3_spec_decode_rounds_by_context", "Verify rounds by the context before "
+                                  "their first drafted token (0-1k, 1-2k, ... tokens)", ["context"], registry=r)
+        self.accepted_ctx = Counter("eagle3_spec_decode_accepted_tokens_by_context", "Draft tokens accepted, by the "
+                                    "context before their round's first drafted token", ["context"], registry=r)
         self.queue_depth = Gauge("eagle3_queue_depth", "Requests waiting", registry=r)
         self.running = Gauge("eagle3_running", "Requests being generated", registry=r)
         self.latency = Histogram("eagle3_request_seconds", "Request latency (queue included)", registry=r,
@@ -149,6 +154,10 @@ class Metrics:
             return
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
+        for tokens, accepted in zip(stats.contexts, stats.accepted, strict=True):  # tau of a bucket: 1 + a / r
+            bucket = context_bucket(tokens)
+            self.rounds_ctx.labels(bucket).inc()
+            self.accepted_ctx.labels(bucket).inc(accepted)
         with self.lock:
             self.recent.append({"id": request_id, "tau": stats.tau, "rounds": len(stats.accepted),
                                 "accept_per_pos": stats.acceptance_per_position(),

@@ -39,7 +39,7 @@ from torch import Tensor
 from eagle3.config import SamplingConfig
 from eagle3.device import synchronize
 from eagle3.draft.families import Proposal, Proposer, family_of
-from eagle3.draft.metrics import acceptance_per_position, served_tau
+from eagle3.draft.metrics import acceptance_by_context, acceptance_per_position, served_tau
 from eagle3.draft.model import DraftHead, DraftKV
 from eagle3.errors import ConfigError
 from eagle3.target.model import Target
@@ -74,6 +74,7 @@ class DecodeStats:
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per round
     proposed: int = 0  # the deepest proposal of any round (K), for acceptance per position
     depths: list[int] = field(default_factory=list)  # depth proposed per round (K, or the adaptive choice)
+    contexts: list[int] = field(default_factory=list)  # per round: tokens before its first drafted token
     seconds_prefill: float = 0.0
     seconds_draft: float = 0.0
     seconds_verify: float = 0.0
@@ -88,6 +89,11 @@ class DecodeStats:
         """Share of the rounds proposing a token at depth i (1-based) in which it was accepted."""
         return acceptance_per_position(self.accepted, self.depths or [self.proposed] * len(self.accepted),
                                        self.proposed)
+
+    def acceptance_by_context(self) -> dict[str, dict[str, Any]]:
+        """Rounds, tau and acceptance per position per context-length bucket (``0-1k``, ``1-2k``, ...)."""
+        return acceptance_by_context(self.accepted, self.depths or [self.proposed] * len(self.accepted),
+                                     self.contexts, self.proposed)
 
     def as_dict(self) -> dict[str, Any]:
         decode = self.seconds_total - self.seconds_prefill
@@ -229,6 +235,7 @@ class SpeculativeDecoder:
                 out, acc = self._verify(emitted[-1], proposal, n, cache, params, g, stats)  # verify, accept
                 path = acc.path if acc.path is not None else list(range(acc.accepted))
                 stats.accepted.append(acc.accepted)
+                stats.contexts.append(n + 1)  # the prompt and every emitted token, the newest not yet cached
                 stats.depths.append(max(tree_depths(proposal.parents), default=0) if self.config.mode == "tree"
                                     else len(proposal.tokens))
                 if policy is not None:

@@ -24,6 +24,8 @@ def test_report_has_every_figure_and_file(tmp_path: Path) -> None:
         assert s["tau"] >= 1.0 and len(s["accept_per_pos"]) == 2 and s["speedup"] > 0
         assert s["spec_tokens_per_s"] > 0 and s["plain_tokens_per_s"] > 0
     assert report["overall"]["equal"] == 3 and report["overall"]["lossless"]  # greedy: same text as plain
+    assert list(report["overall"]["by_context"]) == ["0-1k"]  # short prompts: one bucket, every round in it
+    assert report["overall"]["by_context"]["0-1k"]["tau"] == report["overall"]["tau"]
     assert len(report["prompts"]) == 3
     write_report(report, tmp_path / "r", wandb_mode="offline")
     saved = json.loads((tmp_path / "r" / "report.json").read_text())
@@ -32,6 +34,37 @@ def test_report_has_every_figure_and_file(tmp_path: Path) -> None:
         assert (tmp_path / "r" / png).read_bytes()[:4] == b"\x89PNG"
     assert "| overall | 3 |" in (tmp_path / "r" / "report.md").read_text()
     assert list((tmp_path / "r" / "wandb").glob("offline-run-*"))
+
+
+def test_rounds_are_counted_by_the_context_before_them(tmp_path: Path) -> None:
+    """Each round records the tokens before its first drafted token: the prompt, then one more per
+    emitted token; the report pools rounds per bucket, tabulates and plots tau by context length."""
+    from serve_eval.evaluate import summarise
+    from serve_eval.spec_decode import DecodeStats, SpeculativeDecoder
+
+    target = make_target()
+    decoder = SpeculativeDecoder(target, make_draft(target), SpecConfig("chain", k=3))
+    stats = decoder.generate(PROMPTS[1], 20, params=SamplingConfig()).stats
+    assert stats.contexts[0] == len(PROMPTS[1]) + 1
+    assert all(b - a == acc + 1 for a, b, acc in zip(stats.contexts, stats.contexts[1:], stats.accepted))
+
+    short = DecodeStats(accepted=[2, 0], proposed=3, contexts=[900, 1023], seconds_total=1.0)
+    long = DecodeStats(accepted=[0, 1, 3], proposed=3, contexts=[1024, 5000, 300000], seconds_total=1.0)
+    plain = DecodeStats(seconds_total=1.0)
+    summary = summarise([short, long], [plain, plain])
+    assert summary["by_context"] == {
+        "0-1k": {"rounds": 2, "tau": 2.0, "accept_per_pos": [0.5, 0.5, 0.0]},
+        "1-2k": {"rounds": 1, "tau": 1.0, "accept_per_pos": [0.0, 0.0, 0.0]},
+        "4-8k": {"rounds": 1, "tau": 2.0, "accept_per_pos": [1.0, 0.0, 0.0]},
+        "256k+": {"rounds": 1, "tau": 4.0, "accept_per_pos": [1.0, 1.0, 1.0]}}
+    report = {"config": {"mode": "chain", "k": 3, "topk": 1, "budget": 1, "temperature": 0.0, "max_new_tokens": 4},
+              "sets": {"long": summarise([long], [plain])}, "overall": summary, "prompts": []}
+    text = markdown(report)
+    assert "| set | 0-1k | 1-2k | 4-8k | 256k+ |" in text
+    assert "| long | - | 1.000 (1) | 2.000 (1) | 4.000 (1) |" in text
+    assert "| overall | 2.000 (2) | 1.000 (1) | 2.000 (1) | 4.000 (1) |" in text
+    write_report(report, tmp_path, wandb_mode="disabled")
+    assert (tmp_path / "tau_by_context.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_markdown_flags_divergences_that_are_not_ties() -> None:

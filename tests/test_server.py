@@ -257,6 +257,9 @@ def test_twenty_concurrent_clients_and_live_metrics(served: Served) -> None:
     accepted = [values[f'eagle3_spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] for i in (1, 2, 3)]
     assert sum(accepted) == values["eagle3_spec_decode_num_accepted_tokens_total"]
     assert accepted[0] >= accepted[1] >= accepted[2]
+    by_context = {k: v for k, v in values.items() if k.startswith("eagle3_spec_decode_rounds_by_context_total")}
+    assert list(by_context) == ['eagle3_spec_decode_rounds_by_context_total{context="0-1k"}']  # short prompts
+    assert 0 < values['eagle3_spec_decode_accepted_tokens_by_context_total{context="0-1k"}'] <= 3 * drafts
     recent = [k for k in values if k.startswith("eagle3_request_tau{")]
     assert len(recent) == 8  # the window of recent requests is bounded
     assert any(k.startswith('eagle3_request_acceptance{request_id="chatcmpl-') for k in values)
