@@ -46,7 +46,8 @@ def test_rounds_are_counted_by_the_context_before_them(tmp_path: Path) -> None:
     decoder = SpeculativeDecoder(target, make_draft(target), SpecConfig("chain", k=3))
     stats = decoder.generate(PROMPTS[1], 20, params=SamplingConfig()).stats
     assert stats.contexts[0] == len(PROMPTS[1]) + 1
-    assert all(b - a == acc + 1 for a, b, acc in zip(stats.contexts, stats.contexts[1:], stats.accepted))
+    steps = zip(stats.contexts, stats.contexts[1:], stats.accepted[:-1], strict=True)
+    assert len(stats.contexts) > 1 and all(b - a == acc + 1 for a, b, acc in steps)
 
     short = DecodeStats(accepted=[2, 0], proposed=3, contexts=[900, 1023], seconds_total=1.0)
     long = DecodeStats(accepted=[0, 1, 3], proposed=3, contexts=[1024, 5000, 300000], seconds_total=1.0)

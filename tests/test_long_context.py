@@ -1,0 +1,58 @@
+"""Long-context eval sets: the same request short and at each length, its focus text kept whole."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from data_gen import long_context
+from data_gen.long_context import Task, build, fill
+from eagle3.errors import ConfigError
+
+
+def _words(text: str) -> int:  # a stand-in tokenizer: one token per word, ten for the template
+    return 10 + len(text.split())
+
+
+def _task(i: int) -> Task:
+    others = [f"other text {i}.{j} " + "word " * (20 + j) for j in range(40)]
+    return Task(f"t{i}", f"FOCUS {i} " + "kept " * 30, f"Repeat the focus {i}.", others, "en")
+
+
+def test_fill_keeps_the_focus_whole_and_stays_within_the_length() -> None:
+    task = _task(0)
+    for length in (100, 300, 600):
+        message, tokens = fill(task, length, _words, random.Random(1))
+        assert message.count(task.focus) == 1 and message.endswith(task.request)
+        assert tokens == _words(message) and length - 60 < tokens <= length  # full up to one more text
+    short, _ = fill(task, 10, _words, random.Random(1))  # nothing fits: the focus alone
+    assert short == task.focus + "\n\n" + task.request
+
+
+def test_build_writes_each_task_short_then_at_each_length(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(long_context, "code_tasks", lambda n, seed: [_task(i) for i in range(n)])
+    monkeypatch.setattr(long_context, "docs_tasks", lambda n, seed: [_task(10 + i) for i in range(n)])
+    assert build(tmp_path, _words, [600, 300], tasks=2) == {"long_code": 6, "long_docs": 6}
+    records = [json.loads(line) for line in (tmp_path / "eval" / "long_code.jsonl").read_text().splitlines()]
+    assert [r["meta"]["variant"] for r in records] == ["short", "300", "600"] * 2
+    assert [r["meta"]["task"] for r in records] == ["t0"] * 3 + ["t1"] * 3
+    for r in records:
+        text = r["messages"][0]["content"]
+        assert r["meta"]["prompt_tokens"] == _words(text)
+        assert text.endswith(f"Repeat the focus {r['meta']['task'][1:]}.")
+    again = tmp_path / "again"
+    build(again, _words, [300, 600], tasks=2)  # seeded: the same sets again
+    assert (again / "eval" / "long_code.jsonl").read_text() == (tmp_path / "eval" / "long_code.jsonl").read_text()
+    with pytest.raises(ConfigError, match="--lengths"):
+        build(tmp_path, _words, [100], tasks=1)
+
+
+def test_the_cli_refuses_a_length_beyond_the_targets_context(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(long_context, "prompt_counter", lambda target: (_words, 8192))
+    assert long_context.main(["--pools", str(tmp_path), "--lengths", "4096,8192"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("long_context: error: --lengths: 8192 tokens do not fit") and len(err.splitlines()) == 1
+    assert not (tmp_path / "eval").exists()
