@@ -46,7 +46,7 @@ def test_rounds_are_counted_by_the_context_before_them(tmp_path: Path) -> None:
     decoder = SpeculativeDecoder(target, make_draft(target), SpecConfig("chain", k=3))
     stats = decoder.generate(PROMPTS[1], 20, params=SamplingConfig()).stats
     assert stats.contexts[0] == len(PROMPTS[1]) + 1
-    steps = zip(stats.contexts, stats.contexts[1:], stats.accepted[:-1], strict=True)
+    steps = zip(stats.contexts[:-1], stats.contexts[1:], stats.accepted[:-1], strict=True)
     assert len(stats.contexts) > 1 and all(b - a == acc + 1 for a, b, acc in steps)
 
     short = DecodeStats(accepted=[2, 0], proposed=3, contexts=[900, 1023], seconds_total=1.0)
