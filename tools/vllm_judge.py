@@ -16,7 +16,10 @@ turn). For every eval set and draft one JSON line:
 
 * ``tau``: 1 + accepted / drafts from ``llm.get_metrics()`` (``vllm:spec_decode_num_drafts``,
   ``..._num_accepted_tokens``), the mean tokens per target forward including the bonus token;
-  ``accept_per_pos``: ``..._num_accepted_tokens_per_pos`` / drafts;
+  ``accept_per_pos``: ``..._num_accepted_tokens_per_pos`` / drafts; ``by_context``: the same per
+  context-length bucket of the prompts (0-1k, 1-2k, 2-4k, ...: each bucket's prompts are one
+  ``generate`` call, since the counters are engine-wide), for long-context sets
+  (``python -m data_gen.long_context``); the engine's ``max_model_len`` fits the longest prompt;
 * ``tokens_per_s``: generated tokens / wall seconds of that set's ``generate`` call, and the same
   for the plain engine (``plain_tokens_per_s``) — a CPU figure, not a GPU speedup;
 * ``equal``: prompts whose greedy output equals the plain engine's; each other prompt is a
@@ -47,6 +50,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 from eagle3.config import DEFAULT_TARGET  # noqa: E402
+from eagle3.target.positions import context_length  # noqa: E402
 
 # the eval prompts and the divergence check are serve_eval's, so both judges read the same text
 from serve_eval.config import EVAL_SETS  # noqa: E402
@@ -99,17 +103,54 @@ def run_engine(job: dict[str, Any]) -> dict[str, Any]:
                             detokenize=False)
     out: dict[str, Any] = {}
     for name, prompts in job["prompts"].items():
-        before = _counters(llm)
-        start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        after = _counters(llm)
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        delta = {k: after[k] - before[k] for k in SPEC_METRICS.values()}
-        per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] + [0] * len(after["per_pos"]),
-                                         strict=False)]
-        out[name] = {"tokens": tokens, "seconds": seconds, **delta, "per_pos": per_pos}
+        tokens: list[list[int]] = [[] for _ in prompts]
+        got: dict[str, Any] = {"seconds": 0.0, "by_context": {}}
+        for bucket, rows in group_by_context(prompts).items():  # one generate per bucket: counters per bucket
+            before = _counters(llm)
+            start = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": prompts[r]} for r in rows], params, use_tqdm=False)
+            got["seconds"] += time.perf_counter() - start
+            after = _counters(llm)
+            for r, o in zip(rows, outs, strict=True):
+                tokens[r] = list(o.outputs[0].token_ids)
+            delta = {k: after[k] - before[k] for k in SPEC_METRICS.values()}
+            delta["per_pos"] = [a - b for a, b in zip(after["per_pos"], before["per_pos"] + [0] * len(after["per_pos"]),
+                                                      strict=False)]
+            got["by_context"][bucket] = delta
+        out[name] = {"tokens": tokens, **got, **merge_counters(list(got["by_context"].values()))}
     return out
+
+
+def group_by_context(prompts: list[list[int]]) -> dict[str, list[int]]:
+    """Prompt rows by the context-length bucket of their length (shortest bucket first): vLLM's
+    counters are engine-wide, so acceptance by context is read from one ``generate`` per bucket.
+    A round's context is its prompt plus what it generated, so a prompt near an edge counts below it."""
+    from eagle3.draft.metrics import context_bucket
+
+    groups: dict[int, tuple[str, list[int]]] = {}
+    for row, prompt in enumerate(prompts):
+        label = context_bucket(len(prompt))
+        groups.setdefault(_bucket_start(label), (label, []))[1].append(row)
+    return {label: rows for _, (label, rows) in sorted(groups.items())}
+
+
+def _bucket_start(label: str) -> int:
+    return int(label.split("-")[0].rstrip("k+"))
+
+
+def merge_counters(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The sums of several ``generate`` calls' counter deltas (per position too)."""
+    total: dict[str, Any] = {k: sum(p[k] for p in parts) for k in SPEC_METRICS.values()}
+    width = max((len(p["per_pos"]) for p in parts), default=0)
+    total["per_pos"] = [sum(p["per_pos"][i] for p in parts if i < len(p["per_pos"])) for i in range(width)]
+    return total
+
+
+def by_context(got: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """tau and acceptance per position of each context bucket that drafted."""
+    return {bucket: {"drafts": c["drafts"], "tau": round(1 + c["accepted"] / c["drafts"], 4),
+                     "accept_per_pos": [round(x / c["drafts"], 4) for x in c["per_pos"]]}
+            for bucket, c in got["by_context"].items() if c["drafts"]}
 
 
 def draft_family(folder: str) -> dict[str, Any]:
@@ -179,8 +220,13 @@ def control_copies(draft: Path, default_ids: list[int], num_layers: int, workdir
 def judge(target_folder: str, drafts: dict[str, Path | None], prompts: dict[str, list[list[int]]], *, k: int,
           max_new_tokens: int, stop_ids: list[int], target: Any, model_impl: str = "auto") -> list[dict[str, Any]]:
     """One line per (draft, set): tau, acceptance per position, tokens/s, greedy equality."""
+    longest = max((len(p) for ps in prompts.values() for p in ps), default=0)
+    room = context_length(target.model.config)
+    if room is not None and longest + max_new_tokens > room:
+        raise SystemExit(f"--max-new-tokens {max_new_tokens} after the longest prompt ({longest} tokens) exceeds the "
+                         f"target's context of {room}")
     job = {"target": target_folder, "prompts": prompts, "k": k, "max_new_tokens": max_new_tokens,
-           "stop_ids": stop_ids, "max_model_len": 2048, "model_impl": model_impl}
+           "stop_ids": stop_ids, "max_model_len": max(2048, longest + max_new_tokens), "model_impl": model_impl}
     plain = in_child(job)
     lines = []
     for name, folder in drafts.items():
@@ -202,6 +248,7 @@ def judge(target_folder: str, drafts: dict[str, Path | None], prompts: dict[str,
                 "figure": "vllm_judge", "draft": name, "set": set_name, "prompts": len(got["tokens"]), "k": served_k,
                 "tau": round(1 + got["accepted"] / drafts_n, 4),
                 "accept_per_pos": [round(x / drafts_n, 4) for x in got["per_pos"]],
+                "by_context": by_context(got),
                 "drafts": got["drafts"], "accepted": got["accepted"], "generated_tokens": generated,
                 "tokens_per_s": round(generated / got["seconds"], 1),
                 "plain_tokens_per_s": round(sum(len(t) for t in base["tokens"]) / base["seconds"], 1),
