@@ -56,3 +56,18 @@ def test_the_cli_refuses_a_length_beyond_the_targets_context(tmp_path: Path, mon
     err = capsys.readouterr().err
     assert err.startswith("long_context: error: --lengths: 8192 tokens do not fit") and len(err.splitlines()) == 1
     assert not (tmp_path / "eval").exists()
+
+
+@pytest.mark.slow
+def test_the_sets_from_the_real_wheels_reach_each_length(tmp_path: Path) -> None:
+    """Jinja2's and dataset-build's wheels, measured in the embedded target's chat template."""
+    count, room = long_context.prompt_counter("smollm2-135m")
+    assert room == 8192
+    assert build(tmp_path, count, [2048, 4096], tasks=2) == {"long_code": 6, "long_docs": 6}
+    for name in ("long_code", "long_docs"):
+        records = [json.loads(line) for line in (tmp_path / "eval" / f"{name}.jsonl").read_text().splitlines()]
+        for short, mid, long in zip(records[0::3], records[1::3], records[2::3], strict=True):
+            assert short["meta"]["prompt_tokens"] < 2048 and 1500 < mid["meta"]["prompt_tokens"] <= 2048
+            assert 3500 < long["meta"]["prompt_tokens"] <= 4096
+            request = short["messages"][0]["content"].rsplit("\n\n", 1)[1]
+            assert all(r["messages"][0]["content"].endswith(request) for r in (mid, long))
