@@ -131,7 +131,7 @@ def build(pools: Path, count_prompt: Callable[[str], int], lengths: Sequence[int
     if not lengths or any(n < 256 for n in lengths):
         raise ConfigError(f"--lengths {list(lengths)}: give one or more lengths of at least 256 tokens")
     written = {}
-    for name, make in (("long_code", code_tasks), ("long_docs", docs_tasks)):
+    for name, make, domain in (("long_code", code_tasks, "coding"), ("long_docs", docs_tasks, "multilingual")):
         records = []
         for t in make(tasks, seed):
             rng = random.Random(f"{seed}:{t.id}")
@@ -139,8 +139,8 @@ def build(pools: Path, count_prompt: Callable[[str], int], lengths: Sequence[int
             variants = [("short", short, count_prompt(short))]
             variants += [(str(n), *fill(t, n, count_prompt, rng)) for n in sorted(lengths)]
             for variant, text, tokens in variants:
-                records.append({"id": f"{name}:{t.id}:{variant}", "domain": "coding" if name == "long_code"
-                                else "multilingual", "messages": [{"role": "user", "content": text}],
+                records.append({"id": f"{name}:{t.id}:{variant}", "domain": domain,
+                                "messages": [{"role": "user", "content": text}],
                                 "meta": {"task": t.id, "variant": variant, "prompt_tokens": tokens,
                                          "text_language": t.language}})
         path = pools / "eval" / f"{name}.jsonl"

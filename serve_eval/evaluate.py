@@ -35,7 +35,7 @@ import torch
 from eagle3.atomic import atomic_write_text
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import SamplingConfig, add_target_arguments
-from eagle3.draft.metrics import acceptance_by_context, acceptance_per_position, served_tau
+from eagle3.draft.metrics import CONTEXT_BUCKETS, acceptance_by_context, acceptance_per_position, served_tau
 from eagle3.errors import ConfigError, InputError, MissingInputError, run_cli
 from eagle3.target.positions import context_length
 from serve_eval.adaptive import measure_cost
@@ -210,7 +210,7 @@ def context_table(report: dict[str, Any]) -> list[str]:
     """tau per context-length bucket (the context before a round's first drafted token), per set:
     where a long context costs acceptance. Rounds in brackets."""
     named = [*report["sets"].items(), ("overall", report["overall"])]
-    buckets = sorted({b for _, s in named for b in s.get("by_context", {})}, key=_bucket_start)
+    buckets = sorted({b for _, s in named for b in s.get("by_context", {})}, key=CONTEXT_BUCKETS.index)
     if not buckets:
         return []
     lines = ["", "tau by context length (tokens before the round's first drafted token; rounds in brackets):", "",
@@ -219,10 +219,6 @@ def context_table(report: dict[str, Any]) -> list[str]:
         cells = [f"{g['tau']:.3f} ({g['rounds']})" if (g := s.get("by_context", {}).get(b)) else "-" for b in buckets]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
-
-
-def _bucket_start(label: str) -> int:
-    return int(label.split("-")[0].rstrip("k+"))
 
 
 def plots(report: dict[str, Any], out: Path) -> list[str]:

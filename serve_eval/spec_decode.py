@@ -39,7 +39,7 @@ from torch import Tensor
 from eagle3.config import SamplingConfig
 from eagle3.device import synchronize
 from eagle3.draft.families import Proposal, Proposer, family_of
-from eagle3.draft.metrics import acceptance_by_context, acceptance_per_position, served_tau
+from eagle3.draft.metrics import acceptance_per_position, served_tau
 from eagle3.draft.model import DraftHead, DraftKV
 from eagle3.errors import ConfigError
 from eagle3.target.model import Target
@@ -89,11 +89,6 @@ class DecodeStats:
         """Share of the rounds proposing a token at depth i (1-based) in which it was accepted."""
         return acceptance_per_position(self.accepted, self.depths or [self.proposed] * len(self.accepted),
                                        self.proposed)
-
-    def acceptance_by_context(self) -> dict[str, dict[str, Any]]:
-        """Rounds, tau and acceptance per position per context-length bucket (``0-1k``, ``1-2k``, ...)."""
-        return acceptance_by_context(self.accepted, self.depths or [self.proposed] * len(self.accepted),
-                                     self.contexts, self.proposed)
 
     def as_dict(self) -> dict[str, Any]:
         decode = self.seconds_total - self.seconds_prefill

@@ -125,17 +125,12 @@ def group_by_context(prompts: list[list[int]]) -> dict[str, list[int]]:
     """Prompt rows by the context-length bucket of their length (shortest bucket first): vLLM's
     counters are engine-wide, so acceptance by context is read from one ``generate`` per bucket.
     A round's context is its prompt plus what it generated, so a prompt near an edge counts below it."""
-    from eagle3.draft.metrics import context_bucket
+    from eagle3.draft.metrics import CONTEXT_BUCKETS, context_bucket
 
-    groups: dict[int, tuple[str, list[int]]] = {}
+    groups: dict[str, list[int]] = {}
     for row, prompt in enumerate(prompts):
-        label = context_bucket(len(prompt))
-        groups.setdefault(_bucket_start(label), (label, []))[1].append(row)
-    return {label: rows for _, (label, rows) in sorted(groups.items())}
-
-
-def _bucket_start(label: str) -> int:
-    return int(label.split("-")[0].rstrip("k+"))
+        groups.setdefault(context_bucket(len(prompt)), []).append(row)
+    return dict(sorted(groups.items(), key=lambda item: CONTEXT_BUCKETS.index(item[0])))
 
 
 def merge_counters(parts: list[dict[str, Any]]) -> dict[str, Any]:

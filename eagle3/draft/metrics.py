@@ -105,32 +105,32 @@ CONTEXT_EDGES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 """Upper edges (tokens) of the context-length buckets acceptance is reported in: 0-1k, 1-2k, 2-4k, ..."""
 
 
+CONTEXT_BUCKETS = (*(f"{lo // 1024}-{hi // 1024}k" for lo, hi in zip((0, *CONTEXT_EDGES), CONTEXT_EDGES, strict=False)),
+                   f"{CONTEXT_EDGES[-1] // 1024}k+")
+"""The buckets' labels, shortest first: ``0-1k``, ``1-2k``, ``2-4k``, ... ``256k+``."""
+
+
 def context_bucket(tokens: int) -> str:
     """The bucket of a round whose first drafted token has ``tokens`` tokens before it (``4-8k``:
     4,096 <= tokens < 8,192; the last one open: ``256k+``)."""
-    low = 0
-    for edge in CONTEXT_EDGES:
-        if tokens < edge:
-            return f"{low // 1024}-{edge // 1024}k"
-        low = edge
-    return f"{low // 1024}k+"
+    return CONTEXT_BUCKETS[bisect_right(CONTEXT_EDGES, tokens)]
 
 
 def acceptance_by_context(accepted: Sequence[int], depths: Sequence[int], contexts: Sequence[int],
                           k: int) -> dict[str, dict[str, Any]]:
     """Per context-length bucket (shortest first, those with rounds): rounds, tau and acceptance per
     position of the rounds whose first drafted token had that much context before it."""
-    groups: dict[int, list[int]] = {}
+    groups: dict[str, list[int]] = {}
     for i, tokens in enumerate(contexts):
-        groups.setdefault(bisect_right(CONTEXT_EDGES, tokens), []).append(i)
+        groups.setdefault(context_bucket(tokens), []).append(i)
     out = {}
-    for _, rows in sorted(groups.items()):
+    for bucket, rows in sorted(groups.items(), key=lambda item: CONTEXT_BUCKETS.index(item[0])):
         acc, dep = [accepted[i] for i in rows], [depths[i] for i in rows]
-        out[context_bucket(contexts[rows[0]])] = {
+        out[bucket] = {
             "rounds": len(rows), "tau": round(served_tau(acc), 4),
             "accept_per_pos": [round(a, 4) for a in acceptance_per_position(acc, dep, k)]}
     return out
 
 
-__all__ = ["CONTEXT_EDGES", "AcceptanceTally", "acceptance_by_context", "acceptance_per_position", "accepted_runs",
-           "context_bucket", "served_tau", "step_hits", "upto_before"]
+__all__ = ["CONTEXT_BUCKETS", "CONTEXT_EDGES", "AcceptanceTally", "acceptance_by_context", "acceptance_per_position",
+           "accepted_runs", "context_bucket", "served_tau", "step_hits", "upto_before"]

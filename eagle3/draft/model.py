@@ -55,6 +55,7 @@ from eagle3.draft.rope import (
     rope_kind,
 )
 from eagle3.errors import ConfigError
+from eagle3.target.positions import as_dict
 
 # attend(q [B,M,nh,d], k [B,S,nkv,d], v [B,S,nkv,d]) -> [B,M,nh,d]; q and k already rotated. The query
 # rows are all S rows except in training's unroll (``rows``); serving's cached attend assumes M == S.
@@ -164,7 +165,7 @@ class DraftConfig:
         text = getattr(hf_config, "text_config", None)
         if text is not None:
             hf_config = SimpleNamespace(**text) if isinstance(text, dict) else text
-        theta, rope = read_rope(hf_config.to_dict() if hasattr(hf_config, "to_dict") else vars(hf_config))
+        theta, rope = read_rope(as_dict(hf_config))
         rope.pop("partial_rotary_factor", None)  # the draft rotates its whole head, whatever the target does
         kind = rope_kind(rope)
         hidden = hf_config.hidden_size

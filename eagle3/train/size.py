@@ -49,8 +49,8 @@ def count_on_meta(config: DraftConfig) -> dict[str, int]:
 def size_draft(target: TargetConfig, train: TrainConfig) -> dict[str, Any]:
     """Draft config, aux layer ids and parameter counts for this target and training config."""
     arch = text_architecture(target_architecture(target))
-    unstated = [k for k in ("max_position_embeddings", "rope_parameters") if k not in arch
-                and not (k == "rope_parameters" and set(ROPE_KEYS) & set(arch))]
+    unstated = [name for name, keys in (("max_position_embeddings", {"max_position_embeddings"}),
+                                        ("rope_parameters", set(ROPE_KEYS))) if not keys & set(arch)]
     if target.architecture and unstated:
         print(f"size: target.architecture states no {' or '.join(unstated)}: the draft is sized with 2,048 "
               "positions and plain RoPE (theta 10,000), not the target's; training takes the target's own",
