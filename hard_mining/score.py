@@ -49,6 +49,8 @@ class SampleScore:
     step_hits: list[int] = field(default_factory=list)
     """Per TTT step: counted positions whose draft argmax matched."""
     step_counted: list[int] = field(default_factory=list)
+    contexts: list[int] = field(default_factory=list)
+    """Per start (as ``accepted``): the tokens before its first draft token (its context length)."""
 
     @property
     def positions(self) -> int:
@@ -116,8 +118,9 @@ def target_head(target: Any) -> Any:
 
 @torch.no_grad()
 def score_sample(draft: DraftHead, head: Any, batch: dict[str, torch.Tensor], ttt_steps: int,
-                 step_decay: float = 0.8) -> tuple[list[int], float, list[int], list[int]]:
-    """One sample (a batch of one row) -> accepted run per start, loss, per-step hits and counts."""
+                 step_decay: float = 0.8) -> tuple[list[int], float, list[int], list[int], list[int]]:
+    """One sample (a batch of one row) -> accepted run per start, loss, per-step hits and counts, and
+    the context length before each start's first draft token."""
     dtype, device = draft.fc.weight.dtype, draft.fc.weight.device
     batch = {k: v.to(device) for k, v in batch.items()}  # the loader builds it on the host
     targets = head.targets(batch, draft.t2d)
@@ -125,8 +128,9 @@ def score_sample(draft: DraftHead, head: Any, batch: dict[str, torch.Tensor], tt
                       batch["document_ids"], batch["loss_mask"], targets, num_steps=ttt_steps,
                       weights=step_weights(ttt_steps, step_decay))
     run, start = accepted_runs(out.match, out.counted)  # [N] each
+    contexts = batch["position_ids"].flatten() + 1  # row t drafts x[t+1], which follows t+1 tokens
     return (run[start].tolist(), float(out.loss), step_hits(out.match, out.counted).sum(1).tolist(),
-            out.counted.flatten(1).sum(1).tolist())
+            out.counted.flatten(1).sum(1).tolist(), contexts[start.to(contexts.device)].tolist())
 
 
 def score_store(draft: DraftHead, head: Any, store: HarvestStore, meta: dict[str, dict[str, str]],
@@ -143,10 +147,10 @@ def score_store(draft: DraftHead, head: Any, store: HarvestStore, meta: dict[str
     out = []
     for i in chosen:
         batch = load_batch(store, [i], "buckets")
-        accepted, loss, hits, counted = score_sample(draft, head, batch, ttt_steps, step_decay)
+        accepted, loss, hits, counted, contexts = score_sample(draft, head, batch, ttt_steps, step_decay)
         m = meta_of(ids[i], meta)
         out.append(SampleScore(ids[i], m["domain"], m["language"], int(batch["input_ids"].shape[1]), accepted,
-                               loss, hits, counted))
+                               loss, hits, counted, contexts))
     return out
 
 
@@ -166,6 +170,21 @@ def group_scores(scores: Sequence[SampleScore], key: str, depth: int | None = No
     return out
 
 
+def group_by_context(scores: Sequence[SampleScore]) -> dict[str, dict[str, Any]]:
+    """Starts pooled by the context before their first draft token, in the serving reports' buckets
+    (:func:`eagle3.draft.metrics.context_bucket`), shortest first: starts and tau_sim of each."""
+    from eagle3.draft.metrics import CONTEXT_BUCKETS, context_bucket
+
+    sums: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for s in scores:
+        for accepted, tokens in zip(s.accepted, s.contexts, strict=True):
+            bucket = sums[context_bucket(tokens)]
+            bucket[0] += 1
+            bucket[1] += accepted
+    return {b: {"starts": sums[b][0], "tau_sim": round(1.0 + sums[b][1] / sums[b][0], 4)}
+            for b in CONTEXT_BUCKETS if b in sums}
+
+
 def hardest(scores: Sequence[SampleScore], n: int, min_positions: int = 8) -> list[SampleScore]:
     """The ``n`` samples with the highest loss (ties: lower tau first), among those with at least
     ``min_positions`` scored positions (a 2-token reply says little)."""
@@ -179,5 +198,5 @@ def write_scores(path: Path, scores: Sequence[SampleScore]) -> None:
     atomic_write_text(path, "".join(json.dumps(s.as_dict()) + "\n" for s in scores))
 
 
-__all__ = ["GroupScore", "SampleScore", "group_scores", "hardest", "meta_of", "record_of", "read_sample_meta",
-           "score_sample", "score_store", "target_head", "write_scores"]
+__all__ = ["GroupScore", "SampleScore", "group_by_context", "group_scores", "hardest", "meta_of", "record_of",
+           "read_sample_meta", "score_sample", "score_store", "target_head", "write_scores"]

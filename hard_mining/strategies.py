@@ -66,7 +66,8 @@ def per_record(scores: Sequence[SampleScore]) -> list[SampleScore]:
         out.append(SampleScore(rid, items[0].domain, items[0].language, sum(x.tokens for x in items),
                                [a for x in items for a in x.accepted], loss,
                                [sum(v) for v in zip(*(x.step_hits for x in items), strict=True)],
-                               [sum(v) for v in zip(*(x.step_counted for x in items), strict=True)]))
+                               [sum(v) for v in zip(*(x.step_counted for x in items), strict=True)],
+                               [c for x in items for c in x.contexts]))
     return out
 
 

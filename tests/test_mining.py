@@ -20,6 +20,7 @@ from hard_mining.rounds import MineError, balanced_pick, run_rounds
 from hard_mining.score import (
     GroupScore,
     SampleScore,
+    group_by_context,
     group_scores,
     hardest,
     meta_of,
@@ -81,11 +82,28 @@ def test_scores_agree_with_the_trainers_eval(world: dict) -> None:
     for s in scores:
         assert s.tau_sim == pytest.approx(1 + sum(s.accepted) / len(s.accepted))
         assert all(0 <= a <= 3 for a in s.accepted) and s.step_counted[0] == s.positions
+        # each start's context: the tokens up to it, increasing along the row and within it
+        assert len(s.contexts) == s.positions and s.contexts == sorted(set(s.contexts))
+        assert 1 <= s.contexts[0] and s.contexts[-1] <= s.tokens
+    by_context = group_by_context(scores)
+    assert sum(b["starts"] for b in by_context.values()) == pooled.positions
+    if len(by_context) == 1:
+        assert next(iter(by_context.values()))["tau_sim"] == pytest.approx(pooled.tau_sim, abs=1e-4)
     assert meta_of("v101-t1", meta)["domain"] == "science"  # per-turn ids inherit their record's
 
 
 def _s(sid: str, domain: str, accepted: list[int], loss: float, language: str = "en") -> SampleScore:
     return SampleScore(sid, domain, language, tokens=50, accepted=accepted, loss=loss)
+
+
+def test_acceptance_by_context_by_hand() -> None:
+    scores = [SampleScore("a", "long", "en", 5000, [0, 3, 1], 1.0, contexts=[10, 1500, 4500]),
+              SampleScore("b", "long", "en", 900, [2, 2], 1.0, contexts=[5, 900])]
+    got = group_by_context(scores)
+    assert list(got) == ["0-1k", "1-2k", "4-8k"] and [g["starts"] for g in got.values()] == [3, 1, 1]
+    assert [g["tau_sim"] for g in got.values()] == pytest.approx([1 + 4 / 3, 4.0, 2.0], abs=1e-4)
+    assert [s.contexts for s in per_record([SampleScore("r-t0", "long", "en", 9, [1], 1.0, [1], [1], [4]),
+                                            SampleScore("r-t1", "long", "en", 9, [2], 1.0, [1], [1], [8])])] == [[4, 8]]
 
 
 def test_grouping_and_selection_by_hand() -> None:

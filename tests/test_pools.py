@@ -41,6 +41,7 @@ def fake_sources(name: str, **options) -> list[Prompt]:
         + [Prompt("sharegpt", "coding", _u("complete   DEF add(a, b):")),  # an eval prompt, re-spelled
            Prompt("sharegpt", "general", _u(english[0])),  # duplicate
            Prompt("sharegpt", "general", _u("Wie funktioniert ein Kühlschrank eigentlich genau im Alltag?"))],
+        "long_reuse": [Prompt("long_reuse", "long", _u("a long file " * 700 + "Copy `f` above."), "en")],
         "codeio": [Prompt("codeio", "coding", _u("x" * 7000), "en"), Prompt("codeio", "coding", _u("?"), "en"),
                    Prompt("codeio", "coding", _u("Write a function that reverses a list."), "en")],
     }
@@ -100,6 +101,18 @@ def test_pools_are_deterministic_and_atomic(tmp_path: Path, fake: None, monkeypa
     with pytest.raises(OSError):
         build_pools(_cfg(tmp_path / "a"))  # a failed rebuild leaves the previous pools intact
     assert read_jsonl(tmp_path / "a" / "train.jsonl")
+
+
+def test_a_long_source_is_not_cut_at_max_chars(tmp_path: Path, fake: None) -> None:
+    cfg = _cfg(tmp_path / "p")
+    assert "long_reuse" not in pools.pools_config_of(cfg)  # its settings shape no pool without it
+    cfg.sources = [*cfg.sources, "long_reuse"]
+    manifest = build_pools(cfg)
+    train = read_jsonl(tmp_path / "p" / "train.jsonl") + read_jsonl(tmp_path / "p" / "val.jsonl")
+    long = [r for r in train if r["source"] == "long_reuse"]
+    assert len(long) == 1 and long[0]["domain"] == "long" and len(long[0]["messages"][0]["content"]) > cfg.max_chars
+    assert manifest["skipped"]["too long"] == 1  # codeio's 7,000 characters still are
+    assert manifest["config"]["long_reuse"] == {"tasks": 400, "context_chars": [0, 8000, 16000], "turns_every": 3}
 
 
 def test_user_files_join_the_pool(tmp_path: Path, fake: None) -> None:

@@ -6,7 +6,8 @@
 Every draft (any format ``eagle3.export.load_draft`` reads: ours, vLLM plain, speculators) runs
 the training-time-test unroll over every sample (``hard_mining.score``): tau_sim = 1 + mean
 accepted run of K draft tokens per assistant position, against the target's argmax. One JSON
-line per draft: overall, per domain, per language, and the loss.
+line per draft: overall, per domain, per language, per context length (the tokens before a start's
+first draft token, in the serving reports' buckets), and the loss.
 
 Built to rank drafts quickly between vLLM judge runs: a store harvested from the judge's own
 prompts, with the target's greedy replies (``data_gen.regenerate --temperature 0`` on those
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from eagle3.export import fit_to_target, load_draft  # noqa: E402
 from eagle3.store.shards import HarvestStore  # noqa: E402
 from eagle3.target.model import load_target  # noqa: E402
-from hard_mining.score import group_scores, read_sample_meta, score_store, target_head  # noqa: E402
+from hard_mining.score import group_by_context, group_scores, read_sample_meta, score_store, target_head  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         row: dict = {"figure": "tau_sim", "draft": name, "store": args.store, "overall": round(overall.tau_sim, 4)}
         for key in ("domain", "language"):
             row[key] = {k: round(g.tau_sim, 4) for k, g in group_scores(scores, key).items()}
+        row["by_context"] = group_by_context(scores)
         row["loss"] = round(overall.loss, 4)
         print(json.dumps(row), flush=True)
     return 0

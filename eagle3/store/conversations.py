@@ -34,7 +34,7 @@ ROLE_ALIASES = {
     "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
     "bard": "assistant", "model": "assistant", "bot": "assistant",
 }
-DOMAINS = ("coding", "science", "multilingual", "general")
+DOMAINS = ("coding", "science", "multilingual", "general", "long")
 TEXT_PART_SEPARATOR = "\n"  # between a message's text parts, as vLLM's chat endpoint joins them
 
 
