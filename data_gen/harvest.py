@@ -71,7 +71,8 @@ class NothingToHarvestError(HarvestError):
 
 
 def tokenize_records(records: Sequence[dict[str, Any]], chat: ChatFormat, max_seq_len: int,
-                     counts: Counter[str]) -> list[tuple[str, list[int], list[int]]]:
+                     counts: Counter[str], cut: list[tuple[str, int]] | None = None,
+                     ) -> list[tuple[str, list[int], list[int]]]:
     """(id, input_ids, loss_mask) per usable sample, in order; truncations and skips counted.
 
     A one-reply record is the reply as the target saw and wrote it (:meth:`ChatFormat.tokenize_reply`:
@@ -110,6 +111,8 @@ def tokenize_records(records: Sequence[dict[str, Any]], chat: ChatFormat, max_se
             raise HarvestError(f"sample {sample_id}: {err}") from err
         for name, ids, mask in samples:
             if len(ids) > max_seq_len:
+                if cut is not None:
+                    cut.append((name, len(ids)))
                 ids, mask = ids[:max_seq_len], mask[:max_seq_len]
                 counts["truncated"] += 1
             if not any(mask):
@@ -272,7 +275,13 @@ def plan_harvest(cfg: HarvestConfig, target_cfg: TargetConfig, target: Target | 
         raise HarvestError(str(err)) from None
     spec, chat, backend = _spec_and_backend(cfg, target_cfg, target)
     counts: Counter[str] = Counter(records=len(records))
-    samples = tokenize_records(records, chat, spec.max_seq_len, counts)
+    cut: list[tuple[str, int]] = []
+    samples = tokenize_records(records, chat, spec.max_seq_len, counts, cut)
+    if cut:  # named, not silent: the store keeps their first max_seq_len tokens
+        named = ", ".join(f"{name} ({n} tokens)" for name, n in cut[:5]) + (f" and {len(cut) - 5} more" if len(cut) > 5
+                                                                           else "")
+        print(f"harvest: {len(cut)} sample(s) longer than max_seq_len={spec.max_seq_len} are cut to it: {named} "
+              f"(all of them: {out_dir / PLAN}, key \"cut\")", file=sys.stderr)
     if not samples:
         raise NothingToHarvestError(f"{data}: no sample to harvest ({len(records)} records, {dict(counts)}); a "
                                     "record needs an assistant reply to train on (regenerate the pool first)")
@@ -281,7 +290,7 @@ def plan_harvest(cfg: HarvestConfig, target_cfg: TargetConfig, target: Target | 
     settings = {k: v for k, v in asdict(cfg).items()
                 if k not in ("data", "out_dir", "shard", "threads", "spool_budget_mb")}
     record = {"spec": spec.to_json(), "settings": settings, "data_sha256": sha256_file(data), "shards": plan,
-              "counts": dict(counts)}
+              "counts": dict(counts), "cut": [{"sample": name, "tokens": n} for name, n in cut]}
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_plan(out_dir, record)
     return HarvestPlan(spec, backend, samples, lengths, plan, counts, settings, record)

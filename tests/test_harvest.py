@@ -126,7 +126,8 @@ def test_a_local_target_typed_two_ways_resumes(target: Target, tmp_path: Path, m
     assert again["samples"] == first["samples"] == 3
 
 
-def test_bad_input_is_counted_or_named(target: Target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_input_is_counted_or_named(target: Target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture) -> None:
     data = tmp_path / "data.jsonl"
     rows = [{"id": "long", "messages": [{"role": "user", "content": "q" * 50}, {"role": "assistant", "content": "a"}]},
             {"id": "no-reply", "messages": [{"role": "user", "content": "only a question"}]},
@@ -149,6 +150,11 @@ def test_bad_input_is_counted_or_named(target: Target, tmp_path: Path, monkeypat
                   target=target, progress=False)
     store = HarvestStore(tmp_path / "c")
     assert clamped["truncated"] == 1 and store.lengths == [256] and store.spec.max_seq_len == 256
+    # a cut sample is named, on stderr and in the plan, with its length before the cut
+    err = capsys.readouterr().err
+    assert "harvest: 1 sample(s) longer than max_seq_len=256 are cut to it: long (" in err
+    cut = json.loads((tmp_path / "c" / "plan.json").read_text())["cut"]
+    assert len(cut) == 1 and cut[0]["sample"] == "long" and cut[0]["tokens"] > 256
 
     unanswered = tmp_path / "unanswered.jsonl"  # a pool that was never regenerated: nothing to train on
     unanswered.write_text(json.dumps(rows[1]) + "\n")
