@@ -182,9 +182,13 @@ class StaticDraftKV:
         self.values[layer].index_copy_(1, at, v)
         return self.keys[layer], self.values[layer]
 
-    def attention_mask(self, past: int, new: int, device: torch.device) -> torch.Tensor:
-        """[new, slots]: slot j is seen by new token i where j <= pos + i (``past``, the slots, unused)."""
-        return torch.arange(self.slots, device=device) <= self.pos + torch.arange(new, device=device)[:, None]
+    def attention_mask(self, past: int, new: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+        """[new, slots]: slot j is seen by new token i where j <= pos + i and, with ``window``,
+        pos + i - j < window (``past``, the slots, unused)."""
+        query = self.pos + torch.arange(new, device=device)[:, None]
+        key = torch.arange(self.slots, device=device)
+        allowed = key <= query
+        return allowed & (query - key < window) if window is not None else allowed
 
     def commit(self, new: int) -> None:
         self.pos.add_(new)

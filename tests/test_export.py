@@ -29,7 +29,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 @pytest.mark.parametrize(("fmt", "variant", "layers"), [
     ("vllm", {}, 2), ("vllm", {"norm_before_residual": True, "fc_norm": True}, 1), ("speculators", {}, 1),
     ("speculators", {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}, 2),
-    ("sglang", {}, 1), ("vllm", {"rope_scaling": YARN}, 1), ("speculators", {"rope_scaling": YARN}, 1)])
+    ("sglang", {}, 1), ("vllm", {"rope_scaling": YARN}, 1), ("speculators", {"rope_scaling": YARN}, 1),
+    ("vllm", {"sliding_window": 4, "full_attention_layers": [1]}, 2), ("speculators", {"sliding_window": 4}, 1)])
 def test_round_trip_proposes_the_same_tokens(fmt: str, variant: dict, layers: int, tmp_path: Path) -> None:
     draft = random_draft(num_layers=layers, **variant)
     embedding = torch.randn(draft.config.vocab_size, draft.config.hidden_size)
@@ -91,6 +92,21 @@ def test_each_format_writes_the_keys_its_engine_reads(tmp_path: Path) -> None:
     assert spec["eagle_aux_hidden_state_layer_ids"] == list(AUX)
     names = set(load_file(str(tmp_path / "speculators" / "model.safetensors")))
     assert "layers.0.self_attn.q_proj.weight" in names and not any(n.startswith("midlayer.") for n in names)
+
+
+def test_a_sliding_window_is_written_as_vllm_reads_it(tmp_path: Path) -> None:
+    draft = random_draft(num_layers=2, sliding_window=6, full_attention_layers=[0])
+    out = export_draft_folder(tmp_path / "v", draft.state_dict(), draft.config, AUX, "vllm", dtype="float32")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["sliding_window"] == 6 and cfg["layer_types"] == ["full_attention", "sliding_attention"]
+    # vLLM's Llama layers window only where layer_types says so: a window without them reads as full attention
+    del cfg["layer_types"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    (out / "draft.json").unlink(missing_ok=True)
+    assert load_draft(out).draft.config.sliding_window is None
+    with pytest.raises(DraftFormatError, match="SGLang's EAGLE-3 Llama layer is not known to read"):
+        export_draft_folder(tmp_path / "s", draft.state_dict(), draft.config, (2, 4, 6), "sglang")
+    assert not (tmp_path / "s").exists()
 
 
 def test_sglang_limits(tmp_path: Path) -> None:

@@ -251,7 +251,11 @@ def test_config_errors_name_the_key(tmp_path: Path, capsys: pytest.CaptureFixtur
                     ({"eval_fraction": 1.0}, "train.eval_fraction=1.0"), ({"step_decay": 0.0}, "train.step_decay=0.0"),
                     ({"eval_store": "x", "eval_fraction": 0.1}, "train.eval_fraction=0.1"),
                     ({"wandb_mode": "cloud"}, "train.wandb_mode='cloud'"), ({"device": "tpu"}, "train.device='tpu'"),
-                    ({"layer_init": "target"}, "train.layer_init='target'")]:
+                    ({"layer_init": "target"}, "train.layer_init='target'"),
+                    ({"draft_sliding_window": 3, "ttt_steps": 3}, "train.draft_sliding_window=3: must exceed"),
+                    ({"draft_full_attention_layers": [0]}, "train.draft_full_attention_layers=\\[0\\]: set"),
+                    ({"draft_sliding_window": 9, "draft_full_attention_layers": [1]},
+                     "train.draft_full_attention_layers: \\[1\\] not among")]:
         with pytest.raises(ValueError, match=key.replace("(", r"\(").replace(".", r"\.")):
             TrainConfig(**kw)
     with pytest.raises(ValueError, match="freeze_lm_head=true needs train.lm_head_init=target"):
@@ -286,6 +290,19 @@ def test_a_few_steps_reduce_the_loss_and_export_the_draft(tiny: dict, tmp_path: 
     assert meta["step"] == 24 and meta["aux_layer_ids"] == [2, 4, 5] and draft.config.draft_vocab_size == 64
     vocab = read_draft_vocab(out / "draft_vocab.safetensors", 262)
     assert torch.equal(draft.d2t, vocab.d2t) and torch.equal(draft.t2d, vocab.t2d)
+
+
+def test_a_sliding_window_draft_trains_and_exports_its_window(tiny: dict, tmp_path: Path) -> None:
+    longest = max(HarvestStore(tiny["store"]).lengths)
+    with pytest.raises(TrainError, match=f"draft_sliding_window={longest}: not shorter than the store's longest row "
+                                         f"\\({longest} tokens\\)"):
+        train(_cfg(tiny, tmp_path / "long", draft_sliding_window=longest), target=tiny["target"])
+    assert not (tmp_path / "long").exists()  # refused before anything is written
+    out = tmp_path / "run"
+    train(_cfg(tiny, out, steps=4, eval_every=0, save_every=0, draft_sliding_window=12), target=tiny["target"])
+    draft, _ = load_exported_draft(out / "final")
+    assert draft.config.sliding_window == 12 and draft.config.full_attention_layers == []
+    assert json.loads((out / "final" / "config.json").read_text())["layer_types"] == ["sliding_attention"]
 
 
 def _assert_it_learned(out: Path) -> None:

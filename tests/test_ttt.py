@@ -89,7 +89,10 @@ SPECULATORS_VARIANT = {"norm_before_residual": True, "norm_before_fc": True, "no
 
 
 @pytest.mark.parametrize("num_layers,num_steps,variant", [
-    (1, 4, {}), (1, 3, {}), (2, 3, {}), (1, 3, SPECULATORS_VARIANT), (2, 3, {"fc_norm": True, "norm_output": True})])
+    (1, 4, {}), (1, 3, {}), (2, 3, {}), (1, 3, SPECULATORS_VARIANT), (2, 3, {"fc_norm": True, "norm_output": True}),
+    # sliding windows shorter than the documents: step k's query sits k positions on, its window with it
+    (1, 3, {"sliding_window": 4}), (1, 4, {"sliding_window": 5}),
+    (2, 3, {"sliding_window": 4, "full_attention_layers": [1]})])
 def test_batched_ttt_equals_serving_time_draft(num_layers: int, num_steps: int, variant: dict) -> None:
     draft = tiny_draft(num_layers, **variant)
     batch = packed_batch([[9, 7], [5, 11]], t2d=draft.t2d)
@@ -232,6 +235,17 @@ def test_step_counted_by_hand() -> None:
 def test_step0_mask_by_hand() -> None:
     got = step0_attention_mask(torch.tensor([[0, 0, 1, 1]]))[0].int().tolist()
     assert got == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+    # a window of 2: the row itself and the one before, within the document
+    got = step0_attention_mask(torch.tensor([[0, 0, 0, 0, 1, 1, 1]]), window=2)[0].int().tolist()
+    assert got == [[1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0, 0],
+                   [0, 0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1, 1]]
+
+
+def test_a_window_too_short_for_the_unroll_is_refused() -> None:
+    draft = tiny_draft(1, sliding_window=3)
+    batch = packed_batch([[9]], t2d=draft.t2d)
+    with pytest.raises(ValueError, match="sliding_window=3: must exceed the 3 unrolled steps"):
+        _batched(draft, batch, 3)
 
 
 def test_targets_restricted_renormalised_and_argmax_outside_masked() -> None:
@@ -443,6 +457,7 @@ def test_read_rows_by_hand() -> None:
     ([[30, 30, 20], [60, 20]], 2, SPECULATORS_VARIANT, True, 4, False),
     ([[30, 30, 20], [60, 20]], 2, {}, False, 1, True),
     ([[150, 130], [280]], 1, SPECULATORS_VARIANT, False, 4, False),  # 280 rows: the blocked attention
+    ([[150, 130], [280]], 2, {"sliding_window": 40, "full_attention_layers": [1]}, True, 4, False),
 ])
 def test_skipping_unread_rows_changes_nothing(doc_lengths: list[list[int]], num_layers: int, variant: dict,
                                               checkpointing: bool, num_steps: int, oov: bool) -> None:

@@ -80,7 +80,33 @@ def layer_config(config: DraftConfig, torch_dtype: str) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "vocab_size": config.vocab_size,
         "torch_dtype": torch_dtype,
+        **window_config(config),
     }
+
+
+def window_config(config: DraftConfig) -> dict[str, Any]:
+    """A sliding-window draft's ``sliding_window`` and ``layer_types`` (vLLM's Llama layers read the
+    window from ``layer_types``; a window without them is full attention there)."""
+    if config.sliding_window is None:
+        return {}
+    return {"sliding_window": config.sliding_window,
+            "layer_types": ["full_attention" if i in config.full_attention_layers else "sliding_attention"
+                            for i in range(config.num_layers)]}
+
+
+def read_window(layer: dict[str, Any], num_layers: int, path: Path) -> dict[str, Any]:
+    """:class:`DraftConfig`'s window fields from a layer config, as vLLM reads them: ``sliding_window``
+    applies to the layers ``layer_types`` names ``sliding_attention``, and to none without it."""
+    window, types = layer.get("sliding_window"), layer.get("layer_types")
+    if window is None or not types:
+        return {}
+    if len(types) != num_layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise DraftFormatError(f"{path}: layer_types={types!r}: expected one of sliding_attention or full_attention "
+                               f"per draft layer ({num_layers})")
+    if "sliding_attention" not in types:
+        return {}
+    return {"sliding_window": int(window),
+            "full_attention_layers": [i for i, t in enumerate(types) if t == "full_attention"]}
 
 def _flags(config: DraftConfig) -> dict[str, Any]:
     return {key: getattr(config, key) for key in NORM_FLAGS}
@@ -114,6 +140,10 @@ def sglang_config(config: DraftConfig, aux_layer_ids: Sequence[int], torch_dtype
         raise DraftFormatError(f"SGLang's EAGLE-3 draft reads exactly 3 aux states and has none of the "
                                f"{', '.join(NORM_FLAGS)} variants "
                                f"(this draft: {len(ids)} states, {variants or 'none'})")
+    if config.sliding_window is not None:
+        raise DraftFormatError(f"sliding_window={config.sliding_window}: SGLang's EAGLE-3 Llama layer is not known to "
+                               "read a draft's sliding window (it would attend in full); export it in the vllm or "
+                               "speculators format")
     if config.num_layers != 1:  # older releases refuse more; newer ones name them otherwise and skip ours unread
         raise DraftFormatError(f"SGLang's EAGLE-3 draft loads one decoder layer (this draft: {config.num_layers}); "
                                "export it in the vllm or speculators format")
@@ -330,6 +360,7 @@ def draft_config_from_json(cfg: dict[str, Any], fmt: str, path: Path, num_aux_la
             rope_scaling=None if kind == "default" else rope,
             max_position_embeddings=num("max_position_embeddings", layer.get("max_position_embeddings", 2048)),
             num_layers=num("num_hidden_layers", layer.get("num_hidden_layers", 1)),
+            **read_window(layer, num("num_hidden_layers", layer.get("num_hidden_layers", 1)), path),
             mask_token_id=num("mask_token_id", cfg["mask_token_id"]) if parallel else None,
             **flags,
         )

@@ -113,6 +113,12 @@ class DraftConfig:
     block_size: int | None = None
     """Set: a DFlash draft (:mod:`eagle3.draft.families.dflash`): one non-causal forward over the bonus token and
     ``block_size - 1`` mask tokens (``mask_token_id``) proposes ``block_size - 1`` tokens."""
+    sliding_window: int | None = None
+    """Set: draft layers attend to the last ``sliding_window`` positions only, their own included (a
+    query at position p sees keys at p - sliding_window < q <= p, as vLLM's and HF's ``sliding_window``),
+    except the layers in ``full_attention_layers``. Exported as ``sliding_window`` and ``layer_types``."""
+    full_attention_layers: list[int] = field(default_factory=list)
+    """With ``sliding_window``: the draft layers (0-based) that keep full attention."""
     family: str | None = None
     """The draft family (:mod:`eagle3.draft.families`: eagle3, peagle, dflash, or one registered later;
     :func:`eagle3.draft.families.family_of` checks the fields fit it). None: read from the fields, as for
@@ -131,6 +137,12 @@ class DraftConfig:
                      "num_layers", "max_position_embeddings"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"draft.{name}={getattr(self, name)}: must be >= 1")
+        if self.sliding_window is not None and self.sliding_window < 2:
+            raise ConfigError(f"draft.sliding_window={self.sliding_window}: must be >= 2 (or null: full attention)")
+        bad = [i for i in self.full_attention_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"draft.full_attention_layers={list(self.full_attention_layers)}: {bad} not among the "
+                              f"draft's layers 0..{self.num_layers - 1}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"draft.num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -283,6 +295,15 @@ class DecoderLayer(nn.Module):
 
 # ---------------------------------------------------------------- serving-time KV cache
 
+def causal_window(past: int, new: int, device: torch.device, window: int | None = None) -> Tensor:
+    """[new, past + new] bool: row i (position past + i) may see column j iff j <= past + i and,
+    with ``window``, past + i - j < window."""
+    query = past + torch.arange(new, device=device)[:, None]
+    key = torch.arange(past + new, device=device)
+    allowed = key <= query
+    return allowed & (query - key < window) if window is not None else allowed
+
+
 @dataclass
 class KVCache:
     """Per-layer keys/values [B, T, nkv, d] (keys rotated) of every token the draft has seen."""
@@ -312,9 +333,10 @@ class KVCache:
         self.keys = [None if k is None else k[:, :length] for k in self.keys]
         self.values = [None if v is None else v[:, :length] for v in self.values]
 
-    def attention_mask(self, past: int, new: int, device: torch.device) -> Tensor:
-        """[new, past + new]: each new token sees the cache and the new ones up to itself."""
-        return torch.arange(past + new, device=device) <= past + torch.arange(new, device=device)[:, None]
+    def attention_mask(self, past: int, new: int, device: torch.device, window: int | None = None) -> Tensor:
+        """[new, past + new]: each new token sees the cache and the new ones up to itself (with
+        ``window``: only the last ``window`` of them, itself included). A cache slot is a position."""
+        return causal_window(past, new, device, window)
 
     def commit(self, new: int) -> None:
         """After a forward over ``new`` tokens (a static cache moves its length here)."""
@@ -347,16 +369,17 @@ class DraftKV(KVCache):
         return self.draft(ids, states, positions, self, attn_mask=mask)
 
 
-def _cached_attend(cache: KVCache, layer: int, mask: Tensor | None = None) -> Attend:
+def _cached_attend(cache: KVCache, layer: int, mask: Tensor | None = None, window: int | None = None) -> Attend:
     """Attention over the cache plus the new tokens; ``mask`` [S_new, T] (True: may attend)
-    replaces the causal default (each new token sees the cache and the new ones up to itself)."""
+    replaces the causal default (each new token sees the cache and the new ones up to itself, the
+    last ``window`` of them with a sliding-window layer)."""
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         new = q.shape[1]
         keys, values = cache.update(layer, k, v)  # [B, T, nkv, d], T = past + new
         group = q.shape[2] // keys.shape[2]
         keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)  # [B, nh, T, d]
         values = values.repeat_interleave(group, dim=2).transpose(1, 2)
-        allowed = mask if mask is not None else cache.attention_mask(keys.shape[2] - new, new, q.device)
+        allowed = mask if mask is not None else cache.attention_mask(keys.shape[2] - new, new, q.device, window)
         out = sdpa(q.transpose(1, 2), keys, values, attn_mask=allowed)  # [B, nh, S, d]
         return out.transpose(1, 2)
 
@@ -437,6 +460,11 @@ class DraftHead:
             self.lm_head.weight.copy_(rows)
             if target_norm_weight is not None:
                 self.norm.weight.copy_(target_norm_weight)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of draft layer ``layer`` (None: full attention)."""
+        c = self.config
+        return None if c.sliding_window is None or layer in c.full_attention_layers else c.sliding_window
 
     def embed(self, input_ids: Tensor) -> Tensor:
         return self.embed_tokens(input_ids)  # [B, S, H]
@@ -583,7 +611,13 @@ class Eagle3Draft(DraftHead, nn.Module):
         logits [B, S, Vd]).
         """
         cache = KVCache() if cache is None else cache
-        attends = [_cached_attend(cache, i, attn_mask) for i in range(self.config.num_layers)]
+        attends = []
+        for i in range(self.config.num_layers):
+            window, mask = self.layer_window(i), attn_mask
+            if window is not None and mask is not None:  # a tree: cache slots of the context are their positions,
+                # a node's slot is at least its position, and a tree is shallower than the window
+                mask = mask & (position_ids[0, :, None] - torch.arange(mask.shape[-1], device=mask.device) < window)
+            attends.append(_cached_attend(cache, i, mask, window))
         prenorm = self.decode(hidden, self.embed(input_ids), position_ids, attends)
         cache.commit(input_ids.shape[1])
         return self.next_hidden(prenorm), self.compute_logits(prenorm)

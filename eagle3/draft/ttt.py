@@ -105,11 +105,33 @@ def step_counted(loss_mask: Tensor, document_ids: Tensor, step: int) -> Tensor:
     return shift_left(loss_mask.bool(), predicted, False) & same_doc
 
 
-def step0_attention_mask(document_ids: Tensor) -> Tensor:
-    """[B, S, S] bool: query row t may see step-0 key row s iff s <= t in the same document."""
+def step0_attention_mask(document_ids: Tensor, window: int | None = None) -> Tensor:
+    """[B, S, S] bool: query row t may see step-0 key row s iff s <= t in the same document (and,
+    with ``window``, t - s < window: rows of one document are consecutive positions)."""
     s = document_ids.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()  # [S, S]
+    if window is not None:
+        causal &= ~torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril(-window)
     return causal & (document_ids.unsqueeze(2) == document_ids.unsqueeze(1))
+
+
+def layer_masks(windows: Sequence[int | None], document_ids: Tensor, at: Tensor | None, step: int,
+                full: tuple[Tensor, Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """Per draft layer, step ``step``'s (step-0 key mask [B, S, S], that of the rows read [B, M, S]):
+    ``full`` for a full-attention layer. A sliding-window layer's query at step k sits k positions
+    past its row, so its window over the step-0 keys is ``window - k`` rows (its diagonal keys, at
+    most k positions back, stay inside)."""
+    made: dict[int, tuple[Tensor, Tensor]] = {}
+    out = []
+    for window in windows:
+        if window is None:
+            out.append(full)
+            continue
+        if window - step not in made:
+            mask = step0_attention_mask(document_ids, window - step)
+            made[window - step] = (mask, _rows(mask, at))
+        out.append(made[window - step])
+    return out
 
 
 def step_weights(num_steps: int, decay: float = 0.8) -> Tensor:
@@ -508,6 +530,10 @@ def ttt_forward(
     layout = layout_of(layout, loss_mask, document_ids, num_steps, skip_unread_rows and not return_logits)
     at, live = layout.at, layout.live  # [B, M]: the output rows of every step (None: all); step 0 still reads all
     read_mask = _rows(mask0, at)  # [B, M, S]: the step-0 window of those rows
+    windows = [draft.layer_window(i) for i in range(num_layers)]  # sliding-window layers: their own masks
+    if any(w is not None and w <= num_steps for w in windows):
+        raise ValueError(f"draft.sliding_window={draft.config.sliding_window}: must exceed the {num_steps} "
+                         "unrolled steps")
 
     tally = StepTally(w, loss_mask, document_ids, targets, t2d, loss_on_oov=loss_on_oov, gate_steps=gate_steps,
                       at=at, live=live)
@@ -522,7 +548,8 @@ def ttt_forward(
         # A snapshot of the keys so far: a checkpointed step replays against exactly these.
         earlier = ([list(d) for d in diagonal], list(step0_kv))
         run_step = functools.partial(_unroll_step, draft, k=k, ids_k=ids_k, pos_k=pos_k, valid=valid_k,
-                                     counted=layout.counted[k], at=at, earlier=earlier, masks=(mask0, read_mask),
+                                     counted=layout.counted[k], at=at, earlier=earlier,
+                                     masks=layer_masks(windows, document_ids, at, k, (mask0, read_mask)),
                                      targets=targets, input_ids=input_ids, return_logits=return_logits,
                                      objective=objective, segments=layout.segments)
 
@@ -542,20 +569,22 @@ def ttt_forward(
 
 
 def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tensor, pos_k: Tensor, valid: Tensor,
-                 counted: tuple[Tensor, Tensor], at: Tensor | None, earlier: tuple, masks: tuple[Tensor, Tensor],
+                 counted: tuple[Tensor, Tensor], at: Tensor | None, earlier: tuple,
+                 masks: Sequence[tuple[Tensor, Tensor]],
                  targets: TTTTargets, input_ids: Tensor, return_logits: bool,
                  objective: Objective = SOFT_CE, segments: tuple | None = None) -> tuple[Tensor, ...]:
     """One step of :func:`ttt_forward`, a pure function of its inputs (what checkpointing replays):
     the next hidden state, the step's loss sum, its argmax in target ids, each layer's new keys and
     values, and (``return_logits``) the logits."""
     diag_before, window = earlier
-    mask0, read_mask = masks  # [B, S, S] step 0's window; [B, M, S] that of the rows read
     every, read = segments or (None, None)  # the segments of queries at every row, at the rows read
     read = every if at is None else read
     num_layers = len(draft.decoder_layers)
     new_kv: list[tuple[Tensor, Tensor]] = []
 
     def attend_for(layer: int) -> Attend:
+        mask0, read_mask = masks[layer]  # [B, S, S] the step-0 keys' mask; [B, M, S] that of the rows read
+
         def attend(q: Tensor, key: Tensor, value: Tensor) -> Tensor:
             new_kv.append((key, value))
             if k == 0:  # step 0's keys are the step-0 window itself; the last layer's queries at `at`
@@ -578,7 +607,7 @@ __all__ = [
     "step_loss",
     "prepare_targets",
     "prepare_targets_from_topk", "shift_left", "soft_cross_entropy", "step0_attention_mask",
-    "step_counted", "step_input_ids", "step_positions", "step_weights", "ttt_attention",
+    "step_counted", "step_input_ids", "step_positions", "step_weights", "ttt_attention", "layer_masks",
     "ttt_forward",
 ]
 

@@ -164,6 +164,12 @@ class TrainConfig:
     """peagle, dflash: the token fed at each mask position (its frozen embedding; the learned mask state
     carries the rest). None: the tokenizer's mask token, a vocabulary row no token uses, its pad or
     unknown token when that is not the end-of-text token, else the last id (SmolLM2: 0)."""
+    draft_sliding_window: int | None = None
+    """Set: the draft's layers attend to the last N positions only (:class:`eagle3.draft.model.DraftConfig`
+    ``sliding_window``; exported as ``sliding_window`` and ``layer_types``, which vLLM honours). Must
+    exceed ``ttt_steps`` and be shorter than the store's longest row (else it never acts in training)."""
+    draft_full_attention_layers: list[int] = field(default_factory=list)
+    """With ``draft_sliding_window``: draft layers (0-based) that keep full attention."""
     draft_rope: str = "target"
     """target: the target's RoPE theta and scaling (plain, linear, llama3 or yarn; anything else,
     e.g. Phi-3's longrope, fails naming this key); plain: the target's theta without scaling."""
@@ -233,6 +239,9 @@ class TrainConfig:
                 out[name] = getattr(self, "draft_" + name)
         if self.draft_rope == "plain":
             out["rope_scaling"] = None
+        if self.draft_sliding_window is not None:
+            out |= {"sliding_window": self.draft_sliding_window,
+                    "full_attention_layers": list(self.draft_full_attention_layers)}
         return {**out, **get_family(self.draft_family).config_fields(mask_token_id, self)}
 
     def __post_init__(self) -> None:
@@ -309,6 +318,16 @@ class TrainConfig:
         get_family(self.draft_family, "train.draft_family").check_train(self)
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ConfigError(f"train.mask_token_id={self.mask_token_id}: must be a token id (>= 0)")
+        if self.draft_sliding_window is not None and self.draft_sliding_window <= self.ttt_steps:
+            raise ConfigError(f"train.draft_sliding_window={self.draft_sliding_window}: must exceed train.ttt_steps="
+                              f"{self.ttt_steps} (a draft step's query sits that many positions past its row)")
+        if self.draft_full_attention_layers and self.draft_sliding_window is None:
+            raise ConfigError(f"train.draft_full_attention_layers={list(self.draft_full_attention_layers)}: set "
+                              "train.draft_sliding_window too (without it every layer attends in full)")
+        bad = [i for i in self.draft_full_attention_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"train.draft_full_attention_layers: {bad} not among the draft's layers "
+                              f"0..{self.num_layers - 1} (train.num_layers={self.num_layers})")
         if self.draft_rope not in ("target", "plain"):
             raise ConfigError(f"train.draft_rope={self.draft_rope!r}: expected target or plain")
         if self.loss_positions not in ("assistant", "all"):

@@ -390,6 +390,18 @@ class _Loop:
                     self.save()  # online, also when the shards read since the last save fill half the spool
 
 
+def check_window(cfg: TrainConfig, store: Any) -> None:
+    """A sliding window no shorter than the store's longest row never acts in training: refused."""
+    if cfg.draft_sliding_window is None:
+        return
+    lengths = getattr(store, "lengths", None)
+    longest, what = (max(lengths), "longest row") if lengths else (store.spec.max_seq_len, "max_seq_len")
+    if cfg.draft_sliding_window >= longest:
+        raise TrainError(f"train.draft_sliding_window={cfg.draft_sliding_window}: not shorter than the store's "
+                          f"{what} ({longest} tokens), so the draft would never train with its window; harvest "
+                          "longer rows or set a smaller window")
+
+
 def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: Target | None = None) -> dict[str, Any]:
     """Train (or resume) a draft head; returns a summary. Every rank calls this."""
     target_cfg = target_cfg or TargetConfig()
@@ -406,6 +418,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     # -- data, checked against the target before anything is read for training
     store, target = _data_and_target(cfg, target_cfg, target, rt)
     spec = store.spec
+    check_window(cfg, store)
     weights_by_id = sample_weights(cfg, store)
     eval_store, train_idx, eval_idx = eval_split(cfg, store, target)
     offline = [cfg.store, *cfg.extra_stores] if cfg.data == "offline" else []  # a spool's shards: checked as read

@@ -125,6 +125,10 @@ def new_draft(cfg: TrainConfig, target: Target, num_aux: int, vocab: DraftVocab,
         draft = family.build(draft_config, embedding)
     else:
         draft = family.adopt(initial, cfg, mask_id)
+        if cfg.draft_sliding_window is not None:  # continued training with a window: the window is the run's
+            draft.config.sliding_window = cfg.draft_sliding_window
+            draft.config.full_attention_layers = list(cfg.draft_full_attention_layers)
+            family.check_config(draft.config)
     draft.set_draft_vocab(vocab.d2t, vocab.t2d)
     if cfg.lm_head_init == "target" and not cfg.init_draft:
         # the target's logit scale folded into the rows (a soft cap has no linear equivalent)

@@ -281,6 +281,9 @@ class DFlashFamily(DraftFamily):
         if config.block_size is None or config.block_size < 2 or config.mask_token_id is None:
             raise ConfigError(f"draft.block_size={config.block_size}: a DFlash draft needs block_size >= 2 and a "
                              "mask_token_id")
+        if config.sliding_window is not None:
+            raise ConfigError(f"draft.sliding_window={config.sliding_window}: a DFlash draft's block attends over the "
+                             "whole context; sliding windows are for eagle3 and peagle drafts")
 
     def shape(self, train: TrainConfig) -> dict[str, Any]:
         return {"block_size": train.ttt_steps + 1}  # a block of ttt_steps + 1; EAGLE-3's layer variants do not apply
