@@ -22,3 +22,23 @@ def test_prompts_are_generated_per_context_bucket_and_their_counters_add_up() ->
     assert judge.by_context({"by_context": parts}) == {  # a bucket that never drafted is left out
         "0-1k": {"drafts": 4, "tau": 2.5, "accept_per_pos": [0.75, 0.5, 0.25]},
         "4-8k": {"drafts": 2, "tau": 1.0, "accept_per_pos": []}}
+
+
+def test_a_windowed_draft_gets_a_copy_without_its_window(tmp_path: Path) -> None:
+    import json
+
+    from eagle3.export import export_draft_folder
+    from tests.helpers import tiny_draft
+
+    draft = tiny_draft(1, sliding_window=8)
+    for fmt in ("vllm", "speculators"):
+        out = export_draft_folder(tmp_path / fmt, draft.state_dict(), draft.config, (1, 2, 3), fmt, dtype="float32",
+                                  verifier="/models/target")
+        copies = judge.window_controls(out, tmp_path / f"w-{fmt}")
+        assert set(copies) == {"window-removed"}
+        cfg = json.loads((copies["window-removed"] / "config.json").read_text())
+        layer = cfg.get("transformer_layer_config") or cfg
+        assert "layer_types" not in layer and layer["sliding_window"] == 8  # vLLM reads no window without them
+    plain = tiny_draft(1)
+    out = export_draft_folder(tmp_path / "plain", plain.state_dict(), plain.config, (1, 2, 3), "vllm")
+    assert judge.window_controls(out, tmp_path / "w-plain") == {}

@@ -31,7 +31,9 @@ turn). For every eval set and draft one JSON line:
 ``--controls`` adds, for every draft whose aux layer ids are not the target's defaults, copies
 whose ids are wrong on purpose: ``ids-removed`` (the keys deleted, so vLLM falls back to its
 defaults) and ``off-by-one`` (every id + 1, the bug class of sglang #25454 / vLLM #43671). If
-vLLM read our ids from the right key, both controls lose acceptance.
+vLLM read our ids from the right key, both controls lose acceptance. For a sliding-window draft it
+also adds ``window-removed`` (its ``layer_types`` deleted, so vLLM attends in full): with prompts
+longer than the window, equal acceptance there means vLLM ignored the window.
 """
 
 from __future__ import annotations
@@ -209,6 +211,22 @@ def control_copies(draft: Path, default_ids: list[int], num_layers: int, workdir
     return out
 
 
+def window_controls(draft: Path, workdir: Path) -> dict[str, Path]:
+    """A sliding-window draft's copy with its ``layer_types`` removed (vLLM then attends in full): if
+    vLLM honours the window, the two serve different drafts and their acceptance differs."""
+    cfg = json.loads((draft / "config.json").read_text())
+    holders = [cfg, cfg.get("transformer_layer_config") or {}]
+    if not any("sliding_attention" in (h.get("layer_types") or []) for h in holders):
+        return {}
+    dest = workdir / f"{draft.name}-window-removed"
+    shutil.copytree(draft, dest)
+    edited = json.loads(json.dumps(cfg))
+    for holder in (edited, edited.get("transformer_layer_config") or {}):
+        holder.pop("layer_types", None)
+    (dest / "config.json").write_text(json.dumps(edited, indent=2))
+    return {"window-removed": dest}
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -268,7 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--per-set", type=int, default=10)
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--controls", action="store_true", help="also serve copies with wrong aux ids")
+    parser.add_argument("--controls", action="store_true",
+                        help="also serve copies with wrong aux ids (and a windowed draft's copy without its window)")
     parser.add_argument("--model-impl", default="auto", choices=["auto", "vllm", "transformers"],
                         help="vLLM's implementation of the target (transformers: its Transformers modeling backend, "
                              "for families whose native class lacks EAGLE-3 support); the draft's stays native")
@@ -295,8 +314,9 @@ def main(argv: list[str] | None = None) -> None:
             for name, path in list(drafts.items()):
                 if path is None:
                     continue
-                for variant, copy in control_copies(path, list(default_aux_layer_ids(target.num_layers)),
-                                                    target.num_layers, Path(tmp)).items():
+                copies = control_copies(path, list(default_aux_layer_ids(target.num_layers)), target.num_layers,
+                                        Path(tmp))
+                for variant, copy in {**copies, **window_controls(path, Path(tmp))}.items():
                     drafts[f"{name}:{variant}"] = copy
         if args.ngram:
             drafts["ngram"] = None
