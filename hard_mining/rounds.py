@@ -285,8 +285,7 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
             "added_ids": [str(x["id"]) for x in new_records],
             "before": _groups(before), "after": _groups(after),
             "train": {k: summary.get(k) for k in ("steps", "tokens_per_s", "train_samples", "eval_last")},
-            "hardest_train": [s.as_dict() | {"accepted": None, "contexts": None}
-                              for s in hardest(train_scores, 10)],
+            "hardest_train": [s.as_dict() | {"accepted": None} for s in hardest(train_scores, 10)],
             "seconds": round(time.perf_counter() - started, 1),
         }
         manifest["rounds"].append(entry)

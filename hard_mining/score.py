@@ -61,7 +61,10 @@ class SampleScore:
         return 1.0 + sum(self.accepted) / len(self.accepted) if self.accepted else 1.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "tau_sim": round(self.tau_sim, 4), "positions": self.positions}
+        """As written to the scores files (``contexts`` left out: one number per start, read in memory)."""
+        out = {**asdict(self), "tau_sim": round(self.tau_sim, 4), "positions": self.positions}
+        del out["contexts"]
+        return out
 
 
 @dataclass

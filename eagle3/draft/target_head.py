@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from eagle3.device import bf16_matmul_speedup
-from eagle3.draft.ttt import TTTTargets, prepare_targets, prepare_targets_from_topk
+from eagle3.draft.targets import TTTTargets, prepare_targets, prepare_targets_from_topk
 from eagle3.target.model import LogitTransform, Target
 
 
