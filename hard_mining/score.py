@@ -175,17 +175,19 @@ def group_scores(scores: Sequence[SampleScore], key: str, depth: int | None = No
 
 def group_by_context(scores: Sequence[SampleScore]) -> dict[str, dict[str, Any]]:
     """Starts pooled by the context before their first draft token, in the serving reports' buckets
-    (:func:`eagle3.draft.metrics.context_bucket`), shortest first: starts and tau_sim of each."""
+    (:func:`eagle3.draft.metrics.context_bucket`), shortest first: starts, tau_sim and the share of
+    starts whose first draft token is accepted (``accept_1``)."""
     from eagle3.draft.metrics import CONTEXT_BUCKETS, context_bucket
 
-    sums: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    sums: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     for s in scores:
         for accepted, tokens in zip(s.accepted, s.contexts, strict=True):
             bucket = sums[context_bucket(tokens)]
             bucket[0] += 1
             bucket[1] += accepted
-    return {b: {"starts": sums[b][0], "tau_sim": round(1.0 + sums[b][1] / sums[b][0], 4)}
-            for b in CONTEXT_BUCKETS if b in sums}
+            bucket[2] += accepted > 0
+    return {b: {"starts": sums[b][0], "tau_sim": round(1.0 + sums[b][1] / sums[b][0], 4),
+                "accept_1": round(sums[b][2] / sums[b][0], 4)} for b in CONTEXT_BUCKETS if b in sums}
 
 
 def hardest(scores: Sequence[SampleScore], n: int, min_positions: int = 8) -> list[SampleScore]:

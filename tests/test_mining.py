@@ -102,6 +102,7 @@ def test_acceptance_by_context_by_hand() -> None:
     got = group_by_context(scores)
     assert list(got) == ["0-1k", "1-2k", "4-8k"] and [g["starts"] for g in got.values()] == [3, 1, 1]
     assert [g["tau_sim"] for g in got.values()] == pytest.approx([1 + 4 / 3, 4.0, 2.0], abs=1e-4)
+    assert [g["accept_1"] for g in got.values()] == pytest.approx([2 / 3, 1.0, 1.0], abs=1e-4)
     assert [s.contexts for s in per_record([SampleScore("r-t0", "long", "en", 9, [1], 1.0, [1], [1], [4]),
                                             SampleScore("r-t1", "long", "en", 9, [2], 1.0, [1], [1], [8])])] == [[4, 8]]
 
