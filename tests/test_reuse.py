@@ -34,7 +34,7 @@ def test_prompts_alternate_code_and_docs_at_each_length(tmp_path: Path) -> None:
         first = p.messages[0]["content"]
         assert p.meta["context_chars"] == len(first)
         pieces = len(set(re.findall(r"# file: (\S+)" if p.meta["kind"] == "code" else r"Paragraph (\d+) of", first)))
-        if i % 3 == 0:  # the text alone
+        if i // 2 % 3 == 0:  # the text alone (each kind takes the lengths in turn)
             assert pieces == 1
         else:  # other texts around it, up to the length
             assert pieces >= 2 and len(first) <= 3000
