@@ -54,17 +54,38 @@ class Task:
     language: str
 
 
-def code_tasks(count: int, seed: int) -> list[Task]:
-    """Functions of 10-60 lines from Jinja2's modules, each with the other modules as its context."""
-    wheel = fetch_wheel(CODE_WHEEL[0], CODE_WHEEL[1], eagle3_home() / "downloads")
-    files = {m: read_member(wheel, m).decode("utf-8") for m in list_members(wheel, CODE_WHEEL[2]) if m.endswith(".py")}
-    candidates = []
+def short_functions(files: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(file, name, source text) of every top-level function of 10-60 lines in ``files`` (name -> source),
+    files in name order."""
+    out = []
     for member, source in sorted(files.items()):
         lines = source.splitlines()
         for node in ast.parse(source).body:
             if isinstance(node, ast.FunctionDef) and 10 <= node.end_lineno - node.lineno + 1 <= 60:
-                body = "\n".join(lines[node.lineno - 1:node.end_lineno])
-                candidates.append((member, node.name, body))
+                out.append((member, node.name, "\n".join(lines[node.lineno - 1:node.end_lineno])))
+    return out
+
+
+def paragraphs_by_language(wheel: Path, path: str, keep: slice) -> dict[str, list[str]]:
+    """dataset-build's paragraphs per language (ISO 639-3, sorted), ``keep`` of each; languages the
+    wheel lacks, or left with fewer than two paragraphs, are left out."""
+    out = {}
+    for iso3 in sorted(ISO3_TO_ISO1):
+        try:
+            text = read_member(wheel, f"{path}/{iso3}/{iso3}.txt").decode("utf-8-sig")
+        except Exception:  # a language the wheel does not have
+            continue
+        paragraphs = text_paragraphs(text)[keep]
+        if len(paragraphs) >= 2:
+            out[iso3] = paragraphs
+    return out
+
+
+def code_tasks(count: int, seed: int) -> list[Task]:
+    """Functions of 10-60 lines from Jinja2's modules, each with the other modules as its context."""
+    wheel = fetch_wheel(CODE_WHEEL[0], CODE_WHEEL[1], eagle3_home() / "downloads")
+    files = {m: read_member(wheel, m).decode("utf-8") for m in list_members(wheel, CODE_WHEEL[2]) if m.endswith(".py")}
+    candidates = short_functions(files)
     rng = random.Random(seed)
     rng.shuffle(candidates)
     out = []
@@ -80,15 +101,7 @@ def docs_tasks(count: int, seed: int) -> list[Task]:
     """Paragraphs of dataset-build's texts past the pools' first ``POOL_PARAGRAPHS``, in turn over
     the languages, each with the other paragraphs of its language as its context."""
     wheel = fetch_wheel(DOCS_WHEEL[0], DOCS_WHEEL[1], eagle3_home() / "downloads")
-    by_language = {}
-    for iso3 in sorted(ISO3_TO_ISO1):
-        try:
-            text = read_member(wheel, f"{DOCS_WHEEL[2]}/{iso3}/{iso3}.txt").decode("utf-8-sig")
-        except Exception:  # a language the wheel does not have
-            continue
-        paragraphs = text_paragraphs(text)[POOL_PARAGRAPHS:]
-        if len(paragraphs) >= 2:
-            by_language[iso3] = paragraphs
+    by_language = paragraphs_by_language(wheel, DOCS_WHEEL[2], slice(POOL_PARAGRAPHS, None))
     rng = random.Random(seed)
     out: list[Task] = []
     order = {iso3: rng.sample(range(len(p)), len(p)) for iso3, p in by_language.items()}
@@ -193,4 +206,5 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["LONG_SETS", "Task", "build", "code_tasks", "docs_tasks", "fill", "prompt_counter"]
+__all__ = ["LONG_SETS", "Task", "build", "code_tasks", "docs_tasks", "fill", "paragraphs_by_language", "prompt_counter",
+           "short_functions"]

@@ -23,15 +23,12 @@ Domain ``long``: add it to ``select.domains`` to mix these prompts in.
 
 from __future__ import annotations
 
-import ast
 import random
-import sysconfig
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from data_gen.long_context import Task, fill
-from data_gen.sources import ISO3_TO_ISO1, SOURCES, STDLIB_MODULES, Prompt, Source, text_paragraphs
-from eagle3.target.wheels import read_member
+from data_gen.long_context import Task, fill, paragraphs_by_language, short_functions
+from data_gen.sources import ISO3_TO_ISO1, SOURCES, STDLIB_MODULES, Prompt, Source, stdlib_file
 
 CODE_ASKS = (
     "Copy the function `{name}` from `{member}` above, unchanged, and then add a docstring to it.",
@@ -52,44 +49,25 @@ FOLLOW_UPS = (
 
 
 def _stdlib_sources() -> dict[str, str]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out = {}
-    for module in dict.fromkeys(STDLIB_MODULES):
-        base = root.joinpath(*module.split("."))
-        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-            if candidate.is_file():
-                out[f"{module.replace('.', '/')}.py"] = candidate.read_text(encoding="utf-8")
-                break
-    return out
+    files = {module: stdlib_file(module) for module in dict.fromkeys(STDLIB_MODULES)}
+    return {f"{m.replace('.', '/')}.py": f.read_text(encoding="utf-8") for m, f in files.items() if f is not None}
 
 
 def code_reuse_tasks(seed: int) -> list[Task]:
     """Every function of 10-60 lines of the standard library's listed modules, in a seeded order."""
     files = _stdlib_sources()
     tasks = []
-    for member, source in sorted(files.items()):
-        lines = source.splitlines()
-        for node in ast.parse(source).body:
-            if isinstance(node, ast.FunctionDef) and 10 <= node.end_lineno - node.lineno + 1 <= 60:
-                body = "\n".join(lines[node.lineno - 1:node.end_lineno])
-                ask = CODE_ASKS[len(tasks) % len(CODE_ASKS)].format(name=node.name, member=member)
-                others = [f"# file: {m}\n{text}" for m, text in sorted(files.items()) if m != member]
-                tasks.append(Task(f"{member}:{node.name}", f"# file: {member}\n{body}", ask, others, "en"))
+    for member, name, body in short_functions(files):
+        ask = CODE_ASKS[len(tasks) % len(CODE_ASKS)].format(name=name, member=member)
+        others = [f"# file: {m}\n{text}" for m, text in sorted(files.items()) if m != member]
+        tasks.append(Task(f"{member}:{name}", f"# file: {member}\n{body}", ask, others, "en"))
     random.Random(seed).shuffle(tasks)
     return tasks
 
 
 def docs_reuse_tasks(wheel: Path, path: str, per_language: int, seed: int) -> list[Task]:
     """The first ``per_language`` paragraphs of each language, in turn over the languages."""
-    by_language: dict[str, list[str]] = {}
-    for iso3 in sorted(ISO3_TO_ISO1):
-        try:
-            text = read_member(wheel, f"{path}/{iso3}/{iso3}.txt").decode("utf-8-sig")
-        except Exception:  # a language the wheel does not have
-            continue
-        paragraphs = text_paragraphs(text)[:per_language]
-        if len(paragraphs) >= 2:
-            by_language[iso3] = paragraphs
+    by_language = paragraphs_by_language(wheel, path, slice(per_language))
     rng = random.Random(seed)
     order = {iso3: rng.sample(range(len(p)), len(p)) for iso3, p in by_language.items()}
     tasks: list[Task] = []

@@ -172,7 +172,7 @@ _STDLIB_ASKS = (
 )
 
 
-def _stdlib_file(module_name: str) -> Path | None:
+def stdlib_file(module_name: str) -> Path | None:
     """The source file of a pure-Python standard-library module (package: its __init__)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     base = root.joinpath(*module_name.split("."))
@@ -189,7 +189,7 @@ def stdlib_function_prompts(wheel: Path | None, path: str) -> Iterator[Prompt]:
     and let the process's state (patched functions, live defaults) change the prompts.
     """
     for module_name in dict.fromkeys(STDLIB_MODULES):
-        source = _stdlib_file(module_name)
+        source = stdlib_file(module_name)
         if source is None:
             continue
         tree = ast.parse(source.read_text(encoding="utf-8"))
