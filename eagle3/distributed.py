@@ -78,6 +78,38 @@ def init_runtime(device: str = "auto") -> Runtime:
     return Runtime(device=torch_device, rank=rank, world_size=world, local_rank=local)
 
 
+@dataclass(frozen=True)
+class ContextGroup:
+    """This rank's context-parallel group (``train.context_parallel`` ranks share a row) and the
+    data-parallel view that follows: which of the world / size batch streams this rank reads."""
+
+    size: int
+    rank: int  # this rank's place in its group
+    group: Any  # the group's process group (None: a group of one)
+    data_rank: int
+    data_world: int
+
+
+def context_group(rt: Runtime, size: int) -> ContextGroup:
+    """Groups of ``size`` consecutive ranks (every rank makes every group, as torch requires)."""
+    if rt.world_size % size:
+        raise ConfigError(f"train.context_parallel={size} does not divide the world size ({rt.world_size} ranks)")
+    mine = None
+    if size > 1:
+        for first in range(0, rt.world_size, size):
+            group = torch.distributed.new_group(list(range(first, first + size)))
+            mine = group if first == rt.rank - rt.rank % size else mine
+    return ContextGroup(size=size, rank=rt.rank % size, group=mine, data_rank=rt.rank // size,
+                        data_world=rt.world_size // size)
+
+
+def per_rank(value: float, rt: Runtime) -> list[float]:
+    """Every rank's ``value``, in rank order (a collective: every rank calls it)."""
+    out = torch.zeros(rt.world_size, dtype=torch.float64, device=rt.device)
+    out[rt.rank] = value
+    return all_reduce_sum(out).tolist()
+
+
 def all_reduce_sum(x: Tensor) -> Tensor:
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(x)
@@ -89,4 +121,4 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-__all__ = ["Runtime", "all_reduce_sum", "barrier", "init_runtime"]
+__all__ = ["ContextGroup", "Runtime", "all_reduce_sum", "barrier", "context_group", "init_runtime", "per_rank"]

@@ -24,11 +24,13 @@ from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
 from eagle3.atomic import atomic_dir, remove_leftovers
 from eagle3.config import TargetConfig
+from eagle3.draft.families import get_family
 from eagle3.draft.metrics import AcceptanceTally
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.draft.target_head import TargetHead
 from eagle3.draft.ttt import TTTOutput, prepare_targets, ttt_forward
 from eagle3.draft.vocab import DraftVocab
+from eagle3.errors import ConfigError
 from eagle3.export import read_draft_vocab
 from eagle3.store.batches import (
     collate,
@@ -910,6 +912,40 @@ def test_deepspeed_two_gloo_processes_match_one_process(tiny: dict, tmp_path: Pa
     (z3 / "checkpoints" / LATEST).write_text("step-00000003\n")
     _two_processes(tiny, z3, "--zero-stage", "3", "--save-every", "3")
     assert _losses(z3) == straight
+
+
+@pytest.mark.slow
+def test_a_row_split_over_two_ranks_trains_the_one_rank_draft(tiny: dict, tmp_path: Path) -> None:
+    """train.context_parallel=2: two ranks share each 256-token row (each holds 128 rows and 8 of the
+    next rank's, :mod:`eagle3.draft.context`) and train the one-rank draft: the same batches, losses
+    and metrics within fp32 round-off, the same final weights; both ranks' peak memory reported."""
+    settings = dict(steps=6, eval_every=3, save_every=0, ttt_steps=4, gradient_checkpointing=True)
+    one = train(_cfg(tiny, tmp_path / "one", **settings), target=tiny["target"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           "-m", "eagle3.train", *_cli(tiny, tmp_path / "cp", "--steps", "6", "--eval-every", "3", "--save-every", "0",
+                                      "--ttt-steps", "4", "--gradient-checkpointing", "--context-parallel", "2")]
+    done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = json.loads(done.stdout.strip().splitlines()[-1])
+    assert two["context_parallel"] == 2 and two["world_size"] == 2 and two["tokens"] == one["tokens"]
+    assert len(two["peak_rss_gib_per_rank"]) == 2 and min(two["peak_rss_gib_per_rank"]) > 0
+    reference, got = _losses(tmp_path / "one"), _losses(tmp_path / "cp")
+    assert len(reference) > 6 * 10 and [(s, k) for s, k, _ in got] == [(s, k) for s, k, _ in reference]
+    for (_, key, a), (_, _, b) in zip(got, reference, strict=True):
+        tolerance = 0.02 if "acc" in key or "tau" in key else 1e-5  # an argmax may flip on a near-tie
+        assert abs(a - b) <= tolerance * max(1.0, abs(b)), (key, a, b)
+    want = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
+    for name, tensor in load_file(str(tmp_path / "cp" / "final" / "model.safetensors")).items():
+        torch.testing.assert_close(tensor, want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_context_parallel_size_that_does_not_fit_is_named(tiny: dict, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="train.context_parallel=2 does not divide the world size"):
+        train(_cfg(tiny, tmp_path / "odd", context_parallel=2), target=tiny["target"])
+    with pytest.raises(ConfigError, match="train.context_parallel=2: must be >= 1, and 1 unless train.data=offline"):
+        _cfg(tiny, tmp_path / "online", context_parallel=2, data="online", eval_fraction=0.0, shard_window=2)
+    with pytest.raises(ConfigError, match="train.context_parallel=2: a dflash draft"):
+        get_family("dflash").check_train(_cfg(tiny, tmp_path / "dflash", context_parallel=2, layer_init="random"))
 
 
 def test_training_continues_from_an_exported_draft_in_another_format(tiny: dict, tmp_path: Path) -> None:

@@ -73,6 +73,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from eagle3.device import sdpa, to_device
+from eagle3.draft.context import ContextShard
 from eagle3.draft.losses import SOFT_CE, Objective, soft_cross_entropy
 from eagle3.draft.model import Attend, DraftHead, Eagle3Draft, gather_rows
 from eagle3.draft.targets import TTTTargets, prepare_targets, prepare_targets_from_topk
@@ -99,11 +100,15 @@ def step_positions(position_ids: Tensor, step: int) -> Tensor:
     return position_ids + step
 
 
-def step_counted(loss_mask: Tensor, document_ids: Tensor, step: int) -> Tensor:
-    """[B, S] bool: step k at row t predicts x[t+k+2], which is loss-masked and in t's document."""
+def step_counted(loss_mask: Tensor, document_ids: Tensor, step: int, own: int | None = None) -> Tensor:
+    """[B, S] bool: step k at row t predicts x[t+k+2], which is loss-masked and in t's document (and,
+    with ``own``, t < own: the rows after it are a context shard's halo)."""
     predicted = step + 2
     same_doc = shift_left(document_ids, predicted, -1) == document_ids  # [B, S]
-    return shift_left(loss_mask.bool(), predicted, False) & same_doc
+    counted = shift_left(loss_mask.bool(), predicted, False) & same_doc
+    if own is not None:
+        counted[:, own:] = False
+    return counted
 
 
 def step0_attention_mask(document_ids: Tensor, window: int | None = None) -> Tensor:
@@ -116,12 +121,12 @@ def step0_attention_mask(document_ids: Tensor, window: int | None = None) -> Ten
     return causal & (document_ids.unsqueeze(2) == document_ids.unsqueeze(1))
 
 
-def layer_masks(windows: Sequence[int | None], document_ids: Tensor, at: Tensor | None, step: int,
+def layer_masks(windows: Sequence[int | None], mask_of: Callable[[int], Tensor], at: Tensor | None, step: int,
                 full: tuple[Tensor, Tensor]) -> list[tuple[Tensor, Tensor]]:
     """Per draft layer, step ``step``'s (step-0 key mask [B, S, S], that of the rows read [B, M, S]):
     ``full`` for a full-attention layer. A sliding-window layer's query at step k sits k positions
     past its row, so its window over the step-0 keys is ``window - k`` rows (its diagonal keys, at
-    most k positions back, stay inside)."""
+    most k positions back, stay inside). ``mask_of(window)``: the step-0 key mask of that window."""
     made: dict[int, tuple[Tensor, Tensor]] = {}
     out = []
     for window in windows:
@@ -129,7 +134,7 @@ def layer_masks(windows: Sequence[int | None], document_ids: Tensor, at: Tensor 
             out.append(full)
             continue
         if window - step not in made:
-            mask = step0_attention_mask(document_ids, window - step)
+            mask = mask_of(window - step)
             made[window - step] = (mask, _rows(mask, at))
         out.append(made[window - step])
     return out
@@ -288,7 +293,15 @@ class TTTOutput:
     logits: list[Tensor] | None = None  # K x [B, S, Vd] with return_logits
 
 
-def read_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int) -> tuple[Tensor, Tensor]:
+def read_mask(loss_mask: Tensor, document_ids: Tensor, num_steps: int, own: int | None = None) -> Tensor:
+    """[B, S] bool: the rows where some step 0..K-1 counts (:func:`read_rows`)."""
+    needed = torch.zeros_like(loss_mask, dtype=torch.bool)
+    for k in range(num_steps):
+        needed |= step_counted(loss_mask, document_ids, k, own)
+    return needed
+
+
+def read_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int, own: int | None = None) -> tuple[Tensor, Tensor]:
     """The rows whose draft outputs the unroll reads: those where some step 0..K-1 counts
     (:func:`step_counted`).
 
@@ -296,11 +309,10 @@ def read_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int) -> tuple[
     own logits, so no other row's output at any step is ever read; step 0's keys and values are
     still needed at every row (every later query's window). Returns ``idx`` [B, M] (each batch
     row's read positions, ascending, padded with position 0) and ``live`` [B, M] bool (False on the
-    padding); M is the largest count over the batch.
+    padding); M is the largest count over the batch. ``own``: only rows before it count (a context
+    shard's own rows, :mod:`eagle3.draft.context`).
     """
-    needed = torch.zeros_like(loss_mask, dtype=torch.bool)
-    for k in range(num_steps):
-        needed |= step_counted(loss_mask, document_ids, k)
+    needed = read_mask(loss_mask, document_ids, num_steps, own)
     m = max(int(needed.sum(1).max()), 1) if needed.numel() else 1
     # a stable sort puts each row's needed positions first, in order
     order = torch.sort((~needed).to(torch.int8), dim=1, stable=True).indices[:, :m]  # [B, M]
@@ -331,13 +343,14 @@ class RowLayout:
 
 
 def layout_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int, skip_unread_rows: bool = True,
-              segment_tokens: int | None = SEGMENT_MIN_TOKENS) -> RowLayout:
+              segment_tokens: int | None = SEGMENT_MIN_TOKENS, own: int | None = None) -> RowLayout:
     """The :class:`RowLayout` of a batch ([B, S] masks, on whichever device holds them); attention by
-    groups of documents of ``segment_tokens`` (None: whole rows)."""
-    at, live = read_rows(loss_mask, document_ids, num_steps) if skip_unread_rows else (None, None)
+    groups of documents of ``segment_tokens`` (None: whole rows; always, for a context shard's ``own`` rows)."""
+    at, live = read_rows(loss_mask, document_ids, num_steps, own) if skip_unread_rows else (None, None)
+    segment_tokens = None if own is not None else segment_tokens
     counted = []
     for k in range(num_steps):
-        counted_k = _rows(step_counted(loss_mask, document_ids, k), at)  # [B, R]
+        counted_k = _rows(step_counted(loss_mask, document_ids, k, own), at)  # [B, R]
         if live is not None:
             counted_k = counted_k & live
         counted.append(counted_k.nonzero(as_tuple=True))
@@ -346,10 +359,10 @@ def layout_rows(loss_mask: Tensor, document_ids: Tensor, num_steps: int, skip_un
 
 
 def layout_of(layout: RowLayout | None, loss_mask: Tensor, document_ids: Tensor, num_steps: int,
-            skip_unread_rows: bool) -> RowLayout:
+            skip_unread_rows: bool, own: int | None = None) -> RowLayout:
     """``layout`` (checked against the forward's settings), else the batch's own on its device."""
     if layout is None:
-        return layout_rows(loss_mask, document_ids, num_steps, skip_unread_rows)
+        return layout_rows(loss_mask, document_ids, num_steps, skip_unread_rows, own=own)
     if (len(layout.counted) != num_steps or (layout.at is not None and not skip_unread_rows)
             or layout.shape != tuple(loss_mask.shape)):
         over = " over read rows" if layout.at is not None else ""
@@ -370,10 +383,11 @@ class StepTally:
     (:meth:`add`), summed into one :class:`TTTOutput` (:meth:`output`)."""
 
     def __init__(self, weights: Tensor, loss_mask: Tensor, document_ids: Tensor, targets: TTTTargets, t2d: Tensor,
-                 *, loss_on_oov: bool, gate_steps: bool, at: Tensor | None, live: Tensor | None) -> None:
+                 *, loss_on_oov: bool, gate_steps: bool, at: Tensor | None, live: Tensor | None,
+                 shard: ContextShard | None = None) -> None:
         self.weights, self.loss_mask, self.document_ids, self.targets, self.t2d = (
             weights, loss_mask, document_ids, targets, t2d)
-        self.gate_steps, self.at, self.live = gate_steps, at, live
+        self.gate_steps, self.at, self.live, self.shard = gate_steps, at, live, shard
         # loss_on_oov: every counted row whose target puts mass on the draft vocab (all, with full logits)
         self.has_mass = targets.probs.sum(-1) > 0 if loss_on_oov else None  # [B, S]
         self.reached = torch.ones_like(loss_mask, dtype=torch.bool)  # [B, S]: steps so far all matched
@@ -387,7 +401,7 @@ class StepTally:
 
     def step(self, k: int) -> Tensor:
         """Step k's trained positions at the forward's rows [B, R] (padding rows off)."""
-        counted = step_counted(self.loss_mask, self.document_ids, k)
+        counted = step_counted(self.loss_mask, self.document_ids, k, self.shard and self.shard.own)
         self._target_argmax = shift_left(self.targets.argmax, k + 1, -1)  # the target's argmax at t+k+1
         in_vocab = (shift_left(self.has_mass, k + 1, False) if self.has_mass is not None
                     else self.t2d[self._target_argmax.clamp_min(0)] & (self._target_argmax >= 0))
@@ -402,8 +416,9 @@ class StepTally:
         """The step's objective summed over its loss positions and its argmax [B, S] (target ids)."""
         k = len(self.loss_sums)
         count = self.valid[k].sum()
+        whole = count if self.shard is None else self.shard.total(count)  # a shard's loss: over the row's count
         loss = loss_sum.new_zeros((), dtype=torch.float32) if self.loss is None else self.loss
-        self.loss = loss + float(self.weights[k]) * loss_sum / count.clamp_min(1)
+        self.loss = loss + float(self.weights[k]) * loss_sum / whole.clamp_min(1)
         self.loss_sums.append(loss_sum)
         self.counts.append(count)
         self.matches.append(draft_argmax == self._target_argmax)
@@ -458,6 +473,7 @@ def ttt_forward(
     objective: Objective = SOFT_CE,
     layout: RowLayout | None = None,
     step_inputs: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
+    shard: ContextShard | None = None,
 ) -> TTTOutput:
     """Unroll the draft ``num_steps`` steps over a packed batch; loss and per-step matches.
 
@@ -473,17 +489,22 @@ def ttt_forward(
     computes keys and values at every row (the window of every later query), but queries,
     attention output and MLP of its last layer, and all of steps >= 1, only at those rows. No
     loss, match or gradient changes. Logits are computed only on each step's counted rows.
+
+    With ``shard`` the inputs are this rank's rows of a row split over a context-parallel group
+    (:mod:`eagle3.draft.context`): its own rows are the queries, step 0's keys are the whole row's.
     """
     if num_steps < 1:
         raise ValueError(f"num_steps={num_steps}: must be >= 1")
     w = checked_weights(num_steps, weights)
     t2d = draft.t2d
-    mask0 = step0_attention_mask(document_ids)  # [B, S, S]
+    mask_of = functools.partial(step0_attention_mask if shard is None else shard.attention_mask, document_ids)
+    mask0 = mask_of(None)  # [B, S, S] (a shard's: [B, L, whole row])
     hidden = draft.combine_aux(aux)  # [B, S, H]
     num_layers = len(draft.decoder_layers)
     step0_kv: list[tuple[Tensor, Tensor]] = []  # per layer (k0, v0) [B, S, nkv, d]
     diagonal: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(num_layers)]  # per layer, steps 1..k-1
-    layout = layout_of(layout, loss_mask, document_ids, num_steps, skip_unread_rows and not return_logits)
+    layout = layout_of(layout, loss_mask, document_ids, num_steps, skip_unread_rows and not return_logits,
+                       own=shard and shard.own)
     at, live = layout.at, layout.live  # [B, M]: the output rows of every step (None: all); step 0 still reads all
     read_mask = _rows(mask0, at)  # [B, M, S]: the step-0 window of those rows
     windows = [draft.layer_window(i) for i in range(num_layers)]  # sliding-window layers: their own masks
@@ -492,7 +513,7 @@ def ttt_forward(
                          "unrolled steps")
 
     tally = StepTally(w, loss_mask, document_ids, targets, t2d, loss_on_oov=loss_on_oov, gate_steps=gate_steps,
-                      at=at, live=live)
+                      at=at, live=live, shard=shard)
     for k in range(num_steps):
         inputs_at = at if k > 0 else None  # step 0 reads every row (keys and values)
         ids_k = _rows(step_input_ids(input_ids, k), inputs_at)  # [B, S] at step 0, else [B, R]
@@ -505,9 +526,10 @@ def ttt_forward(
         earlier = ([list(d) for d in diagonal], list(step0_kv))
         run_step = functools.partial(_unroll_step, draft, k=k, ids_k=ids_k, pos_k=pos_k, valid=valid_k,
                                      counted=layout.counted[k], at=at, earlier=earlier,
-                                     masks=layer_masks(windows, document_ids, at, k, (mask0, read_mask)),
+                                     masks=layer_masks(windows, mask_of, at, k, (mask0, read_mask)),
                                      targets=targets, input_ids=input_ids, return_logits=return_logits,
-                                     objective=objective, segments=layout.segments)
+                                     objective=objective, segments=layout.segments,
+                                     gather=shard and shard.gather)
 
         if gradient_checkpointing and torch.is_grad_enabled():
             out = checkpoint(run_step, hidden, use_reentrant=False)
@@ -528,10 +550,11 @@ def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tens
                  counted: tuple[Tensor, Tensor], at: Tensor | None, earlier: tuple,
                  masks: Sequence[tuple[Tensor, Tensor]],
                  targets: TTTTargets, input_ids: Tensor, return_logits: bool,
-                 objective: Objective = SOFT_CE, segments: tuple | None = None) -> tuple[Tensor, ...]:
+                 objective: Objective = SOFT_CE, segments: tuple | None = None,
+                 gather: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, ...]:
     """One step of :func:`ttt_forward`, a pure function of its inputs (what checkpointing replays):
     the next hidden state, the step's loss sum, its argmax in target ids, each layer's new keys and
-    values, and (``return_logits``) the logits."""
+    values, and (``return_logits``) the logits. ``gather``: a context shard's step-0 keys -> the row's."""
     diag_before, window = earlier
     every, read = segments or (None, None)  # the segments of queries at every row, at the rows read
     read = every if at is None else read
@@ -542,6 +565,8 @@ def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tens
         mask0, read_mask = masks[layer]  # [B, S, S] the step-0 keys' mask; [B, M, S] that of the rows read
 
         def attend(q: Tensor, key: Tensor, value: Tensor) -> Tensor:
+            if k == 0 and gather is not None:
+                key, value = gather(key), gather(value)
             new_kv.append((key, value))
             if k == 0:  # step 0's keys are the step-0 window itself; the last layer's queries at `at`
                 last = layer == num_layers - 1
@@ -559,8 +584,8 @@ def _unroll_step(draft: Eagle3Draft, hidden_prev: Tensor, *, k: int, ids_k: Tens
 
 
 __all__ = [
-    "RowLayout", "StepTally", "TTTOutput", "TTTTargets", "layout_rows", "layout_segments", "layout_of", "read_rows",
-    "step_loss",
+    "RowLayout", "StepTally", "TTTOutput", "TTTTargets", "layout_rows", "layout_segments", "layout_of", "read_mask",
+    "read_rows", "step_loss",
     "prepare_targets",
     "prepare_targets_from_topk", "shift_left", "soft_cross_entropy", "step0_attention_mask",
     "step_counted", "step_input_ids", "step_positions", "step_weights", "ttt_attention", "layer_masks",

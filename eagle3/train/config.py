@@ -100,6 +100,10 @@ class TrainConfig:
     (Muon on bf16 needs zero_stage >= 1), else fp32."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage 0-3."""
+    context_parallel: int = 1
+    """Ranks that share one row (context parallelism, :mod:`eagle3.draft.context`): each holds 1/n of
+    the row's states, activations and logits, and all of its step-0 keys. It divides the world size;
+    the data-parallel ranks are world / n. Offline data; EAGLE-3 and P-EAGLE drafts."""
     ttt_steps: int = 7
     """Training-time-test steps K unrolled per position."""
     step_decay: float = 0.8
@@ -299,6 +303,9 @@ class TrainConfig:
             raise ConfigError(f"train.data={self.data} reads its spool a window of shards at a time: it needs "
                               "train.shard_window >= 1, train.eval_fraction=0 (held-out data: train.eval_store) and "
                               "no train.extra_stores")
+        if self.context_parallel < 1 or (self.context_parallel > 1 and self.data != "offline"):
+            raise ConfigError(f"train.context_parallel={self.context_parallel}: must be >= 1, and 1 unless "
+                              f"train.data=offline (not {self.data})")
         if self.shard_window < 0:
             raise ConfigError(f"train.shard_window={self.shard_window}: must be >= 0 (0: the whole set shuffled)")
         if self.batching not in ("pack", "buckets"):

@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import json
 import math
+import resource
 import shutil
 import sys
 import time
@@ -53,7 +54,16 @@ from torch import Tensor, nn
 from eagle3.atomic import remove_leftovers
 from eagle3.cli import add_dataclass_arguments
 from eagle3.config import TargetConfig
-from eagle3.distributed import Runtime, all_reduce_sum, barrier, init_runtime, print0
+from eagle3.distributed import (
+    ContextGroup,
+    Runtime,
+    all_reduce_sum,
+    barrier,
+    context_group,
+    init_runtime,
+    per_rank,
+    print0,
+)
 from eagle3.draft.families import parameter_count
 from eagle3.draft.formats import nonfinite_tensors
 from eagle3.draft.losses import Objective
@@ -208,7 +218,7 @@ class _Loop:
 
     def __init__(self, cfg: TrainConfig, rt: Runtime, engine: Any, model: TTTModel, head: TargetHead, t2d: Tensor,
                  data: tuple[Any, list[int], dict[str, float]], evals: tuple[Any, list[int]], sink: Any,
-                 state: RunState, info: dict[str, Any]) -> None:
+                 state: RunState, info: dict[str, Any], context: ContextGroup) -> None:
         self.cfg, self.rt, self.engine, self.head, self.t2d = cfg, rt, engine, head, t2d
         self.sink, self.state, self.draft, self.info = sink, state, model.draft, info
         self.store, self.train_idx, self.weights_by_id = data
@@ -219,7 +229,8 @@ class _Loop:
         self.schedule = warmup_decay(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio, cfg.lr_schedule)
         self.eval_batches_all = (epoch_batches(self.eval_store.lengths, eval_idx, cfg.batching, cfg.micro_batch_tokens,
                                         cfg.seed, 0) if self.eval_store is not None else [])
-        self.per_step = rt.world_size * cfg.gradient_accumulation
+        self.context = context  # the ranks sharing a row; the data-parallel batch streams
+        self.per_step = self.context.data_world * cfg.gradient_accumulation
         self.plan_epoch, self.plan = -1, []
         self.tokens_total, self.train_seconds, self.last_loss = 0, 0.0, None
         self.window = {"tokens": 0, "seconds": 0.0}
@@ -231,9 +242,9 @@ class _Loop:
         tally = AcceptanceTally(cfg.ttt_steps, rt.device)
         self.engine.eval()
         with torch.no_grad():
-            for idx in eval_batches_for_rank(self.eval_batches_all, rt.rank, rt.world_size):
+            for idx in eval_batches_for_rank(self.eval_batches_all, self.context.data_rank, self.context.data_world):
                 batch = load_batch(self.eval_store, idx or self.eval_batches_all[0], cfg.batching, stored=True)
-                out = run_batch(self.engine, self.head, batch, self.t2d, self.dtype, rt.device)
+                out = run_batch(self.engine, self.head, batch, self.t2d, self.dtype, rt.device, self.context)
                 if idx is not None:  # a pad forward keeps ZeRO-3's collectives in step; not counted
                     tally.add(out)
         self.engine.train()
@@ -280,7 +291,7 @@ class _Loop:
 
     def _step_in_epoch(self) -> int | None:
         """Where this step is in its epoch's plan (planning a new epoch when one starts); None at its end."""
-        cfg, rt, state = self.cfg, self.rt, self.state
+        cfg, state = self.cfg, self.state
         if self.plan_epoch != state.epoch:
             epoch_idx = (weighted_indices(self.train_idx, self.store.sample_ids, self.weights_by_id, cfg.seed,
                                           state.epoch) if self.weights_by_id else self.train_idx)
@@ -289,12 +300,12 @@ class _Loop:
                                       window=cfg.shard_window)
             self.plan_epoch = state.epoch
             self.store.begin_epoch(state.epoch)
-            if steps_per_epoch(len(self.plan), rt.world_size, cfg.gradient_accumulation) == 0:
+            if steps_per_epoch(len(self.plan), self.context.data_world, cfg.gradient_accumulation) == 0:
                 raise TrainError(f"{cfg.store}: {len(self.plan)} micro-batches of train.micro_batch_tokens="
-                                 f"{cfg.micro_batch_tokens} per epoch, fewer than world_size x "
+                                 f"{cfg.micro_batch_tokens} per epoch, fewer than world_size / context_parallel x "
                                  f"gradient_accumulation = {self.per_step}")
         step_in_epoch = state.batch_index // self.per_step
-        if step_in_epoch >= steps_per_epoch(len(self.plan), rt.world_size, cfg.gradient_accumulation):
+        if step_in_epoch >= steps_per_epoch(len(self.plan), self.context.data_world, cfg.gradient_accumulation):
             return None
         return step_in_epoch
 
@@ -311,9 +322,11 @@ class _Loop:
             idx, then = self._micro_batch(step_in_epoch, micro), self._micro_batch(step_in_epoch, micro + 1)
             batch = self.loader.get(idx, then)
             clock.mark("load")
-            out, sums_now = train_forward(engine, self.head, batch, self.t2d, self.dtype, rt.device, cfg.loss_positions)
+            out, sums_now = train_forward(engine, self.head, batch, self.t2d, self.dtype, rt.device, cfg.loss_positions,
+                                          self.context)
             clock.mark("forward")
-            engine.backward(out.loss)
+            # a context group's losses add up to its row's; DeepSpeed averages gradients over every rank
+            engine.backward(out.loss * self.context.size if self.context.size > 1 else out.loss)
             clock.mark("backward")
             if micro == cfg.gradient_accumulation - 1 and cfg.zero_stage == 0 and self.dtype == torch.float32:
                 grad_norm = _grad_norm(engine, self.params)
@@ -338,12 +351,13 @@ class _Loop:
     def _micro_batch(self, step_in_epoch: int, micro: int) -> list[int] | None:
         """This rank's sample indices of micro-batch ``micro`` of a step (the next step's first past the
         last); None past the epoch's end."""
-        cfg, rt = self.cfg, self.rt
+        cfg = self.cfg
         if micro == cfg.gradient_accumulation:
             step_in_epoch, micro = step_in_epoch + 1, 0
-        if step_in_epoch >= steps_per_epoch(len(self.plan), rt.world_size, cfg.gradient_accumulation):
+        if step_in_epoch >= steps_per_epoch(len(self.plan), self.context.data_world, cfg.gradient_accumulation):
             return None
-        return self.plan[rank_batch_index(step_in_epoch, micro, rt.rank, rt.world_size, cfg.gradient_accumulation)]
+        return self.plan[rank_batch_index(step_in_epoch, micro, self.context.data_rank, self.context.data_world,
+                                          cfg.gradient_accumulation)]
 
     def run(self) -> None:
         """Steps until ``train.steps``, evaluating and saving as configured."""
@@ -409,6 +423,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         raise TrainError("train.store and train.out_dir must be set")
     started = time.perf_counter()
     rt = init_runtime(cfg.device)  # train.device=cuda without CUDA: a ConfigError, named
+    context = context_group(rt, cfg.context_parallel)  # a size that does not divide the world: named
     if rt.device.type == "cpu":
         torch.set_num_threads(cfg.threads)
     cfg = replace(cfg, precision=resolve_precision(cfg, rt.device))
@@ -463,7 +478,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
             if rt.rank == 0 else NullSink())
     info = {"target": spec.target, "aux_layer_ids": list(spec.aux_layer_ids), "tokenizer_sha256": spec.tokenizer_sha256}
     loop = _Loop(cfg, rt, engine, model, head, vocab.t2d.to(rt.device), (store, train_idx, weights_by_id),
-                 (eval_store, eval_idx), sink, state, info)
+                 (eval_store, eval_idx), sink, state, info, context)
     loop.run()
 
     final_state = _draft_state(draft, cfg.zero_stage)
@@ -474,6 +489,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     sink.close()
     if rt.rank == 0:
         store.finish()  # online: the producers stop
+    gpu_peaks = ([round(x / 2**30, 2) for x in per_rank(torch.cuda.max_memory_allocated(rt.device), rt)]
+                 if rt.device.type == "cuda" else None)
     summary = {
         "stage": "train", "out": str(out_dir), "steps": state.step, "resumed_from_step": resumed_step,
         "world_size": rt.world_size, "zero_stage": cfg.zero_stage, "precision": cfg.precision,
@@ -482,8 +499,10 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         - (draft.config.draft_vocab_size * draft.config.hidden_size if cfg.freeze_lm_head else 0),
         "first_loss": state.first_loss, "last_loss": loop.last_loss, "tokens": state.tokens,
         "tokens_per_s": round(loop.tokens_total / loop.train_seconds, 1) if loop.train_seconds else None,
-        "peak_gpu_gib": (round(torch.cuda.max_memory_allocated(rt.device) / 2**30, 2) if rt.device.type == "cuda"
-                         else None),  # this rank's, beside its tokens/s
+        "context_parallel": cfg.context_parallel,
+        "peak_gpu_gib": max(gpu_peaks) if gpu_peaks else None, "peak_gpu_gib_per_rank": gpu_peaks,
+        "peak_rss_gib_per_rank": [round(x / 2**20, 2)  # each process's peak resident memory
+                                  for x in per_rank(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, rt)],
         "eval_first": state.first_eval, "eval_last": ({k: v for k, v in state.last_eval.items()
                                                           if k in ("eval/loss", "eval/tau_sim")}
                                                          if state.last_eval else None),

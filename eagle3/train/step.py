@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from eagle3.device import synchronize, to_device
+from eagle3.distributed import ContextGroup
+from eagle3.draft.context import ContextShard, split_batch
 from eagle3.draft.families import family_of
 from eagle3.draft.losses import SOFT_CE, Objective
 from eagle3.draft.model import DraftHead
 from eagle3.draft.target_head import TargetHead, needed_rows
-from eagle3.draft.ttt import RowLayout, TTTOutput, TTTTargets, layout_rows, step_weights
+from eagle3.draft.ttt import RowLayout, TTTOutput, TTTTargets, layout_rows, read_mask, step_weights
 
 
 def add_feature_noise(aux: Tensor, scale: float) -> Tensor:
@@ -47,44 +50,55 @@ class TTTModel(nn.Module):
 
     def forward(self, input_ids: Tensor, aux: Tensor, position_ids: Tensor, document_ids: Tensor,
                 loss_mask: Tensor, target_probs: Tensor, target_argmax: Tensor,
-                layout: RowLayout | None = None) -> tuple[Tensor, ...]:
+                layout: RowLayout | None = None, shard: ContextShard | None = None) -> tuple[Tensor, ...]:
         if self.training and self.feature_noise > 0:
             aux = add_feature_noise(aux, self.feature_noise)
+        sharded = {} if shard is None else {"shard": shard}  # only the families that split a row take one
         out = family_of(self.draft.config).forward(self.draft, input_ids, aux, position_ids, document_ids, loss_mask,
                           TTTTargets(probs=target_probs, argmax=target_argmax), num_steps=self.num_steps,
                           weights=self.weights, gradient_checkpointing=self.gradient_checkpointing and self.training,
                           loss_on_oov=self.loss_on_oov, gate_steps=self.gate_steps, objective=self.objective,
-                          layout=layout)
+                          layout=layout, **sharded)
         return out.loss, out.loss_sum, out.count, out.match, out.counted
 
 
 def run_batch(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: Tensor, dtype: torch.dtype,
-         device: torch.device) -> TTTOutput:
-    """One batch as the loader builds it, on the host, through the engine on ``device``.
+         device: torch.device, context: ContextGroup | None = None) -> TTTOutput:
+    """One batch as the loader builds it, on the host, through the engine on ``device`` (with a
+    ``context`` group of several ranks: this rank's rows of it, :mod:`eagle3.draft.context`).
 
     What depends on the data's masks (the rows the target head and each step read) is worked out
     here, on the host, before the batch moves: the device then never reports a count back, which on
     CUDA would make the host wait for it (``tests/test_device.py`` counts such syncs)."""
     model = getattr(engine, "module", engine)  # the TTTModel, inside DeepSpeed's engine or not
-    layout = layout_rows(batch["loss_mask"], batch["document_ids"], model.num_steps)
+    shard = None
+    if context is not None and context.size > 1:
+        cost = 1 + model.num_steps * read_mask(batch["loss_mask"], batch["document_ids"], model.num_steps).long()
+        batch, shard = split_batch(batch, context.rank, context.size, model.num_steps + 1, context.group, cost)
+    layout = layout_rows(batch["loss_mask"], batch["document_ids"], model.num_steps, own=shard and shard.own)
     rows = needed_rows(batch["loss_mask"], batch["document_ids"]) if "last" in batch else None
     batch = to_device(batch, device)
     targets = head.targets(batch, t2d, rows=None if rows is None else to_device(rows, device))
+    if shard is not None:
+        shard = replace(shard, keys_doc=to_device(shard.keys_doc, device), keys_row=to_device(shard.keys_row, device))
     loss, loss_sum, count, match, counted = engine(batch["input_ids"], batch["aux"].to(dtype), batch["position_ids"],
                                                    batch["document_ids"], batch["loss_mask"], targets.probs,
-                                                   targets.argmax, layout=to_device(layout, device))
+                                                   targets.argmax, layout=to_device(layout, device), shard=shard)
     return TTTOutput(loss=loss, loss_sum=loss_sum, count=count, match=match, counted=counted, valid=counted)
 
 
 def train_forward(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: Tensor, dtype: torch.dtype,
-                  device: torch.device, loss_positions: str = "replies") -> tuple[TTTOutput, Tensor]:
+                  device: torch.device, loss_positions: str = "replies",
+                  context: ContextGroup | None = None) -> tuple[TTTOutput, Tensor]:
     """A training micro-batch's forward (``batch`` on the host, as the loader builds it): its output
     and its [loss, tokens] (float64, on ``device``, to be summed over micro-batches and ranks
-    without a host sync)."""
+    without a host sync; a context group's tokens counted by its first rank)."""
     tokens = (batch["document_ids"] >= 0).sum()  # every token, padding excepted
+    if context is not None and context.rank > 0:
+        tokens = tokens * 0
     if loss_positions == "all":
         batch = {**batch, "loss_mask": batch["document_ids"] >= 0}  # [B, S]
-    out = run_batch(engine, head, batch, t2d, dtype, device)
+    out = run_batch(engine, head, batch, t2d, dtype, device, context)
     return out, torch.stack([out.loss.detach().double(), to_device(tokens.double(), device)])
 
 

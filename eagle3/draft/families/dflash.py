@@ -274,6 +274,9 @@ class DFlashFamily(DraftFamily):
         if train.gradient_checkpointing:
             raise ConfigError("train.gradient_checkpointing=true: a dflash draft runs one block, not an unroll to "
                              "recompute step by step; it is not supported there")
+        if train.context_parallel > 1:
+            raise ConfigError(f"train.context_parallel={train.context_parallel}: a dflash draft trains a row on one "
+                             "rank (its blocks attend to the context in its own way; not split)")
         if train.layer_init != "random":
             raise ConfigError(f"train.layer_init={train.layer_init}: a dflash draft starts from random layers")
 
