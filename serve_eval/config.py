@@ -57,7 +57,7 @@ class EvalConfig:
     sets: list[str] = field(default_factory=lambda: list(EVAL_SETS))
     """Eval sets to run, <pools>/eval/<name>.jsonl."""
     per_set: int = 10
-    """Prompts per set (the first user turn of each)."""
+    """Prompts per set (the first user turn of each, or the turns up to its request: a long_chat history)."""
     max_new_tokens: int = 96
     """New tokens per prompt, speculative and plain alike."""
     mode: str = SpecConfig.mode

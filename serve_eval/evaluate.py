@@ -4,9 +4,9 @@
         [--target smollm2-135m] [--sets mtbench,humaneval,gsm8k,multilingual] [--per-set 10] \\
         [--max-new-tokens 96] [--mode chain|tree] [--k 3] [--topk 4] [--budget 16] [--temperature 0]
 
-For every prompt (the first user turn, the target's chat template) it runs plain decoding and
-speculative decoding in the same loop (:class:`serve_eval.spec_decode.SpeculativeDecoder`, batch 1),
-and writes to ``--out``:
+For every prompt (its first user turn, or its turns up to the request; the target's chat template) it
+runs plain decoding and speculative decoding in the same loop
+(:class:`serve_eval.spec_decode.SpeculativeDecoder`, batch 1), and writes to ``--out``:
 
 * ``report.json``: per eval set and overall: tau (tokens per target forward, the bonus token
   included), acceptance per position, tokens/s of both, speedup (plain time / speculative time for
@@ -45,8 +45,24 @@ from serve_eval.spec_decode import DecodeStats, SpeculativeDecoder
 TIE_MARGIN = 1e-4
 
 
+def prompt_end(turns: list[Any]) -> int | None:
+    """Where an eval record's prompt ends: its last user turn before the first reply left to write (an
+    assistant turn without text, as MT-Bench's second turn waits for the first's reply, or none). A
+    reference answer after the request is not part of it; a history of written replies is (long_chat)."""
+    end = None
+    for i, m in enumerate(turns):
+        if not isinstance(m, dict):
+            break
+        if m.get("role") == "user":
+            end = i
+        elif m.get("role") == "assistant" and not m.get("content"):
+            break
+    return end
+
+
 def read_prompts(pools: Path, name: str, per_set: int, chat: Any) -> list[list[int]]:
-    """The first user turn of ``per_set`` records of ``pools/eval/<name>.jsonl``, as prompt ids.
+    """The prompts of ``per_set`` records of ``pools/eval/<name>.jsonl`` (the first user turn, or the
+    turns up to the request: :func:`prompt_end`), as prompt ids.
 
     A set whose records name several languages (the multilingual one: 20 per language, one
     language after another) is taken round-robin over its languages in file order, so that its
@@ -68,10 +84,10 @@ def read_prompts(pools: Path, name: str, per_set: int, chat: Any) -> list[list[i
     for where, record in take_in_turn(by_language.values(), per_set):
         messages = record.get("messages")
         turns = messages if isinstance(messages, list) else []
-        first_user = next((i for i, m in enumerate(turns) if isinstance(m, dict) and m.get("role") == "user"), None)
-        if first_user is None:
+        last = prompt_end(turns)
+        if last is None:
             raise InputError(f"{where}: no user message in 'messages'")
-        out.append(chat.prompt_ids(messages[: first_user + 1]))
+        out.append(chat.prompt_ids(messages[: last + 1]))
     if not out:
         raise InputError(f"{path}: no prompts in it (an eval set needs at least one record)")
     return out

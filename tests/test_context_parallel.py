@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 import eagle3.draft.ttt as ttt
 from eagle3.draft.context import balanced_bounds, split_batch
+from eagle3.draft.families import family_of
 from tests.helpers import packed_batch, tiny_draft
 
 CASES = {
@@ -20,14 +21,17 @@ CASES = {
     "window": dict(doc_lengths=[[150, 130]], num_layers=2,
                    variant={"sliding_window": 40, "full_attention_layers": [1]}, checkpointing=False),
     "two rows, 300 long": dict(doc_lengths=[[300], [120, 180]], num_layers=1, variant={}, checkpointing=False),
+    "p-eagle": dict(doc_lengths=[[90, 110]], num_layers=1, variant={"family": "peagle", "mask_token_id": 3},
+                    checkpointing=False),
 }
 
 
 def _run(draft: torch.nn.Module, batch: dict, num_steps: int, checkpointing: bool, shard=None) -> ttt.TTTOutput:
     draft.zero_grad(set_to_none=True)
-    out = ttt.ttt_forward(draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"],
-                          batch["loss_mask"], ttt.prepare_targets(batch["target_logits"], draft.t2d),
-                          num_steps=num_steps, gradient_checkpointing=checkpointing, shard=shard)
+    out = family_of(draft.config).forward(  # P-EAGLE's feeds its mask rows
+        draft, batch["input_ids"], batch["aux"], batch["position_ids"], batch["document_ids"], batch["loss_mask"],
+        ttt.prepare_targets(batch["target_logits"], draft.t2d), num_steps=num_steps,
+        gradient_checkpointing=checkpointing, **({} if shard is None else {"shard": shard}))
     out.loss.backward()
     return out
 

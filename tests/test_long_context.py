@@ -13,8 +13,10 @@ from data_gen.long_context import Task, build, fill
 from eagle3.errors import ConfigError
 
 
-def _words(text: str) -> int:  # a stand-in tokenizer: one token per word, ten for the template
-    return 10 + len(text.split())
+def _words(prompt: str | list[dict]) -> int:  # a stand-in tokenizer: a token a word, ten for the template
+    if isinstance(prompt, list):  # a chat: four more a turn
+        return 10 + sum(4 + len(m["content"].split()) for m in prompt)
+    return 10 + len(prompt.split())
 
 
 def _task(i: int) -> Task:
@@ -35,7 +37,7 @@ def test_fill_keeps_the_focus_whole_and_stays_within_the_length() -> None:
 def test_build_writes_each_task_short_then_at_each_length(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(long_context, "code_tasks", lambda n, seed: [_task(i) for i in range(n)])
     monkeypatch.setattr(long_context, "docs_tasks", lambda n, seed: [_task(10 + i) for i in range(n)])
-    assert build(tmp_path, _words, [600, 300], tasks=2) == {"long_code": 6, "long_docs": 6}
+    assert build(tmp_path, _words, [600, 300], tasks=2) == {"long_code": 6, "long_docs": 6, "long_chat": 6}
     records = [json.loads(line) for line in (tmp_path / "eval" / "long_code.jsonl").read_text().splitlines()]
     assert [r["meta"]["variant"] for r in records] == ["short", "300", "600"] * 2
     assert [r["meta"]["task"] for r in records] == ["t0"] * 3 + ["t1"] * 3
@@ -45,9 +47,31 @@ def test_build_writes_each_task_short_then_at_each_length(tmp_path: Path, monkey
         assert text.endswith(f"Repeat the focus {r['meta']['task'][1:]}.")
     again = tmp_path / "again"
     build(again, _words, [300, 600], tasks=2)  # seeded: the same sets again
-    assert (again / "eval" / "long_code.jsonl").read_text() == (tmp_path / "eval" / "long_code.jsonl").read_text()
+    for name in ("long_code", "long_chat"):
+        assert (again / "eval" / f"{name}.jsonl").read_text() == (tmp_path / "eval" / f"{name}.jsonl").read_text()
     with pytest.raises(ConfigError, match="--lengths"):
         build(tmp_path, _words, [100], tasks=1)
+
+
+def test_the_chat_set_shares_each_text_in_a_turn_and_asks_last(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(long_context, "code_tasks", lambda n, seed: [_task(i) for i in range(n)])
+    monkeypatch.setattr(long_context, "docs_tasks", lambda n, seed: [_task(10 + i) for i in range(n)])
+    build(tmp_path, _words, [300, 600], tasks=3)
+    records = [json.loads(line) for line in (tmp_path / "eval" / "long_chat.jsonl").read_text().splitlines()]
+    # past the tasks the other sets ask (code 3-4, docs 13), code and docs in turn
+    assert [r["meta"]["task"] for r in records[::3]] == ["t3", "t13", "t4"]
+    assert [r["domain"] for r in records[::3]] == ["coding", "multilingual", "coding"]
+    for r in records:
+        turns = r["messages"]
+        assert [m["role"] for m in turns] == ["user", "assistant"] * (len(turns) // 2) + ["user"]
+        assert r["meta"]["prompt_tokens"] == _words(turns) and r["meta"]["turns"] == len(turns)
+        assert turns[-1]["content"] == f"Repeat the focus {r['meta']['task'][1:]}."
+        shared = [m["content"] for m in turns[0:-1:2]]
+        assert sum(text.endswith(f"FOCUS {r['meta']['task'][1:]} " + "kept " * 30) for text in shared) == 1
+        if r["meta"]["variant"] == "short":
+            assert len(turns) == 3
+        else:
+            assert int(r["meta"]["variant"]) - 80 < r["meta"]["prompt_tokens"] <= int(r["meta"]["variant"])
 
 
 def test_the_cli_refuses_a_length_beyond_the_targets_context(tmp_path: Path, monkeypatch, capsys) -> None:

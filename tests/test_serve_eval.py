@@ -9,7 +9,7 @@ import pytest
 
 from eagle3.config import SamplingConfig
 from serve_eval.config import SpecConfig
-from serve_eval.evaluate import evaluate, markdown, read_prompts, write_report
+from serve_eval.evaluate import evaluate, markdown, prompt_end, read_prompts, write_report
 from tests.helpers import PROMPTS, make_draft, make_target
 
 
@@ -106,6 +106,17 @@ def test_read_prompts_spreads_a_set_over_its_languages(tmp_path: Path) -> None:
     # one language (or none named): file order, as before
     _write_set(tmp_path / "eval" / "en.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(4)])
     assert ["".join(map(chr, ids)) for ids in read_prompts(tmp_path, "en", 3, _EchoChat())] == ["q0", "q1", "q2"]
+
+
+def test_a_prompt_ends_at_the_request_before_the_first_reply_to_write() -> None:
+    def turns(*roles: str) -> list[dict]:
+        return [{"role": r.rstrip("_"), "content": "" if r.endswith("_") else "text"} for r in roles]
+
+    assert prompt_end(turns("user")) == 0
+    assert prompt_end(turns("system", "user", "assistant")) == 1  # a reference answer is left out
+    assert prompt_end(turns("user", "assistant_", "user")) == 0  # MT-Bench: the second turn waits for a reply
+    assert prompt_end(turns("user", "assistant", "user", "assistant", "user")) == 4  # a written history: long_chat
+    assert prompt_end(turns("system", "assistant")) is None
 
 
 def test_read_prompts_names_the_bad_line(tmp_path: Path) -> None:
