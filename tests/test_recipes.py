@@ -123,6 +123,10 @@ def test_big_target_recipes_size_their_draft_on_meta(name: str) -> None:
         by_hand = 3 * h * h + 2 * h * (8192 + 2048) + 8192 * h + 3 * h * 18432 + 4 * h + 32000 * h
         assert plan["trainable_parameters"] == by_hand == 985_427_968
         assert plan["frozen_embedding_parameters"] == 163840 * h
+        # the recipe's long-row setting (its header): a 32k row over 4 ranks, each reading its share and K + 1 more
+        long = size_draft(config.target, replace(config.train, micro_batch_tokens=32768, context_parallel=4))
+        assert long["row"] == {"micro_batch_tokens": 32768, "context_parallel": 4,
+                               "rank_rows": 8192 + config.train.ttt_steps + 1}
     with torch.device("meta"):  # the frozen embedding is not trainable
         from eagle3.draft.model import DraftConfig
 

@@ -6,7 +6,8 @@ and split over n ranks (``train.context_parallel``), side by side in one run.
 
 A random draft of the target's shape (the draft's layer as speculators', fp32) and one packed row of
 ``--tokens`` tokens (documents of 2-6k tokens, the second ``--reply`` of each the loss-masked reply)
-with random aux states and target distributions, built the same in every process. Each size runs
+with random aux states and target distributions, built the same in every process, split as the
+trainer splits it (ranges of equal work; ``--equal-ranges``: of equal length). Each size runs
 in its own group of fresh processes (gloo); every rank reports its peak resident memory above what it
 held before the forward (``rss_gib``: states, activations, logits, gradients; the row's inputs are
 built before, split to the rank's share) and the seconds of forward + backward. One JSON line per
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 from eagle3.draft.context import split_batch  # noqa: E402
 from eagle3.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3.draft.targets import TTTTargets  # noqa: E402
-from eagle3.draft.ttt import ttt_forward  # noqa: E402
+from eagle3.draft.ttt import read_mask, ttt_forward  # noqa: E402
 from eagle3.draft.vocab import DraftVocab  # noqa: E402
 
 SHAPES = {  # target hidden, vocab, draft heads, kv heads, head dim, intermediate
@@ -97,7 +98,8 @@ def _worker(rank: int, size: int, store: str, args: argparse.Namespace, out: str
     batch = _row(args.tokens, shape["vocab"], args.reply)
     shard, lo = None, 0
     if size > 1:
-        batch, shard = split_batch(batch, rank, size, args.ttt_steps + 1)
+        cost = 1 + args.ttt_steps * read_mask(batch["loss_mask"], batch["document_ids"], args.ttt_steps).long()
+        batch, shard = split_batch(batch, rank, size, args.ttt_steps + 1, cost=None if args.equal_ranges else cost)
         lo = shard.lo
     width = batch["input_ids"].shape[1]
     batch["aux"], batch["probs"] = _states(lo, lo + width, args.tokens, shape["hidden"], args.draft_vocab_size)
@@ -128,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttt-steps", type=int, default=7)
     parser.add_argument("--reply", type=float, default=0.5)
     parser.add_argument("--checkpointing", action="store_true", help="train.gradient_checkpointing")
+    parser.add_argument("--equal-ranges", action="store_true",
+                        help="ranges of equal length instead of equal work (the trainer's)")
     args = parser.parse_args(argv)
     results: dict[int, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -141,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     for size, lines in results.items():
         peak = max(lines, key=lambda x: x["rss_gib"])
         row = {"figure": "context_parallel", "shape": args.shape, "tokens": args.tokens, "ranks": size,
-               "checkpointing": args.checkpointing, "max_rank_rss_gib": peak["rss_gib"],
+               "checkpointing": args.checkpointing, "equal_ranges": args.equal_ranges,
+               "max_rank_rss_gib": peak["rss_gib"],
                "max_rank_seconds": max(x["seconds"] for x in lines), "loss": lines[0]["loss"]}
         if one:
             row["rss_vs_one_rank"] = round(peak["rss_gib"] / one[0]["rss_gib"], 3)

@@ -69,7 +69,15 @@ def size_draft(target: TargetConfig, train: TrainConfig) -> dict[str, Any]:
     return {"target": target.name_or_path, "target_layers": n, "aux_layer_ids": ids, "family": config.family,
             "draft": asdict(config),
             "trainable_parameters": counted["trainable"], "frozen_embedding_parameters": counted["frozen"],
-            "trainable_billions": round(counted["trainable"] / 1e9, 3)}
+            "trainable_billions": round(counted["trainable"] / 1e9, 3), "row": row_plan(train)}
 
 
-__all__ = ["count_on_meta", "size_draft", "target_architecture", "text_architecture"]
+def row_plan(train: TrainConfig) -> dict[str, int]:
+    """A training row's tokens and, split over ``train.context_parallel`` ranks, the most rows one
+    rank's unroll reads (its equal share of a row of even work, and the K + 1 after it)."""
+    n = train.context_parallel
+    share = -(-train.micro_batch_tokens // n) + (train.ttt_steps + 1 if n > 1 else 0)
+    return {"micro_batch_tokens": train.micro_batch_tokens, "context_parallel": n, "rank_rows": share}
+
+
+__all__ = ["count_on_meta", "row_plan", "size_draft", "target_architecture", "text_architecture"]
