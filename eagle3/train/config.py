@@ -257,10 +257,7 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)}: must be >= 0")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ConfigError(f"train.eval_fraction={self.eval_fraction}: must be in [0, 1)")
-        if self.eval_store is not None and self.eval_fraction > 0:
-            raise ConfigError(f"train.eval_fraction={self.eval_fraction}: set it or eval_store, not both")
+        self._check_data()
         if self.lr <= 0:
             raise ConfigError(f"train.lr={self.lr}: must be > 0")
         if self.optimizer not in ("adamw", "muon"):
@@ -295,6 +292,23 @@ class TrainConfig:
             raise ConfigError(f"train.loss={self.loss!r}: expected one of {', '.join(LOSSES)}")
         if not self.lk_eta > 0:
             raise ConfigError(f"train.lk_eta={self.lk_eta}: must be > 0")
+        if self.precision not in _PRECISIONS:
+            raise ConfigError(f"train.precision={self.precision!r}: expected one of {', '.join(_PRECISIONS)}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"train.zero_stage={self.zero_stage}: expected 0, 1, 2 or 3")
+        self._check_draft()
+        if self.wandb_mode not in WANDB_MODES:
+            raise ConfigError(f"train.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(WANDB_MODES)}")
+        if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ConfigError(f"train.device={self.device!r}: expected auto, cpu or cuda")
+
+
+    def _check_data(self) -> None:
+        """Where the samples come from and how they are batched."""
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"train.eval_fraction={self.eval_fraction}: must be in [0, 1)")
+        if self.eval_store is not None and self.eval_fraction > 0:
+            raise ConfigError(f"train.eval_fraction={self.eval_fraction}: set it or eval_store, not both")
         if self.data not in ("offline", "online", "hybrid", "colocated"):
             raise ConfigError(f"train.data={self.data!r}: expected offline, online, hybrid or colocated")
         if self.data == "colocated" and self.extra_stores:
@@ -310,10 +324,9 @@ class TrainConfig:
             raise ConfigError(f"train.shard_window={self.shard_window}: must be >= 0 (0: the whole set shuffled)")
         if self.batching not in ("pack", "buckets"):
             raise ConfigError(f"train.batching={self.batching!r}: expected pack or buckets")
-        if self.precision not in _PRECISIONS:
-            raise ConfigError(f"train.precision={self.precision!r}: expected one of {', '.join(_PRECISIONS)}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"train.zero_stage={self.zero_stage}: expected 0, 1, 2 or 3")
+
+    def _check_draft(self) -> None:
+        """The draft's shape, family, attention and start."""
         for name in ("draft_intermediate_size", "draft_num_attention_heads", "draft_num_key_value_heads",
                      "draft_head_dim"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -346,10 +359,6 @@ class TrainConfig:
         if self.freeze_lm_head and self.lm_head_init != "target" and not self.init_draft:
             raise ConfigError("train.freeze_lm_head=true needs train.lm_head_init=target (or an init_draft): a frozen "
                               "random lm_head cannot be learnt around")
-        if self.wandb_mode not in WANDB_MODES:
-            raise ConfigError(f"train.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(WANDB_MODES)}")
-        if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ConfigError(f"train.device={self.device!r}: expected auto, cpu or cuda")
 
 
 def draft_recipe(name: str) -> dict[str, Any]:
