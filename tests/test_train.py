@@ -921,22 +921,26 @@ def test_a_row_split_over_two_ranks_trains_the_one_rank_draft(tiny: dict, tmp_pa
     and metrics within fp32 round-off, the same final weights; both ranks' peak memory reported."""
     settings = dict(steps=6, eval_every=3, save_every=0, ttt_steps=4, gradient_checkpointing=True)
     one = train(_cfg(tiny, tmp_path / "one", **settings), target=tiny["target"])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           "-m", "eagle3.train", *_cli(tiny, tmp_path / "cp", "--steps", "6", "--eval-every", "3", "--save-every", "0",
-                                      "--ttt-steps", "4", "--gradient-checkpointing", "--context-parallel", "2")]
-    done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    two = json.loads(done.stdout.strip().splitlines()[-1])
-    assert two["context_parallel"] == 2 and two["world_size"] == 2 and two["tokens"] == one["tokens"]
-    assert len(two["peak_rss_gib_per_rank"]) == 2 and min(two["peak_rss_gib_per_rank"]) > 0
-    reference, got = _losses(tmp_path / "one"), _losses(tmp_path / "cp")
-    assert len(reference) > 6 * 10 and [(s, k) for s, k, _ in got] == [(s, k) for s, k, _ in reference]
-    for (_, key, a), (_, _, b) in zip(got, reference, strict=True):
-        tolerance = 0.02 if "acc" in key or "tau" in key else 1e-5  # an argmax may flip on a near-tie
-        assert abs(a - b) <= tolerance * max(1.0, abs(b)), (key, a, b)
+    reference = _losses(tmp_path / "one")
     want = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
-    for name, tensor in load_file(str(tmp_path / "cp" / "final" / "model.safetensors")).items():
-        torch.testing.assert_close(tensor, want[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert len(reference) > 6 * 10
+    for name, zero in (("cp", "0"), ("cp-zero2", "2")):  # ZeRO 2 shards gradients over both ranks of the group
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(_free_port()), "-m", "eagle3.train",
+               *_cli(tiny, tmp_path / name, "--steps", "6", "--eval-every", "3", "--save-every", "0", "--ttt-steps",
+                     "4", "--gradient-checkpointing", "--context-parallel", "2", "--zero-stage", zero)]
+        done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        two = json.loads(done.stdout.strip().splitlines()[-1])
+        assert two["context_parallel"] == 2 and two["world_size"] == 2 and two["tokens"] == one["tokens"]
+        assert len(two["peak_rss_gib_per_rank"]) == 2 and min(two["peak_rss_gib_per_rank"]) > 0
+        got = _losses(tmp_path / name)
+        assert [(s, k) for s, k, _ in got] == [(s, k) for s, k, _ in reference]
+        for (_, key, a), (_, _, b) in zip(got, reference, strict=True):
+            tolerance = 0.02 if "acc" in key or "tau" in key else 1e-5  # an argmax may flip on a near-tie
+            assert abs(a - b) <= tolerance * max(1.0, abs(b)), (name, key, a, b)
+        for key, tensor in load_file(str(tmp_path / name / "final" / "model.safetensors")).items():
+            torch.testing.assert_close(tensor, want[key], rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
 
 
 def test_a_context_parallel_size_that_does_not_fit_is_named(tiny: dict, tmp_path: Path) -> None:
