@@ -4,6 +4,7 @@ one-process unroll's loss, counts, matches and gradients (within fp32 round-off)
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,8 +12,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import eagle3.draft.ttt as ttt
+from eagle3.distributed import ContextGroup
 from eagle3.draft.context import balanced_bounds, split_batch
 from eagle3.draft.families import family_of
+from eagle3.errors import TrainError
+from eagle3.train.step import run_batch
 from tests.helpers import packed_batch, tiny_draft
 
 CASES = {
@@ -95,3 +99,12 @@ def test_a_row_split_over_ranks_gives_the_one_process_loss_and_gradients(size: i
     """Every case of CASES. 3 ranks: the rows do not divide (padding rows past the row); the chunks
     (67-150 rows) hold fewer rows than one document, so a query's keys come from the ranks before it."""
     mp.spawn(_worker, args=(size, str(tmp_path / "store"), 4), nprocs=size, join=True)
+
+
+def test_a_row_shorter_than_the_context_group_is_named() -> None:
+    model = SimpleNamespace(num_steps=3)  # what run_batch reads before it would split the batch
+    batch = {"document_ids": torch.zeros(1, 1, dtype=torch.long), "loss_mask": torch.ones(1, 1, dtype=torch.bool)}
+    group = ContextGroup(size=2, rank=0, group=None, data_rank=0, data_world=1)
+    with pytest.raises(TrainError, match=r"train.context_parallel=2: a batch row of 1 tokens cannot be split"):
+        run_batch(model, None, batch, torch.zeros(4, dtype=torch.bool), torch.float32, torch.device("cpu"), group)
+

@@ -20,6 +20,7 @@ from eagle3.draft.losses import SOFT_CE, Objective
 from eagle3.draft.model import DraftHead
 from eagle3.draft.target_head import TargetHead, needed_rows
 from eagle3.draft.ttt import RowLayout, TTTOutput, TTTTargets, layout_rows, read_mask, step_weights
+from eagle3.errors import TrainError
 
 
 def add_feature_noise(aux: Tensor, scale: float) -> Tensor:
@@ -74,6 +75,9 @@ def run_batch(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: Tens
     shard = None
     if context is not None and context.size > 1:
         cost = 1 + model.num_steps * read_mask(batch["loss_mask"], batch["document_ids"], model.num_steps).long()
+        if batch["document_ids"].shape[1] < context.size:
+            raise TrainError(f"train.context_parallel={context.size}: a batch row of {batch['document_ids'].shape[1]} "
+                             "tokens cannot be split over that many ranks (raise train.micro_batch_tokens)")
         batch, shard = split_batch(batch, context.rank, context.size, model.num_steps + 1, context.group, cost)
     layout = layout_rows(batch["loss_mask"], batch["document_ids"], model.num_steps, own=shard and shard.own)
     rows = needed_rows(batch["loss_mask"], batch["document_ids"]) if "last" in batch else None
