@@ -229,3 +229,48 @@ def test_history_is_context_per_conversation() -> None:
     padded[1]["content"] = "Yes\n"  # the target wrote a newline the rendered history drops
     assert not trims.history_is_context(padded)
     assert ChatFormat.for_tokenizer(tiny_tokenizer()).history_is_context(padded)  # kept verbatim: whole
+
+
+# Templates written for these tests, after the behaviour of reasoning models' templates: Qwen3's
+# generation prompt closes an empty thinking block when enable_thinking is false; Kimi-K2 Thinking's
+# opens one unless thinking is false, then writes it empty. Both drop earlier replies' reasoning.
+SWITCHED_TEMPLATES = {
+    "enable_thinking": (
+        "{% for m in messages %}<|{{ m['role'] }}|>"
+        "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
+        "{% else %}{{ m['content'] }}{% endif %}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>"
+        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+        "{% endif %}"),
+    "thinking": (
+        "{% for m in messages %}<|{{ m['role'] }}|>"
+        "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
+        "{% else %}{{ m['content'] }}{% endif %}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>"
+        "{% if thinking is defined and thinking is false %}<think></think>{% else %}<think>{% endif %}"
+        "{% endif %}"),
+}
+
+
+@pytest.mark.parametrize("switch", sorted(SWITCHED_TEMPLATES))
+def test_the_thinking_switch_is_found_and_every_render_passes_it(switch: str) -> None:
+    chat = ChatFormat.for_tokenizer(tiny_tokenizer(SWITCHED_TEMPLATES[switch]))
+    assert chat.thinking_switch == switch
+    messages = [{"role": "user", "content": "hi"}]
+    default, on, off = chat.render(messages), chat.with_thinking(True).render(messages), chat.with_thinking(False)
+    empty_block = "<think>\n\n</think>\n\n" if switch == "enable_thinking" else "<think></think>"
+    assert off.render(messages).endswith(empty_block)
+    assert on == default != off.render(messages)  # on is what the template does unasked, for both
+    assert off.prompt_ids(messages) == off.tokenizer(off.render(messages), add_special_tokens=False)["input_ids"]
+    assert off.stop_ids == chat.stop_ids and chat.with_thinking(False) == off  # equal formats, hashable
+    assert hash(off) != hash(chat)
+
+
+def test_a_template_without_a_thinking_switch_is_refused_by_name() -> None:
+    chat = ChatFormat.for_tokenizer(tiny_tokenizer())
+    assert chat.thinking_switch is None
+    with pytest.raises(ChatFormatError, match=r"the chat template \(tokenizer's, sha256 [0-9a-f]{12}\) reads no "
+                                              r"thinking switch \(enable_thinking or thinking\): thinking cannot be "
+                                              r"turned off"):
+        chat.with_thinking(False)
+

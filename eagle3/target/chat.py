@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from eagle3.errors import Eagle3Error
@@ -36,6 +36,10 @@ FALLBACK_CHAT_TEMPLATE = (
 prompt is ``Assistant:`` (the model continues with a space, so a reply is rendered trimmed
 after ``Assistant: ``: the text the model saw and wrote). A base model has never seen this
 format, so the EOS is its only stop token."""
+
+THINKING_SWITCHES = ("enable_thinking", "thinking")
+"""Template variables through which a reasoning model's template turns its thinking on or off (Qwen3
+and GLM-4.5 read ``enable_thinking``; Kimi-K2 Thinking, Kimi-K2.5 and DeepSeek-V3.1 read ``thinking``)."""
 
 _SENTINEL = "EAGLE3SENTINEL"
 
@@ -57,6 +61,9 @@ class ChatFormat:
     """``"tokenizer"`` (the tokenizer's own template) or ``"fallback"`` (:data:`FALLBACK_CHAT_TEMPLATE`)."""
     stop_ids: frozenset[int]
     """Token ids that end a generated turn: EOS, generation-config EOS ids, end-of-turn token."""
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
+    """(name, value) of the variables every render passes to the template besides the messages
+    (:meth:`with_thinking`)."""
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, generation_config: Any = None,
@@ -81,6 +88,28 @@ class ChatFormat:
         return hashlib.sha256(self.template.encode("utf-8")).hexdigest()
 
     @property
+    def thinking_switch(self) -> str | None:
+        """The variable of :data:`THINKING_SWITCHES` the template reads (the first, if several), else None."""
+        import jinja2
+        from jinja2 import meta
+
+        try:
+            names = meta.find_undeclared_variables(jinja2.Environment().parse(self.template))
+        except jinja2.TemplateSyntaxError:
+            return None  # transformers' own environment may still render it; it has no switch we can name
+        return next((name for name in THINKING_SWITCHES if name in names), None)
+
+    def with_thinking(self, on: bool) -> ChatFormat:
+        """This format with the template's thinking switch set (every render passes it); a template
+        without one is refused, naming it."""
+        switch = self.thinking_switch
+        if switch is None:
+            raise ChatFormatError(f"the chat template ({self.template_source}'s, sha256 {self.template_sha256[:12]}) "
+                                  f"reads no thinking switch ({' or '.join(THINKING_SWITCHES)}): thinking cannot be "
+                                  f"turned {'on' if on else 'off'} with it")
+        return replace(self, template_kwargs=tuple({**dict(self.template_kwargs), switch: on}.items()))
+
+    @property
     def renders_time(self) -> bool:
         """Whether the template writes the current date or time (Llama 3.2's ``strftime_now``):
         a prompt rendered again later is not the one the target was given."""
@@ -93,6 +122,7 @@ class ChatFormat:
             return self.tokenizer.apply_chat_template(
                 [{"role": m["role"], "content": m["content"]} for m in messages],
                 chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **dict(self.template_kwargs),
             )
         except TemplateError as err:  # e.g. "System role not supported" (Gemma 2)
             raise ChatFormatError(f"the chat template refuses this conversation: {err}") from err
