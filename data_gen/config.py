@@ -145,10 +145,21 @@ class RegenerateConfig:
     same for any number of workers."""
     backend: str = "hf"
     """hf (transformers) or vllm (run from the venv of scripts/setup_vllm_env.sh)."""
+    thinking: str = "template"
+    """A reasoning target's thinking: ``template`` (whatever its template does unasked), ``on``, ``off``, or
+    ``mix`` (each record on with probability ``thinking_on_fraction``, drawn from the seed), set through the
+    template's own switch (``enable_thinking`` or ``thinking``); a template without one is refused. The
+    mode is kept in each record (``generation.thinking``) so that the harvest renders it the same way."""
+    thinking_on_fraction: float = 0.5
+    """With ``thinking=mix``: the share of records regenerated with thinking on."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("hf", "vllm"):
             raise ConfigError(f"regenerate.backend={self.backend!r}: expected hf or vllm")
+        if self.thinking not in THINKING_MODES:
+            raise ConfigError(f"regenerate.thinking={self.thinking!r}: expected one of {', '.join(THINKING_MODES)}")
+        if not 0.0 <= self.thinking_on_fraction <= 1.0:
+            raise ConfigError(f"regenerate.thinking_on_fraction={self.thinking_on_fraction}: must be in [0, 1]")
         for name in ("batch_size", "threads", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"regenerate.{name}={getattr(self, name)}: must be >= 1")
@@ -164,6 +175,9 @@ class RegenerateConfig:
     @property
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+
+THINKING_MODES = ("template", "on", "off", "mix")
 
 
 @dataclass

@@ -181,6 +181,7 @@ def regenerate_conversations(
     *,
     seed: int = 0,
     max_prompt_tokens: int | None = None,
+    thinking: Sequence[bool | None] | None = None,
 ) -> list[RegeneratedConversation]:
     """Regenerate every assistant turn of ``conversations`` with the target, as one batch.
 
@@ -192,11 +193,14 @@ def regenerate_conversations(
     and so on; the batch at depth ``d`` holds the conversations with at least ``d`` user
     turns, in input order, sampled with ``derive_seed(seed, d)``. A conversation whose
     prompt at depth ``d`` exceeds ``max_prompt_tokens`` keeps its first ``d - 1`` exchanges
-    and drops the rest (``dropped_turns``); at depth 1 that skips it entirely.
+    and drops the rest (``dropped_turns``); at depth 1 that skips it entirely. ``thinking[i]``:
+    conversation i's prompts rendered with the template's thinking switch on or off (None: unset).
     """
     if isinstance(generator, Target):
         generator = HFGenerator(generator)
     users = [[m for m in conv if m["role"] == "user"] for conv in conversations]
+    chats = [chat if mode is None else chat.with_thinking(mode)
+             for mode in (thinking if thinking is not None else [None] * len(conversations))]
     out = []
     for conv in conversations:
         system = [{"role": "system", "content": m["content"]} for m in conv[:1] if m["role"] == "system"]
@@ -207,7 +211,7 @@ def regenerate_conversations(
             if len(turns) < depth or result.dropped_turns:
                 continue
             messages = result.messages + [{"role": "user", "content": turns[depth - 1]["content"]}]
-            ids = chat.prompt_ids(messages)
+            ids = chats[row].prompt_ids(messages)
             if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
                 result.dropped_turns = len(turns) - (depth - 1)
                 continue

@@ -70,7 +70,7 @@ class NothingToHarvestError(HarvestError):
     """No record of the data gives a sample with a loss (none has a reply, or every reply was cut off)."""
 
 
-def tokenize_records(records: Sequence[dict[str, Any]], chat: ChatFormat, max_seq_len: int,
+def tokenize_records(records: Sequence[dict[str, Any]], base_chat: ChatFormat, max_seq_len: int,
                      counts: Counter[str], cut: list[tuple[str, int]] | None = None,
                      ) -> list[tuple[str, list[int], list[int]]]:
     """(id, input_ids, loss_mask) per usable sample, in order; truncations and skips counted.
@@ -81,7 +81,8 @@ def tokenize_records(records: Sequence[dict[str, Any]], chat: ChatFormat, max_se
     else one sample per reply, ``<id>-t<k>``, each built like a one-reply record (so too where the
     regeneration kept each turn's prompt ids: the template writes the date). User turns after
     the last reply are dropped (nothing in them is trained). A per-turn sample that an earlier
-    version's regeneration wrote (``generation.turn_index``) is its last reply's sample."""
+    version's regeneration wrote (``generation.turn_index``) is its last reply's sample. A record
+    regenerated with the template's thinking switch set (``generation.thinking``) is rendered with it."""
     out, seen = [], set()
     for record in records:
         messages, generation = record["messages"], record.get("generation") or {}
@@ -94,7 +95,11 @@ def tokenize_records(records: Sequence[dict[str, Any]], chat: ChatFormat, max_se
         if ends:
             messages = messages[: ends[-1] + 1]
         sample_id = str(record["id"])
+        mode = generation.get("thinking")
+        if mode is not None and not isinstance(mode, bool):
+            raise HarvestError(f"sample {sample_id}: generation.thinking={mode!r}: expected true or false")
         try:
+            chat = base_chat if mode is None else base_chat.with_thinking(mode)  # as the regeneration rendered it
             if "turn_index" in generation:  # a per-turn sample: its one entry is its last reply's
                 samples = [(sample_id, *chat.tokenize_reply(messages, given[-1] if given else None))]
             elif len(ends) == 1:

@@ -59,7 +59,7 @@ from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import TargetConfig, add_target_arguments
 from eagle3.errors import Eagle3Error, run_cli
 from eagle3.store.conversations import ConversationError, check_messages, iter_jsonl, messages_of, record_id
-from eagle3.target.chat import ChatFormat, messages_sha256
+from eagle3.target.chat import ChatFormat, ChatFormatError, messages_sha256
 from eagle3.target.model import Target, load_target
 from eagle3.target.positions import context_length
 from eagle3.target.source import target_identity
@@ -128,7 +128,19 @@ def manifest_settings(cfg: RegenerateConfig, target_cfg: TargetConfig, pool_sha2
         "limit": cfg.limit,
         "batch_size": cfg.batch_size, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
         "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed, "max_prompt_tokens": cfg.max_prompt_tokens,
+        # unset, as before these settings existed: a folder regenerated then still resumes
+        **({"thinking": cfg.thinking, "thinking_on_fraction": cfg.thinking_on_fraction}
+           if cfg.thinking != "template" else {}),
     }
+
+
+def record_thinking(cfg: RegenerateConfig, index: int) -> bool | None:
+    """Whether record ``index`` of the pool is regenerated with thinking on (None: the template's default)."""
+    if cfg.thinking == "template":
+        return None
+    if cfg.thinking != "mix":
+        return cfg.thinking == "on"
+    return derive_seed(cfg.seed, 1, index) / 2**63 < cfg.thinking_on_fraction  # the same draw on every rerun
 
 
 def _prompt_limit(cfg: RegenerateConfig, generator: Generator) -> int | None:
@@ -226,9 +238,10 @@ def write_manifest(out_dir: Path, settings: dict[str, Any], records: int, batche
 
 
 def output_record(record: dict[str, Any], result: RegeneratedConversation, cfg: RegenerateConfig,
-                  target_name: str, keep_prompts: bool = False) -> dict[str, Any]:
+                  target_name: str, keep_prompts: bool = False, thinking: bool | None = None) -> dict[str, Any]:
     """The record with the target's messages and ``generation``; ``keep_prompts`` (a template that
-    writes the date) also stores each turn's ``prompt_ids``, since rendering again later differs."""
+    writes the date) also stores each turn's ``prompt_ids``, since rendering again later differs;
+    ``thinking``: the switch its prompts were rendered with (``generation.thinking``; unset: none)."""
     turns = [{"finish_reason": t.finish_reason, "new_tokens": len(t.token_ids), "token_ids": t.token_ids,
               "stop_id": t.stop_id} for t in result.turns]
     if keep_prompts:  # with the digest of the messages each prompt was rendered from
@@ -238,7 +251,7 @@ def output_record(record: dict[str, Any], result: RegeneratedConversation, cfg: 
     generation = {
         "target": target_name, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
         "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed, "turns": turns,
-        "dropped_turns": result.dropped_turns,
+        "dropped_turns": result.dropped_turns, **({"thinking": thinking} if thinking is not None else {}),
     }
     return {**record, "messages": result.messages, "generation": generation}
 
@@ -315,12 +328,14 @@ def _generate_batch(generator: Generator, chat: ChatFormat, cfg: RegenerateConfi
     """Batch ``b`` regenerated into its part file; (new tokens, seconds). A batch depends on nothing
     but its records and its seed, whichever process runs it."""
     chunk = records[b * cfg.batch_size:(b + 1) * cfg.batch_size]
+    modes = [record_thinking(cfg, b * cfg.batch_size + i) for i in range(len(chunk))]
     t0 = time.perf_counter()
     results = regenerate_conversations(generator, chat, [r["messages"] for r in chunk], cfg.max_new_tokens,
-                                       cfg.sampling, seed=derive_seed(cfg.seed, b), max_prompt_tokens=prompt_limit)
+                                       cfg.sampling, seed=derive_seed(cfg.seed, b), max_prompt_tokens=prompt_limit,
+                                       thinking=modes)
     seconds = time.perf_counter() - t0
-    lines = [_dumps(output_record(rec, res, cfg, target_cfg.name_or_path, chat.renders_time))
-             for rec, res in zip(chunk, results, strict=True)]
+    lines = [_dumps(output_record(rec, res, cfg, target_cfg.name_or_path, chat.renders_time, mode))
+             for rec, res, mode in zip(chunk, results, modes, strict=True)]
     atomic_write_text(part_path(Path(cfg.out_dir), b), "".join(line + "\n" for line in lines))
     return sum(t.num_generated for r in results for t in r.turns), seconds
 
@@ -431,6 +446,11 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
             size = cfg.batch_size
             todo = [b for b in range(batches) if not _part_complete(out_dir, b, len(records[b * size:(b + 1) * size]))]
             generator, chat, dtype = make_backend(cfg, target_cfg, target)
+            if cfg.thinking != "template":  # a template without a switch: named before anything is written
+                try:
+                    chat.with_thinking(True)
+                except ChatFormatError as err:
+                    raise RegenerateError(f"regenerate.thinking={cfg.thinking}: {err}") from None
             settings |= {"dtype": dtype, "chat_template_sha256": chat.template_sha256,
                          "chat_template_source": chat.template_source}
             check_manifest(out_dir, settings)

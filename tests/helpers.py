@@ -270,6 +270,26 @@ def packed_batch(doc_lengths: list[list[int]], seed: int = 0, t2d: torch.Tensor 
     }
 
 
+# Templates written for these tests, after the behaviour of reasoning models' templates: Qwen3's
+# generation prompt closes an empty thinking block when enable_thinking is false; Kimi-K2 Thinking's
+# opens one unless thinking is false, then writes it empty. Both drop earlier replies' reasoning.
+SWITCHED_TEMPLATES = {
+    "enable_thinking": (
+        "{% for m in messages %}<|{{ m['role'] }}|>"
+        "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
+        "{% else %}{{ m['content'] }}{% endif %}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>"
+        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+        "{% endif %}"),
+    "thinking": (
+        "{% for m in messages %}<|{{ m['role'] }}|>"
+        "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
+        "{% else %}{{ m['content'] }}{% endif %}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>"
+        "{% if thinking is defined and thinking is false %}<think></think>{% else %}<think>{% endif %}"
+        "{% endif %}"),
+}
+
 THINK_DROPPING_TEMPLATE = (  # like reasoning templates: earlier replies lose their <think> block
     "{% for m in messages %}<|{{ m['role'] }}|>"
     "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"

@@ -6,7 +6,7 @@ import pytest
 from transformers import GenerationConfig
 
 from eagle3.target.chat import FALLBACK_CHAT_TEMPLATE, ChatFormat, ChatFormatError, check_single_bos, eos_ids
-from tests.helpers import CHAT_TEMPLATE, SYSTEM_IN_LAST_USER, tiny_tokenizer
+from tests.helpers import CHAT_TEMPLATE, SWITCHED_TEMPLATES, SYSTEM_IN_LAST_USER, tiny_tokenizer
 
 # Tiny tokenizer ids: <pad> 0, <s> 1, </s> 2, <|system|> 3, <|user|> 4, <|assistant|> 5; bytes follow.
 CONVERSATION = [
@@ -229,27 +229,6 @@ def test_history_is_context_per_conversation() -> None:
     padded[1]["content"] = "Yes\n"  # the target wrote a newline the rendered history drops
     assert not trims.history_is_context(padded)
     assert ChatFormat.for_tokenizer(tiny_tokenizer()).history_is_context(padded)  # kept verbatim: whole
-
-
-# Templates written for these tests, after the behaviour of reasoning models' templates: Qwen3's
-# generation prompt closes an empty thinking block when enable_thinking is false; Kimi-K2 Thinking's
-# opens one unless thinking is false, then writes it empty. Both drop earlier replies' reasoning.
-SWITCHED_TEMPLATES = {
-    "enable_thinking": (
-        "{% for m in messages %}<|{{ m['role'] }}|>"
-        "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
-        "{% else %}{{ m['content'] }}{% endif %}</s>{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>"
-        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
-        "{% endif %}"),
-    "thinking": (
-        "{% for m in messages %}<|{{ m['role'] }}|>"
-        "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
-        "{% else %}{{ m['content'] }}{% endif %}</s>{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>"
-        "{% if thinking is defined and thinking is false %}<think></think>{% else %}<think>{% endif %}"
-        "{% endif %}"),
-}
 
 
 @pytest.mark.parametrize("switch", sorted(SWITCHED_TEMPLATES))

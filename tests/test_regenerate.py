@@ -21,7 +21,7 @@ from eagle3.config import TargetConfig
 from eagle3.target.chat import ChatFormat
 from eagle3.target.model import Target
 from eagle3.target.source import TargetSourceError
-from tests.helpers import THINK_DROPPING_TEMPLATE, lively_target, save_lively
+from tests.helpers import SWITCHED_TEMPLATES, THINK_DROPPING_TEMPLATE, lively_target, save_lively
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -334,6 +334,45 @@ def test_records_stay_whole_and_the_harvest_splits_those_the_template_rewrites(t
     ids, mask = samples[1][1], samples[1][2]
     assert "<think>" not in thinking.tokenizer.decode(ids)  # turn 2 in the context the target saw: no old reasoning
     assert sum(mask) > 0 and not any(mask[: len(chat.prompt_ids(reasoned["messages"][:3]))])
+
+
+@pytest.mark.parametrize("mode", ["on", "off", "mix"])
+def test_each_reply_is_trained_after_the_prompt_its_thinking_mode_served(tmp_path: Path, mode: str) -> None:
+    """regenerate.thinking renders every prompt with the template's switch, keeps the mode per record,
+    and the harvest trains each reply after exactly the prompt the serving template renders in that
+    mode (with thinking off: the empty thinking block the template writes into the generation
+    prompt, which a whole-conversation render does not show, so such records are split per reply)."""
+    from collections import Counter
+
+    from data_gen.harvest import tokenize_records
+
+    switched = lively_target(chat_template=SWITCHED_TEMPLATES["enable_thinking"])
+    pool = _write_pool(tmp_path / "pool.jsonl", [[_user(f"q{i}"), _assistant("x"), _user(f"r{i}")] for i in range(8)])
+    cfg = RegenerateConfig(pool=str(pool), out_dir=str(tmp_path / "out"), batch_size=3, max_new_tokens=5,
+                           thinking=mode)
+    run(cfg, TargetConfig(name_or_path="switched"), progress=False, target=switched)
+    rows = [json.loads(line) for line in (tmp_path / "out/dataset/regenerated.jsonl").read_text().splitlines()]
+    modes = [row["generation"]["thinking"] for row in rows]
+    assert modes == ([mode == "on"] * 8 if mode != "mix" else modes) and (mode != "mix" or len(set(modes)) == 2)
+    chat = ChatFormat.for_tokenizer(switched.tokenizer)
+    for row in rows:
+        served = chat.with_thinking(row["generation"]["thinking"])
+        samples = tokenize_records([row], chat, 4096, Counter())
+        ends = [i for i, m in enumerate(row["messages"]) if m["role"] == "assistant"]
+        for k, end in enumerate(ends):
+            prompt = served.prompt_ids(row["messages"][:end])
+            reply = row["generation"]["turns"][k]["token_ids"]
+            assert ("<think>" in switched.tokenizer.decode(prompt)) == (not row["generation"]["thinking"])
+            assert any(ids[:len(prompt)] == prompt and ids[len(prompt):len(prompt) + len(reply)] == reply
+                       and all(mask[len(prompt):len(prompt) + len(reply)]) for _, ids, mask in samples), (row["id"], k)
+    if mode == "off":
+        assert all(len(tokenize_records([row], chat, 4096, Counter())) == 2 for row in rows)
+    # a template without a switch: refused by name, nothing written
+    plain_pool = RegenerateConfig(pool=str(pool), out_dir=str(tmp_path / "plain"), max_new_tokens=5, thinking=mode)
+    with pytest.raises(RegenerateError, match=rf"regenerate.thinking={mode}: the chat template .* reads no thinking "
+                                              "switch"):
+        run(plain_pool, TargetConfig(name_or_path="lively"), progress=False, target=lively_target())
+    assert not (tmp_path / "plain").exists()
 
 
 def test_pool_rows_are_validated_with_file_and_line(target: Target, tmp_path: Path) -> None:

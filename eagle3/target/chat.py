@@ -13,6 +13,7 @@ add one too would double it (:func:`check_single_bos` guards against that).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
@@ -90,14 +91,7 @@ class ChatFormat:
     @property
     def thinking_switch(self) -> str | None:
         """The variable of :data:`THINKING_SWITCHES` the template reads (the first, if several), else None."""
-        import jinja2
-        from jinja2 import meta
-
-        try:
-            names = meta.find_undeclared_variables(jinja2.Environment().parse(self.template))
-        except jinja2.TemplateSyntaxError:
-            return None  # transformers' own environment may still render it; it has no switch we can name
-        return next((name for name in THINKING_SWITCHES if name in names), None)
+        return _thinking_switch(self.template)
 
     def with_thinking(self, on: bool) -> ChatFormat:
         """This format with the template's thinking switch set (every render passes it); a template
@@ -272,6 +266,18 @@ class ChatFormat:
         if ids and ids[0] in set(self.tokenizer.all_special_ids) | set(_added_ids(self.tokenizer)):
             return int(ids[0])
         return None
+
+
+@functools.lru_cache(maxsize=16)
+def _thinking_switch(template: str) -> str | None:
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        names = meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except jinja2.TemplateSyntaxError:
+        return None  # transformers' own environment may still render it; it has no switch we can name
+    return next((name for name in THINKING_SWITCHES if name in names), None)
 
 
 def _token_ids(value: Any) -> list[int] | None:
