@@ -155,14 +155,18 @@ def conversation(parts: Sequence[str], request: str) -> list[dict[str, str]]:
 
 def fill_chat(task: Task, length: int, count_chat: Callable[[list[dict[str, str]]], int],
               count_tokens: Callable[[str], int], rng: random.Random) -> tuple[list[dict[str, str]], int]:
-    """:func:`fill` as a conversation (:func:`conversation`) of at most ``length`` tokens (texts after
-    the focus, then before it, left out while the turns' own tokens overflow it); -> (turns, tokens)."""
-    parts = choose(task, length, count_tokens, rng)
+    """:func:`fill` as a conversation (:func:`conversation`) of at most ``length`` tokens, each text
+    measured with the turns around it; -> (turns, tokens). (``count_tokens`` is unused: kept so that
+    both fills take the same counters.)"""
+    chosen: list[str] = []
+    for text in rng.sample(task.others, len(task.others)):
+        if count_chat(conversation([*chosen, text, task.focus], task.request)) <= length:
+            chosen.append(text)
+    at = rng.randint(0, len(chosen))
+    parts = [*chosen[:at], task.focus, *chosen[at:]]
+    while count_chat(conversation(parts, task.request)) > length and len(parts) > 1:  # a turn's count moved
+        parts.remove(next(p for p in reversed(parts) if p is not task.focus))
     turns = conversation(parts, task.request)
-    while count_chat(turns) > length and len(parts) > 1:
-        at = parts.index(task.focus)
-        parts.pop(-1 if at < len(parts) - 1 else 0)
-        turns = conversation(parts, task.request)
     return turns, count_chat(turns)
 
 

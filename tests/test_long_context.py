@@ -87,7 +87,12 @@ def test_the_sets_from_the_real_wheels_reach_each_length(tmp_path: Path) -> None
     """Jinja2's and dataset-build's wheels, measured in the embedded target's chat template."""
     count, room = long_context.prompt_counter("smollm2-135m")
     assert room == 8192
-    assert build(tmp_path, count, [2048, 4096], tasks=2) == {"long_code": 6, "long_docs": 6}
+    assert build(tmp_path, count, [2048, 4096], tasks=2) == {"long_code": 6, "long_docs": 6, "long_chat": 6}
+    chat = [json.loads(line) for line in (tmp_path / "eval" / "long_chat.jsonl").read_text().splitlines()]
+    for short, mid, long in zip(chat[0::3], chat[1::3], chat[2::3], strict=True):  # a turn's own tokens leave slack
+        assert short["meta"]["prompt_tokens"] < 2048 and 1200 < mid["meta"]["prompt_tokens"] <= 2048
+        assert 3000 < long["meta"]["prompt_tokens"] <= 4096 and long["meta"]["prompt_tokens"] == count(long["messages"])
+        assert short["messages"][-1] == mid["messages"][-1] == long["messages"][-1]  # the same request
     for name in ("long_code", "long_docs"):
         records = [json.loads(line) for line in (tmp_path / "eval" / f"{name}.jsonl").read_text().splitlines()]
         for short, mid, long in zip(records[0::3], records[1::3], records[2::3], strict=True):
