@@ -154,10 +154,9 @@ def conversation(parts: Sequence[str], request: str) -> list[dict[str, str]]:
 
 
 def fill_chat(task: Task, length: int, count_chat: Callable[[list[dict[str, str]]], int],
-              count_tokens: Callable[[str], int], rng: random.Random) -> tuple[list[dict[str, str]], int]:
+              rng: random.Random) -> tuple[list[dict[str, str]], int]:
     """:func:`fill` as a conversation (:func:`conversation`) of at most ``length`` tokens, each text
-    measured with the turns around it; -> (turns, tokens). (``count_tokens`` is unused: kept so that
-    both fills take the same counters.)"""
+    measured with the turns around it; -> (turns, tokens)."""
     chosen: list[str] = []
     for text in rng.sample(task.others, len(task.others)):
         if count_chat(conversation([*chosen, text, task.focus], task.request)) <= length:
@@ -210,7 +209,7 @@ def chat_records(count_prompt: Callable[[Any], int], lengths: Sequence[int], tas
         rng = random.Random(f"{seed}:chat:{t.id}")
         short = conversation([t.focus], t.request)
         variants = [("short", short, count_prompt(short))]
-        variants += [(str(n), *fill_chat(t, n, count_prompt, count_prompt, rng)) for n in sorted(lengths)]
+        variants += [(str(n), *fill_chat(t, n, count_prompt, rng)) for n in sorted(lengths)]
         domain = "coding" if t in code else "multilingual"
         for variant, turns, tokens in variants:
             records.append({"id": f"long_chat:{t.id}:{variant}", "domain": domain, "messages": turns,

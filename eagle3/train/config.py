@@ -101,9 +101,9 @@ class TrainConfig:
     zero_stage: int = 0
     """DeepSpeed ZeRO stage 0-3."""
     context_parallel: int = 1
-    """Ranks that share one row (context parallelism, :mod:`eagle3.draft.context`): each holds 1/n of
-    the row's states, activations and logits, and all of its step-0 keys. It divides the world size;
-    the data-parallel ranks are world / n. Offline data; EAGLE-3 and P-EAGLE drafts."""
+    """Ranks that share one row (context parallelism, :mod:`eagle3.draft.context`): each holds its share
+    of the row's states, activations and logits (ranges of equal work), and all of its step-0 keys. It
+    divides the world size; the data-parallel ranks are world / n. Offline data; EAGLE-3 and P-EAGLE drafts."""
     ttt_steps: int = 7
     """Training-time-test steps K unrolled per position."""
     step_decay: float = 0.8
