@@ -19,7 +19,7 @@ import contextlib
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -151,12 +151,13 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
 class RegeneratedConversation:
     """One conversation with every assistant turn written by the target."""
 
-    messages: list[dict[str, str]]
-    """System/user messages of the original, each user turn followed by the target's reply."""
+    messages: list[dict[str, Any]]
+    """System/user messages (and tool results) of the original, each followed by the target's reply."""
     turns: list[Reply] = field(default_factory=list)
     """The generation behind each assistant message, in order."""
     dropped_turns: int = 0
-    """User turns cut off (with everything after them) because their prompt was too long."""
+    """Replies not written (with everything after them: user turns, tool results) because their
+    prompt was too long."""
     prompts: list[list[int]] = field(default_factory=list)
     """The prompt ids the target was fed for each turn (what :meth:`ChatFormat.prompt_ids` gave then)."""
 
@@ -172,48 +173,73 @@ def derive_seed(*parts: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+def reply_slots(conversation: Sequence[Mapping[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The messages the data gives before each reply the target writes: a user turn, or the tool
+    results that answer a call (spliced in as the data has them). A reply follows each run of
+    non-assistant messages, the last one included; the data's assistant turns only mark where."""
+    slots: list[list[dict[str, Any]]] = []
+    pending: list[dict[str, Any]] = []
+    for m in conversation:
+        if m["role"] == "system":
+            continue
+        if m["role"] == "assistant":
+            if pending:
+                slots.append(pending)
+            pending = []
+        else:
+            pending.append({k: v for k, v in m.items() if k in ("role", "content", "name", "tool_call_id")})
+    if pending:
+        slots.append(pending)
+    return slots
+
+
 def regenerate_conversations(
     generator: Generator | Target,
     chat: ChatFormat,
-    conversations: Sequence[Sequence[Mapping[str, str]]],
+    conversations: Sequence[Sequence[Mapping[str, Any]]],
     max_new_tokens: int,
     sampling: SamplingConfig = SamplingConfig(),
     *,
     seed: int = 0,
     max_prompt_tokens: int | None = None,
     thinking: Sequence[bool | None] | None = None,
+    tools: Sequence[Sequence[Mapping[str, Any]] | None] | None = None,
 ) -> list[RegeneratedConversation]:
     """Regenerate every assistant turn of ``conversations`` with the target, as one batch.
 
     ``generator`` is a :class:`Generator` (HF or vLLM), or a Target (run with HF).
 
-    The original assistant contents are dropped. Turns are generated depth by depth: all
-    first replies in one ``generate`` call (from ``[system, user1]``), then all second
-    replies from ``[system, user1, reply1, user2]`` where ``reply1`` is the target's own,
-    and so on; the batch at depth ``d`` holds the conversations with at least ``d`` user
-    turns, in input order, sampled with ``derive_seed(seed, d)``. A conversation whose
-    prompt at depth ``d`` exceeds ``max_prompt_tokens`` keeps its first ``d - 1`` exchanges
-    and drops the rest (``dropped_turns``); at depth 1 that skips it entirely. ``thinking[i]``:
-    conversation i's prompts rendered with the template's thinking switch on or off (None: unset).
+    The original assistant contents (and their tool calls) are dropped; user turns and tool results
+    are kept (:func:`reply_slots`). Turns are generated depth by depth: all first replies in one
+    ``generate`` call (from ``[system, user1]``), then all second replies from the first reply, the
+    target's own, and the messages after it (``user2``, or the results of the call it stands for),
+    and so on; the batch at depth ``d`` holds the conversations with at least ``d`` replies, in
+    input order, sampled with ``derive_seed(seed, d)``. A conversation whose prompt at depth ``d``
+    exceeds ``max_prompt_tokens`` keeps its first ``d - 1`` exchanges and drops the rest
+    (``dropped_turns``); at depth 1 that skips it entirely. ``thinking[i]``: conversation i's
+    prompts rendered with the template's thinking switch on or off (None: unset); ``tools[i]``: the
+    function schemas it may call (:meth:`ChatFormat.with_tools`).
     """
     if isinstance(generator, Target):
         generator = HFGenerator(generator)
-    users = [[m for m in conv if m["role"] == "user"] for conv in conversations]
-    chats = [chat if mode is None else chat.with_thinking(mode)
-             for mode in (thinking if thinking is not None else [None] * len(conversations))]
+    slots = [reply_slots(conv) for conv in conversations]
+    modes = thinking if thinking is not None else [None] * len(conversations)
+    schemas = tools if tools is not None else [None] * len(conversations)
+    chats = [(chat if mode is None else chat.with_thinking(mode)).with_tools(given)
+             for mode, given in zip(modes, schemas, strict=True)]
     out = []
     for conv in conversations:
         system = [{"role": "system", "content": m["content"]} for m in conv[:1] if m["role"] == "system"]
         out.append(RegeneratedConversation(messages=system))
-    for depth in range(1, max((len(turns) for turns in users), default=0) + 1):
+    for depth in range(1, max((len(given) for given in slots), default=0) + 1):
         rows, prompts = [], []
-        for row, (result, turns) in enumerate(zip(out, users, strict=True)):
-            if len(turns) < depth or result.dropped_turns:
+        for row, (result, given) in enumerate(zip(out, slots, strict=True)):
+            if len(given) < depth or result.dropped_turns:
                 continue
-            messages = result.messages + [{"role": "user", "content": turns[depth - 1]["content"]}]
+            messages = result.messages + given[depth - 1]
             ids = chats[row].prompt_ids(messages)
             if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-                result.dropped_turns = len(turns) - (depth - 1)
+                result.dropped_turns = len(given) - (depth - 1)
                 continue
             rows.append(row)
             prompts.append(ids)
@@ -223,8 +249,7 @@ def regenerate_conversations(
         for row, prompt, reply in zip(rows, prompts, replies, strict=True):
             text = chat.tokenizer.decode(reply.token_ids, skip_special_tokens=False,
                                          clean_up_tokenization_spaces=False)
-            out[row].messages += [{"role": "user", "content": users[row][depth - 1]["content"]},
-                                  {"role": "assistant", "content": text}]
+            out[row].messages += [*slots[row][depth - 1], {"role": "assistant", "content": text}]
             out[row].turns.append(reply)
             out[row].prompts.append(prompt)
     return out
@@ -232,5 +257,5 @@ def regenerate_conversations(
 
 __all__ = [
     "Generator", "HFGenerator", "RegeneratedConversation", "Reply", "derive_seed",
-    "generate", "left_pad", "regenerate_conversations", "trim_generated",
+    "generate", "left_pad", "regenerate_conversations", "reply_slots", "trim_generated",
 ]

@@ -40,7 +40,7 @@ from eagle3.config import TargetConfig, add_target_arguments
 from eagle3.errors import Eagle3Error, run_cli
 from eagle3.fingerprint import UNKNOWN_WEIGHTS, tokenizer_fingerprint, weights_fingerprint
 from eagle3.store.capture import HFCapture, capture_shard
-from eagle3.store.conversations import ConversationError
+from eagle3.store.conversations import ConversationError, check_tools
 from eagle3.store.planned import PLAN
 from eagle3.store.shards import (
     HarvestSpec,
@@ -82,7 +82,8 @@ def tokenize_records(records: Sequence[dict[str, Any]], base_chat: ChatFormat, m
     regeneration kept each turn's prompt ids: the template writes the date). User turns after
     the last reply are dropped (nothing in them is trained). A per-turn sample that an earlier
     version's regeneration wrote (``generation.turn_index``) is its last reply's sample. A record
-    regenerated with the template's thinking switch set (``generation.thinking``) is rendered with it."""
+    regenerated with the template's thinking switch set (``generation.thinking``) is rendered with it,
+    one with ``tools`` with its function schemas (:meth:`ChatFormat.with_tools`)."""
     out, seen = [], set()
     for record in records:
         messages, generation = record["messages"], record.get("generation") or {}
@@ -100,6 +101,7 @@ def tokenize_records(records: Sequence[dict[str, Any]], base_chat: ChatFormat, m
             raise HarvestError(f"sample {sample_id}: generation.thinking={mode!r}: expected true or false")
         try:
             chat = base_chat if mode is None else base_chat.with_thinking(mode)  # as the regeneration rendered it
+            chat = chat.with_tools(check_tools(record["tools"]) if record.get("tools") is not None else None)
             if "turn_index" in generation:  # a per-turn sample: its one entry is its last reply's
                 samples = [(sample_id, *chat.tokenize_reply(messages, given[-1] if given else None))]
             elif len(ends) == 1:
@@ -112,7 +114,7 @@ def tokenize_records(records: Sequence[dict[str, Any]], base_chat: ChatFormat, m
             else:
                 ended = [turn.get("finish_reason") != "length" for turn in turns]
                 samples = [(sample_id, *chat.tokenize_conversation(messages, ended))]
-        except ChatFormatError as err:
+        except (ChatFormatError, ConversationError) as err:
             raise HarvestError(f"sample {sample_id}: {err}") from err
         for name, ids, mask in samples:
             if len(ids) > max_seq_len:

@@ -58,10 +58,18 @@ from eagle3.atomic import atomic_dir, atomic_write_text, output_dir, sha256_file
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import TargetConfig, add_target_arguments
 from eagle3.errors import Eagle3Error, run_cli
-from eagle3.store.conversations import ConversationError, check_messages, iter_jsonl, messages_of, record_id
+from eagle3.store.conversations import (
+    ConversationError,
+    check_messages,
+    check_tools,
+    iter_jsonl,
+    messages_of,
+    record_id,
+)
 from eagle3.target.chat import ChatFormat, ChatFormatError, messages_sha256
 from eagle3.target.model import Target, load_target
 from eagle3.target.positions import context_length
+from eagle3.target.reasoning import DEFAULT_MARKERS
 from eagle3.target.source import target_identity
 
 MANIFEST = "manifest.json"
@@ -105,10 +113,13 @@ def read_pool(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
             if isinstance(row, ConversationError):
                 raise row
             messages = check_messages(messages_of(row))
+            tools = check_tools(row["tools"]) if row.get("tools") is not None else None
         except ConversationError as err:
             raise ConversationError(f"{where}: {err}") from None
         record = {k: v for k, v in row.items() if k != "conversations"}
         record["messages"] = messages
+        if tools is not None:
+            record["tools"] = tools
         record.setdefault("id", record_id(messages))
         if not isinstance(record["id"], (str, int)) or record["id"] == "":
             raise ConversationError(f"{where}: 'id' {record['id']!r} is not a non-empty string or an integer")
@@ -238,12 +249,19 @@ def write_manifest(out_dir: Path, settings: dict[str, Any], records: int, batche
 
 
 def output_record(record: dict[str, Any], result: RegeneratedConversation, cfg: RegenerateConfig,
-                  target_name: str, keep_prompts: bool = False, thinking: bool | None = None) -> dict[str, Any]:
+                  target_name: str, keep_prompts: bool = False, thinking: bool | None = None,
+                  tokenizer: Any = None) -> dict[str, Any]:
     """The record with the target's messages and ``generation``; ``keep_prompts`` (a template that
     writes the date) also stores each turn's ``prompt_ids``, since rendering again later differs;
-    ``thinking``: the switch its prompts were rendered with (``generation.thinking``; unset: none)."""
+    ``thinking``: the switch its prompts were rendered with (``generation.thinking``; unset: none).
+    With ``tokenizer``, a turn cut at ``max_new_tokens`` inside its thinking block is marked
+    ``"cut_in_thinking": true`` (trained as written: what the target wrote until the cut)."""
     turns = [{"finish_reason": t.finish_reason, "new_tokens": len(t.token_ids), "token_ids": t.token_ids,
               "stop_id": t.stop_id} for t in result.turns]
+    if tokenizer is not None:
+        for turn, reply, prompt in zip(turns, result.turns, result.prompts, strict=True):
+            if reply.finish_reason == "length" and DEFAULT_MARKERS.ends_inside(tokenizer, prompt, reply.token_ids):
+                turn["cut_in_thinking"] = True
     if keep_prompts:  # with the digest of the messages each prompt was rendered from
         ends = [i for i, m in enumerate(result.messages) if m["role"] == "assistant"]
         for turn, prompt, end in zip(turns, result.prompts, ends, strict=True):
@@ -305,7 +323,7 @@ def assemble(out_dir: Path, batches: int) -> dict[str, int]:
     Records stay whole: the harvest decides, per record, whether a multi-turn conversation is one
     sample or one per reply (:func:`data_gen.harvest.tokenize_records`)."""
     counts = {"records": 0, "skipped_records": 0, "truncated_records": 0, "dropped_turns": 0,
-              "turns": 0, "finish_stop": 0, "finish_length": 0, "new_tokens": 0}
+              "turns": 0, "finish_stop": 0, "finish_length": 0, "cut_in_thinking": 0, "new_tokens": 0}
     with atomic_dir(out_dir / DATASET) as tmp, open(tmp / STORE, "w", encoding="utf-8") as store:
         for record in _iter_parts(out_dir, batches):
             gen = record["generation"]
@@ -318,6 +336,7 @@ def assemble(out_dir: Path, batches: int) -> dict[str, int]:
             counts["turns"] += len(gen["turns"])
             for turn in gen["turns"]:
                 counts[f"finish_{turn['finish_reason']}"] += 1
+                counts["cut_in_thinking"] += bool(turn.get("cut_in_thinking"))
                 counts["new_tokens"] += turn["new_tokens"]
             store.write(_dumps(record) + "\n")
     return counts
@@ -332,9 +351,9 @@ def _generate_batch(generator: Generator, chat: ChatFormat, cfg: RegenerateConfi
     t0 = time.perf_counter()
     results = regenerate_conversations(generator, chat, [r["messages"] for r in chunk], cfg.max_new_tokens,
                                        cfg.sampling, seed=derive_seed(cfg.seed, b), max_prompt_tokens=prompt_limit,
-                                       thinking=modes)
+                                       thinking=modes, tools=[r.get("tools") for r in chunk])
     seconds = time.perf_counter() - t0
-    lines = [_dumps(output_record(rec, res, cfg, target_cfg.name_or_path, chat.renders_time, mode))
+    lines = [_dumps(output_record(rec, res, cfg, target_cfg.name_or_path, chat.renders_time, mode, chat.tokenizer))
              for rec, res, mode in zip(chunk, results, modes, strict=True)]
     atomic_write_text(part_path(Path(cfg.out_dir), b), "".join(line + "\n" for line in lines))
     return sum(t.num_generated for r in results for t in r.turns), seconds

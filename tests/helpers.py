@@ -290,6 +290,38 @@ SWITCHED_TEMPLATES = {
         "{% endif %}"),
 }
 
+TOOL_TEMPLATE = (  # like Qwen3's: tools in the system turn, results in user turns, history reasoning dropped
+    "{%- if tools %}<|system|>{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
+    "# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</s>"
+    "{%- elif messages[0]['role'] == 'system' %}<|system|>{{ messages[0]['content'] }}</s>{% endif %}"
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'user' %}<|user|>{{ m['content'] }}</s>"
+    "{%- elif m['role'] == 'assistant' %}<|assistant|>"
+    "{%- if loop.index0 < ns.last_user %}{{ m['content'].split('</think>')[-1].lstrip() }}"
+    "{%- else %}{{ m['content'] }}{% endif %}</s>"
+    "{%- elif m['role'] == 'tool' %}"
+    "{%- if messages[loop.index0 - 1]['role'] != 'tool' %}<|user|>{% endif %}"
+    "<tool_response>{{ m['content'] }}</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}</s>{% endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{%- endif %}"
+)
+"""Modelled on the behaviour of Qwen3's template: ``tools`` listed in the system turn, consecutive tool
+results in one user turn, replies before the last user turn without their reasoning (replies within
+the current tool loop keep it), the empty thinking block written into the generation prompt when
+thinking is off."""
+
+STRICT_ROLES_TEMPLATE = (  # like Llama 2 / Gemma: any role but system/user/assistant raises
+    "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Only user, assistant and system roles are supported') }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
 THINK_DROPPING_TEMPLATE = (  # like reasoning templates: earlier replies lose their <think> block
     "{% for m in messages %}<|{{ m['role'] }}|>"
     "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"

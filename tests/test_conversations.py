@@ -12,6 +12,7 @@ from eagle3.store.conversations import (
     ConversationError,
     LoadReport,
     check_messages,
+    check_tools,
     iter_user_conversations,
     make_record,
     normalize_text,
@@ -44,13 +45,57 @@ def test_check_messages_accepts_sharegpt_and_openai_shapes() -> None:
     ([{"role": "user"}], "message 0 (user) has no 'content'"),
     ([{"role": "user", "content": [{"type": "text", "text": None}]}], "content part 0 has no string 'text'"),
     ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], "system message after the start"),
-    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "user where assistant was expected"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+     "message 1 is user after user (expected assistant)"),
+    ([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}], "message 1 is tool after user"),
+    ([{"role": "user", "content": "a"},
+      {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]},
+      {"role": "user", "content": "b"}],
+     "makes 1 tool call(s) but 0 tool result(s) follow it: the result of f is missing"),
+    ([{"role": "user", "content": "a"},
+      {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "function": {"name": "f"}}]},
+      {"role": "tool", "tool_call_id": "c2", "content": "r"}],
+     "calls f (id c1) but no tool result with that tool_call_id"),
+    ([{"role": "user", "content": "a"},
+      {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]},
+      {"role": "tool", "content": "r"}], "tool call 0 (f) has arguments that are not JSON"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}, {"role": "tool", "content": " "}],
+     "message 2 (tool) is empty"),
     ([{"role": "system", "content": "only a system prompt"}], "no user turn"),
     (["just a string"], "message 0 is str"),
 ])
 def test_check_messages_rejects(messages: list, reason: str) -> None:
     with pytest.raises(ConversationError, match=re.escape(reason)):
         check_messages(messages)
+
+
+def test_tool_turns_are_kept_with_their_names_and_calls() -> None:
+    messages = check_messages([
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "get", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "name": "get", "content": "4 C"},
+        {"role": "assistant", "content": "It is 4 C."},
+        {"role": "user", "content": "thanks"},
+    ])
+    assert messages[1] == {"role": "assistant", "content": "",
+                           "tool_calls": [{"type": "function", "id": "c1",
+                                           "function": {"name": "get", "arguments": {"city": "Oslo"}}}]}
+    assert messages[2] == {"role": "tool", "content": "4 C", "name": "get", "tool_call_id": "c1"}
+
+
+@pytest.mark.parametrize(("tools", "reason"), [
+    ("[{bad", "'tools' is a string that is not JSON"),
+    ({"name": "f"}, "'tools' is dict: expected a list"),
+    ([{"description": "no name"}], "tools[0] has no function name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], "tools[0] (f): 'parameters' is str"),
+])
+def test_bad_tool_schemas_are_named(tools: object, reason: str) -> None:
+    with pytest.raises(ConversationError, match=re.escape(reason)):
+        check_tools(tools)
+    good = check_tools('[{"name": "f", "parameters": {"type": "object"}}]')
+    assert good == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 
 def test_ids_are_content_hashes_of_the_prompt() -> None:

@@ -3,12 +3,15 @@
 A record is a dict::
 
     {"id": "3f2a...", "domain": "coding", "source": "sharegpt", "language": "en",
-     "messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
+     "messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...],
+     "tools": [...]}                                   # optional: the function schemas it may call
 
 ``messages`` holds an optional leading system message, then user and assistant turns
-alternating, starting with a user turn. Assistant contents are what the original data
-said (or empty): the target regenerates them. ``id`` is a content hash of the normalised
-system and user turns, so the same prompt gets the same id wherever it comes from.
+alternating, starting with a user turn; an assistant turn may be followed by tool results
+(``tool``) and another assistant turn (:func:`check_messages`). Assistant contents are what the
+original data said (or empty): the target regenerates them; tool results are the data's.
+``id`` is a content hash of the normalised system and user turns, so the same prompt gets the
+same id wherever it comes from.
 
 Users bring prompts as jsonl (ShareGPT ``conversations`` with ``from``/``value``, or OpenAI
 ``messages`` with ``role``/``content``, the content a string or a list of text parts) or as an HF
@@ -33,8 +36,9 @@ ROLE_ALIASES = {
     "user": "user", "human": "user", "prompter": "user",
     "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
     "bard": "assistant", "model": "assistant", "bot": "assistant",
+    "tool": "tool", "function": "tool", "ipython": "tool", "observation": "tool",
 }
-DOMAINS = ("coding", "science", "multilingual", "general", "long")
+DOMAINS = ("coding", "science", "multilingual", "general", "long", "tool_use", "agent")
 TEXT_PART_SEPARATOR = "\n"  # between a message's text parts, as vLLM's chat endpoint joins them
 
 
@@ -60,12 +64,18 @@ def user_turns(messages: list[dict[str, str]]) -> list[str]:
     return [m["content"] for m in messages if m["role"] == "user"]
 
 
-def check_messages(messages: Any) -> list[dict[str, str]]:
-    """Validate and normalise a message list; raises ConversationError with the reason."""
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """Validate and normalise a message list; raises ConversationError with the reason.
+
+    Order: an optional system message, then a user turn; a user turn is answered by an assistant
+    turn; an assistant turn is followed by a user turn or by tool results (``tool``), which are
+    followed by more results or the assistant turn that reads them. An assistant turn that carries
+    ``tool_calls`` (the data's calls) must be followed by one result per call (by ``tool_call_id``
+    where the calls have ids). Tool messages keep ``name`` and ``tool_call_id``; an assistant's
+    ``tool_calls`` are kept for reference (regeneration replaces them with the target's own text)."""
     if not isinstance(messages, list) or not messages:
         raise ConversationError("messages must be a non-empty list")
-    out: list[dict[str, str]] = []
-    turn = 0  # index among non-system messages: even = user, odd = assistant
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ConversationError(f"message {i} is {type(m).__name__}, expected an object")
@@ -75,28 +85,131 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
         if not isinstance(role, str) or role.strip().lower() not in ROLE_ALIASES:
             raise ConversationError(f"message {i} has unknown role {role!r}")
         role = ROLE_ALIASES[role.strip().lower()]
+        if content is None and role == "assistant" and m.get("tool_calls"):
+            content = ""  # OpenAI's form of a reply that is only calls
         if isinstance(content, list):
             content = _text_of_parts(content, f"message {i} ({role})")
         if "content" not in m and "value" not in m:
             raise ConversationError(f"message {i} ({role}) has no '{key}'")
         if not isinstance(content, str):
             raise ConversationError(f"message {i} ({role}) has non-text content of type {type(content).__name__}")
+        previous = out[-1]["role"] if out else None
         if role == "system":
             if i != 0:
                 raise ConversationError(f"message {i} is a system message after the start")
-        else:
-            expected = "user" if turn % 2 == 0 else "assistant"
-            if role != expected:
-                if turn == 0:
-                    raise ConversationError(f"conversation starts with {role}, not user")
-                raise ConversationError(f"message {i} is {role} where {expected} was expected (turns must alternate)")
-            turn += 1
+        elif previous in (None, "system"):
+            if role != "user":
+                raise ConversationError(f"conversation starts with {role}, not user")
+        elif previous == "assistant" and out[-1].get("tool_calls") and role != "tool":
+            _check_results_follow_calls(out)  # names the call whose result is missing
+        elif role not in _MAY_FOLLOW[previous]:
+            raise ConversationError(f"message {i} is {role} after {previous} (expected "
+                                    f"{' or '.join(_MAY_FOLLOW[previous])})")
         if role != "assistant" and not content.strip():
             raise ConversationError(f"message {i} ({role}) is empty")
         # a reply stays as written: after regeneration it is the target's own decoded text
-        out.append({"role": role, "content": content if role == "assistant" else content.replace("\r\n", "\n")})
+        message: dict[str, Any] = {"role": role,
+                                   "content": content if role == "assistant" else content.replace("\r\n", "\n")}
+        if role == "tool":
+            message.update(_tool_result_fields(m, i))
+        if role == "assistant" and m.get("tool_calls") is not None:
+            message["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        out.append(message)
     if not user_turns(out):
         raise ConversationError("conversation has no user turn")
+    _check_results_follow_calls(out)
+    return out
+
+
+_MAY_FOLLOW = {"user": ("assistant",), "assistant": ("user", "tool"), "tool": ("tool", "assistant")}
+
+
+def _tool_result_fields(m: dict[str, Any], i: int) -> dict[str, str]:
+    fields = {}
+    for name in ("name", "tool_call_id"):
+        if m.get(name) is not None:
+            if not isinstance(m[name], str) or not m[name]:
+                raise ConversationError(f"message {i} (tool) has '{name}' {m[name]!r}: expected a non-empty string")
+            fields[name] = m[name]
+    return fields
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant's ``tool_calls`` (OpenAI's form, or bare ``{"name", "arguments"}``) normalised."""
+    if not isinstance(calls, list):
+        raise ConversationError(f"message {i} (assistant) has 'tool_calls' of type {type(calls).__name__}: "
+                                "expected a list")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ConversationError(f"message {i} (assistant): tool call {j} has no function name")
+        arguments = fn.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as err:
+                raise ConversationError(f"message {i} (assistant): tool call {j} ({fn['name']}) has arguments "
+                                        f"that are not JSON ({err.msg} at column {err.colno})") from None
+        if not isinstance(arguments, dict):
+            raise ConversationError(f"message {i} (assistant): tool call {j} ({fn['name']}) has arguments of "
+                                    f"type {type(arguments).__name__}: expected an object")
+        entry: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": arguments}}
+        if isinstance(call, dict) and isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
+def _check_results_follow_calls(messages: list[dict[str, Any]]) -> None:
+    """Every call an assistant message carries has its result right after it (a result missing from
+    the data would leave the target answering a call nobody answered)."""
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls") or []
+        if not calls:
+            continue
+        results = []
+        for later in messages[i + 1:]:
+            if later["role"] != "tool":
+                break
+            results.append(later)
+        ids = [c.get("id") for c in calls]
+        answered = {r.get("tool_call_id") for r in results}
+        for call, call_id in zip(calls, ids, strict=True):
+            if call_id is not None and call_id not in answered:
+                raise ConversationError(f"message {i} (assistant) calls {call['function']['name']} "
+                                        f"(id {call_id}) but no tool result with that tool_call_id follows it")
+        if len(results) < len(calls):
+            missing = calls[len(results)]["function"]["name"]
+            raise ConversationError(f"message {i} (assistant) makes {len(calls)} tool call(s) but "
+                                    f"{len(results)} tool result(s) follow it: the result of {missing} is missing")
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]]:
+    """A record's ``tools`` (the function schemas the conversation may call) in OpenAI's form,
+    ``{"type": "function", "function": {"name", "description", "parameters"}}``; a bare
+    ``{"name", ...}`` is wrapped, a JSON string is parsed. Raises ConversationError naming the tool."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as err:
+            raise ConversationError(f"'tools' is a string that is not JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(tools, list):
+        raise ConversationError(f"'tools' is {type(tools).__name__}: expected a list of function schemas")
+    out = []
+    for j, tool in enumerate(tools):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict):
+            raise ConversationError(f"tools[{j}] is {type(tool).__name__}: expected an object")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise ConversationError(f"tools[{j}] has no function name")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise ConversationError(f"tools[{j}] ({name}): 'parameters' is {type(fn['parameters']).__name__}, "
+                                    "expected a JSON schema object")
+        if "description" in fn and not isinstance(fn["description"], str):
+            raise ConversationError(f"tools[{j}] ({name}): 'description' is not a string")
+        out.append({"type": "function", "function": dict(fn)})
     return out
 
 
@@ -119,6 +232,8 @@ def make_record(messages: list[dict[str, str]], *, domain: str, source: str, lan
     if domain not in DOMAINS:
         raise ConversationError(f"domain {domain!r} is not one of {', '.join(DOMAINS)}")
     messages = check_messages(messages)
+    if "tools" in extra:
+        extra["tools"] = check_tools(extra["tools"])
     return {"id": record_id(messages), "domain": domain, "source": source, "language": language,
             "messages": messages, **extra}
 

@@ -27,14 +27,15 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}"
     "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
     "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'tool' %}Tool: {{ m['content'] }}\n\n"
     "{% else %}Assistant: {{ m['content'] | trim }}{{ eos_token if eos_token else '' }}\n\n"
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 """The template for tokenizers without one (base models): BOS, then ``User: ...`` /
-``Assistant: ...`` paragraphs, each assistant turn closed by the EOS token; the generation
-prompt is ``Assistant:`` (the model continues with a space, so a reply is rendered trimmed
+``Assistant: ...`` paragraphs (a tool result: ``Tool: ...``), each assistant turn closed by the
+EOS token; the generation prompt is ``Assistant:`` (the model continues with a space, so a reply is rendered trimmed
 after ``Assistant: ``: the text the model saw and wrote). A base model has never seen this
 format, so the EOS is its only stop token."""
 
@@ -42,9 +43,21 @@ THINKING_SWITCHES = ("enable_thinking", "thinking")
 """Template variables through which a reasoning model's template turns its thinking on or off (Qwen3
 and GLM-4.5 read ``enable_thinking``; Kimi-K2 Thinking, Kimi-K2.5 and DeepSeek-V3.1 read ``thinking``)."""
 
+TOOLS_IN_SYSTEM = (
+    "You can call the following functions. Their JSON schemas, one per line:\n{schemas}\n\n"
+    "To call one, write <tool_call>{{\"name\": <function name>, \"arguments\": <JSON object>}}</tool_call>; "
+    "the result comes back in the next turn."
+)
+"""How a conversation's tools reach a template that does not read ``tools``: this text, the schemas
+filled in, as the system prompt (after the conversation's own system prompt, if any)."""
+
+TOOL_RESULTS_AS_USER = "Tool result ({name}):\n{content}"
+"""How a tool result reaches a template that cannot render the ``tool`` role: consecutive results
+become one user turn of these paragraphs (``name`` is the tool's, else ``tool``)."""
+
 _SENTINEL = "EAGLE3SENTINEL"
 
-Message = Mapping[str, str]
+Message = Mapping[str, Any]
 
 
 class ChatFormatError(Eagle3Error, ValueError):
@@ -65,6 +78,8 @@ class ChatFormat:
     template_kwargs: tuple[tuple[str, Any], ...] = ()
     """(name, value) of the variables every render passes to the template besides the messages
     (:meth:`with_thinking`)."""
+    tools_json: str = ""
+    """The function schemas the conversation may call, as JSON (:meth:`with_tools`); empty: none."""
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, generation_config: Any = None,
@@ -104,6 +119,32 @@ class ChatFormat:
         return replace(self, template_kwargs=tuple({**dict(self.template_kwargs), switch: on}.items()))
 
     @property
+    def reads_tools(self) -> bool:
+        """Whether the template reads ``tools`` (else :data:`TOOLS_IN_SYSTEM` carries them)."""
+        return "tools" in _template_variables(self.template)
+
+    @functools.cached_property
+    def renders_tool_role(self) -> bool:
+        """Whether the template renders a ``tool`` message as its own turn, its content included
+        (else :data:`TOOL_RESULTS_AS_USER` carries results as user turns)."""
+        from jinja2 import TemplateError
+
+        probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "call"},
+                 {"role": "tool", "name": "probe", "tool_call_id": "0", "content": _SENTINEL}]
+        try:
+            text = self.tokenizer.apply_chat_template(probe, chat_template=self.template, tokenize=False,
+                                                      add_generation_prompt=True, **dict(self.template_kwargs))
+        except (TemplateError, TypeError, KeyError):
+            return False
+        return _SENTINEL in text
+
+    def with_tools(self, tools: Sequence[Mapping[str, Any]] | None) -> ChatFormat:
+        """This format with the conversation's function schemas (OpenAI's form, as
+        :func:`eagle3.store.conversations.check_tools` gives them) passed on every render: as the
+        template's ``tools`` where it reads them, else in the system prompt (:data:`TOOLS_IN_SYSTEM`)."""
+        return replace(self, tools_json=json.dumps(list(tools), ensure_ascii=False) if tools else "")
+
+    @property
     def renders_time(self) -> bool:
         """Whether the template writes the current date or time (Llama 3.2's ``strftime_now``):
         a prompt rendered again later is not the one the target was given."""
@@ -112,19 +153,30 @@ class ChatFormat:
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         from jinja2 import TemplateError
 
+        kwargs = dict(self.template_kwargs)
+        shown = [{"role": m["role"], "content": m["content"],
+                  **({k: m[k] for k in ("name", "tool_call_id") if k in m} if m["role"] == "tool" else {})}
+                 for m in messages]
+        if self.tools_json:
+            tools = json.loads(self.tools_json)
+            if self.reads_tools:
+                kwargs["tools"] = tools
+            else:
+                shown = _tools_in_system(shown, tools)
+        if any(m["role"] == "tool" for m in shown) and not self.renders_tool_role:
+            shown = _tool_results_as_user(shown)
         try:
             return self.tokenizer.apply_chat_template(
-                [{"role": m["role"], "content": m["content"]} for m in messages],
-                chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt,
-                **dict(self.template_kwargs),
+                shown, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **kwargs,
             )
         except TemplateError as err:  # e.g. "System role not supported" (Gemma 2)
             raise ChatFormatError(f"the chat template refuses this conversation: {err}") from err
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         """Token ids of ``messages`` followed by the generation prompt (the assistant header)."""
-        if not messages or messages[-1]["role"] != "user":
-            raise ChatFormatError("a generation prompt must end with a user message")
+        if not messages or messages[-1]["role"] not in ("user", "tool"):
+            raise ChatFormatError("a generation prompt must end with a user message or a tool result")
         ids = self.tokenizer(self.render(messages), add_special_tokens=False)["input_ids"]
         check_single_bos(ids, self.tokenizer.bos_token_id)
         return ids
@@ -269,15 +321,42 @@ class ChatFormat:
 
 
 @functools.lru_cache(maxsize=16)
-def _thinking_switch(template: str) -> str | None:
+def _template_variables(template: str) -> frozenset[str]:
+    """The variables a template reads from outside (empty for one jinja2 alone cannot parse)."""
     import jinja2
     from jinja2 import meta
 
     try:
-        names = meta.find_undeclared_variables(jinja2.Environment().parse(template))
+        return frozenset(meta.find_undeclared_variables(jinja2.Environment().parse(template)))
     except jinja2.TemplateSyntaxError:
-        return None  # transformers' own environment may still render it; it has no switch we can name
+        return frozenset()  # transformers' own environment may still render it; nothing we can name
+
+
+def _thinking_switch(template: str) -> str | None:
+    names = _template_variables(template)
     return next((name for name in THINKING_SWITCHES if name in names), None)
+
+
+def _tools_in_system(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    schemas = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+    text = TOOLS_IN_SYSTEM.format(schemas=schemas)
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def _tool_results_as_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] != "tool":
+            out.append(m)
+            continue
+        text = TOOL_RESULTS_AS_USER.format(name=m.get("name") or "tool", content=m["content"])
+        if out and out[-1].get("from_tools"):
+            out[-1]["content"] += "\n\n" + text
+        else:
+            out.append({"role": "user", "content": text, "from_tools": True})
+    return [{k: v for k, v in m.items() if k != "from_tools"} for m in out]
 
 
 def _token_ids(value: Any) -> list[int] | None:
