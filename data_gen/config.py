@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from eagle3.config import SamplingConfig
 from eagle3.errors import ConfigError
 
-TRAIN_SOURCES = ["sharegpt", "codeio", "stdlib", "reasoning_gym", "mmath", "chatterbot", "dataset_build"]
+TRAIN_SOURCES = ["sharegpt", "codeio", "stdlib", "reasoning_gym", "mmath", "chatterbot", "dataset_build",
+                 "bfcl", "bfcl_agent", "code_agent"]
 
 
 @dataclass
@@ -79,6 +80,10 @@ class PoolsConfig:
     """MMATH problems held out; each appears in the 9 non-English languages."""
     eval_gsm8k: int = 150
     eval_alpaca: int = 100
+    eval_tool_use: int = 100
+    """BFCL single-turn questions held out (the ``tool_use`` set)."""
+    eval_agent: int = 40
+    """Agent conversations held out (the ``agent`` set): half BFCL multi-turn, half coding-agent tasks."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:

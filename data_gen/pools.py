@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import random
 import sys
 import time
 from collections import Counter, defaultdict
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import data_gen.reuse  # noqa: F401  (registers the long_reuse source)
+from data_gen.agents import code_agent_eval, eval_cut  # also registers bfcl, bfcl_agent and code_agent
 from data_gen.config import PoolsConfig, UserFileConfig
 from data_gen.language import detect_language
 from data_gen.sources import SOURCES, Prompt, read_source, wheel_of
@@ -42,7 +44,7 @@ from eagle3.store.conversations import (
     user_turns,
 )
 
-EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "math", "multilingual", "alpaca")
+EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "math", "multilingual", "alpaca", "tool_use", "agent")
 
 
 def _rank(seed: int, key: str) -> str:
@@ -52,6 +54,8 @@ def _rank(seed: int, key: str) -> str:
 
 def _record(p: Prompt, **extra: Any) -> dict[str, Any]:
     language = p.language or "und"
+    if p.tools is not None:
+        extra["tools"] = p.tools
     record = make_record(p.messages, domain=p.domain, source=p.source, language=language, **extra)
     if p.meta:
         record["meta"] = p.meta
@@ -76,15 +80,23 @@ def build_eval_sets(cfg: PoolsConfig, sharegpt: list[Prompt]) -> tuple[dict[str,
     single_general.sort(key=lambda p: _rank(cfg.seed, "alpaca:" + prompt_key(p.messages)))
     sets["alpaca"] = [_record(p) for p in single_general[: cfg.eval_alpaca]]
     held_groups = {f"mmath:{g}" for g in math_gids | multi_gids}
+    tool_use = sorted(read_source("bfcl"), key=lambda p: _rank(cfg.seed, f"tool_use:{p.group}"))[: cfg.eval_tool_use]
+    sets["tool_use"] = [_record(p) for p in tool_use]
+    bfcl_agent = sorted(read_source("bfcl_agent", max_user_turns=1), key=lambda p: _rank(cfg.seed, f"agent:{p.group}"))
+    cut = random.Random(f"{cfg.seed}:agent")
+    agent = [eval_cut(p, cut) for p in bfcl_agent[: cfg.eval_agent // 2]]
+    agent += [eval_cut(p, cut) for p in code_agent_eval(cfg.eval_agent - len(agent), seed=cfg.seed)]
+    sets["agent"] = [_record(p) for p in agent]
+    held_groups |= {p.group for p in [*tool_use, *agent] if p.group}  # BFCL ids: every turn count, every cut
     return sets, held_groups
 
 
 def assign_language(p: Prompt) -> None:
     """Detect the language where the source does not say it; non-English prompts that are not
-    about code count as multilingual."""
+    about code, tool use or agent work count as multilingual."""
     if p.language is None:
         p.language = detect_language(" ".join(user_turns(p.messages)))
-        if p.language not in ("en", "und") and p.domain != "coding":
+        if p.language not in ("en", "und") and p.domain not in ("coding", "tool_use", "agent"):
             p.domain = "multilingual"
 
 
@@ -123,6 +135,7 @@ def build_pools(cfg: PoolsConfig) -> dict[str, Any]:
         "chatterbot": {"max_user_turns": cfg.max_user_turns},
         "reasoning_gym": {"per_generator": cfg.per_generator, "seed": cfg.seed},
         "dataset_build": {"per_language": cfg.paragraphs_per_language},
+        "bfcl_agent": {"max_user_turns": cfg.max_user_turns},
         "long_reuse": {"per_language": cfg.paragraphs_per_language, "seed": cfg.seed, "tasks": cfg.long_reuse.tasks,
                        "context_chars": list(cfg.long_reuse.context_chars),
                        "turns_every": cfg.long_reuse.turns_every},
@@ -146,7 +159,7 @@ def build_pools(cfg: PoolsConfig) -> dict[str, Any]:
     for p in candidates:
         turns = user_turns(p.messages)
         if p.group in held_groups:
-            skips["held-out MMATH problem (gid)"] += 1
+            skips[f"held-out {'MMATH problem (gid)' if p.group.startswith('mmath:') else 'BFCL entry (id)'}"] += 1
             continue
         if any(len(t.strip()) < cfg.min_chars for t in turns):
             skips["too short"] += 1

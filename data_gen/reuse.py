@@ -48,14 +48,15 @@ FOLLOW_UPS = (
 )
 
 
-def _stdlib_sources() -> dict[str, str]:
+def stdlib_sources() -> dict[str, str]:
+    """The listed standard-library modules' source, by path (``json/decoder.py``)."""
     files = {module: stdlib_file(module) for module in dict.fromkeys(STDLIB_MODULES)}
     return {f"{m.replace('.', '/')}.py": f.read_text(encoding="utf-8") for m, f in files.items() if f is not None}
 
 
 def code_reuse_tasks(seed: int) -> list[Task]:
     """Every function of 10-60 lines of the standard library's listed modules, in a seeded order."""
-    files = _stdlib_sources()
+    files = stdlib_sources()
     tasks = []
     for member, name, body in short_functions(files):
         ask = CODE_ASKS[len(tasks) % len(CODE_ASKS)].format(name=name, member=member)

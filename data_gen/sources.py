@@ -37,11 +37,12 @@ class Prompt:
     """A candidate prompt before dedup and filtering."""
 
     source: str
-    domain: str  # coding | science | multilingual | general
+    domain: str  # coding | science | multilingual | general | long | tool_use | agent
     messages: list[dict[str, str]]
     language: str | None = None  # None: detected later
     group: str | None = None  # items sharing a group are split together (MMATH gid)
     meta: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None  # the function schemas the conversation may call
 
 
 @dataclass(frozen=True)

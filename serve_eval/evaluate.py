@@ -46,16 +46,17 @@ TIE_MARGIN = 1e-4
 
 
 def prompt_end(turns: list[Any]) -> int | None:
-    """Where an eval record's prompt ends: its last user turn before the first reply left to write (an
-    assistant turn without text, as MT-Bench's second turn waits for the first's reply, or none). A
-    reference answer after the request is not part of it; a history of written replies is (long_chat)."""
+    """Where an eval record's prompt ends: its last user turn or tool result before the first reply left
+    to write (an assistant turn without text or calls, as MT-Bench's second turn waits for the first's
+    reply, or none). A reference answer after the request is not part of it; a history of written
+    replies (long_chat) and calls with their results (the agent set) is."""
     end = None
     for i, m in enumerate(turns):
         if not isinstance(m, dict):
             break
-        if m.get("role") == "user":
+        if m.get("role") in ("user", "tool"):
             end = i
-        elif m.get("role") == "assistant" and not m.get("content"):
+        elif m.get("role") == "assistant" and not m.get("content") and not m.get("tool_calls"):
             break
     return end
 
@@ -68,7 +69,7 @@ def read_prompts(pools: Path, name: str, per_set: int, chat: Any) -> list[list[i
     language after another) is taken round-robin over its languages in file order, so that its
     first prompts span them all instead of being the first language's.
     """
-    from eagle3.store.conversations import iter_jsonl, take_in_turn
+    from eagle3.store.conversations import ConversationError, check_messages, check_tools, iter_jsonl, take_in_turn
 
     path = pools / "eval" / f"{name}.jsonl"
     if not path.is_file():
@@ -87,7 +88,12 @@ def read_prompts(pools: Path, name: str, per_set: int, chat: Any) -> list[list[i
         last = prompt_end(turns)
         if last is None:
             raise InputError(f"{where}: no user message in 'messages'")
-        out.append(chat.prompt_ids(messages[: last + 1]))
+        try:
+            tools = check_tools(record["tools"]) if record.get("tools") is not None else None
+            prompt = check_messages(messages[: last + 1])
+        except ConversationError as err:
+            raise InputError(f"{where}: {err}") from None
+        out.append(chat.with_tools(tools).prompt_ids(prompt))
     if not out:
         raise InputError(f"{path}: no prompts in it (an eval set needs at least one record)")
     return out

@@ -44,19 +44,41 @@ def fake_sources(name: str, **options) -> list[Prompt]:
         "long_reuse": [Prompt("long_reuse", "long", _u("a long file " * 700 + "Copy `f` above."), "en")],
         "codeio": [Prompt("codeio", "coding", _u("x" * 7000), "en"), Prompt("codeio", "coding", _u("?"), "en"),
                    Prompt("codeio", "coding", _u("Write a function that reverses a list."), "en")],
+        "bfcl": [Prompt("bfcl", "tool_use", _u(f"What is the weather in city {i}?"), "en", group=f"bfcl:simple_{i}",
+                        tools=[TOOL]) for i in range(4)],
+        "bfcl_agent": [Prompt("bfcl_agent", "agent", _agent(i, options.get("max_user_turns", 2)), "en",
+                              group=f"bfcl:multi_turn_base_{i}", tools=[TOOL]) for i in range(4)],
     }
     return list(data[name])
+
+
+TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+
+
+def _agent(i: int, turns: int) -> list[dict]:
+    """A BFCL-like conversation: a call and its result, an answer, and a second turn."""
+    messages: list[dict] = [{"role": "user", "content": f"Weather in town {i}, then advise me."},
+                            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "weather"}}]},
+                            {"role": "tool", "content": f"{i} C"}, {"role": "assistant", "content": ""}]
+    later = [{"role": "user", "content": "And tomorrow?"}, {"role": "assistant", "content": ""}]
+    return messages + later[: 2 * (turns - 1)]
+
+
+def fake_code_agent_eval(tasks: int, seed: int = 0) -> list[Prompt]:
+    return [Prompt("code_agent_eval", "agent", _agent(100 + i, 1), "en", tools=[TOOL]) for i in range(tasks)]
 
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pools, "read_source", fake_sources)
+    monkeypatch.setattr(pools, "code_agent_eval", fake_code_agent_eval)
     monkeypatch.setattr(pools, "_source_versions", lambda: {})
 
 
 def _cfg(out: Path) -> PoolsConfig:
-    return PoolsConfig(out_dir=str(out), sources=["sharegpt", "codeio", "mmath"], eval_math=2,
-                       eval_multilingual=1, eval_gsm8k=2, eval_alpaca=1, val_fraction=0.3, max_chars=6000)
+    return PoolsConfig(out_dir=str(out), sources=["sharegpt", "codeio", "mmath", "bfcl", "bfcl_agent"], eval_math=2,
+                       eval_multilingual=1, eval_gsm8k=2, eval_alpaca=1, eval_tool_use=1, eval_agent=2,
+                       val_fraction=0.3, max_chars=6000)
 
 
 def test_pools_hold_out_eval_sets_and_count_skips(tmp_path: Path, fake: None) -> None:
@@ -64,14 +86,21 @@ def test_pools_hold_out_eval_sets_and_count_skips(tmp_path: Path, fake: None) ->
     out = tmp_path / "p"
     evals = {name: read_jsonl(out / "eval" / f"{name}.jsonl") for name in pools.EVAL_SETS}
     assert {k: len(v) for k, v in evals.items()} == {
-        "mtbench": 1, "humaneval": 1, "gsm8k": 2, "math": 2, "multilingual": 1, "alpaca": 1}
+        "mtbench": 1, "humaneval": 1, "gsm8k": 2, "math": 2, "multilingual": 1, "alpaca": 1, "tool_use": 1,
+        "agent": 2}
     assert {r["language"] for r in evals["multilingual"]} == {"fr"}
     held = {r["meta"]["gid"] for r in evals["math"] + evals["multilingual"]}
     assert len(held) == 3
     train = read_jsonl(out / "train.jsonl") + read_jsonl(out / "val.jsonl")
     assert not {r["meta"]["gid"] for r in train if r["source"] == "mmath"} & held
     assert manifest["skipped"] == {"held-out MMATH problem (gid)": 6, "in an eval set": 2, "duplicate": 1,
-                                   "too long": 1, "too short": 1}
+                                   "too long": 1, "too short": 1, "held-out BFCL entry (id)": 2}
+    # tools travel with their records; an agent eval record ends at a tool result, its reply left to write
+    assert all(r["tools"] == [TOOL] for r in evals["tool_use"] + evals["agent"])
+    assert [m["role"] for m in evals["agent"][0]["messages"]] == ["user", "assistant", "tool", "assistant"]
+    held_first_turns = {r["messages"][0]["content"] for r in evals["tool_use"] + evals["agent"]}
+    assert len(held_first_turns) == 3 and not held_first_turns & {r["messages"][0]["content"] for r in train}
+    assert sum(r["domain"] == "agent" for r in train) == 3 and sum(r["domain"] == "tool_use" for r in train) == 3
     # The German ShareGPT prompt is detected and counted as multilingual.
     german = [r for r in train if r["messages"][0]["content"].startswith("Wie")]
     assert german and german[0]["language"] == "de" and german[0]["domain"] == "multilingual"

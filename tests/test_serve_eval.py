@@ -87,6 +87,9 @@ class _EchoChat:
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return [ord(c) for c in messages[-1]["content"]]
 
+    def with_tools(self, tools: list | None) -> _EchoChat:
+        return self
+
 
 def _write_set(path: Path, rows: list) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -168,3 +168,22 @@ def test_bad_tool_data_is_named_before_anything_is_written(tmp_path: Path) -> No
     row = {**good, "generation": {"turns": []}, "tools": [{"function": {"name": ""}}]}
     with pytest.raises(HarvestError, match="sample a0: tools\\[0\\] has no function name"):
         tokenize_records([row], ChatFormat.for_tokenizer(tiny_tokenizer(TOOL_TEMPLATE)), 4096, Counter())
+
+
+def test_an_agent_eval_prompt_ends_at_its_tool_result_with_the_calls_written(tmp_path: Path) -> None:
+    from serve_eval.evaluate import read_prompts
+
+    record = agent_pool(1)[0]
+    messages = record["messages"][:3] + [{"role": "assistant", "content": ""}]
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval/agent.jsonl").write_text(json.dumps({**record, "messages": messages}) + "\n")
+    for template, call_text in [(TOOL_TEMPLATE, None), (STRICT_ROLES_TEMPLATE, '<tool_call>{"name": "get_weather", '
+                                                                                 '"arguments": {}}</tool_call>')]:
+        chat = ChatFormat.for_tokenizer(tiny_tokenizer(template))
+        [ids] = read_prompts(tmp_path, "agent", 5, chat)
+        text = chat.tokenizer.decode(ids)
+        assert text.endswith("0 C, rain</tool_response></s><|assistant|>" if call_text is None
+                             else "Tool result (get_weather):\n0 C, rain</s><|assistant|>")
+        assert "get_weather" in text.split("<|user|>")[0]  # the schemas, before the question
+        if call_text is not None:  # a template that writes no calls: the call in the reply's text
+            assert call_text in text

@@ -51,6 +51,10 @@ TOOLS_IN_SYSTEM = (
 """How a conversation's tools reach a template that does not read ``tools``: this text, the schemas
 filled in, as the system prompt (after the conversation's own system prompt, if any)."""
 
+TOOL_CALL_TEXT = "<tool_call>{call}</tool_call>"
+"""How a written call (an assistant message's ``tool_calls``) reaches a template that does not write
+them: appended to the message's content, the format :data:`TOOLS_IN_SYSTEM` asks for."""
+
 TOOL_RESULTS_AS_USER = "Tool result ({name}):\n{content}"
 """How a tool result reaches a template that cannot render the ``tool`` role: consecutive results
 become one user turn of these paragraphs (``name`` is the tool's, else ``tool``)."""
@@ -138,6 +142,22 @@ class ChatFormat:
             return False
         return _SENTINEL in text
 
+    @functools.cached_property
+    def renders_tool_calls(self) -> bool:
+        """Whether the template writes an assistant message's ``tool_calls`` (else each call is
+        written into its content as :data:`TOOL_CALL_TEXT`)."""
+        from jinja2 import TemplateError
+
+        probe = [{"role": "user", "content": "hi"},
+                 {"role": "assistant", "content": "", "tool_calls": [
+                     {"id": "0", "type": "function", "function": {"name": _SENTINEL, "arguments": {}}}]}]
+        try:
+            text = self.tokenizer.apply_chat_template(probe, chat_template=self.template, tokenize=False,
+                                                      **dict(self.template_kwargs))
+        except (TemplateError, TypeError, KeyError):
+            return False
+        return _SENTINEL in text
+
     def with_tools(self, tools: Sequence[Mapping[str, Any]] | None) -> ChatFormat:
         """This format with the conversation's function schemas (OpenAI's form, as
         :func:`eagle3.store.conversations.check_tools` gives them) passed on every render: as the
@@ -157,6 +177,14 @@ class ChatFormat:
         shown = [{"role": m["role"], "content": m["content"],
                   **({k: m[k] for k in ("name", "tool_call_id") if k in m} if m["role"] == "tool" else {})}
                  for m in messages]
+        for entry, m in zip(shown, messages, strict=True):
+            if m["role"] == "assistant" and m.get("tool_calls"):  # a written call (an eval prompt's history)
+                if self.renders_tool_calls:
+                    entry["tool_calls"] = m["tool_calls"]
+                else:
+                    entry["content"] += "".join(TOOL_CALL_TEXT.format(call=json.dumps(
+                        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False))
+                        for c in m["tool_calls"])
         if self.tools_json:
             tools = json.loads(self.tools_json)
             if self.reads_tools:
