@@ -38,6 +38,7 @@ from typing import Any
 from data_gen.long_context import CODE_WHEEL, short_functions
 from data_gen.reuse import stdlib_sources
 from data_gen.sources import SOURCES, Prompt, Source
+from eagle3.errors import Eagle3Error
 from eagle3.home import eagle3_home
 from eagle3.target.wheels import fetch_wheel, list_members, read_member
 
@@ -76,7 +77,7 @@ CODE_AGENT_ASKS = (
 )
 
 
-class AgentDataError(ValueError):
+class AgentDataError(Eagle3Error, ValueError):
     """A BFCL entry this module cannot turn into a conversation (named with its id)."""
 
 

@@ -97,7 +97,8 @@ class SelectConfig:
     """Which pool prompts the pipeline regenerates: a seeded, domain-balanced subset."""
 
     num_prompts: int = 64
-    domains: list[str] = field(default_factory=lambda: ["coding", "science", "multilingual", "general"])
+    domains: list[str] = field(default_factory=lambda: ["coding", "science", "multilingual", "general", "tool_use",
+                                                        "agent"])
     """Taken in turn, one prompt per domain per round, until ``num_prompts``."""
     split: str = "train"
     """Pool file to draw from: train or val."""

@@ -294,7 +294,11 @@ def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
         target, draft = load_pair(draft_path, cfg.target.name_or_path, cfg.target.dtype, cfg.target.device)
         chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
         try:
-            prompts = {name: read_prompts(Path(cfg.pools.out_dir), name, e.per_set, chat) for name in e.sets}
+            served = chat.in_mode(e.thinking)
+        except Eagle3Error as err:  # a template without a thinking switch, named
+            raise PipelineError(f"eval.thinking={e.thinking}: {err}") from None
+        try:
+            prompts = {name: read_prompts(Path(cfg.pools.out_dir), name, e.per_set, served) for name in e.sets}
         except Eagle3Error as err:  # a missing, empty or malformed eval set, named
             raise PipelineError(f"eval.sets: {err}") from None
         report = evaluate(target, draft, prompts, config=e.spec, params=e.sampling, max_new_tokens=e.max_new_tokens,

@@ -9,9 +9,12 @@ from eagle3.config import SamplingConfig
 from eagle3.errors import ConfigError
 from eagle3.train.config import WANDB_MODES
 
-EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "multilingual")
+EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "multilingual", "tool_use", "agent")
 """The pools' eval sets the evaluation runs by default (``<pools>/eval/<name>.jsonl``)."""
 
+
+THINKING_MODES = ("template", "on", "off")
+"""How an evaluation renders prompts for a reasoning target (:meth:`ChatFormat.in_mode`)."""
 
 TARGET_CACHES = ("dynamic", "static", "graphs")  # SpecConfig.target_cache; serve_eval/static_cache.py
 
@@ -74,6 +77,9 @@ class EvalConfig:
     """0 is greedy (outputs equal plain decoding token for token); above, sampled as the target samples."""
     top_p: float = SamplingConfig.top_p
     top_k: int = SamplingConfig.top_k
+    thinking: str = "template"
+    """Reasoning targets: render the eval prompts with the template's thinking switch ``on`` or ``off``
+    (``template``: unset, whatever the template does unasked), to measure each mode."""
     out_dir: str = ""
     """Where report.json, report.md and the plots go."""
     wandb_mode: str = "offline"
@@ -87,6 +93,8 @@ class EvalConfig:
             self.sampling  # noqa: B018
         except ConfigError as err:
             raise ConfigError(f"eval.{err}") from None
+        if self.thinking not in THINKING_MODES:
+            raise ConfigError(f"eval.thinking={self.thinking!r}: expected one of {', '.join(THINKING_MODES)}")
         if self.wandb_mode not in WANDB_MODES:
             raise ConfigError(f"eval.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(WANDB_MODES)}")
 

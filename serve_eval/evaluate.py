@@ -35,9 +35,16 @@ import torch
 from eagle3.atomic import atomic_write_text
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import SamplingConfig, add_target_arguments
-from eagle3.draft.metrics import CONTEXT_BUCKETS, acceptance_by_context, acceptance_per_position, served_tau
+from eagle3.draft.metrics import (
+    CONTEXT_BUCKETS,
+    acceptance_by_context,
+    acceptance_by_part,
+    acceptance_per_position,
+    served_tau,
+)
 from eagle3.errors import ConfigError, InputError, MissingInputError, run_cli
 from eagle3.target.positions import context_length
+from eagle3.target.reasoning import DEFAULT_MARKERS
 from serve_eval.adaptive import measure_cost
 from serve_eval.config import EvalConfig, SpecConfig
 from serve_eval.spec_decode import DecodeStats, SpeculativeDecoder
@@ -113,11 +120,20 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def summarise(spec: list[DecodeStats], plain: list[DecodeStats]) -> dict[str, Any]:
-    """One eval set (or all of them): pooled over prompts."""
+def round_parts(tokenizer: Any, prompt: Sequence[int], tokens: Sequence[int], stats: DecodeStats) -> list[bool]:
+    """Per round of a generation: whether its first drafted token lies in the target's thinking block
+    (:class:`~eagle3.target.reasoning.ThinkingMarkers`), by where the round starts (``stats.contexts``)."""
+    labels = DEFAULT_MARKERS.label(tokenizer, prompt, tokens)
+    return [bool(labels[c - len(prompt)]) if 0 <= c - len(prompt) < len(labels) else False for c in stats.contexts]
+
+
+def summarise(spec: list[DecodeStats], plain: list[DecodeStats],
+              parts: list[list[bool]] | None = None) -> dict[str, Any]:
+    """One eval set (or all of them): pooled over prompts; ``parts``: :func:`round_parts` per prompt."""
     accepted = [a for s in spec for a in s.accepted]
     depths = [d for s in spec for d in (s.depths or [s.proposed] * len(s.accepted))]
     contexts = [c for s in spec for c in s.contexts]
+    thinking = [t for p in parts for t in p] if parts is not None else [False] * len(accepted)
     k = max((s.proposed for s in spec), default=0)
     spec_s = sum(s.seconds_total for s in spec)
     plain_s = sum(s.seconds_total for s in plain)
@@ -129,6 +145,7 @@ def summarise(spec: list[DecodeStats], plain: list[DecodeStats]) -> dict[str, An
         "tau": round(served_tau(accepted), 4),
         "accept_per_pos": [round(a, 4) for a in acceptance_per_position(accepted, depths, k)],
         "by_context": acceptance_by_context(accepted, depths, contexts, k),
+        "by_part": acceptance_by_part(accepted, depths, thinking, k),
         "spec_tokens_per_s": round(spec_tokens / spec_s, 2) if spec_s else None,
         "plain_tokens_per_s": round(plain_tokens / plain_s, 2) if plain_s else None,
         "speedup": round((plain_s / max(plain_tokens, 1)) / (spec_s / max(spec_tokens, 1)), 3) if spec_s else None,
@@ -154,15 +171,19 @@ def evaluate(target: Any, draft: Any, prompts: dict[str, list[list[int]]], *, co
     rows = []
     all_spec: list[DecodeStats] = []
     all_plain: list[DecodeStats] = []
+    all_parts: list[list[bool]] = []
+    tokenizer = getattr(target, "tokenizer", None)  # labels rounds: thinking or answer
     total = sum(len(p) for p in prompts.values())
     bar = tqdm(total=total, desc="serve_eval", disable=not progress)
     for name, items in prompts.items():
-        spec_stats, plain_stats, divergences, equal = [], [], [], 0
+        spec_stats, plain_stats, parts, divergences, equal = [], [], [], [], 0
         for i, prompt in enumerate(items):
             base = decoder.generate(prompt, max_new_tokens, stops, params, seed=seed + i, speculate=False)
             got = decoder.generate(prompt, max_new_tokens, stops, params, seed=seed + i)
             spec_stats.append(got.stats)
             plain_stats.append(base.stats)
+            parts.append(round_parts(tokenizer, prompt, got.tokens, got.stats) if tokenizer is not None
+                         else [False] * len(got.stats.accepted))
             at = first_divergence(got.tokens, base.tokens) if params.greedy else None
             if params.greedy and at is None:
                 equal += 1
@@ -173,13 +194,14 @@ def evaluate(target: Any, draft: Any, prompts: dict[str, list[list[int]]], *, co
             rows.append({"set": name, "prompt": i, **got.stats.as_dict(),
                          "plain_tokens_per_s": base.stats.as_dict()["tokens_per_s"]})
             bar.update(1)
-        sets[name] = summarise(spec_stats, plain_stats)
+        sets[name] = summarise(spec_stats, plain_stats, parts)
         if params.greedy:
             sets[name].update(equal=equal, divergences=divergences, lossless=all(d["tie"] for d in divergences))
         all_spec += spec_stats
         all_plain += plain_stats
+        all_parts += parts
     bar.close()
-    overall = summarise(all_spec, all_plain)
+    overall = summarise(all_spec, all_plain, all_parts)
     if params.greedy:
         overall["equal"] = sum(s["equal"] for s in sets.values())
         overall["lossless"] = all(s["lossless"] for s in sets.values())
@@ -211,6 +233,7 @@ def markdown(report: dict[str, Any]) -> str:
                      f" | {s['spec_tokens_per_s']} | {s['plain_tokens_per_s']} | {s['speedup']} | {s['ttft_s']} | "
                      f"{s['time_split']['draft']:.2f} / {s['time_split']['verify']:.2f} | {eq} |")
     lines += context_table(report)
+    lines += part_table(report)
     if cost := report["overall"].get("cost_model"):
         lines += ["", f"Cost model on this machine ({c.get('device', '?')}, {c.get('dtype', '?')}): one target "
                   f"forward t(1) = {cost['t1_ms']} ms, verifying {cost['verified']} tokens "
@@ -226,6 +249,22 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"- {n} prompt {d['prompt']}, token {d['position']}: margin {d['margin']}"
                   + (" (near-tie)" if d["tie"] else " (NOT a near-tie)") for n, d in divergences]
     return "\n".join(lines) + "\n"
+
+
+def part_table(report: dict[str, Any]) -> list[str]:
+    """tau on the target's answer tokens and, where it writes one, its thinking block, per set (by
+    where a round's first drafted token lies; rounds in brackets)."""
+    named = [*report["sets"].items(), ("overall", report["overall"])]
+    parts = [p for p in ("answer", "thinking") if any(p in s.get("by_part", {}) for _, s in named)]
+    if not parts:
+        return []
+    lines = ["", "tau by part of the reply (where a round's first drafted token lies; rounds in brackets):", "",
+             "| set | " + " | ".join(parts) + " |", "| --- |" + " --- |" * len(parts)]
+    for name, s in named:
+        cells = [f"{s['by_part'][p]['tau']:.3f} ({s['by_part'][p]['rounds']})" if p in s.get("by_part", {}) else "-"
+                 for p in parts]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def context_table(report: dict[str, Any]) -> list[str]:
@@ -384,7 +423,8 @@ def _main(argv: Sequence[str] | None) -> int:
         raise ConfigError(f"--out {cfg.out_dir}: exists and is not a folder")
     target, draft = load_pair(cfg.draft, args.target, args.target_dtype, args.device)
     chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
-    prompts = {name: read_prompts(Path(args.pools), name, cfg.per_set, chat) for name in cfg.sets}
+    served = chat.in_mode(cfg.thinking)
+    prompts = {name: read_prompts(Path(args.pools), name, cfg.per_set, served) for name in cfg.sets}
     report = evaluate(target, draft, prompts, config=cfg.spec, params=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
                       stop_ids=sorted(chat.stop_ids), seed=args.seed, progress=not args.no_progress)
     report["draft"], report["target"] = str(cfg.draft), args.target

@@ -288,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--controls", action="store_true",
                         help="also serve copies with wrong aux ids (and a windowed draft's copy without its window)")
+    parser.add_argument("--thinking", default="template", choices=["template", "on", "off"],
+                        help="render the prompts with the template's thinking switch on or off (reasoning targets)")
     parser.add_argument("--model-impl", default="auto", choices=["auto", "vllm", "transformers"],
                         help="vLLM's implementation of the target (transformers: its Transformers modeling backend, "
                              "for families whose native class lacks EAGLE-3 support); the draft's stays native")
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
 
     folder = resolve_target(args.target).location
     target = load_target(args.target, dtype="float32", device="cpu")
-    chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
+    chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config).in_mode(args.thinking)
     prompts = {name: read_prompts(Path(args.pools), name, args.per_set, chat) for name in args.sets.split(",")}
     if not args.draft and not args.ngram:
         raise SystemExit("give at least one --draft NAME=FOLDER, or --ngram")

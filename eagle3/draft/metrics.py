@@ -132,5 +132,20 @@ def acceptance_by_context(accepted: Sequence[int], depths: Sequence[int], contex
     return out
 
 
-__all__ = ["CONTEXT_BUCKETS", "CONTEXT_EDGES", "AcceptanceTally", "acceptance_by_context", "acceptance_per_position",
+def acceptance_by_part(accepted: Sequence[int], depths: Sequence[int], thinking: Sequence[bool],
+                       k: int) -> dict[str, dict[str, Any]]:
+    """``answer`` and ``thinking`` (those with rounds): rounds, tau and acceptance per position of the
+    rounds whose first drafted token is an answer token, or lies in the target's thinking block."""
+    out = {}
+    for part, flag in (("answer", False), ("thinking", True)):
+        rows = [i for i, t in enumerate(thinking) if bool(t) == flag]
+        if rows:
+            acc, dep = [accepted[i] for i in rows], [depths[i] for i in rows]
+            out[part] = {"rounds": len(rows), "tau": round(served_tau(acc), 4),
+                         "accept_per_pos": [round(a, 4) for a in acceptance_per_position(acc, dep, k)]}
+    return out
+
+
+__all__ = ["CONTEXT_BUCKETS", "CONTEXT_EDGES", "AcceptanceTally", "acceptance_by_context", "acceptance_by_part",
+           "acceptance_per_position",
            "accepted_runs", "context_bucket", "served_tau", "step_hits", "upto_before"]

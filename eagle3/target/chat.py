@@ -164,6 +164,12 @@ class ChatFormat:
         template's ``tools`` where it reads them, else in the system prompt (:data:`TOOLS_IN_SYSTEM`)."""
         return replace(self, tools_json=json.dumps(list(tools), ensure_ascii=False) if tools else "")
 
+    def in_mode(self, mode: str) -> ChatFormat:
+        """``template`` (this format: the switch unset), ``on`` or ``off`` (:meth:`with_thinking`)."""
+        if mode not in ("template", "on", "off"):
+            raise ChatFormatError(f"thinking mode {mode!r}: expected template, on or off")
+        return self if mode == "template" else self.with_thinking(mode == "on")
+
     @property
     def renders_time(self) -> bool:
         """Whether the template writes the current date or time (Llama 3.2's ``strftime_now``):
