@@ -409,10 +409,16 @@ def stage_quantize(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def stage_size(cfg: PipelineConfig) -> dict[str, Any]:
-    """The draft's shape and trainable parameters, from the target's config alone (no weights)."""
+    """The draft's shape and trainable parameters, from the target's config alone (no weights), and
+    the data the run will regenerate: domains, thinking mode, tool-use and agent sources."""
     from eagle3.train.size import size_draft
 
-    return size_draft(cfg.target, cfg.train)
+    r = cfg.regenerate
+    data = {"domains": list(cfg.select.domains), "num_prompts": cfg.select.num_prompts,
+            "thinking": r.thinking if r.thinking != "mix" else f"mix ({r.thinking_on_fraction:.0%} on)",
+            "tool_sources": [s for s in cfg.pools.sources if s in ("bfcl", "bfcl_agent", "code_agent")],
+            "max_new_tokens": r.max_new_tokens, "backend": r.backend}
+    return {**size_draft(cfg.target, cfg.train), "data": data}
 
 
 STAGES: dict[str, Callable[[PipelineConfig], dict[str, Any]]] = {

@@ -143,20 +143,25 @@ class ChatFormat:
         return _SENTINEL in text
 
     @functools.cached_property
-    def renders_tool_calls(self) -> bool:
-        """Whether the template writes an assistant message's ``tool_calls`` (else each call is
-        written into its content as :data:`TOOL_CALL_TEXT`)."""
+    def tool_call_arguments(self) -> str | None:
+        """How the template writes an assistant message's ``tool_calls``: taking each call's arguments
+        as an ``object`` (most: ``| tojson``) or as a JSON ``string`` (DeepSeek-R1's, OpenAI's wire
+        form); None where it writes no calls (each is then written into the content as
+        :data:`TOOL_CALL_TEXT`)."""
         from jinja2 import TemplateError
 
-        probe = [{"role": "user", "content": "hi"},
-                 {"role": "assistant", "content": "", "tool_calls": [
-                     {"id": "0", "type": "function", "function": {"name": _SENTINEL, "arguments": {}}}]}]
-        try:
-            text = self.tokenizer.apply_chat_template(probe, chat_template=self.template, tokenize=False,
-                                                      **dict(self.template_kwargs))
-        except (TemplateError, TypeError, KeyError):
-            return False
-        return _SENTINEL in text
+        for form, arguments in (("object", {"a": 1}), ("string", '{"a": 1}')):
+            probe = [{"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": None, "tool_calls": [
+                         {"id": "0", "type": "function", "function": {"name": _SENTINEL, "arguments": arguments}}]}]
+            try:
+                text = self.tokenizer.apply_chat_template(probe, chat_template=self.template, tokenize=False,
+                                                          **dict(self.template_kwargs))
+            except (TemplateError, TypeError, KeyError):
+                continue
+            if _SENTINEL in text:
+                return form
+        return None
 
     def with_tools(self, tools: Sequence[Mapping[str, Any]] | None) -> ChatFormat:
         """This format with the conversation's function schemas (OpenAI's form, as
@@ -185,12 +190,13 @@ class ChatFormat:
                  for m in messages]
         for entry, m in zip(shown, messages, strict=True):
             if m["role"] == "assistant" and m.get("tool_calls"):  # a written call (an eval prompt's history)
-                if self.renders_tool_calls:
-                    entry["tool_calls"] = m["tool_calls"]
+                if self.tool_call_arguments is not None:
+                    entry["tool_calls"] = [_call_for_template(c, self.tool_call_arguments) for c in m["tool_calls"]]
+                    entry["content"] = m["content"] or None  # a reply that is only calls (DeepSeek tests for none)
                 else:
                     entry["content"] += "".join(TOOL_CALL_TEXT.format(call=json.dumps(
-                        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False))
-                        for c in m["tool_calls"])
+                        {"name": c["function"]["name"], "arguments": _arguments_object(c["function"]["arguments"])},
+                        ensure_ascii=False)) for c in m["tool_calls"])
         if self.tools_json:
             tools = json.loads(self.tools_json)
             if self.reads_tools:
@@ -369,6 +375,24 @@ def _template_variables(template: str) -> frozenset[str]:
 def _thinking_switch(template: str) -> str | None:
     names = _template_variables(template)
     return next((name for name in THINKING_SWITCHES if name in names), None)
+
+
+def _arguments_object(arguments: Any) -> Any:
+    """A call's arguments as an object (OpenAI's wire form sends them as a JSON string)."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def _call_for_template(call: Mapping[str, Any], arguments: str) -> dict[str, Any]:
+    fn = call["function"]
+    args = _arguments_object(fn["arguments"])
+    if arguments == "string":
+        args = json.dumps(args, ensure_ascii=False)
+    return {**call, "function": {"name": fn["name"], "arguments": args}}
 
 
 def _tools_in_system(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
