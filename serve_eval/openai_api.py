@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle3.store.conversations import TEXT_PART_SEPARATOR
 
@@ -52,15 +52,27 @@ class _TextPart(BaseModel):
     text: str
 
 class _Message(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[_TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (checked with the conversation)
+    tool_call_id: str | None = None  # a tool result's call
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content(self) -> _Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only for an assistant message with tool_calls)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else TEXT_PART_SEPARATOR.join(p.text for p in self.content)
 
 class ChatRequest(_Sampling):
     messages: list[_Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None  # function schemas, rendered as the chat template takes them
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]

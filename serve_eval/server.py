@@ -48,6 +48,7 @@ from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import SamplingConfig, add_target_arguments
 from eagle3.draft.metrics import context_bucket
 from eagle3.errors import ConfigError, run_cli
+from eagle3.store.conversations import ConversationError, check_messages, check_tools
 from eagle3.target.chat import ChatFormat, ChatFormatError
 from serve_eval.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_cost
 from serve_eval.config import SpecConfig
@@ -240,10 +241,19 @@ class Engine:
 
     def prompt_ids(self, req: ChatRequest | CompletionRequest) -> list[int]:
         if isinstance(req, ChatRequest):
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                         **{k: v for k, v in (("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id),
+                                              ("name", m.name)) if v is not None}}
                         for m in req.messages]
+            chat = self.chat
+            if req.tools or any(m.role == "tool" or m.tool_calls for m in req.messages):  # an agent's request
+                try:
+                    messages = check_messages(messages)
+                    chat = chat.with_tools(check_tools(req.tools) if req.tools else None)
+                except ConversationError as err:
+                    raise BadRequest(f"messages: {err}", param="messages") from None
             try:
-                ids = self.chat.prompt_ids(messages)
+                ids = chat.prompt_ids(messages)
             except ChatFormatError as err:
                 raise BadRequest(f"messages: {err}", param="messages") from None
             except Exception as err:  # a template that rejects the conversation (roles out of order, ...)

@@ -197,6 +197,14 @@ BAD = [
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": 100000000000000000000000}', "seed"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": true, '
      b'"stream_options": {"include_usage": "no"}}', "include_usage"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"description": "x"}]}',
+     "tools[0] has no function name"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null, '
+     b'"tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}, {"role": "user", "content": "?"}]}',
+     "calls f (id c) but no tool result"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "4"}]}',
+     "tool after user"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": null}]}', "content is required"),
 ]
 
 
@@ -207,6 +215,27 @@ def test_malformed_chat_requests_are_400_with_the_reason(served: Served, body: b
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert reason in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_an_agent_requests_tools_call_and_result_reach_the_prompt(served: Served) -> None:
+    """The schemas and the conversation's call and result reach the prompt as the chat template
+    renders them (this template reads no ``tools``: they go into the system prompt, which takes this
+    byte-level target past its 256 positions: the refusal counts the prompt's tokens)."""
+    from eagle3.target.chat import ChatFormat
+
+    messages = [{"role": "user", "content": "t?"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "4"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = httpx.post(f"{served.url}/v1/chat/completions", timeout=60, headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "tiny", "messages": messages, "tools": tools, "max_tokens": 4, "temperature": 0})
+    prompt = ChatFormat.for_tokenizer(tiny_tokenizer()).with_tools(tools).prompt_ids(
+        [{**m, "content": m["content"] or ""} for m in messages])
+    assert r.status_code == 400 and f"the prompt has {len(prompt)} and 4 more" in r.json()["error"]["message"]
+    without = ChatFormat.for_tokenizer(tiny_tokenizer()).prompt_ids([{**m, "content": m["content"] or ""}
+                                                                     for m in messages])
+    assert len(without) < len(prompt)
 
 
 def test_malformed_completions_and_the_openai_client_errors(served: Served) -> None:
