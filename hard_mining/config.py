@@ -60,6 +60,11 @@ class MineConfig:
     workers: int = 1
     """Processes regenerating the mined prompts side by side (``regenerate.workers``: the same output
     for any number)."""
+    thinking: str = "template"
+    """The thinking mode the mined prompts are regenerated in (``regenerate.thinking``: the pipeline
+    passes the run's, so a reasoning target's mined data is rendered as its training data)."""
+    thinking_on_fraction: float = 0.5
+    """With ``thinking=mix``: the share regenerated with thinking on (``regenerate.thinking_on_fraction``)."""
     seed: int = 0
     wandb_mode: str = "offline"
     wandb_project: str = "eagle3"
@@ -68,6 +73,8 @@ class MineConfig:
         bad = [s for s in self.strategies if s not in MINE_STRATEGIES]
         if bad or not self.strategies:
             raise ConfigError(f"mine.strategies={self.strategies}: expected some of {', '.join(MINE_STRATEGIES)}")
+        if self.thinking not in ("template", "on", "off", "mix"):
+            raise ConfigError(f"mine.thinking={self.thinking!r}: expected template, on, off or mix")
         for name in ("rounds", "steps", "max_new_tokens", "candidate_tokens", "variation_tokens", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"mine.{name}={getattr(self, name)}: must be >= 1")

@@ -134,9 +134,9 @@ class Harvester:
     """Regenerate + harvest prompt records with the library, into folders under ``root``."""
 
     def __init__(self, root: Path, target: Any, target_cfg: TargetConfig, like: HarvestStore, seed: int,
-                 progress: bool, workers: int = 1) -> None:
+                 progress: bool, workers: int = 1, thinking: tuple[str, float] = ("template", 0.5)) -> None:
         self.root, self.target, self.target_cfg, self.seed, self.progress = root, target, target_cfg, seed, progress
-        self.workers = workers
+        self.workers, self.thinking = workers, thinking
         self.dtype, self.max_seq_len = like.spec.dtype, like.spec.max_seq_len
 
     def __call__(self, name: str, records: Sequence[dict[str, Any]], max_new_tokens: int,
@@ -152,7 +152,8 @@ class Harvester:
         write_records(work / "prompts.jsonl", records)
         regenerate(RegenerateConfig(pool=str(work / "prompts.jsonl"), out_dir=str(work / "regen"),
                                     max_new_tokens=max_new_tokens, temperature=temperature, seed=self.seed,
-                                    workers=self.workers),
+                                    workers=self.workers, thinking=self.thinking[0],
+                                    thinking_on_fraction=self.thinking[1]),
                    self.target_cfg, target=self.target, progress=self.progress)
         data = work / "regen" / "dataset" / "regenerated.jsonl"
         if not any(True for _ in iter_jsonl(data)):
@@ -257,7 +258,8 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
                     train_scores=train_scores, before=before, records=records,
                     known=[*eval_sets, *eval_records, *records],
                     fresh=[p for p in pool if str(p.get("id")) not in harvested_ids],
-                    harvester=Harvester(rdir, target, target_cfg, base, seed, progress, cfg.workers))
+                    harvester=Harvester(rdir, target, target_cfg, base, seed, progress, cfg.workers,
+                                        (cfg.thinking, cfg.thinking_on_fraction)))
         new_records, added, weights_file = _mine(rd, weights_file)
         harvester = rd.harvester
 
