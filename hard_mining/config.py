@@ -69,6 +69,11 @@ class MineConfig:
     wandb_mode: str = "offline"
     wandb_project: str = "eagle3"
 
+    @property
+    def mode(self) -> tuple[str, float]:
+        """(thinking, thinking_on_fraction): how mined prompts are regenerated."""
+        return self.thinking, self.thinking_on_fraction
+
     def __post_init__(self) -> None:
         bad = [s for s in self.strategies if s not in MINE_STRATEGIES]
         if bad or not self.strategies:

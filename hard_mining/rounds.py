@@ -258,8 +258,7 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
                     train_scores=train_scores, before=before, records=records,
                     known=[*eval_sets, *eval_records, *records],
                     fresh=[p for p in pool if str(p.get("id")) not in harvested_ids],
-                    harvester=Harvester(rdir, target, target_cfg, base, seed, progress, cfg.workers,
-                                        (cfg.thinking, cfg.thinking_on_fraction)))
+                    harvester=Harvester(rdir, target, target_cfg, base, seed, progress, cfg.workers, cfg.mode))
         new_records, added, weights_file = _mine(rd, weights_file)
         harvester = rd.harvester
 
