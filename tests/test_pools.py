@@ -234,7 +234,8 @@ def test_real_pools_meet_the_counts(tmp_path: Path) -> None:
     for domain in ("coding", "science", "multilingual"):
         assert counts["train_by_domain"][domain] >= 1000, domain
     assert counts["eval"] == {"mtbench": 80, "humaneval": 164, "gsm8k": 150, "math": 100,
-                              "multilingual": 180, "alpaca": 100}
+                              "multilingual": 180, "alpaca": 100, "tool_use": 100, "agent": 40}
+    assert counts["train_by_domain"]["tool_use"] >= 1000 and counts["train_by_domain"]["agent"] >= 300
     assert check_no_overlap(tmp_path / "pools") == dict.fromkeys(pools.EVAL_SETS, 0)
     multilingual = read_jsonl(tmp_path / "pools" / "eval" / "multilingual.jsonl")
     assert Counter(r["language"] for r in multilingual) == dict.fromkeys(
@@ -245,7 +246,8 @@ def test_real_pools_meet_the_counts(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     subprocess.run([sys.executable, "-m", "data_gen.pools", "--out", str(tmp_path / "again")], check=True,
                    env=env, capture_output=True)
-    for name in ("train.jsonl", "val.jsonl", "eval/gsm8k.jsonl", "eval/alpaca.jsonl", "eval/multilingual.jsonl"):
+    for name in ("train.jsonl", "val.jsonl", "eval/gsm8k.jsonl", "eval/alpaca.jsonl", "eval/multilingual.jsonl",
+                 "eval/agent.jsonl"):
         assert (tmp_path / "pools" / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
 
 
