@@ -35,12 +35,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from data_gen.long_context import CODE_WHEEL, short_functions
+from data_gen.long_context import jinja_sources, short_functions
 from data_gen.reuse import stdlib_sources
 from data_gen.sources import SOURCES, Prompt, Source
 from eagle3.errors import Eagle3Error
-from eagle3.home import eagle3_home
-from eagle3.target.wheels import fetch_wheel, list_members, read_member
+from eagle3.target.wheels import read_member
 
 BFCL_WHEEL = ("bfcl-eval", "2026.3.23", "bfcl_eval/data")
 SINGLE_TURN = ("simple_python", "simple_java", "simple_javascript", "multiple", "parallel", "parallel_multiple",
@@ -277,9 +276,7 @@ def code_agent(wheel: Path | None, path: str, tasks: int = 300, context_chars: i
 
 def code_agent_eval(tasks: int, context_chars: int = 3000, seed: int = 0) -> list[Prompt]:
     """Eval tasks on Jinja2's modules (never in training: the long-context eval sets' code)."""
-    wheel = fetch_wheel(CODE_WHEEL[0], CODE_WHEEL[1], eagle3_home() / "downloads")
-    files = {m: read_member(wheel, m).decode("utf-8") for m in list_members(wheel, CODE_WHEEL[2]) if m.endswith(".py")}
-    return list(_code_agent_prompts(files, "code_agent_eval", tasks, context_chars, seed))
+    return list(_code_agent_prompts(jinja_sources(), "code_agent_eval", tasks, context_chars, seed))
 
 
 def eval_cut(p: Prompt, rng: random.Random) -> Prompt:

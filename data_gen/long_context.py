@@ -87,10 +87,15 @@ def paragraphs_by_language(wheel: Path, path: str, keep: slice) -> dict[str, lis
     return out
 
 
+def jinja_sources() -> dict[str, str]:
+    """Jinja2's modules (the wheel, fetched once), by path: the eval sets' code, never trained on."""
+    wheel = fetch_wheel(CODE_WHEEL[0], CODE_WHEEL[1], eagle3_home() / "downloads")
+    return {m: read_member(wheel, m).decode("utf-8") for m in list_members(wheel, CODE_WHEEL[2]) if m.endswith(".py")}
+
+
 def code_tasks(count: int, seed: int) -> list[Task]:
     """Functions of 10-60 lines from Jinja2's modules, each with the other modules as its context."""
-    wheel = fetch_wheel(CODE_WHEEL[0], CODE_WHEEL[1], eagle3_home() / "downloads")
-    files = {m: read_member(wheel, m).decode("utf-8") for m in list_members(wheel, CODE_WHEEL[2]) if m.endswith(".py")}
+    files = jinja_sources()
     candidates = short_functions(files)
     rng = random.Random(seed)
     rng.shuffle(candidates)

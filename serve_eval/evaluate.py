@@ -37,6 +37,7 @@ from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import SamplingConfig, add_target_arguments
 from eagle3.draft.metrics import (
     CONTEXT_BUCKETS,
+    REPLY_PARTS,
     acceptance_by_context,
     acceptance_by_part,
     acceptance_per_position,
@@ -254,30 +255,27 @@ def markdown(report: dict[str, Any]) -> str:
 def part_table(report: dict[str, Any]) -> list[str]:
     """tau on the target's answer tokens and, where it writes one, its thinking block, per set (by
     where a round's first drafted token lies; rounds in brackets)."""
-    named = [*report["sets"].items(), ("overall", report["overall"])]
-    parts = [p for p in ("answer", "thinking") if any(p in s.get("by_part", {}) for _, s in named)]
-    if not parts:
-        return []
-    lines = ["", "tau by part of the reply (where a round's first drafted token lies; rounds in brackets):", "",
-             "| set | " + " | ".join(parts) + " |", "| --- |" + " --- |" * len(parts)]
-    for name, s in named:
-        cells = [f"{s['by_part'][p]['tau']:.3f} ({s['by_part'][p]['rounds']})" if p in s.get("by_part", {}) else "-"
-                 for p in parts]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return lines
+    return group_table(report, "by_part", REPLY_PARTS, "tau by part of the reply (where a round's first drafted "
+                       "token lies; rounds in brackets):")
 
 
 def context_table(report: dict[str, Any]) -> list[str]:
     """tau per context-length bucket (the context before a round's first drafted token), per set:
     where a long context costs acceptance. Rounds in brackets."""
+    return group_table(report, "by_context", CONTEXT_BUCKETS, "tau by context length (tokens before the round's "
+                       "first drafted token; rounds in brackets):")
+
+
+def group_table(report: dict[str, Any], key: str, order: Sequence[str], title: str) -> list[str]:
+    """A markdown table of tau (rounds) per set and per group of ``report[...][key]``, the groups any
+    set has, in ``order``; nothing when none has one."""
     named = [*report["sets"].items(), ("overall", report["overall"])]
-    buckets = sorted({b for _, s in named for b in s.get("by_context", {})}, key=CONTEXT_BUCKETS.index)
-    if not buckets:
+    groups = [g for g in order if any(g in s.get(key, {}) for _, s in named)]
+    if not groups:
         return []
-    lines = ["", "tau by context length (tokens before the round's first drafted token; rounds in brackets):", "",
-             "| set | " + " | ".join(buckets) + " |", "| --- |" + " --- |" * len(buckets)]
+    lines = ["", title, "", "| set | " + " | ".join(groups) + " |", "| --- |" + " --- |" * len(groups)]
     for name, s in named:
-        cells = [f"{g['tau']:.3f} ({g['rounds']})" if (g := s.get("by_context", {}).get(b)) else "-" for b in buckets]
+        cells = [f"{g['tau']:.3f} ({g['rounds']})" if (g := s.get(key, {}).get(b)) else "-" for b in groups]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 

@@ -116,36 +116,39 @@ def context_bucket(tokens: int) -> str:
     return CONTEXT_BUCKETS[bisect_right(CONTEXT_EDGES, tokens)]
 
 
+def acceptance_by_group(accepted: Sequence[int], depths: Sequence[int], groups: Sequence[str],
+                        order: Sequence[str], k: int) -> dict[str, dict[str, Any]]:
+    """Per group (in ``order``, those with rounds): rounds, tau and acceptance per position of the
+    rounds ``groups`` puts in it (one name per round)."""
+    rows: dict[str, list[int]] = {}
+    for i, group in enumerate(groups):
+        rows.setdefault(group, []).append(i)
+    out = {}
+    for group in (g for g in order if g in rows):
+        acc, dep = [accepted[i] for i in rows[group]], [depths[i] for i in rows[group]]
+        out[group] = {"rounds": len(acc), "tau": round(served_tau(acc), 4),
+                      "accept_per_pos": [round(a, 4) for a in acceptance_per_position(acc, dep, k)]}
+    return out
+
+
 def acceptance_by_context(accepted: Sequence[int], depths: Sequence[int], contexts: Sequence[int],
                           k: int) -> dict[str, dict[str, Any]]:
     """Per context-length bucket (shortest first, those with rounds): rounds, tau and acceptance per
     position of the rounds whose first drafted token had that much context before it."""
-    groups: dict[str, list[int]] = {}
-    for i, tokens in enumerate(contexts):
-        groups.setdefault(context_bucket(tokens), []).append(i)
-    out = {}
-    for bucket, rows in sorted(groups.items(), key=lambda item: CONTEXT_BUCKETS.index(item[0])):
-        acc, dep = [accepted[i] for i in rows], [depths[i] for i in rows]
-        out[bucket] = {
-            "rounds": len(rows), "tau": round(served_tau(acc), 4),
-            "accept_per_pos": [round(a, 4) for a in acceptance_per_position(acc, dep, k)]}
-    return out
+    return acceptance_by_group(accepted, depths, [context_bucket(t) for t in contexts], CONTEXT_BUCKETS, k)
+
+
+REPLY_PARTS = ("answer", "thinking")
 
 
 def acceptance_by_part(accepted: Sequence[int], depths: Sequence[int], thinking: Sequence[bool],
                        k: int) -> dict[str, dict[str, Any]]:
     """``answer`` and ``thinking`` (those with rounds): rounds, tau and acceptance per position of the
     rounds whose first drafted token is an answer token, or lies in the target's thinking block."""
-    out = {}
-    for part, flag in (("answer", False), ("thinking", True)):
-        rows = [i for i, t in enumerate(thinking) if bool(t) == flag]
-        if rows:
-            acc, dep = [accepted[i] for i in rows], [depths[i] for i in rows]
-            out[part] = {"rounds": len(rows), "tau": round(served_tau(acc), 4),
-                         "accept_per_pos": [round(a, 4) for a in acceptance_per_position(acc, dep, k)]}
-    return out
+    return acceptance_by_group(accepted, depths, [REPLY_PARTS[bool(t)] for t in thinking], REPLY_PARTS, k)
 
 
-__all__ = ["CONTEXT_BUCKETS", "CONTEXT_EDGES", "AcceptanceTally", "acceptance_by_context", "acceptance_by_part",
+__all__ = ["CONTEXT_BUCKETS", "CONTEXT_EDGES", "REPLY_PARTS", "AcceptanceTally", "acceptance_by_context",
+           "acceptance_by_group", "acceptance_by_part",
            "acceptance_per_position",
            "accepted_runs", "context_bucket", "served_tau", "step_hits", "upto_before"]

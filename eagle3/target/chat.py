@@ -131,16 +131,8 @@ class ChatFormat:
     def renders_tool_role(self) -> bool:
         """Whether the template renders a ``tool`` message as its own turn, its content included
         (else :data:`TOOL_RESULTS_AS_USER` carries results as user turns)."""
-        from jinja2 import TemplateError
-
-        probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "call"},
-                 {"role": "tool", "name": "probe", "tool_call_id": "0", "content": _SENTINEL}]
-        try:
-            text = self.tokenizer.apply_chat_template(probe, chat_template=self.template, tokenize=False,
-                                                      add_generation_prompt=True, **dict(self.template_kwargs))
-        except (TemplateError, TypeError, KeyError):
-            return False
-        return _SENTINEL in text
+        return self._shows_sentinel([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "call"},
+                                     {"role": "tool", "name": "probe", "tool_call_id": "0", "content": _SENTINEL}])
 
     @functools.cached_property
     def tool_call_arguments(self) -> str | None:
@@ -148,20 +140,24 @@ class ChatFormat:
         as an ``object`` (most: ``| tojson``) or as a JSON ``string`` (DeepSeek-R1's, OpenAI's wire
         form); None where it writes no calls (each is then written into the content as
         :data:`TOOL_CALL_TEXT`)."""
-        from jinja2 import TemplateError
-
         for form, arguments in (("object", {"a": 1}), ("string", '{"a": 1}')):
-            probe = [{"role": "user", "content": "hi"},
-                     {"role": "assistant", "content": None, "tool_calls": [
-                         {"id": "0", "type": "function", "function": {"name": _SENTINEL, "arguments": arguments}}]}]
-            try:
-                text = self.tokenizer.apply_chat_template(probe, chat_template=self.template, tokenize=False,
-                                                          **dict(self.template_kwargs))
-            except (TemplateError, TypeError, KeyError):
-                continue
-            if _SENTINEL in text:
+            call = {"id": "0", "type": "function", "function": {"name": _SENTINEL, "arguments": arguments}}
+            if self._shows_sentinel([{"role": "user", "content": "hi"},
+                                     {"role": "assistant", "content": None, "tool_calls": [call]}]):
                 return form
         return None
+
+    def _shows_sentinel(self, probe: list[dict[str, Any]]) -> bool:
+        """Whether rendering ``probe`` as it stands (no fallbacks) writes :data:`_SENTINEL`; a template
+        that refuses it does not."""
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template(probe, chat_template=self.template, tokenize=False,
+                                                      add_generation_prompt=True, **dict(self.template_kwargs))
+        except (TemplateError, TypeError, KeyError):
+            return False
+        return _SENTINEL in text
 
     def with_tools(self, tools: Sequence[Mapping[str, Any]] | None) -> ChatFormat:
         """This format with the conversation's function schemas (OpenAI's form, as
@@ -405,16 +401,18 @@ def _tools_in_system(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
 
 def _tool_results_as_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
+    previous = None
     for m in messages:
         if m["role"] != "tool":
             out.append(m)
-            continue
-        text = TOOL_RESULTS_AS_USER.format(name=m.get("name") or "tool", content=m["content"])
-        if out and out[-1].get("from_tools"):
-            out[-1]["content"] += "\n\n" + text
         else:
-            out.append({"role": "user", "content": text, "from_tools": True})
-    return [{k: v for k, v in m.items() if k != "from_tools"} for m in out]
+            text = TOOL_RESULTS_AS_USER.format(name=m.get("name") or "tool", content=m["content"])
+            if previous == "tool":  # consecutive results: one user turn
+                out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{text}"}
+            else:
+                out.append({"role": "user", "content": text})
+        previous = m["role"]
+    return out
 
 
 def _token_ids(value: Any) -> list[int] | None:
