@@ -3,7 +3,7 @@ and with it off (issue 49): does the mix keep its acceptance in both modes, and 
 draft drop with thinking off, as published drafts do (z-lab/dflash #60)?
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/studies/thinking_modes.py --pools runs/quickstart/pools \\
-        --out runs/thinking [--prompts 96] [--steps 60] [--per-set 8]
+        --out runs/thinking [--prompts 96] [--steps 60] [--per-set 8] [--seed 0]
 
 The embedded target has no thinking switch, so it is served here under a template that has one,
 modelled on Qwen3's (``enable_thinking``): on, the generation prompt opens ``<think>\\n``; off, it
@@ -68,6 +68,7 @@ def main() -> int:
     parser.add_argument("--per-set", type=int, default=8)
     parser.add_argument("--sets", default="mtbench,gsm8k,alpaca")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0, help="the seeds of the prompt choice, regeneration and training")
     args = parser.parse_args()
     out = (ROOT / args.out).resolve()
     target = target_folder(out)
@@ -76,7 +77,8 @@ def main() -> int:
         common = [f"out_dir={out / arm}", f"target.name_or_path={target}", f"pools.out_dir={args.pools}",
                   f"select.num_prompts={args.prompts}", "select.domains=[coding,science,multilingual,general]",
                   f"regenerate.thinking={arm}", f"regenerate.max_new_tokens={args.max_new_tokens}",
-                  "val.num_prompts=12", f"train.steps={args.steps}", "threads=1"]
+                  "val.num_prompts=12", f"train.steps={args.steps}", "threads=1", f"seed={args.seed}",
+                  f"select.seed={args.seed}", f"train.seed={args.seed}"]
         run([*common, "stages=[pools,regenerate,harvest,val,train]"])
         for mode in ("on", "off"):
             report = out / arm / f"eval-{mode}"
@@ -85,7 +87,7 @@ def main() -> int:
                  f"eval.max_new_tokens={args.max_new_tokens}"])
             overall = json.loads((report / "report.json").read_text())["overall"]
             results[arm, mode] = overall["tau"]
-            print(json.dumps({"arm": arm, "served_thinking": mode, "tau": overall["tau"],
+            print(json.dumps({"seed": args.seed, "arm": arm, "served_thinking": mode, "tau": overall["tau"],
                               "equal": overall.get("equal"), "prompts": overall["prompts"],
                               "by_part": overall.get("by_part")}), flush=True)
     print(json.dumps({
