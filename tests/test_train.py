@@ -654,6 +654,26 @@ def test_extra_stores_and_sample_weights(tiny: dict, tmp_path: Path) -> None:
         train(_cfg(tiny, tmp_path / "bad", steps=1, sample_weights=str(weights)), target=tiny["target"])
 
 
+def test_token_weights_and_hard_tokens_train_and_are_pinned(tiny: dict, tmp_path: Path) -> None:
+    store = HarvestStore(tiny["store"])
+    listed = tmp_path / "tokens.json"
+    listed.write_text(json.dumps({sid: [[j, 4.0] for j in range(2, 40, 3)] for sid in store.sample_ids}))
+    base = dict(steps=4, eval_every=0, save_every=2, eval_fraction=0.0)
+    plain = train(_cfg(tiny, tmp_path / "plain", **base), target=tiny["target"])
+    weighted = train(_cfg(tiny, tmp_path / "w", **base, token_weights=str(listed), hard_tokens="downweight",
+                          hard_token_entropy=0.5, hard_token_weight=0.1), target=tiny["target"])
+    assert weighted["last_loss"] != plain["last_loss"]  # the weights reached the loss
+    listed.write_text(json.dumps({sid: [[5, 2.0]] for sid in store.sample_ids[:10]}))
+    with pytest.raises(TrainError, match="token_weights="):  # another file: a resume refuses it
+        train(_cfg(tiny, tmp_path / "w", **{**base, "steps": 6}, token_weights=str(listed), hard_tokens="downweight",
+                   hard_token_entropy=0.5, hard_token_weight=0.1), target=tiny["target"])
+    listed.write_text(json.dumps({sid: [[j, 4.0] for j in range(2, 40, 3)] for sid in store.sample_ids}))
+    with pytest.raises(TrainError, match="was trained with train.hard_token"):  # the same file, no filter
+        train(_cfg(tiny, tmp_path / "w", **{**base, "steps": 6}, token_weights=str(listed)), target=tiny["target"])
+    with pytest.raises(ConfigError, match="train.hard_tokens='drop'"):
+        TrainConfig(hard_tokens="drop")
+
+
 def test_a_frozen_target_lm_head_stays_the_targets(tiny: dict, tmp_path: Path) -> None:
     out = tmp_path / "frozen"
     summary = train(_cfg(tiny, out, steps=3, eval_every=0, save_every=0, lm_head_init="target",

@@ -407,6 +407,8 @@ class StepTally:
                     else self.t2d[self._target_argmax.clamp_min(0)] & (self._target_argmax >= 0))
         valid = counted & in_vocab  # counted, and the target's argmax in the draft vocab (or mass on it)
         trained = valid & self.reached if self.gate_steps else valid  # [B, S]: the positions the loss sums
+        if self.targets.weight is not None:  # the loss averages over the weights of its positions
+            self._weight_sum = torch.where(valid, shift_left(self.targets.weight, k + 1, 0.0), 0.0).sum()
         self.counted.append(counted)
         self.valid.append(valid)
         trained_k = _rows(trained, self.at)  # [B, R]
@@ -416,9 +418,11 @@ class StepTally:
         """The step's objective summed over its loss positions and its argmax [B, S] (target ids)."""
         k = len(self.loss_sums)
         count = self.valid[k].sum()
-        whole = count if self.shard is None else self.shard.total(count)  # a shard's loss: over the row's count
+        norm = count if self.targets.weight is None else self._weight_sum
+        whole = norm if self.shard is None else self.shard.total(norm)  # a shard's loss: over the row's count
         loss = loss_sum.new_zeros((), dtype=torch.float32) if self.loss is None else self.loss
-        self.loss = loss + float(self.weights[k]) * loss_sum / whole.clamp_min(1)
+        floor = 1 if self.targets.weight is None else 1e-6  # weights: a weighted mean (all 0: no loss)
+        self.loss = loss + float(self.weights[k]) * loss_sum / whole.clamp_min(floor)
         self.loss_sums.append(loss_sum)
         self.counts.append(count)
         self.matches.append(draft_argmax == self._target_argmax)
@@ -444,12 +448,16 @@ def step_loss(draft: DraftHead, prenorm: Tensor, k: int, valid: Tensor, counted:
     if return_logits:
         logits = draft.compute_logits(prenorm)  # [B, S, Vd]
         ce = objective(logits, shift_left(targets.probs, k + 1, 0.0))  # [B, S] against p[t+k+1]
+        if targets.weight is not None:
+            ce = ce * shift_left(targets.weight, k + 1, 0.0)
         loss_sum = torch.where(valid, ce, 0.0).sum()
         return loss_sum, draft.draft_to_target_ids(logits.detach().argmax(-1)), logits
     rows, cols = counted  # [M] each
     t = cols if at is None else at[rows, cols]  # start positions
     logits = draft.compute_logits(prenorm[rows, cols])  # [M, Vd]
     ce = objective(logits, targets.probs[rows, t + k + 1])  # [M]: p[t+k+1]
+    if targets.weight is not None:
+        ce = ce * targets.weight[rows, t + k + 1]
     loss_sum = torch.where(valid[rows, cols], ce, 0.0).sum()
     draft_argmax = torch.full_like(input_ids, -2)  # [B, S]
     draft_argmax[rows, t] = draft.draft_to_target_ids(logits.detach().argmax(-1))

@@ -256,15 +256,17 @@ def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore | Sto
             "draft_sliding_window", "draft_full_attention_layers",
             "mask_token_id", "zero_stage", "context_parallel", "precision",
             "freeze_lm_head", "optimizer", "muon_momentum", "lm_head_init", "layer_init", "step_decay",
-            "draft_vocab_size", "draft_vocab", "loss", "lk_eta",
+            "draft_vocab_size", "draft_vocab", "loss", "lk_eta", "hard_tokens", "hard_token_entropy",
+            "hard_token_weight",
             # a checkpoint restores the optimizer's own lr, decay, betas and eps: a change would only be logged
             "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
     pinned = {f"train.{k}": getattr(cfg, k) for k in keys}
     weights = sha256_file(Path(cfg.sample_weights)) if cfg.sample_weights else None
+    token_weights = sha256_file(Path(cfg.token_weights)) if cfg.token_weights else None
     held_out = (eval_store.identity()  # the best draft is picked on it
                 if eval_store is not None and eval_store is not store else None)
     return {**pinned, "world_size": world_size, "store.samples": len(store),
-            "store.shards": store.identity(), "sample_weights": weights,
+            "store.shards": store.identity(), "sample_weights": weights, "token_weights": token_weights,
             "eval_store.shards": held_out}
 
 

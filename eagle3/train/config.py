@@ -16,6 +16,8 @@ DRAFT_RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "draft"
 
 _PRECISIONS = ("fp32", "bf16", "auto")
 LR_SCHEDULES = ("cosine", "linear", "constant")
+HARD_TOKENS = ("keep", "downweight", "phase_in")
+"""What ``train.hard_tokens`` may name."""
 """What ``train.lr_schedule`` may name (see :func:`eagle3.train.optim.warmup_decay`)."""
 
 
@@ -125,6 +127,20 @@ class TrainConfig:
     served draft is the same whichever is used."""
     lk_eta: float = 3.0
     """loss=lk_hybrid: how fast the KL term hands over to the acceptance term as alpha grows."""
+    hard_tokens: str = "keep"
+    """Positions the draft may not be able to fit, by the entropy of the target's distribution (over the
+    draft vocab) at the predicted token: keep (every position weighs 1); downweight (those above
+    ``hard_token_entropy`` weigh ``hard_token_weight`` in the loss, 0 leaving them out); phase_in (that
+    weight rises linearly to 1 at the last step: easy tokens first, hard ones later). Matches and
+    tau_sim count every position either way (eagle3.train.token_weights)."""
+    hard_token_entropy: float = 2.0
+    """hard_tokens: the entropy (nats) above which a position is hard."""
+    hard_token_weight: float = 0.0
+    """hard_tokens: the loss weight of a hard position (phase_in: at the first step)."""
+    token_weights: str | None = None
+    """A JSON file ``{sample_id: [[token index, weight], ...]}``: the loss weight of predicting those
+    tokens of the sample (every TTT step whose target is that token); unlisted tokens weigh 1. Mining's
+    error replay: the tokens the draft failed to propose, weighted up. The loss is a weighted mean."""
     loss_positions: str = "assistant"
     """assistant: train on the positions the store's loss mask marks (the replies, as EAGLE-3,
     SpecForge and speculators); all: on every position of each conversation (prompts and template
@@ -290,6 +306,15 @@ class TrainConfig:
             raise ConfigError(f"train.step_decay={self.step_decay}: must be in (0, 1]")
         if self.loss not in LOSSES:
             raise ConfigError(f"train.loss={self.loss!r}: expected one of {', '.join(LOSSES)}")
+        if self.hard_tokens not in HARD_TOKENS:
+            raise ConfigError(f"train.hard_tokens={self.hard_tokens!r}: expected one of {', '.join(HARD_TOKENS)}")
+        if not self.hard_token_entropy > 0:
+            raise ConfigError(f"train.hard_token_entropy={self.hard_token_entropy}: must be > 0 (nats)")
+        if self.token_weights and self.data != "offline":
+            raise ConfigError(f"train.token_weights={self.token_weights}: names samples of a harvest store; "
+                              f"train.data={self.data} streams them (train offline)")
+        if not 0.0 <= self.hard_token_weight <= 1.0:
+            raise ConfigError(f"train.hard_token_weight={self.hard_token_weight}: must be in [0, 1]")
         if not self.lk_eta > 0:
             raise ConfigError(f"train.lk_eta={self.lk_eta}: must be > 0")
         if self.precision not in _PRECISIONS:

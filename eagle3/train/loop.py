@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import resource
@@ -113,6 +114,7 @@ from eagle3.train.optim import (
 )
 from eagle3.train.start import DRAFT_VOCAB, choose_draft_vocab, initial_draft, new_draft
 from eagle3.train.step import PhaseClock, TTTModel, run_batch, train_forward
+from eagle3.train.token_weights import TokenWeights, read_token_weights
 
 # ---------------------------------------------------------------- the draft's weights and gradients
 
@@ -236,6 +238,8 @@ class _Loop:
         self.window = {"tokens": 0, "seconds": 0.0}
         self.loader = BatchLoader(self.store, cfg.batching, rt.device)
         self.clock = PhaseClock(rt.device, cfg.phase_times)
+        self.token_weights = TokenWeights(read_token_weights(cfg.token_weights, self.store.sample_ids),
+                                          cfg.hard_tokens, cfg.hard_token_entropy, cfg.hard_token_weight, cfg.steps)
 
     def evaluate(self) -> dict[str, float]:
         cfg, rt = self.cfg, self.rt
@@ -321,9 +325,13 @@ class _Loop:
         for micro in range(cfg.gradient_accumulation):
             idx, then = self._micro_batch(step_in_epoch, micro), self._micro_batch(step_in_epoch, micro + 1)
             batch = self.loader.get(idx, then)
+            weigh = None
+            if self.token_weights.active:
+                batch = self.token_weights.attach(batch, [self.store.sample_ids[i] for i in idx], cfg.batching)
+                weigh = functools.partial(self.token_weights, step=self.state.step)
             clock.mark("load")
             out, sums_now = train_forward(engine, self.head, batch, self.t2d, self.dtype, rt.device, cfg.loss_positions,
-                                          self.context)
+                                          self.context, weigh)
             clock.mark("forward")
             # a context group's losses add up to its row's; DeepSpeed averages gradients over every rank
             engine.backward(out.loss * self.context.size)  # x 1 alone: exact, the same gradients

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -51,12 +52,14 @@ class TTTModel(nn.Module):
 
     def forward(self, input_ids: Tensor, aux: Tensor, position_ids: Tensor, document_ids: Tensor,
                 loss_mask: Tensor, target_probs: Tensor, target_argmax: Tensor,
-                layout: RowLayout | None = None, shard: ContextShard | None = None) -> tuple[Tensor, ...]:
+                layout: RowLayout | None = None, shard: ContextShard | None = None,
+                target_weight: Tensor | None = None) -> tuple[Tensor, ...]:
         if self.training and self.feature_noise > 0:
             aux = add_feature_noise(aux, self.feature_noise)
         sharded = {} if shard is None else {"shard": shard}  # only the families that split a row take one
         out = family_of(self.draft.config).forward(self.draft, input_ids, aux, position_ids, document_ids, loss_mask,
-                          TTTTargets(probs=target_probs, argmax=target_argmax), num_steps=self.num_steps,
+                          TTTTargets(probs=target_probs, argmax=target_argmax, weight=target_weight),
+                          num_steps=self.num_steps,
                           weights=self.weights, gradient_checkpointing=self.gradient_checkpointing and self.training,
                           loss_on_oov=self.loss_on_oov, gate_steps=self.gate_steps, objective=self.objective,
                           layout=layout, **sharded)
@@ -64,9 +67,12 @@ class TTTModel(nn.Module):
 
 
 def run_batch(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: Tensor, dtype: torch.dtype,
-         device: torch.device, context: ContextGroup | None = None) -> TTTOutput:
+         device: torch.device, context: ContextGroup | None = None,
+         weigh: Callable[[dict[str, Tensor], Tensor], Tensor | None] | None = None) -> TTTOutput:
     """One batch as the loader builds it, on the host, through the engine on ``device`` (with a
-    ``context`` group of several ranks: this rank's rows of it, :mod:`eagle3.draft.context`).
+    ``context`` group of several ranks: this rank's rows of it, :mod:`eagle3.draft.context`);
+    ``weigh(batch, target_probs)``: the loss weight of each position (training only,
+    :mod:`eagle3.train.token_weights`).
 
     What depends on the data's masks (the rows the target head and each step read) is worked out
     here, on the host, before the batch moves: the device then never reports a count back, which on
@@ -85,15 +91,19 @@ def run_batch(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: Tens
     targets = head.targets(batch, t2d, rows=None if rows is None else to_device(rows, device))
     if shard is not None:
         shard = replace(shard, keys_doc=to_device(shard.keys_doc, device), keys_row=to_device(shard.keys_row, device))
+    weight = None if weigh is None else weigh(batch, targets.probs)
     loss, loss_sum, count, match, counted = engine(batch["input_ids"], batch["aux"].to(dtype), batch["position_ids"],
                                                    batch["document_ids"], batch["loss_mask"], targets.probs,
-                                                   targets.argmax, layout=to_device(layout, device), shard=shard)
+                                                   targets.argmax, layout=to_device(layout, device), shard=shard,
+                                                   target_weight=weight)
     return TTTOutput(loss=loss, loss_sum=loss_sum, count=count, match=match, counted=counted, valid=counted)
 
 
 def train_forward(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: Tensor, dtype: torch.dtype,
                   device: torch.device, loss_positions: str = "replies",
-                  context: ContextGroup | None = None) -> tuple[TTTOutput, Tensor]:
+                  context: ContextGroup | None = None,
+                  weigh: Callable[[dict[str, Tensor], Tensor], Tensor | None] | None = None
+                  ) -> tuple[TTTOutput, Tensor]:
     """A training micro-batch's forward (``batch`` on the host, as the loader builds it): its output
     and its [loss, tokens] (float64, on ``device``, to be summed over micro-batches and ranks
     without a host sync; a context group's tokens counted by its first rank)."""
@@ -102,7 +112,7 @@ def train_forward(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: 
         tokens = tokens * 0
     if loss_positions == "all":
         batch = {**batch, "loss_mask": batch["document_ids"] >= 0}  # [B, S]
-    out = run_batch(engine, head, batch, t2d, dtype, device, context)
+    out = run_batch(engine, head, batch, t2d, dtype, device, context, weigh)
     return out, torch.stack([out.loss.detach().double(), to_device(tokens.double(), device)])
 
 
