@@ -7,7 +7,12 @@ from dataclasses import dataclass, field
 from eagle3.errors import ConfigError
 from eagle3.train.config import WANDB_MODES
 
-MINE_STRATEGIES = ("reweight", "hardest", "synthesize", "uniform")
+MINE_STRATEGIES = ("reweight", "hardest", "synthesize", "replay", "uniform")
+RANKS = ("missed_confident", "excess", "loss")
+"""How samples are ranked hardest first (``mine.rank``, :func:`hard_mining.score.rank_key`):
+``missed_confident``, the share of starts whose first draft token was rejected where the target was
+confident (ties: higher excess first); ``excess``, the loss above the target's own entropy;
+``loss``, the raw loss (high-entropy text first: kept for comparison)."""
 
 
 @dataclass
@@ -30,7 +35,14 @@ class MineConfig:
     out_dir: str = ""
     rounds: int = 1
     strategies: list[str] = field(default_factory=lambda: ["reweight", "hardest", "synthesize"])
-    """Any of reweight, hardest, synthesize; or uniform (random pool prompts, the ablation's control)."""
+    """Any of reweight, hardest, synthesize, replay; or uniform (random pool prompts, the ablation's control)."""
+    rank: str = "missed_confident"
+    """hardest and synthesize: how samples are ranked hardest first (hard_mining.score.RANKS):
+    missed_confident (the share of starts whose first draft token the target rejected where it was
+    confident itself: learnable misses), excess (the loss above the target's entropy), or loss (raw:
+    picks text no draft can learn; for comparison)."""
+    confidence: float = 0.5
+    """rank=missed_confident: the target's top-1 probability from which a position counts as confident."""
     candidates: int = 64
     """hardest: pool prompts scored cheaply per round (balanced over domains)."""
     candidate_tokens: int = 48
@@ -46,6 +58,12 @@ class MineConfig:
     """synthesize: procedural math and code prompts each per round."""
     uniform: int = 16
     """uniform: random pool prompts per round."""
+    replay_prompts: int = 16
+    """replay: pool prompts per round (balanced over domains) the draft is run against; with them,
+    every conversation the round adds is replayed: the tokens its served rounds rejected are weighted
+    ``replay_weight`` in training (``train.token_weights``; earlier rounds' carried)."""
+    replay_weight: float = 3.0
+    """replay: the loss weight of a rejected token (every TTT step whose target it is)."""
     weight_power: float = 4.0
     """reweight: domain weight (tau_best / tau_domain) ** power, clipped to [0.25, 4]."""
     steps: int = 60
@@ -83,7 +101,13 @@ class MineConfig:
         for name in ("rounds", "steps", "max_new_tokens", "candidate_tokens", "variation_tokens", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"mine.{name}={getattr(self, name)}: must be >= 1")
-        for name in ("candidates", "hard_examples", "variations", "procedural", "uniform"):
+        if self.rank not in RANKS:
+            raise ConfigError(f"mine.rank={self.rank!r}: expected one of {', '.join(RANKS)}")
+        if not 0.0 < self.confidence <= 1.0:
+            raise ConfigError(f"mine.confidence={self.confidence}: must be in (0, 1]")
+        if not self.replay_weight >= 0:
+            raise ConfigError(f"mine.replay_weight={self.replay_weight}: must be >= 0")
+        for name in ("candidates", "hard_examples", "variations", "procedural", "uniform", "replay_prompts"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"mine.{name}={getattr(self, name)}: must be >= 0")
         if self.lr is not None and self.lr <= 0:

@@ -51,6 +51,7 @@ from eagle3.store.conversations import iter_jsonl, take_in_turn
 from eagle3.store.shards import HarvestStore, open_stores
 from eagle3.train.config import TrainConfig
 from hard_mining.config import MineConfig
+from hard_mining.replay import replay_weights, reply_spans, served_rounds
 from hard_mining.score import (
     SampleScore,
     group_scores,
@@ -235,9 +236,11 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
     draft_dir = Path(cfg.draft)
     stores: list[str] = []  # appended by earlier rounds
     weights_file: str | None = None
+    token_weights: str | None = None  # error replay's, carried from round to round
     harvested_ids = {str(r["id"]) for r in records}
     for done in manifest["rounds"]:
         draft_dir, stores, weights_file = Path(done["draft"]), done["stores"], done["sample_weights"]
+        token_weights = done.get("token_weights")
         harvested_ids |= set(done["added_ids"])
         records += read_records(done["added_records"])
 
@@ -260,18 +263,12 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
                     fresh=[p for p in pool if str(p.get("id")) not in harvested_ids],
                     harvester=Harvester(rdir, target, target_cfg, base, seed, progress, cfg.workers, cfg.mode))
         new_records, added, weights_file = _mine(rd, weights_file)
-        harvester = rd.harvester
-
-        new_store = harvester("mined", new_records, cfg.max_new_tokens)
-        round_stores = list(stores)
-        added_records: list[str] = []
-        if new_store is not None:
-            round_stores.append(str(new_store[0]))
-            added_records.append(str(new_store[1]))
-            records += read_records([new_store[1]])
+        round_stores, added_records, token_weights = _harvest_mined(rd, new_records, stores, added, token_weights)
+        records += read_records(added_records)
 
         summary = train(replace(train_cfg, data="offline", store=cfg.store, extra_stores=round_stores,
-                                sample_weights=weights_file, init_draft=str(draft_dir), steps=cfg.steps,
+                                sample_weights=weights_file, token_weights=token_weights,
+                                init_draft=str(draft_dir), steps=cfg.steps,
                                 lr=cfg.lr if cfg.lr is not None else train_cfg.lr / 4,
                                 out_dir=str(rdir / "train"), eval_store=cfg.eval_store, eval_fraction=0.0,
                                 seed=train_cfg.seed + r, resume=True, wandb_mode="disabled"),
@@ -282,11 +279,13 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
         write_scores(rdir / "scores_eval_after.jsonl", after)
         entry = {
             "round": r, "draft_before": str(draft_dir), "draft": str(new_draft), "stores": round_stores,
-            "sample_weights": weights_file, "added": added, "added_records": added_records,
+            "sample_weights": weights_file, "token_weights": token_weights, "added": added,
+            "added_records": added_records,
             "added_ids": [str(x["id"]) for x in new_records],
             "before": _groups(before), "after": _groups(after),
             "train": {k: summary.get(k) for k in ("steps", "tokens_per_s", "train_samples", "eval_last")},
-            "hardest_train": [s.as_dict() | {"accepted": None} for s in hardest(train_scores, 10)],
+            "hardest_train": [s.as_dict() | {"accepted": None}
+                              for s in hardest(train_scores, 10, rank=cfg.rank, confidence=cfg.confidence)],
             "seconds": round(time.perf_counter() - started, 1),
         }
         manifest["rounds"].append(entry)
@@ -334,6 +333,13 @@ def _mine(rd: _Round, weights_file: str | None) -> tuple[list[dict[str, Any]], d
     if "synthesize" in cfg.strategies:
         kept, added["synthesize"] = _synthesize(rd, new_records)
         new_records += kept
+    if "replay" in cfg.strategies and cfg.replay_prompts:
+        taken = {str(x["id"]) for x in new_records}
+        picked = balanced_pick([p for p in rd.fresh if str(p.get("id")) not in taken], cfg.replay_prompts,
+                               rd.seed + 500_000)
+        kept, dropped = dedupe(picked, [*rd.known, *new_records])
+        new_records += kept
+        added["replay"] = {"picked": len(picked), "kept": len(kept), "dropped": dropped}
     if "uniform" in cfg.strategies and cfg.uniform:
         picked = random.Random(rd.seed).sample(rd.fresh, min(cfg.uniform, len(rd.fresh)))
         kept, dropped = dedupe(picked, [*rd.known, *new_records])
@@ -364,16 +370,45 @@ def _hardest(rd: _Round) -> tuple[list[dict[str, Any]], dict[str, Any]]:
                      for x in cands}
         cand_scores = score_store(rd.draft, rd.head, HarvestStore(got[0]), cand_meta, ttt_steps=rd.ttt_steps)
         write_scores(rd.dir / "scores_candidates.jsonl", cand_scores)
-        ids = set(pick_hardest(per_record(cand_scores), cfg.keep_fraction))  # a fraction of the records
+        ids = set(pick_hardest(per_record(cand_scores), cfg.keep_fraction, rank=cfg.rank,
+                               confidence=cfg.confidence))  # a fraction of the records
         keep = [x for x in cands if str(x["id"]) in ids]
     return keep, {"candidates": len(cands), "kept": len(keep), "dropped": dropped}
+
+
+def _harvest_mined(rd: _Round, new_records: list[dict[str, Any]], stores: list[str], added: dict[str, Any],
+                   token_weights: str | None) -> tuple[list[str], list[str], str | None]:
+    """The round's new prompts regenerated in full and harvested into its store -> (the stores to train
+    on, the regenerated records added, the token weights file: error replay's where it runs)."""
+    new_store = rd.harvester("mined", new_records, rd.cfg.max_new_tokens)
+    if new_store is None:
+        return list(stores), [], token_weights
+    if "replay" in rd.cfg.strategies:
+        token_weights, added["replay_tokens"] = _replay_weights(rd, HarvestStore(new_store[0]), token_weights)
+    return [*stores, str(new_store[0])], [str(new_store[1])], token_weights
+
+
+def _replay_weights(rd: _Round, store: HarvestStore, carried: str | None) -> tuple[str, dict[str, Any]]:
+    """Error replay: the round's new conversations scored by the draft they were mined for; the tokens
+    its served rounds rejected weighted ``replay_weight`` (hard_mining.replay), merged with the
+    earlier rounds' weights into the round's ``token_weights.json``."""
+    scores = score_store(rd.draft, rd.head, store, {}, ttt_steps=rd.ttt_steps)
+    spans = {sid: reply_spans(store[i].loss_mask) for i, sid in enumerate(store.sample_ids)}
+    weights = json.loads(Path(carried).read_text()) if carried else {}
+    new = replay_weights(scores, spans, rd.ttt_steps, rd.cfg.replay_weight)
+    weights.update(new)
+    path = rd.dir / "token_weights.json"
+    atomic_write_text(path, json.dumps(weights))
+    rounds = [r for s in scores for r in served_rounds(s, spans[s.sample_id], rd.ttt_steps)]
+    return str(path), {"samples": len(new), "rounds": len(rounds),
+                       "rejected": sum(len(v) for v in new.values()), "weight": rd.cfg.replay_weight}
 
 
 def _synthesize(rd: _Round, so_far: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Variations of the hardest training prompts written by the target, plus procedural math and code."""
     cfg = rd.cfg
     by_id = {str(x["id"]): x for x in rd.records}
-    worst = hardest(rd.train_scores, 4 * cfg.hard_examples)
+    worst = hardest(rd.train_scores, 4 * cfg.hard_examples, rank=cfg.rank, confidence=cfg.confidence)
     parent_ids = dict.fromkeys(record_of(s.sample_id) for s in worst)
     parents = [by_id[i] for i in parent_ids if i in by_id][: cfg.hard_examples]  # one per record
     made: list[dict[str, Any]] = []

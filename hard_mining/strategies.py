@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from eagle3.store.conversations import normalize_text, prompt_key, record_id
-from hard_mining.score import GroupScore, SampleScore, record_of
+from hard_mining.score import GroupScore, SampleScore, rank_key, record_of
 
 # ---------------------------------------------------------------- (a) reweight weak domains
 
@@ -63,19 +63,21 @@ def per_record(scores: Sequence[SampleScore]) -> list[SampleScore]:
             continue
         positions = sum(x.positions for x in items)
         loss = sum(x.loss * x.positions for x in items) / positions if positions else items[0].loss
+        entropy = sum(x.entropy * x.positions for x in items) / positions if positions else items[0].entropy
         out.append(SampleScore(rid, items[0].domain, items[0].language, sum(x.tokens for x in items),
                                [a for x in items for a in x.accepted], loss,
                                [sum(v) for v in zip(*(x.step_hits for x in items), strict=True)],
                                [sum(v) for v in zip(*(x.step_counted for x in items), strict=True)],
-                               [c for x in items for c in x.contexts]))
+                               [c for x in items for c in x.contexts], entropy,
+                               [p for x in items for p in x.top1]))  # starts: rows of different samples, left out
     return out
 
 
 def pick_hardest(scores: Sequence[SampleScore], fraction: float, per_domain: bool = True,
-                 min_positions: int = 4) -> list[str]:
-    """Ids of the top ``fraction`` of candidates by loss (within each domain when ``per_domain``,
-    so a domain that is hard everywhere cannot crowd out the others); candidates with fewer than
-    ``min_positions`` scored positions are left out."""
+                 min_positions: int = 4, rank: str = "loss", confidence: float = 0.5) -> list[str]:
+    """Ids of the top ``fraction`` of candidates, hardest first under ``rank`` (:data:`RANKS`; within
+    each domain when ``per_domain``, so a domain that is hard everywhere cannot crowd out the
+    others); candidates with fewer than ``min_positions`` scored positions are left out."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction={fraction}: must be in (0, 1]")
     pool = [s for s in scores if s.positions >= min_positions]
@@ -85,7 +87,7 @@ def pick_hardest(scores: Sequence[SampleScore], fraction: float, per_domain: boo
     keep: list[str] = []
     for items in groups.values():
         n = max(1, round(fraction * len(items)))
-        keep += [s.sample_id for s in sorted(items, key=lambda s: (-s.loss, s.tau_sim, s.sample_id))[:n]]
+        keep += [s.sample_id for s in sorted(items, key=rank_key(rank, confidence))[:n]]
     return sorted(keep)
 
 

@@ -84,7 +84,10 @@ def test_scores_agree_with_the_trainers_eval(world: dict) -> None:
         assert all(0 <= a <= 3 for a in s.accepted) and s.step_counted[0] == s.positions
         # each start's context: the tokens up to it, increasing along the row and within it
         assert len(s.contexts) == s.positions and s.contexts == sorted(set(s.contexts))
-        assert 1 <= s.contexts[0] and s.contexts[-1] <= s.tokens
+        assert 2 <= s.contexts[0] and s.contexts[-1] <= s.tokens - 1
+        # as the loop counts them: row t's first draft token is token t + 2, after t + 2 tokens
+        assert s.contexts == [t + 2 for t in s.starts] and len(s.top1) == s.positions
+        assert 0.0 < s.entropy <= s.loss and all(0.0 < p <= 1.0 for p in s.top1)
     by_context = group_by_context(scores)
     assert sum(b["starts"] for b in by_context.values()) == pooled.positions
     if len(by_context) == 1:
@@ -130,6 +133,31 @@ def test_grouping_and_selection_by_hand() -> None:
     pooled = {x.sample_id: x for x in per_record(split)}
     assert set(pooled) == {"r", "q"} and pooled["r"].accepted == [0, 1, 3, 0, 0, 0]
     assert pooled["r"].loss == pytest.approx((2.0 * 2 + 5.0 * 4) / 6) and pooled["q"] is split[2]
+
+
+def test_learnable_ranks_by_hand() -> None:
+    """High loss that is mostly the target's own entropy ranks last under the learnable ranks."""
+    noisy = SampleScore("noisy", "general", "en", 50, [0, 0, 0, 0], loss=6.0, entropy=5.8, top1=[0.2, 0.1, 0.3, 0.2])
+    learnable = SampleScore("learn", "general", "en", 50, [0, 0, 1, 0], loss=3.0, entropy=1.0,
+                            top1=[0.9, 0.8, 0.9, 0.3])
+    fitted = SampleScore("fit", "general", "en", 50, [3, 2, 3, 0], loss=1.5, entropy=1.2, top1=[0.9, 0.9, 0.9, 0.6])
+    scores = [noisy, learnable, fitted]
+    assert learnable.excess == pytest.approx(2.0) and learnable.missed_confident() == pytest.approx(2 / 4)
+    assert fitted.missed_confident() == pytest.approx(1 / 4) and noisy.missed_confident() == 0.0
+    assert [s.sample_id for s in hardest(scores, 3, min_positions=1, rank="loss")] == ["noisy", "learn", "fit"]
+    assert [s.sample_id for s in hardest(scores, 3, min_positions=1, rank="excess")] == ["learn", "fit", "noisy"]
+    assert [s.sample_id for s in hardest(scores, 3, min_positions=1, rank="missed_confident")] == [
+        "learn", "fit", "noisy"]
+    assert [s.sample_id for s in hardest(scores, 3, min_positions=1, rank="missed_confident",
+                                         confidence=0.95)][0] == "learn"  # none confident: excess decides
+    assert pick_hardest(scores, 0.34, min_positions=1, rank="missed_confident") == ["learn"]
+    with pytest.raises(ValueError, match="mine.rank='magic'"):
+        MineConfig(rank="magic")
+    pooled = per_record([SampleScore("r-t0", "g", "en", 9, [0], 2.0, [0], [1], [3], 1.5, [0.9], [2]),
+                         SampleScore("r-t1", "g", "en", 9, [1, 0, 0], 3.0, [1], [3], [4, 5, 6], 1.0,
+                                     [0.1, 0.7, 0.2], [3, 4, 5])])[0]
+    assert pooled.entropy == pytest.approx((1.5 + 3 * 1.0) / 4) and pooled.top1 == [0.9, 0.1, 0.7, 0.2]
+    assert pooled.missed_confident() == pytest.approx(2 / 4)
 
 
 def test_domain_weights_by_hand() -> None:
@@ -283,3 +311,67 @@ def test_mining_scores_and_retrains_each_parallel_family(world: dict, tmp_path: 
     (entry,) = run_rounds(cfg, base, TargetConfig(name_or_path="lively"), target=target, progress=False)["rounds"]
     assert entry["train"]["steps"] == 2
     assert load_draft(entry["draft"]).draft.config.family == family
+
+
+def test_the_replayed_rounds_are_the_ones_the_loop_serves(world: dict, tmp_path: Path) -> None:
+    """Rounds worked out from a harvested reply's scores equal the bundled loop's on that prompt: the
+    same first-draft-token positions and accepted runs, the replies identical (lossless)."""
+    from data_gen.config import RegenerateConfig
+    from data_gen.regenerate import run as regenerate
+    from hard_mining.replay import replay_weights, reply_spans, served_rounds
+    from hard_mining.rounds import load_scoring_draft
+    from serve_eval.config import SpecConfig
+    from serve_eval.spec_decode import SpeculativeDecoder
+
+    target, lively = world["target"], TargetConfig(name_or_path="lively")
+    prompts = record_file(tmp_path / "p.jsonl", range(300, 316, 2), "q")  # single-turn conversations
+    regenerate(RegenerateConfig(pool=str(prompts), out_dir=str(tmp_path / "regen"), max_new_tokens=40), lively,
+               target=target, progress=False)
+    harvest(HarvestConfig(data=str(tmp_path / "regen" / "dataset" / "regenerated.jsonl"),
+                          out_dir=str(tmp_path / "store"), dtype="float32"), lively, target=target, progress=False)
+    store = HarvestStore(tmp_path / "store")
+    draft = load_scoring_draft(world["root"] / "train" / "final", target)
+    scores = score_store(draft, target_head(target), store, {}, ttt_steps=3)
+    decoder = SpeculativeDecoder(target, draft, SpecConfig(k=3))
+    compared, accepted_seen, spans_of = 0, set(), {}
+    for i, s in enumerate(scores):
+        sample = store[i]
+        spans_of[s.sample_id] = spans = reply_spans(sample.loss_mask)
+        ((first, last),) = spans
+        ids = sample.input_ids.tolist()
+        gen = decoder.generate(ids[:first], max_new_tokens=last - first + 1)
+        assert gen.tokens == ids[first:last + 1]  # the loop serves the harvested reply, token for token
+        mine = [(t + 2, a) for t, a, _ in served_rounds(s, spans, 3)]
+        inside = [(c, a) for c, a in mine if c + 3 <= last]  # the loop may draft past the reply's end
+        assert list(zip(gen.stats.contexts, gen.stats.accepted, strict=False))[:len(inside)] == inside
+        compared += len(inside)
+        accepted_seen |= {a for _, a in inside}
+    assert compared >= 40 and {0, 1} <= accepted_seen, (compared, accepted_seen)
+    weights = replay_weights(scores, spans_of, 3, 2.5)
+    some = next(iter(weights.items()))
+    rounds = served_rounds(next(s for s in scores if s.sample_id == some[0]), spans_of[some[0]], 3)
+    assert some[1] == [[j, 2.5] for _, a, j in rounds if j >= 0] and all(a < 3 for _, a, j in rounds if j >= 0)
+
+
+def test_error_replay_rounds_weigh_the_rejected_tokens(world: dict, tmp_path: Path) -> None:
+    root, target = world["root"], world["target"]
+    pool = record_file(tmp_path / "pool.jsonl", range(400, 420), "p")
+    cfg = MineConfig(draft=str(root / "train" / "final"), store=str(root / "store"), records=[str(world["data"])],
+                     eval_store=str(root / "val"), eval_records=[str(world["val"])], pool=str(pool),
+                     out_dir=str(tmp_path / "replay"), rounds=2,
+                     strategies=["replay"], replay_prompts=4, replay_weight=2.5, steps=2, max_new_tokens=16,
+                     wandb_mode="disabled")
+    lively = TargetConfig(name_or_path="lively")
+    manifest = run_rounds(cfg, world["train"], lively, target=target, progress=False)
+    first, second = manifest["rounds"]
+    assert first["added"]["replay"]["kept"] == 4 and len(first["added_ids"]) == 4
+    assert first["added"]["replay_tokens"]["rejected"] > 0
+    w1 = json.loads(Path(first["token_weights"]).read_text())
+    mined = HarvestStore(Path(first["stores"][0]))
+    assert set(w1) <= set(mined.sample_ids) and all(w == 2.5 for v in w1.values() for _, w in v)
+    for sid, pairs in w1.items():  # every weighted token is a reply token of its sample
+        mask = mined[mined.sample_ids.index(sid)].loss_mask
+        assert all(mask[j] for j, _ in pairs)
+    w2 = json.loads(Path(second["token_weights"]).read_text())
+    assert set(w1) < set(w2)  # round 2 keeps round 1's weights and adds its own
+    assert run_rounds(cfg, world["train"], lively, target=target, progress=False) == manifest  # resumes

@@ -448,16 +448,14 @@ def step_loss(draft: DraftHead, prenorm: Tensor, k: int, valid: Tensor, counted:
     if return_logits:
         logits = draft.compute_logits(prenorm)  # [B, S, Vd]
         ce = objective(logits, shift_left(targets.probs, k + 1, 0.0))  # [B, S] against p[t+k+1]
-        if targets.weight is not None:
-            ce = ce * shift_left(targets.weight, k + 1, 0.0)
+        ce = ce if targets.weight is None else ce * shift_left(targets.weight, k + 1, 0.0)
         loss_sum = torch.where(valid, ce, 0.0).sum()
         return loss_sum, draft.draft_to_target_ids(logits.detach().argmax(-1)), logits
     rows, cols = counted  # [M] each
     t = cols if at is None else at[rows, cols]  # start positions
     logits = draft.compute_logits(prenorm[rows, cols])  # [M, Vd]
     ce = objective(logits, targets.probs[rows, t + k + 1])  # [M]: p[t+k+1]
-    if targets.weight is not None:
-        ce = ce * targets.weight[rows, t + k + 1]
+    ce = ce if targets.weight is None else ce * targets.weight[rows, t + k + 1]
     loss_sum = torch.where(valid[rows, cols], ce, 0.0).sum()
     draft_argmax = torch.full_like(input_ids, -2)  # [B, S]
     draft_argmax[rows, t] = draft.draft_to_target_ids(logits.detach().argmax(-1))
