@@ -1,23 +1,30 @@
-"""Does mining help at equal compute? Mined rounds vs the uniform mixture, >= 2 seeds, held-out tau
-per domain with bootstrap confidence intervals.
+"""Does mining help at equal compute? Arms of mining strategies against the uniform mixture, >= 2
+seeds, held-out tau per domain with bootstrap confidence intervals.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/studies/mining_ablation.py --draft runs/race/bench/ours/final \\
         --store runs/race/harvest --records runs/race/regenerate/dataset/regenerated.jsonl \\
         --eval-store runs/race/val/harvest --eval-records runs/race/val/regenerate/dataset/regenerated.jsonl \\
         --pool runs/race/pools/train.jsonl --eval-sets runs/race/pools/eval --out runs/ablation \\
-        [--seeds 0 1] [--steps 90]
+        [--seeds 0 1] [--steps 90] [--added 16] [--arms uniform learnable replay hard-tokens ...]
 
-Both arms start from the same draft and continue training for the same number of steps at the
-same tokens per step (the tokens actually trained are printed), on the base store plus what the
-arm added: ``mined`` = reweight + hardest candidates + synthesised prompts (``hard_mining``
-defaults), ``uniform`` = as many random pool prompts as the mined arm of the same seed added,
-no weights. Every (arm, seed) is a separate ``hard_mining.rounds`` run (resumable).
+Every arm starts from the same draft and continues training for the same number of steps at the same
+tokens per step on the base store plus the ``--added`` prompts it chose (regenerated in full and
+harvested), so every arm trains at the same compute; what differs is which prompts, and how the loss
+weighs their tokens (:data:`ARMS`): ``uniform`` random pool prompts (the control); ``loss``,
+``excess``, ``learnable`` the top quarter of 4x as many candidates by raw loss, by the loss above the
+target's entropy, by confident misses (``mine.rank``); ``replay`` random prompts whose rejected tokens
+are weighted up (error replay); ``hard-tokens`` uniform prompts with high-entropy positions
+down-weighted in the loss (``train.hard_tokens``); ``learnable-replay`` and ``all`` combine them;
+``mined`` the old default (reweight + hardest by loss + synthesize; it adds its own count, so it
+gets its own matched uniform control, ``uniform-matched``). Every (arm, seed) is a separate
+``hard_mining.rounds`` run (resumable).
 
 One JSON line per (arm, group): held-out tau_sim (K = the TTT steps) per seed, their mean, and a
-95% bootstrap interval (samples resampled with replacement, the same draws for both arms and
-every seed; the statistic is the mean over seeds of the pooled tau); then the paired difference
-mined - uniform with its interval. Goal of the issue: the weakest domain +10% tau, overall not
-worse.
+95% bootstrap interval (samples resampled with replacement, the same draws for every arm and
+seed; the statistic is the mean over seeds of the pooled tau); then per arm against its control
+the paired difference with its interval and the ratio of (tau - 1). Goal of issue 50: the best
+arm's (tau - 1) >= 1.10x uniform's overall and >= 1.15x on the weakest domain (the lowest before
+the round), the difference's interval above 0.
 """
 
 from __future__ import annotations
@@ -71,6 +78,39 @@ def paired_diff(a: list[list[dict]], b: list[list[dict]], group: str | None,
     return point, float(t.quantile(0.025)), float(t.quantile(0.975))
 
 
+ARMS = ("uniform", "loss", "excess", "learnable", "replay", "hard-tokens", "learnable-replay", "all", "mined",
+        "uniform-matched")
+CONTROL = {"mined": "uniform-matched"}
+"""An arm's control where it is not ``uniform``."""
+
+
+def arm_settings(arm: str, added: int, matched: int | None, hard_entropy: float,
+                 replay_weight: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(mine settings, continued-training settings) of an arm adding ``added`` prompts."""
+    hardest = {"candidates": 4 * added, "keep_fraction": 0.25}
+    hard_tokens = {"hard_tokens": "downweight", "hard_token_entropy": hard_entropy, "hard_token_weight": 0.0}
+    arms: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+        "uniform": ({"strategies": ["uniform"], "uniform": added}, {}),
+        "loss": ({"strategies": ["hardest"], "rank": "loss", **hardest}, {}),
+        "excess": ({"strategies": ["hardest"], "rank": "excess", **hardest}, {}),
+        "learnable": ({"strategies": ["hardest"], "rank": "missed_confident", **hardest}, {}),
+        "replay": ({"strategies": ["replay"], "replay_prompts": added, "replay_weight": replay_weight}, {}),
+        "hard-tokens": ({"strategies": ["uniform"], "uniform": added}, hard_tokens),
+        "learnable-replay": ({"strategies": ["hardest", "replay"], "rank": "missed_confident", "replay_prompts": 0,
+                              "replay_weight": replay_weight, **hardest}, {}),
+        "all": ({"strategies": ["hardest", "replay"], "rank": "missed_confident", "replay_prompts": 0,
+                 "replay_weight": replay_weight, **hardest}, hard_tokens),
+        "mined": ({"strategies": ["reweight", "hardest", "synthesize"], "rank": "loss", "candidates": 64}, {}),
+    }
+    if arm == "uniform-matched":
+        if matched is None:
+            raise SystemExit("--arms: uniform-matched follows mined (it adds as many prompts as mined did)")
+        return {"strategies": ["uniform"], "uniform": matched}, {}
+    if arm not in arms:
+        raise SystemExit(f"--arms: {arm!r} is not one of {', '.join(ARMS)}")
+    return arms[arm]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name in ("--draft", "--store", "--eval-store", "--pool", "--out"):
@@ -81,7 +121,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, default=90)
-    parser.add_argument("--candidates", type=int, default=64)
+    parser.add_argument("--added", type=int, default=16, help="prompts every arm adds (mined: its own count)")
+    parser.add_argument("--arms", nargs="+", default=["uniform", "learnable", "replay", "hard-tokens"],
+                        help=f"of {', '.join(ARMS)}; uniform-matched after mined")
+    parser.add_argument("--hard-token-entropy", type=float, default=3.0,
+                        help="hard-tokens and all: positions above this target entropy (nats) leave the loss")
+    parser.add_argument("--replay-weight", type=float, default=3.0)
     parser.add_argument("--recipe", default="none",
                         help="draft recipe of the continued training (recipes/draft/NAME.yaml; none: the library's "
                              "defaults, which the figures in docs/mining.md used)")
@@ -107,46 +152,53 @@ def main(argv: list[str] | None = None) -> None:
                                    batching="buckets", precision="auto", eval_every=0, save_every=0, progress=False)
     common = dict(draft=args.draft, store=args.store, records=args.records, eval_store=args.eval_store,
                   eval_records=args.eval_records, pool=args.pool, eval_sets=args.eval_sets, rounds=1,
-                  steps=args.steps, candidates=args.candidates, wandb_mode="offline")
-    after: dict[str, list[list[dict[str, Any]]]] = {"mined": [], "uniform": []}
+                  steps=args.steps, wandb_mode="offline")
+    after: dict[str, list[list[dict[str, Any]]]] = {}
     before: list[dict[str, Any]] = []
     for seed in args.seeds:
         tcfg = replace(train_cfg, seed=100 * seed)
-        mined = run_rounds(MineConfig(**common, out_dir=str(out / f"mined-{seed}"), seed=seed), tcfg, target_cfg,
-                           target=target, progress=False)
-        added = len(mined["rounds"][0]["added_ids"])
-        uniform = run_rounds(MineConfig(**common, out_dir=str(out / f"uniform-{seed}"), seed=seed,
-                                        strategies=["uniform"], uniform=added), tcfg, target_cfg, target=target,
-                             progress=False)
-        for arm, manifest in (("mined", mined), ("uniform", uniform)):
+        matched = None
+        for arm in args.arms:
+            mine, train_kw = arm_settings(arm, args.added, matched, args.hard_token_entropy, args.replay_weight)
+            manifest = run_rounds(MineConfig(**common, **mine, out_dir=str(out / f"{arm}-{seed}"), seed=seed),
+                                  replace(tcfg, **train_kw), target_cfg, target=target, progress=False)
             entry = manifest["rounds"][0]
+            if arm == "mined":
+                matched = len(entry["added_ids"])
             print(json.dumps({"figure": "mining_arm", "arm": arm, "seed": seed,
                               "added_prompts": len(entry["added_ids"]), "added": entry["added"],
                               "train": entry["train"], "seconds": entry["seconds"]}), flush=True)
-            after[arm].append(load_scores(out / f"{arm}-{seed}" / "round-1" / "scores_eval_after.jsonl"))
-        before = load_scores(out / f"mined-{seed}" / "round-1" / "scores_eval_before.jsonl")
+            after.setdefault(arm, []).append(
+                load_scores(out / f"{arm}-{seed}" / "round-1" / "scores_eval_after.jsonl"))
+            before = load_scores(out / f"{arm}-{seed}" / "round-1" / "scores_eval_before.jsonl")
 
     n = len(before)
     g = torch.Generator().manual_seed(0)
     draws = torch.randint(0, n, (args.bootstrap, n), generator=g)
-    groups = [None, *sorted({r["domain"] for r in before})]
-    for group in groups:
+    domains = sorted({r["domain"] for r in before})
+    weakest = min(domains, key=lambda d: pooled_tau([r for r in before if r["domain"] == d]))
+    for group in [None, *domains]:
         name = group or "overall"
         base = pooled_tau([r for r in before if group is None or r["domain"] == group])
-        for arm in ("mined", "uniform"):
+        mean = {}
+        for arm in after:
             per_seed = [pooled_tau([r for r in s if group is None or r["domain"] == group]) for s in after[arm]]
+            mean[arm] = sum(per_seed) / len(per_seed)
             lo, hi = bootstrap(after[arm], group, draws)
-            print(json.dumps({"figure": "mining_tau", "group": name, "arm": arm, "before": round(base, 4),
-                              "per_seed": [round(t, 4) for t in per_seed],
-                              "mean": round(sum(per_seed) / len(per_seed), 4), "ci95": [round(lo, 4), round(hi, 4)],
+            print(json.dumps({"figure": "mining_tau", "group": name, "weakest": group == weakest, "arm": arm,
+                              "before": round(base, 4), "per_seed": [round(t, 4) for t in per_seed],
+                              "mean": round(mean[arm], 4), "ci95": [round(lo, 4), round(hi, 4)],
                               "samples": sum(1 for r in before if group is None or r["domain"] == group)}),
                   flush=True)
-        d, lo, hi = paired_diff(after["mined"], after["uniform"], group, draws)
-        ref = sum(pooled_tau([r for r in s if group is None or r["domain"] == group]) for s in after["uniform"]) \
-            / len(after["uniform"])
-        print(json.dumps({"figure": "mining_diff", "group": name, "mined_minus_uniform": round(d, 4),
-                          "ci95": [round(lo, 4), round(hi, 4)], "relative": round(d / ref, 4) if ref else None}),
-              flush=True)
+        for arm in after:
+            control = CONTROL.get(arm, "uniform")
+            if arm == control or control not in after:
+                continue
+            d, lo, hi = paired_diff(after[arm], after[control], group, draws)
+            gain = (mean[arm] - 1) / (mean[control] - 1) if mean[control] > 1 else None
+            print(json.dumps({"figure": "mining_diff", "group": name, "weakest": group == weakest, "arm": arm,
+                              "control": control, "minus_control": round(d, 4), "ci95": [round(lo, 4), round(hi, 4)],
+                              "gain_ratio": round(gain, 4) if gain is not None else None}), flush=True)
 
 
 if __name__ == "__main__":
