@@ -175,6 +175,16 @@ def _groups(scores: Sequence[SampleScore]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _read_traffic(path: str) -> list[dict[str, Any]]:
+    """A server's traffic log as prompt records (serve_eval.traffic); a bad log fails naming its line."""
+    from serve_eval.traffic import TrafficError, read_traffic
+
+    try:
+        return read_traffic(path, min_rounds=4)
+    except TrafficError as err:
+        raise MineError(f"mine.traffic: {err}") from None
+
+
 def _eval_set_files(folder: str) -> list[Path]:
     """The eval sets' prompt files that mined prompts are decontaminated against: a folder that is
     missing or holds none would silently let eval prompts into training, so it fails instead."""
@@ -231,6 +241,7 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
     check_records_describe(eval_store, {str(x["id"]) for x in eval_records}, "mine.eval_records")
     eval_sets = read_records(_eval_set_files(cfg.eval_sets)) if cfg.eval_sets else []
     pool = read_records([cfg.pool]) if cfg.pool else []
+    traffic = _read_traffic(cfg.traffic) if "traffic" in cfg.strategies else []
     run = _wandb(cfg, out)
 
     draft_dir = Path(cfg.draft)
@@ -261,6 +272,7 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
                     train_scores=train_scores, before=before, records=records,
                     known=[*eval_sets, *eval_records, *records],
                     fresh=[p for p in pool if str(p.get("id")) not in harvested_ids],
+                    traffic=[t for t in traffic if str(t["id"]) not in harvested_ids],
                     harvester=Harvester(rdir, target, target_cfg, base, seed, progress, cfg.workers, cfg.mode))
         new_records, added, weights_file = _mine(rd, weights_file)
         round_stores, added_records, token_weights = _harvest_mined(rd, new_records, stores, added, token_weights)
@@ -317,6 +329,7 @@ class _Round:
     records: list[dict[str, Any]]
     known: list[dict[str, Any]]
     fresh: list[dict[str, Any]]
+    traffic: list[dict[str, Any]]
     harvester: Harvester
 
 
@@ -340,6 +353,14 @@ def _mine(rd: _Round, weights_file: str | None) -> tuple[list[dict[str, Any]], d
         kept, dropped = dedupe(picked, [*rd.known, *new_records])
         new_records += kept
         added["replay"] = {"picked": len(picked), "kept": len(kept), "dropped": dropped}
+    if "traffic" in cfg.strategies and cfg.traffic_prompts:
+        n = min(cfg.traffic_prompts, len(rd.traffic))
+        picked = (sorted(rd.traffic, key=lambda t: (t["meta"]["served_tau"], t["id"]))[:n]
+                  if cfg.traffic_pick == "lowest_tau" else random.Random(rd.seed).sample(rd.traffic, n))
+        kept, dropped = dedupe(picked, [*rd.known, *new_records])
+        new_records += kept
+        added["traffic"] = {"logged": len(rd.traffic), "picked": len(picked), "kept": len(kept), "dropped": dropped,
+                            "served_tau": [t["meta"]["served_tau"] for t in kept]}
     if "uniform" in cfg.strategies and cfg.uniform:
         picked = random.Random(rd.seed).sample(rd.fresh, min(cfg.uniform, len(rd.fresh)))
         kept, dropped = dedupe(picked, [*rd.known, *new_records])

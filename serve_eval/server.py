@@ -28,7 +28,6 @@ import secrets
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,14 +45,15 @@ except ImportError as err:  # the core install trains and harvests; serving is a
 
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import SamplingConfig, add_target_arguments
-from eagle3.draft.metrics import context_bucket
 from eagle3.errors import ConfigError, run_cli
 from eagle3.store.conversations import ConversationError, check_messages, check_tools
 from eagle3.target.chat import ChatFormat, ChatFormatError
 from serve_eval.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_cost
 from serve_eval.config import SpecConfig
 from serve_eval.openai_api import BadRequest, ChatRequest, CompletionRequest, parse_body
-from serve_eval.spec_decode import DecodeStats, SpeculativeDecoder
+from serve_eval.server_metrics import Metrics
+from serve_eval.spec_decode import SpeculativeDecoder
+from serve_eval.traffic import TrafficLog
 
 # ---------------------------------------------------------------- text
 
@@ -98,91 +98,6 @@ class TextStream:
         return delta
 
 
-# ---------------------------------------------------------------- metrics
-
-
-class Metrics:
-    """Server-wide counters plus a window of recent requests, rendered as Prometheus text."""
-
-    def __init__(self, max_depth: int, recent: int) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("eagle3_requests", "Finished requests by outcome", ["endpoint", "outcome"],
-                                registry=r)
-        self.prompt_tokens = Counter("eagle3_prompt_tokens", "Prompt tokens", registry=r)
-        self.generation_tokens = Counter("eagle3_generation_tokens", "Generated tokens", registry=r)
-        self.target_forwards = Counter("eagle3_target_forwards", "Target forwards after prefill", registry=r)
-        self.drafts = Counter("eagle3_spec_decode_num_drafts", "Rounds that proposed >= 1 draft token", registry=r)
-        self.draft_tokens = Counter("eagle3_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
-        self.accepted = Counter("eagle3_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
-        self.proposed_pos = Counter("eagle3_spec_decode_num_draft_tokens_per_pos",
-                                    "Rounds that proposed a token at this depth", ["position"], registry=r)
-        self.accepted_pos = Counter("eagle3_spec_decode_num_accepted_tokens_per_pos",
-                                    "Rounds whose token at this depth was accepted", ["position"], registry=r)
-        for i in range(1, max_depth + 1):  # present from the start, at 0
-            self.proposed_pos.labels(str(i))
-            self.accepted_pos.labels(str(i))
-        self.rounds_ctx = Counter("eagle3_spec_decode_rounds_by_context", "Verify rounds by the context before "
-                                  "their first drafted token (0-1k, 1-2k, ... tokens)", ["context"], registry=r)
-        self.accepted_ctx = Counter("eagle3_spec_decode_accepted_tokens_by_context", "Draft tokens accepted, by the "
-                                    "context before their round's first drafted token", ["context"], registry=r)
-        self.queue_depth = Gauge("eagle3_queue_depth", "Requests waiting", registry=r)
-        self.running = Gauge("eagle3_running", "Requests being generated", registry=r)
-        self.latency = Histogram("eagle3_request_seconds", "Request latency (queue included)", registry=r,
-                                 buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
-        self.recent: deque[dict[str, Any]] = deque(maxlen=recent)
-        self.lock = threading.Lock()
-
-    def observe_round(self, depth: int, accepted: int) -> None:
-        self.target_forwards.inc()
-        if depth == 0:
-            return
-        self.drafts.inc()
-        self.draft_tokens.inc(depth)
-        self.accepted.inc(accepted)
-        for i in range(1, depth + 1):
-            self.proposed_pos.labels(str(i)).inc()
-            if i <= accepted:
-                self.accepted_pos.labels(str(i)).inc()
-
-    def finish(self, request_id: str, endpoint: str, outcome: str, prompt_tokens: int,
-               stats: DecodeStats | None, seconds: float, completion_tokens: int = 0) -> None:
-        self.requests.labels(endpoint, outcome).inc()
-        self.latency.observe(seconds)
-        if stats is None:
-            return
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(completion_tokens)
-        for tokens, accepted in zip(stats.contexts, stats.accepted, strict=True):  # tau of a bucket: 1 + a / r
-            bucket = context_bucket(tokens)
-            self.rounds_ctx.labels(bucket).inc()
-            self.accepted_ctx.labels(bucket).inc(accepted)
-        with self.lock:
-            self.recent.append({"id": request_id, "tau": stats.tau, "rounds": len(stats.accepted),
-                                "accept_per_pos": stats.acceptance_per_position(),
-                                "mean_depth": sum(stats.depths) / len(stats.depths) if stats.depths else 0.0})
-
-    def render(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        lines = [generate_latest(self.registry).decode()]
-        with self.lock:
-            recent = list(self.recent)
-        lines.append("# HELP eagle3_request_tau Mean tokens per target forward of a recent request\n"
-                     "# TYPE eagle3_request_tau gauge\n")
-        lines += [f'eagle3_request_tau{{request_id="{r["id"]}"}} {r["tau"]:.6g}\n' for r in recent]
-        lines.append("# HELP eagle3_request_mean_depth Mean proposed chain depth of a recent request\n"
-                     "# TYPE eagle3_request_mean_depth gauge\n")
-        lines += [f'eagle3_request_mean_depth{{request_id="{r["id"]}"}} {r["mean_depth"]:.6g}\n' for r in recent]
-        lines.append("# HELP eagle3_request_acceptance Acceptance at a draft position of a recent request\n"
-                     "# TYPE eagle3_request_acceptance gauge\n")
-        lines += [f'eagle3_request_acceptance{{request_id="{r["id"]}",position="{i}"}} {a:.6g}\n'
-                  for r in recent for i, a in enumerate(r["accept_per_pos"], 1)]
-        return "".join(lines).encode()
-
-
 # ---------------------------------------------------------------- engine
 
 
@@ -196,6 +111,8 @@ class Job:
     seed: int
     stops: list[str]
     emit: Callable[[dict[str, Any]], None]
+    messages: list[dict[str, Any]] | None = None  # a chat request's, as checked (the traffic log's)
+    tools: list[dict[str, Any]] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
 
@@ -220,8 +137,9 @@ class Engine:
 
     def __init__(self, decoder: SpeculativeDecoder, chat: ChatFormat, *, model_name: str, max_model_len: int,
                  default_max_tokens: int = 1024, adaptive: bool = False, cost: CostModel | None = None,
-                 prior: Sequence[float] | None = None, max_queue: int = 256, recent_requests: int = 64) -> None:
-        self.decoder, self.chat, self.model_name = decoder, chat, model_name
+                 prior: Sequence[float] | None = None, max_queue: int = 256, recent_requests: int = 64,
+                 traffic: TrafficLog | None = None) -> None:
+        self.decoder, self.chat, self.model_name, self.traffic = decoder, chat, model_name, traffic
         self.tokenizer = chat.tokenizer
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
         self.k = decoder.config.k if decoder.draft is not None else 0
@@ -239,19 +157,24 @@ class Engine:
 
     # -- requests -> jobs
 
+    def chat_messages(self, req: ChatRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """A chat request's messages and tools, as the template renders them (an agent's checked)."""
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                     **{k: v for k, v in (("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id),
+                                          ("name", m.name)) if v is not None}}
+                    for m in req.messages]
+        if req.tools or any(m.role == "tool" or m.tool_calls for m in req.messages):  # an agent's request
+            try:
+                return check_messages(messages), check_tools(req.tools) if req.tools else None
+            except ConversationError as err:
+                raise BadRequest(f"messages: {err}", param="messages") from None
+        return messages, None
+
     def prompt_ids(self, req: ChatRequest | CompletionRequest) -> list[int]:
         if isinstance(req, ChatRequest):
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                         **{k: v for k, v in (("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id),
-                                              ("name", m.name)) if v is not None}}
-                        for m in req.messages]
-            chat = self.chat
-            if req.tools or any(m.role == "tool" or m.tool_calls for m in req.messages):  # an agent's request
-                try:
-                    messages = check_messages(messages)
-                    chat = chat.with_tools(check_tools(req.tools) if req.tools else None)
-                except ConversationError as err:
-                    raise BadRequest(f"messages: {err}", param="messages") from None
+            messages, tools = self.chat_messages(req)
+            agent = tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+            chat = self.chat.with_tools(tools) if agent else self.chat
             try:
                 ids = chat.prompt_ids(messages)
             except ChatFormatError as err:
@@ -300,8 +223,9 @@ class Engine:
         seed = req.seed if req.seed is not None else secrets.randbits(31)
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+        logged = self.chat_messages(req) if self.traffic is not None and isinstance(req, ChatRequest) else (None, None)
         return Job(f"{prefix}-{next(self.ids)}-{secrets.token_hex(4)}", endpoint, prompt, max_tokens, params, seed,
-                   stops, emit)
+                   stops, emit, *logged)
 
     def submit(self, job: Job) -> None:
         try:
@@ -373,6 +297,9 @@ class Engine:
         completion = text.used if hit_stop and text.used is not None else len(gen.tokens)
         self.metrics.finish(job.request_id, job.endpoint, outcome, len(job.prompt), stats,
                             time.perf_counter() - job.queued_at, completion)
+        if self.traffic is not None and job.messages is not None and outcome == "ok":
+            self.traffic.write(job.messages, job.tools, job.prompt, gen.tokens[:completion],
+                               "stop" if stopped else "length", stats)
         job.emit({"type": "done", "finish_reason": "stop" if stopped else "length",
                   "prompt_tokens": len(job.prompt), "completion_tokens": completion,
                   "spec_decode": {"tau": round(stats.tau, 4),
@@ -552,7 +479,9 @@ def build_engine(args: argparse.Namespace) -> Engine:
         print(json.dumps({"server": "cost model", **cost.as_dict()}), file=sys.stderr)
     return Engine(decoder, chat, model_name=args.served_model_name or args.target, max_model_len=max_model_len,
                   default_max_tokens=args.default_max_tokens, adaptive=args.adaptive, cost=cost,
-                  prior=draft_prior(meta, args.k), max_queue=args.max_queue, recent_requests=args.recent_requests)
+                  prior=draft_prior(meta, args.k), max_queue=args.max_queue, recent_requests=args.recent_requests,
+                  traffic=TrafficLog(args.traffic_log, int(args.traffic_log_max_mb * 2**20)) if args.traffic_log
+                  else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -574,6 +503,10 @@ def _main(argv: Sequence[str] | None) -> int:
     parser.add_argument("--max-queue", type=int, default=256)
     parser.add_argument("--recent-requests", type=int, default=64,
                         help="requests whose own tau and acceptance /metrics shows")
+    parser.add_argument("--traffic-log", default=None,
+                        help="append each finished chat request (messages, tools, prompt and reply ids, the draft's "
+                             "rounds; no headers or keys) to this JSONL file, for mining (off by default)")
+    parser.add_argument("--traffic-log-max-mb", type=float, default=256.0, help="the traffic log stops growing here")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     for flag, value, low in (("--default-max-tokens", args.default_max_tokens, 1), ("--max-queue", args.max_queue, 1),

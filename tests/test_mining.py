@@ -375,3 +375,37 @@ def test_error_replay_rounds_weigh_the_rejected_tokens(world: dict, tmp_path: Pa
     w2 = json.loads(Path(second["token_weights"]).read_text())
     assert set(w1) < set(w2)  # round 2 keeps round 1's weights and adds its own
     assert run_rounds(cfg, world["train"], lively, target=target, progress=False) == manifest  # resumes
+
+
+def test_traffic_rounds_mine_the_requests_the_draft_served_worst(world: dict, tmp_path: Path) -> None:
+    from tests.helpers import conversation
+
+    root, target = world["root"], world["target"]
+    log = tmp_path / "traffic.jsonl"
+    lines = []
+    for i, tau_rounds in enumerate([[1, 1, 1, 1], [0, 0, 0, 1], [2, 2, 2, 2], [0, 0, 0, 0], [1, 0, 1, 0]]):
+        prompt = conversation(500 + 2 * i)[:-1]  # the turns the reply answered
+        lines.append({"messages": prompt, "prompt_ids": [1, 2], "reply_ids": [3] * 12, "finish_reason": "stop",
+                      "k": 3, "rounds": [[10 + j, 3, a] for j, a in enumerate(tau_rounds)], "tau": 0.0})
+    lines.append({**lines[1], "rounds": lines[1]["rounds"][:2]})  # too few rounds to say anything: left out
+    log.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    lively = TargetConfig(name_or_path="lively")
+    base = dict(draft=str(root / "train" / "final"), store=str(root / "store"), records=[str(world["data"])],
+                eval_store=str(root / "val"), eval_records=[str(world["val"])], strategies=["traffic"],
+                traffic=str(log), traffic_prompts=2, steps=1, max_new_tokens=8, wandb_mode="disabled")
+    manifest = run_rounds(MineConfig(**base, out_dir=str(tmp_path / "worst")), world["train"], lively,
+                          target=target, progress=False)
+    added = manifest["rounds"][0]["added"]["traffic"]
+    assert added["kept"] == 2 and added["served_tau"] == [1.0, 1.25]  # the two the draft served worst
+    wanted = {json.dumps(lines[i]["messages"]) for i in (3, 1)}
+    mined = [json.loads(x) for x in (Path(manifest["rounds"][0]["added_records"][0])).read_text().splitlines()]
+    assert {json.dumps(r["messages"][:-1]) for r in mined} == wanted and {r["domain"] for r in mined} == {"traffic"}
+    manifest = run_rounds(MineConfig(**base, traffic_pick="random", out_dir=str(tmp_path / "random")),
+                          world["train"], lively, target=target, progress=False)
+    assert manifest["rounds"][0]["added"]["traffic"]["logged"] == 5
+    with pytest.raises(ValueError, match="set mine.traffic"):
+        MineConfig(strategies=["traffic"])
+    log.write_text(log.read_text() + "[1, 2]\n")
+    with pytest.raises(MineError, match=f"mine.traffic: {log}:7: not a traffic log line"):
+        run_rounds(MineConfig(**base, out_dir=str(tmp_path / "bad")), world["train"], lively, target=target,
+                   progress=False)

@@ -25,6 +25,7 @@ from serve_eval.adaptive import CostModel
 from serve_eval.config import SpecConfig
 from serve_eval.server import Engine, TextStream, build_app, main
 from serve_eval.spec_decode import SpeculativeDecoder
+from serve_eval.traffic import TrafficError, TrafficLog, read_traffic
 from tests.helpers import TINY_VOCAB, make_draft, tiny_llama, tiny_tokenizer
 
 MODEL = "tiny"
@@ -61,14 +62,14 @@ class Served:
         self.engine.close()
 
 
-def tiny_engine(adaptive: bool = False, max_model_len: int = 256) -> Engine:
+def tiny_engine(adaptive: bool = False, max_model_len: int = 256, traffic: TrafficLog | None = None) -> Engine:
     torch.manual_seed(0)
     target = Target(tiny_llama(num_layers=6, vocab=TINY_VOCAB), tiny_tokenizer(), aux_layer_ids=(1, 2, 3))
     decoder = SpeculativeDecoder(target, make_draft(target), SpecConfig("chain", k=3))
     chat = ChatFormat.for_tokenizer(target.tokenizer)
     cost = CostModel([0.010, 0.011, 0.012, 0.013], 0.001) if adaptive else None
     return Engine(decoder, chat, model_name=MODEL, max_model_len=max_model_len, adaptive=adaptive, cost=cost,
-                  prior=[0.9, 0.9, 0.9], recent_requests=8)
+                  prior=[0.9, 0.9, 0.9], recent_requests=8, traffic=traffic)
 
 
 @pytest.fixture(scope="module")
@@ -375,3 +376,34 @@ def test_startup_refuses_a_draft_that_does_not_fit(tmp_path: Path, tiny_model_di
     with pytest.raises(SystemExit):
         main(["--draft", str(fits), "--recent-requests", "-1"])
     assert "--recent-requests must be >= 0" in capsys.readouterr().err
+
+
+def test_the_opt_in_traffic_log_holds_what_mining_reads_and_nothing_else(tmp_path: Path) -> None:
+    log = tmp_path / "logs" / "traffic.jsonl"
+    s = Served(tiny_engine(traffic=TrafficLog(log, 6000)), KEY)
+    try:
+        client = s.client()
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
+        client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4)  # not a chat: not logged
+        (line,) = [json.loads(x) for x in log.read_text().splitlines()]
+        assert set(line) == {"messages", "prompt_ids", "reply_ids", "finish_reason", "k", "rounds", "tau"}
+        assert KEY not in log.read_text() and "Authorization" not in log.read_text()
+        assert line["messages"] == MESSAGES and line["prompt_ids"] == s.engine.chat.prompt_ids(MESSAGES)
+        assert s.engine.tokenizer.decode(line["reply_ids"], skip_special_tokens=True) == r.choices[0].message.content
+        assert line["tau"] == r.model_extra["spec_decode"]["tau"] and line["k"] == 3
+        accepted = sum(a for _, _, a in line["rounds"])  # every reply token: a round's accepted + its own
+        assert accepted + len(line["rounds"]) + 1 >= len(line["reply_ids"])
+        for _ in range(40):  # the cap: lines stop, whole, once the next would pass it
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
+        lines = log.read_text().splitlines()
+        assert log.stat().st_size <= 6000 and all(json.loads(x)["messages"] == MESSAGES for x in lines)
+    finally:
+        s.stop()
+    (record,) = read_traffic(log)  # one distinct prompt
+    assert record["domain"] == "traffic" and record["messages"] == MESSAGES
+    assert record["meta"]["served_tau"] == pytest.approx(line["tau"], abs=1e-3)
+    log.write_text(log.read_text() + "{not json\n")
+    with pytest.raises(TrafficError, match=f"{log}:{len(lines) + 1}: not a traffic log line"):
+        read_traffic(log)
+    with pytest.raises(TrafficError, match="no such traffic log"):
+        read_traffic(tmp_path / "none.jsonl")
