@@ -13,11 +13,14 @@ Each round (``OUT/round-<r>/``):
 2. mine, with each strategy of ``mine.strategies``: ``reweight`` writes per-sample weights that
    oversample the domains weak on the held-out store; ``hardest`` regenerates and harvests a short prefix of
    ``candidates`` not-yet-harvested pool prompts, scores them with the draft and keeps the top
-   ``keep_fraction`` by loss; ``synthesize`` has the target write variations of the hardest
-   training prompts and adds procedural math and code prompts; ``uniform`` adds random pool
-   prompts (the control arm of the ablation). New prompts are deduplicated against every eval set,
-   the held-out conversations and everything harvested so far;
-3. regenerate the new prompts fully and harvest them into a store of the round;
+   ``keep_fraction`` by ``mine.rank``; ``synthesize`` has the target write variations of the hardest
+   training prompts and adds procedural math and code prompts; ``replay`` adds pool prompts to run
+   the draft against; ``traffic`` adds the requests of a server's traffic log the deployed draft
+   served worst; ``uniform`` adds random pool prompts (the control arm of the ablation). New
+   prompts are deduplicated against every eval set, the held-out conversations and everything
+   harvested so far;
+3. regenerate the new prompts fully and harvest them into a store of the round; with ``replay``,
+   weigh up the tokens the draft's served rounds rejected in them (``train.token_weights``);
 4. continue training from the current draft (its draft vocab frozen) on the base store plus every
    appended store, with the weights, for ``mine.steps`` steps; score the held-out store again
    (``after``).
