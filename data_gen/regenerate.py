@@ -360,7 +360,11 @@ def _generate_batch(generator: Generator, chat: ChatFormat, cfg: RegenerateConfi
 
 
 def _worker(cfg: RegenerateConfig, target_cfg: TargetConfig, batches: list[int], done: Any) -> None:
-    """A worker process: its own target, its share of the batches, (new tokens, seconds) sent per batch."""
+    """A worker process: its own target, its share of the batches, (new tokens, seconds) sent per batch.
+    It ends with the run that started it, however that run ends."""
+    from eagle3.processes import exit_with_parent
+
+    exit_with_parent()
     torch.set_num_threads(cfg.threads)
     records = read_pool(Path(cfg.pool), cfg.limit)
     generator, chat, _ = make_backend(cfg, target_cfg)

@@ -208,13 +208,12 @@ def producers(cfg: PipelineConfig, n: int) -> Iterator[None]:
     afterwards they stop (the trainer writes ``done``; a failed run is marked done for them too)."""
     import multiprocessing
 
-    from data_gen.produce import produce
     from eagle3.store.spool import DONE
 
     done = Path(cfg.harvest.out_dir) / DONE
     done.unlink(missing_ok=True)  # an earlier run's: this one trains again
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=produce, args=(replace(cfg.harvest, shard=f"{i}/{n}"), cfg.target),
+    procs = [ctx.Process(target=_producer, args=(replace(cfg.harvest, shard=f"{i}/{n}"), cfg.target),
                          kwargs={"seed": cfg.train.seed, "progress": False, "max_epochs": producer_epochs(cfg)},
                          daemon=True) for i in range(n)]
     for p in procs:
@@ -229,6 +228,15 @@ def producers(cfg: PipelineConfig, n: int) -> Iterator[None]:
             p.join(timeout=120)
             if p.is_alive():
                 p.terminate()
+
+
+def _producer(*args: Any, **kwargs: Any) -> None:
+    """A producer process of :func:`producers`: ``data_gen.produce``, ending with the run that started it."""
+    from data_gen.produce import produce
+    from eagle3.processes import exit_with_parent
+
+    exit_with_parent()
+    produce(*args, **kwargs)
 
 
 def stage_val(cfg: PipelineConfig) -> dict[str, Any]:
