@@ -393,10 +393,11 @@ def test_the_opt_in_traffic_log_holds_what_mining_reads_and_nothing_else(tmp_pat
         assert line["tau"] == r.model_extra["spec_decode"]["tau"] and line["k"] == 3
         accepted = sum(a for _, _, a in line["rounds"])  # every reply token: a round's accepted + its own
         assert accepted + len(line["rounds"]) + 1 >= len(line["reply_ids"])
-        for _ in range(40):  # the cap: lines stop, whole, once the next would pass it
+        for _ in range(6000 // len(log.read_bytes())):  # the cap: lines stop, whole, once the next would pass it
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
         lines = log.read_text().splitlines()
         assert log.stat().st_size <= 6000 and all(json.loads(x)["messages"] == MESSAGES for x in lines)
+        assert log.stat().st_size + len(log.read_bytes()) // len(lines) > 6000  # it stopped at the cap
     finally:
         s.stop()
     (record,) = read_traffic(log)  # one distinct prompt
