@@ -93,9 +93,11 @@ def serve_traffic(args: argparse.Namespace, draft: Path, prompts: list[dict[str,
         time.sleep(0.05)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", max_retries=0, timeout=600)
     try:
-        for record in prompts:
+        for record in prompts:  # a request: the conversation up to its first user turn
+            messages = record["messages"]
+            first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
             tools = {"tools": record["tools"]} if record.get("tools") else {}
-            client.chat.completions.create(model="shift", messages=record["messages"], temperature=0,
+            client.chat.completions.create(model="shift", messages=messages[:first_user + 1], temperature=0,
                                            max_tokens=args.max_tokens, **tools)
     finally:
         server.should_exit = True
