@@ -51,14 +51,14 @@ def served_rounds(score: SampleScore, spans: Sequence[tuple[int, int]], depth: i
     return rounds
 
 
-def replay_weights(scores: Sequence[SampleScore], spans: dict[str, list[tuple[int, int]]], depth: int,
-                   weight: float) -> dict[str, list[list[int | float]]]:
-    """``train.token_weights`` entries: per scored sample, the tokens its served rounds rejected, at ``weight``."""
+def replay_weights(rounds: dict[str, list[tuple[int, int, int]]], weight: float) -> dict[str, list[list[int | float]]]:
+    """``train.token_weights`` entries: per sample (its :func:`served_rounds`), the tokens its rounds
+    rejected, at ``weight``."""
     out: dict[str, list[list[int | float]]] = {}
-    for s in scores:
-        rejected = [j for _, _, j in served_rounds(s, spans[s.sample_id], depth) if j >= 0]
+    for sample_id, served in rounds.items():
+        rejected = [j for _, _, j in served if j >= 0]
         if rejected:
-            out[s.sample_id] = [[j, weight] for j in rejected]
+            out[sample_id] = [[j, weight] for j in rejected]
     return out
 
 

@@ -353,23 +353,26 @@ def _mine(rd: _Round, weights_file: str | None) -> tuple[list[dict[str, Any]], d
         taken = {str(x["id"]) for x in new_records}
         picked = balanced_pick([p for p in rd.fresh if str(p.get("id")) not in taken], cfg.replay_prompts,
                                rd.seed + 500_000)
-        kept, dropped = dedupe(picked, [*rd.known, *new_records])
-        new_records += kept
-        added["replay"] = {"picked": len(picked), "kept": len(kept), "dropped": dropped}
+        added["replay"] = _add(rd, new_records, picked)[1]
     if "traffic" in cfg.strategies and cfg.traffic_prompts:
         n = min(cfg.traffic_prompts, len(rd.traffic))
         picked = (sorted(rd.traffic, key=lambda t: (t["meta"]["served_tau"], t["id"]))[:n]
                   if cfg.traffic_pick == "lowest_tau" else random.Random(rd.seed).sample(rd.traffic, n))
-        kept, dropped = dedupe(picked, [*rd.known, *new_records])
-        new_records += kept
-        added["traffic"] = {"logged": len(rd.traffic), "picked": len(picked), "kept": len(kept), "dropped": dropped,
-                            "served_tau": [t["meta"]["served_tau"] for t in kept]}
+        kept, info = _add(rd, new_records, picked)
+        added["traffic"] = {"logged": len(rd.traffic), **info, "served_tau": [t["meta"]["served_tau"] for t in kept]}
     if "uniform" in cfg.strategies and cfg.uniform:
         picked = random.Random(rd.seed).sample(rd.fresh, min(cfg.uniform, len(rd.fresh)))
-        kept, dropped = dedupe(picked, [*rd.known, *new_records])
-        new_records += kept
-        added["uniform"] = {"picked": len(picked), "kept": len(kept), "dropped": dropped}
+        added["uniform"] = _add(rd, new_records, picked)[1]
     return new_records, added, weights_file
+
+
+def _add(rd: _Round, new_records: list[dict[str, Any]],
+         picked: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``picked`` prompts deduplicated against what is known and this round's new ones, the kept
+    appended to ``new_records`` -> (the kept, what was picked, kept and dropped)."""
+    kept, dropped = dedupe(picked, [*rd.known, *new_records])
+    new_records += kept
+    return kept, {"picked": len(picked), "kept": len(kept), "dropped": dropped}
 
 
 def _reweight(rd: _Round) -> tuple[str, dict[str, Any]]:
@@ -419,12 +422,12 @@ def _replay_weights(rd: _Round, store: HarvestStore, carried: str | None) -> tup
     scores = score_store(rd.draft, rd.head, store, {}, ttt_steps=rd.ttt_steps)
     spans = {sid: reply_spans(store[i].loss_mask) for i, sid in enumerate(store.sample_ids)}
     weights = json.loads(Path(carried).read_text()) if carried else {}
-    new = replay_weights(scores, spans, rd.ttt_steps, rd.cfg.replay_weight)
+    rounds = {s.sample_id: served_rounds(s, spans[s.sample_id], rd.ttt_steps) for s in scores}
+    new = replay_weights(rounds, rd.cfg.replay_weight)
     weights.update(new)
     path = rd.dir / "token_weights.json"
     atomic_write_text(path, json.dumps(weights))
-    rounds = [r for s in scores for r in served_rounds(s, spans[s.sample_id], rd.ttt_steps)]
-    return str(path), {"samples": len(new), "rounds": len(rounds),
+    return str(path), {"samples": len(new), "rounds": sum(len(r) for r in rounds.values()),
                        "rejected": sum(len(v) for v in new.values()), "weight": rd.cfg.replay_weight}
 
 

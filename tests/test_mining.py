@@ -347,7 +347,7 @@ def test_the_replayed_rounds_are_the_ones_the_loop_serves(world: dict, tmp_path:
         compared += len(inside)
         accepted_seen |= {a for _, a in inside}
     assert compared >= 40 and {0, 1} <= accepted_seen, (compared, accepted_seen)
-    weights = replay_weights(scores, spans_of, 3, 2.5)
+    weights = replay_weights({s.sample_id: served_rounds(s, spans_of[s.sample_id], 3) for s in scores}, 2.5)
     some = next(iter(weights.items()))
     rounds = served_rounds(next(s for s in scores if s.sample_id == some[0]), spans_of[some[0]], 3)
     assert some[1] == [[j, 2.5] for _, a, j in rounds if j >= 0] and all(a < 3 for _, a, j in rounds if j >= 0)

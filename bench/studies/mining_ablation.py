@@ -111,15 +111,22 @@ def arm_settings(arm: str, added: int, matched: int | None, hard_entropy: float,
     return arms[arm]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name in ("--draft", "--store", "--eval-store", "--pool", "--out"):
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a mining study's data (shared with ``traffic_shift.py``): the training store and its
+    records, the held-out store and its records, the pool, the output folder, the target, the seeds."""
+    for name in ("--store", "--eval-store", "--pool", "--out"):
         parser.add_argument(name, required=True)
     parser.add_argument("--records", nargs="+", required=True)
     parser.add_argument("--eval-records", nargs="+", required=True)
-    parser.add_argument("--eval-sets", default="")
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_data_arguments(parser)
+    parser.add_argument("--draft", required=True)
+    parser.add_argument("--eval-sets", default="")
     parser.add_argument("--steps", type=int, default=90)
     parser.add_argument("--added", type=int, default=16, help="prompts every arm adds (mined: its own count)")
     parser.add_argument("--arms", nargs="+", default=["uniform", "learnable", "replay", "hard-tokens"],

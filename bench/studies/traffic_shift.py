@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mining_ablation import bootstrap, load_scores, paired_diff, pooled_tau  # noqa: E402
+from mining_ablation import add_data_arguments, bootstrap, load_scores, paired_diff, pooled_tau  # noqa: E402
 
 ARMS = {"traffic-worst": {"strategies": ["traffic"], "traffic_pick": "lowest_tau"},
         "traffic-random": {"strategies": ["traffic"], "traffic_pick": "random"},
@@ -108,18 +108,14 @@ def serve_traffic(args: argparse.Namespace, draft: Path, prompts: list[dict[str,
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name in ("--store", "--eval-store", "--pool", "--eval-sets", "--out"):
-        parser.add_argument(name, required=True)
-    parser.add_argument("--records", nargs="+", required=True)
-    parser.add_argument("--eval-records", nargs="+", required=True)
-    parser.add_argument("--target", default="smollm2-135m")
+    add_data_arguments(parser)
+    parser.add_argument("--eval-sets", required=True)
     parser.add_argument("--domain", default="coding")
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--added", type=int, default=16)
     parser.add_argument("--base-steps", type=int, default=180)
     parser.add_argument("--steps", type=int, default=90)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--bootstrap", type=int, default=2000)
     args = parser.parse_args(argv)

@@ -17,7 +17,7 @@ class TTTTargets:
     weight: Tensor | None = None
     """[B, S] float32: the loss weight of learning p[t] at every step that predicts x[t+1] (None: 1
     everywhere); 0 leaves the position out of the loss, never out of the matches
-    (:mod:`eagle3.draft.token_weights`)."""
+    (:mod:`eagle3.train.token_weights`)."""
 
 
 def prepare_targets(target: Tensor, t2d: Tensor, *, are_probs: bool = False, temperature: float = 1.0) -> TTTTargets:

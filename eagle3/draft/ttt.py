@@ -407,8 +407,6 @@ class StepTally:
                     else self.t2d[self._target_argmax.clamp_min(0)] & (self._target_argmax >= 0))
         valid = counted & in_vocab  # counted, and the target's argmax in the draft vocab (or mass on it)
         trained = valid & self.reached if self.gate_steps else valid  # [B, S]: the positions the loss sums
-        if self.targets.weight is not None:  # the loss averages over the weights of its positions
-            self._weight_sum = torch.where(valid, shift_left(self.targets.weight, k + 1, 0.0), 0.0).sum()
         self.counted.append(counted)
         self.valid.append(valid)
         trained_k = _rows(trained, self.at)  # [B, R]
@@ -418,10 +416,11 @@ class StepTally:
         """The step's objective summed over its loss positions and its argmax [B, S] (target ids)."""
         k = len(self.loss_sums)
         count = self.valid[k].sum()
-        norm = count if self.targets.weight is None else self._weight_sum
+        weight = self.targets.weight  # weights: the loss averages over the weights of its positions
+        norm = count if weight is None else torch.where(self.valid[k], shift_left(weight, k + 1, 0.0), 0.0).sum()
         whole = norm if self.shard is None else self.shard.total(norm)  # a shard's loss: over the row's count
         loss = loss_sum.new_zeros((), dtype=torch.float32) if self.loss is None else self.loss
-        floor = 1 if self.targets.weight is None else 1e-6  # weights: a weighted mean (all 0: no loss)
+        floor = 1 if weight is None else 1e-6  # weights: a weighted mean (all 0: no loss)
         self.loss = loss + float(self.weights[k]) * loss_sum / whole.clamp_min(floor)
         self.loss_sums.append(loss_sum)
         self.counts.append(count)

@@ -16,9 +16,9 @@ DRAFT_RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "draft"
 
 _PRECISIONS = ("fp32", "bf16", "auto")
 LR_SCHEDULES = ("cosine", "linear", "constant")
+"""What ``train.lr_schedule`` may name (see :func:`eagle3.train.optim.warmup_decay`)."""
 HARD_TOKENS = ("keep", "downweight", "phase_in")
 """What ``train.hard_tokens`` may name."""
-"""What ``train.lr_schedule`` may name (see :func:`eagle3.train.optim.warmup_decay`)."""
 
 
 @dataclass
