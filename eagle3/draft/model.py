@@ -363,6 +363,31 @@ class DraftHead:
             if target_norm_weight is not None:
                 self.norm.weight.copy_(target_norm_weight)
 
+    def fc_input(self, aux: Tensor) -> Tensor:
+        """aux [.., A, H_t] -> what ``fc`` reads [.., A*H_t] (the concatenated states; a family with
+        norms before ``fc`` applies them)."""
+        return aux.flatten(-2)
+
+    @torch.no_grad()
+    def scale_aux_inputs(self, aux: Tensor) -> Tensor:
+        """Start every channel of what ``fc`` reads at unit RMS over ``aux`` [N, A, H_t] (the real
+        rows of a batch): returns the factor [A*H_t] applied. A target's states differ in scale by
+        orders of magnitude between layers and between channels (a few "massive" channels can
+        carry nearly all of a state's energy, so a norm over the state leaves the others near
+        zero); ``fc`` would then read little more than those few channels until training grows
+        its weights by as much. The factor goes where the draft can hold it: the last norm before
+        ``fc`` (:meth:`_scale_fc_input`), else ``fc``'s columns; the served draft computes the same."""
+        x = self.fc_input(aux.to(self.fc.weight.dtype)).float()
+        rms = x.pow(2).mean(0).sqrt()  # [A*H_t]
+        floor = rms.median() * 1e-6  # a channel (nearly) dead on these rows stays as it is
+        factor = torch.where(rms > floor, 1.0 / rms.clamp_min(floor), torch.ones_like(rms))
+        self._scale_fc_input(factor, aux)
+        return factor
+
+    def _scale_fc_input(self, factor: Tensor, aux: Tensor) -> None:
+        """Multiply channel c of ``fc``'s input by ``factor[c]`` (here: ``fc``'s columns)."""
+        self.fc.weight.mul_(factor.to(self.fc.weight))
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of draft layer ``layer`` (None: full attention)."""
         c = self.config
@@ -455,16 +480,37 @@ class Eagle3Draft(DraftHead, nn.Module):
     def decoder_layers(self) -> list[DecoderLayer]:
         return [self.midlayer, *(self.layers.values() if self.config.num_layers > 1 else ())]
 
-    def combine_aux(self, aux: Tensor) -> Tensor:
-        """aux [B, S, A, H_t] (ascending layer ids) -> fc output [B, S, H] (norms first, as vLLM:
-        ``input_norm`` over the concatenation, then ``fc_norm`` per state)."""
-        x = aux.flatten(-2)  # [B, S, A*H_t]
+    def fc_input(self, aux: Tensor) -> Tensor:
+        """aux [.., A, H_t] (ascending layer ids) -> what ``fc`` reads [.., A*H_t] (norms first, as
+        vLLM: ``input_norm`` over the concatenation, then ``fc_norm`` per state)."""
+        x = aux.flatten(-2)
         if self.config.norm_before_fc:
             x = self.input_norm(x)
         if self.config.fc_norm:
             x = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1),
                                                               strict=True)], dim=-1)
-        return self.fc(x)
+        return x
+
+    def combine_aux(self, aux: Tensor) -> Tensor:
+        """aux [B, S, A, H_t] -> fc output [B, S, H]."""
+        return self.fc(self.fc_input(aux))
+
+    def _scale_fc_input(self, factor: Tensor, aux: Tensor) -> None:
+        """The factor in the last norm before ``fc`` (``fc_norm``, else ``input_norm``), else in
+        ``fc``'s columns. P-EAGLE's mask state starts as a typical state instead of N(0, 1): each
+        channel at the RMS the real states have there, so that the scaled path sees it at unit
+        scale too."""
+        c = self.config
+        if c.fc_norm:
+            for norm, part in zip(self.fc_norm, factor.view(c.num_aux_layers, -1), strict=True):
+                norm.weight.mul_(part.to(norm.weight))
+        elif c.norm_before_fc:
+            self.input_norm.weight.mul_(factor.to(self.input_norm.weight))
+        else:
+            super()._scale_fc_input(factor, aux)
+        if self.has_mask_state:
+            raw = aux.flatten(-2).float().pow(2).mean(0).sqrt()  # [A*H_t]
+            self.mask_hidden.mul_(raw.to(self.mask_hidden))
 
     def mask_state(self) -> Tensor:
         """P-EAGLE: the state every mask position is fed, ``combine_aux`` of ``mask_hidden``. [1, 1, H]"""

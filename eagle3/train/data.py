@@ -16,7 +16,7 @@ import torch
 from eagle3.config import TargetConfig
 from eagle3.distributed import Runtime, all_reduce_sum, print0
 from eagle3.errors import TrainError
-from eagle3.store.batches import split_by_id
+from eagle3.store.batches import epoch_batches, split_by_id, weighted_indices
 from eagle3.store.colocated import ColocatedStore
 from eagle3.store.shards import HarvestStore, StoreError, StoreUnion, open_stores, store_state, verify_store
 from eagle3.store.spool import SpoolStore
@@ -148,6 +148,15 @@ def eval_split(cfg: TrainConfig, store: HarvestStore | StoreUnion,
         raise TrainError(f"train.eval_fraction={cfg.eval_fraction} leaves {len(train_idx)} training and "
                          f"{len(eval_idx)} eval samples of {len(store)} in {cfg.store}")
     return eval_store, train_idx, eval_idx
+
+
+def epoch_plan(cfg: TrainConfig, store: Any, train_idx: Sequence[int], weights_by_id: dict[str, float],
+               epoch: int) -> list[list[int]]:
+    """Epoch ``epoch``'s micro-batches (store indices), every rank's, in the order they are dealt."""
+    idx = (weighted_indices(train_idx, store.sample_ids, weights_by_id, cfg.seed, epoch) if weights_by_id
+           else train_idx)
+    return epoch_batches(store.lengths, idx, cfg.batching, cfg.micro_batch_tokens, cfg.seed, epoch,
+                         shard_of=store.shard_of if cfg.shard_window else None, window=cfg.shard_window)
 
 
 def load_target_for(target_cfg: TargetConfig, aux_layer_ids: Sequence[int], full: bool = False) -> Target:

@@ -82,7 +82,6 @@ from eagle3.store.batches import (
     load_batch,
     rank_batch_index,
     steps_per_epoch,
-    weighted_indices,
 )
 from eagle3.target.model import Target
 from eagle3.train.checkpoint import (
@@ -99,6 +98,7 @@ from eagle3.train.config import TrainConfig
 from eagle3.train.data import (
     VERIFIED,
     check_weights,
+    epoch_plan,
     eval_split,
     load_target_for,
     open_train_store,
@@ -112,7 +112,7 @@ from eagle3.train.optim import (
     unclip_muon_updates_under_zero,
     warmup_decay,
 )
-from eagle3.train.start import DRAFT_VOCAB, choose_draft_vocab, initial_draft, new_draft
+from eagle3.train.start import DRAFT_VOCAB, choose_draft_vocab, fit_start, initial_draft, new_draft
 from eagle3.train.step import PhaseClock, TTTModel, run_batch, train_forward
 from eagle3.train.token_weights import TokenWeights, read_token_weights
 
@@ -297,11 +297,7 @@ class _Loop:
         """Where this step is in its epoch's plan (planning a new epoch when one starts); None at its end."""
         cfg, state = self.cfg, self.state
         if self.plan_epoch != state.epoch:
-            epoch_idx = (weighted_indices(self.train_idx, self.store.sample_ids, self.weights_by_id, cfg.seed,
-                                          state.epoch) if self.weights_by_id else self.train_idx)
-            self.plan = epoch_batches(self.store.lengths, epoch_idx, cfg.batching, cfg.micro_batch_tokens, cfg.seed,
-                                      state.epoch, shard_of=self.store.shard_of if cfg.shard_window else None,
-                                      window=cfg.shard_window)
+            self.plan = epoch_plan(cfg, self.store, self.train_idx, self.weights_by_id, state.epoch)
             self.plan_epoch = state.epoch
             self.store.begin_epoch(state.epoch)
             if steps_per_epoch(len(self.plan), self.context.data_world, cfg.gradient_accumulation) == 0:
@@ -469,6 +465,12 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     del target
     model = TTTModel(draft, cfg.ttt_steps, cfg.step_decay, cfg.gradient_checkpointing, cfg.loss_on_oov,
                      cfg.feature_noise, cfg.gate_steps, Objective(cfg.loss, cfg.lk_eta)).to(rt.device)
+    start = {}
+    if resume_tag is None and not cfg.init_draft and (cfg.aux_scale_init != "none" or cfg.head_scale_init != "one"):
+        store.begin_epoch(0)
+        first = load_batch(store, epoch_plan(cfg, store, train_idx, weights_by_id, 0)[0], cfg.batching)
+        start = fit_start(cfg, model, head, first, vocab.t2d.to(rt.device), rt.device)
+        print0(f"train: the draft's start, set on the first micro-batch: {json.dumps(start)}")
     engine = build_engine(cfg, model, rt)
 
     # -- resume, or start over
@@ -514,7 +516,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         "eval_first": state.first_eval, "eval_last": ({k: v for k, v in state.last_eval.items()
                                                           if k in ("eval/loss", "eval/tau_sim")}
                                                          if state.last_eval else None),
-        "best_step": state.best_step, "best_tau_sim": state.best_tau,
+        "best_step": state.best_step, "best_tau_sim": state.best_tau, "start": start or None,
         "wall_seconds": round(time.perf_counter() - started, 2),
     }
     summary |= store.summary()

@@ -23,6 +23,7 @@ from eagle3.store.shards import HarvestStore, StoreUnion
 from eagle3.target.model import Target
 from eagle3.train.checkpoint import seed_everything
 from eagle3.train.config import TrainConfig
+from eagle3.train.step import train_forward
 
 
 def choose_draft_vocab(cfg: TrainConfig, store: HarvestStore | StoreUnion, train_idx: Sequence[int], vocab_size: int,
@@ -151,3 +152,75 @@ def new_draft(cfg: TrainConfig, target: Target, num_aux: int, vocab: DraftVocab,
         print0(f"train.precision=bf16: this CPU runs bf16 matmuls {1 / speedup:.0f}x slower than fp32 (no bf16 "
                f"units, measured); train.precision=fp32 will be much faster here")
     return draft
+
+
+HEAD_SCALES = tuple(2.0 ** (-k / 2) for k in range(33))
+"""The factors :func:`fit_start` tries on a copied head, in order until the loss rises: 1 down to
+2^-16, half an octave apart."""
+
+
+@torch.no_grad()
+def fit_start(cfg: TrainConfig, model: Any, head: Any, batch: dict[str, Tensor], t2d: Tensor,
+              device: torch.device) -> dict[str, Any]:
+    """A fresh draft's start, set on the run's first micro-batch ``batch`` (host tensors, as the
+    loader builds it; every rank passes the same one, so every rank starts the same draft):
+
+    - ``train.aux_scale_init=unit``: each channel of what ``fc`` reads at unit RMS over the batch's
+      tokens (:meth:`DraftHead.scale_aux_inputs`);
+    - ``train.head_scale_init=fit`` (with ``lm_head_init=target``): the copied head rows times the
+      factor of :data:`HEAD_SCALES` whose untrained draft has the lowest loss on the batch (the
+      loss is convex in that factor, so the search stops once it rises). A head copied from the
+      target is as sharp as the target's on the target's own states; on an untrained draft's
+      states it can be far sharper (Gemma-3's final norm scales some channels by 300), and a start
+      that confident and wrong learns slowly.
+
+    Returns what was set, for the run's summary. ``model`` is the :class:`TTTModel` before the
+    engine wraps it (fp32 weights); no random number is drawn."""
+    draft = model.draft
+    out: dict[str, Any] = {}
+    if cfg.aux_scale_init == "unit":
+        real = batch["document_ids"] >= 0
+        factor = draft.scale_aux_inputs(batch["aux"][real].to(device))
+        out["aux_scale"] = {"min": round(float(factor.min()), 6), "median": round(float(factor.median()), 6),
+                            "max": round(float(factor.max()), 6)}
+    if cfg.head_scale_init == "fit" and cfg.lm_head_init == "target" and not cfg.init_draft:
+        was_training, weight = model.training, draft.lm_head.weight
+        model.eval()  # no feature noise: nothing random is drawn
+        copied = weight.detach().clone()
+        losses: list[float] = []
+        for scale in HEAD_SCALES:  # convex in the factor: past the minimum the loss only rises
+            weight.copy_(copied * scale)
+            result, _ = train_forward(model, head, batch, t2d, torch.float32, device, cfg.loss_positions)
+            losses.append(float(result.loss))
+            if len(losses) > 1 and losses[-1] >= losses[-2]:
+                break
+        best = min(range(len(losses)), key=lambda i: (losses[i], i))
+        weight.copy_(copied * HEAD_SCALES[best])
+        model.train(was_training)
+        out["head_scale"] = round(HEAD_SCALES[best], 6)
+        out["first_batch_loss"] = {"copied": round(losses[0], 4), "fitted": round(losses[best], 4)}
+    if cfg.head_scale_init == "match" and cfg.lm_head_init == "target" and not cfg.init_draft:
+        if "last" not in batch:
+            print0("train.head_scale_init=match: the store holds no last-layer states (a top-k store); the head "
+                   "starts as copied")
+            return out
+        was_training = model.training
+        model.eval()
+        seen: list[Tensor] = []
+        hook = draft.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.detach().float().flatten(0, -2)))
+        try:
+            train_forward(model, head, batch, t2d, torch.float32, device, cfg.loss_positions)
+        finally:
+            hook.remove()
+        model.train(was_training)
+        draft_spread = float(torch.cat(seen).std(-1).mean())
+        real = batch["document_ids"] >= 0
+        ids = t2d.nonzero().squeeze(1)
+        w = head.lm_head.weight
+        x = head.norm(batch["last"][real].to(device=device, dtype=w.dtype))
+        target_spread = float(head.transform((x @ w[ids.to(w.device)].T).float()).std(-1).mean())
+        scale = min(1.0, target_spread / draft_spread) if draft_spread > 0 else 1.0
+        draft.lm_head.weight.mul_(scale)
+        out["head_scale"] = round(scale, 6)
+        out["logit_std"] = {"target": round(target_spread, 4), "copied": round(draft_spread, 4)}
+    return out
