@@ -56,13 +56,19 @@ def _producers(setup: dict, spool: Path, workers: int, budget_mb: float,
     return threads
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_online_equals_offline_bit_for_bit(setup: dict, tmp_path: Path, workers: int) -> None:
-    offline = train(_train_cfg(setup["root"] / "store", tmp_path / "offline"), target=setup["target"])
+FITTED = {"lm_head_init": "target", "head_scale_init": "match", "aux_scale_init": "unit"}
+
+
+@pytest.mark.parametrize(("workers", "start"), [(1, {}), (2, FITTED)], ids=["1-worker", "2-workers-fitted-start"])
+def test_online_equals_offline_bit_for_bit(setup: dict, tmp_path: Path, workers: int, start: dict) -> None:
+    """Also with a start fitted on the first micro-batch: online reads that batch from the spool first."""
+    offline = train(_train_cfg(setup["root"] / "store", tmp_path / "offline", **start), target=setup["target"])
     spool = tmp_path / "spool"
     shard_bytes = max(e["bytes"] for e in HarvestStore(setup["root"] / "store").manifest["shards"])
     producers = _producers(setup, spool, workers, budget_mb=2.5 * shard_bytes / 2**20)
-    online = train(_train_cfg(spool, tmp_path / "online", data="online", spool_wait_s=60), target=setup["target"])
+    online = train(_train_cfg(spool, tmp_path / "online", data="online", spool_wait_s=60, **start),
+                   target=setup["target"])
+    assert online["start"] == offline["start"] and (online["start"] is not None) == bool(start)
     for t in producers:
         t.join(timeout=60)
         assert not t.is_alive()  # the trainer's `done` stopped them
