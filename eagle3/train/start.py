@@ -159,6 +159,22 @@ HEAD_SCALES = tuple(2.0 ** (-k / 2) for k in range(33))
 2^-16, half an octave apart."""
 
 
+class _TargetsOnce:
+    """A target head whose :meth:`targets` is computed on the first call and then returned as is
+    (the probes below run one batch through the draft many times)."""
+
+    def __init__(self, head: Any) -> None:
+        self.head, self.computed = head, None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.head, name)
+
+    def targets(self, *args: Any, **kwargs: Any) -> Any:
+        if self.computed is None:
+            self.computed = self.head.targets(*args, **kwargs)
+        return self.computed
+
+
 @torch.no_grad()
 def fit_start(cfg: TrainConfig, model: Any, head: Any, batch: dict[str, Tensor], t2d: Tensor,
               device: torch.device) -> dict[str, Any]:
@@ -178,6 +194,7 @@ def fit_start(cfg: TrainConfig, model: Any, head: Any, batch: dict[str, Tensor],
     engine wraps it (fp32 weights); no random number is drawn."""
     draft = model.draft
     out: dict[str, Any] = {}
+    head = _TargetsOnce(head)  # the batch's target distribution, computed once for every forward below
     if cfg.aux_scale_init == "unit":
         real = batch["document_ids"] >= 0
         factor = draft.scale_aux_inputs(batch["aux"][real].to(device))
