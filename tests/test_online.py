@@ -56,7 +56,7 @@ def _producers(setup: dict, spool: Path, workers: int, budget_mb: float,
     return threads
 
 
-FITTED = {"lm_head_init": "target", "head_scale_init": "match", "aux_scale_init": "unit"}
+FITTED = {"lm_head_init": "target", "head_scale_init": "fit", "aux_scale_init": "unit"}
 
 
 @pytest.mark.parametrize(("workers", "start"), [(1, {}), (2, FITTED)], ids=["1-worker", "2-workers-fitted-start"])

@@ -387,8 +387,8 @@ class TrainConfig:
             raise ConfigError(f"train.loss_positions={self.loss_positions!r}: expected assistant or all")
         if self.lm_head_init not in ("target", "random"):
             raise ConfigError(f"train.lm_head_init={self.lm_head_init!r}: expected target or random")
-        if self.head_scale_init not in ("fit", "match", "one"):
-            raise ConfigError(f"train.head_scale_init={self.head_scale_init!r}: expected fit, match or one")
+        if self.head_scale_init not in ("fit", "one"):
+            raise ConfigError(f"train.head_scale_init={self.head_scale_init!r}: expected fit or one")
         if self.aux_scale_init not in ("unit", "none"):
             raise ConfigError(f"train.aux_scale_init={self.aux_scale_init!r}: expected unit or none")
         if self.layer_init not in ("random", "readout"):

@@ -216,28 +216,4 @@ def fit_start(cfg: TrainConfig, model: Any, head: Any, batch: dict[str, Tensor],
         model.train(was_training)
         out["head_scale"] = round(HEAD_SCALES[best], 6)
         out["first_batch_loss"] = {"copied": round(losses[0], 4), "fitted": round(losses[best], 4)}
-    if cfg.head_scale_init == "match" and cfg.lm_head_init == "target" and not cfg.init_draft:
-        if "last" not in batch:
-            print0("train.head_scale_init=match: the store holds no last-layer states (a top-k store); the head "
-                   "starts as copied")
-            return out
-        was_training = model.training
-        model.eval()
-        seen: list[Tensor] = []
-        hook = draft.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.detach().float().flatten(0, -2)))
-        try:
-            train_forward(model, head, batch, t2d, torch.float32, device, cfg.loss_positions)
-        finally:
-            hook.remove()
-        model.train(was_training)
-        draft_spread = float(torch.cat(seen).std(-1).mean())
-        real = batch["document_ids"] >= 0
-        ids = t2d.nonzero().squeeze(1)
-        w = head.lm_head.weight
-        x = head.norm(batch["last"][real].to(device=device, dtype=w.dtype))
-        target_spread = float(head.transform((x @ w[ids.to(w.device)].T).float()).std(-1).mean())
-        scale = min(1.0, target_spread / draft_spread) if draft_spread > 0 else 1.0
-        draft.lm_head.weight.mul_(scale)
-        out["head_scale"] = round(scale, 6)
-        out["logit_std"] = {"target": round(target_spread, 4), "copied": round(draft_spread, 4)}
     return out
