@@ -97,8 +97,7 @@ def main() -> None:
             train_dir = out / f"train_{start}"
             pipeline(target, out, out / f"{start}.log", "stages=[train,eval]", f"train.out_dir={train_dir}",
                      f"train.steps={args.steps}", "train.eval_every=10", f"eval.per_set={args.per_set}",
-                     f"eval.out_dir={out / f'eval_{start}'}", f"mine.draft={train_dir / 'final'}",
-                     *STARTS[start])
+                     f"eval.out_dir={out / f'eval_{start}'}", *STARTS[start])
             summary = json.loads((train_dir / "summary.json").read_text()) if (train_dir / "summary.json").is_file() \
                 else {}
             evals = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines()

@@ -112,7 +112,14 @@ from eagle3.train.optim import (
     unclip_muon_updates_under_zero,
     warmup_decay,
 )
-from eagle3.train.start import DRAFT_VOCAB, choose_draft_vocab, fit_start, initial_draft, new_draft
+from eagle3.train.start import (
+    DRAFT_VOCAB,
+    choose_draft_vocab,
+    first_micro_batch,
+    fit_start,
+    initial_draft,
+    new_draft,
+)
 from eagle3.train.step import PhaseClock, TTTModel, run_batch, train_forward
 from eagle3.train.token_weights import TokenWeights, read_token_weights
 
@@ -431,8 +438,7 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     if rt.device.type == "cpu":
         torch.set_num_threads(cfg.threads)
     cfg = replace(cfg, precision=resolve_precision(cfg, rt.device))
-    out_dir = Path(cfg.out_dir)
-    ckpt_root = out_dir / "checkpoints"
+    ckpt_root = (out_dir := Path(cfg.out_dir)) / "checkpoints"
 
     # -- data, checked against the target before anything is read for training
     store, target = _data_and_target(cfg, target_cfg, target, rt)
@@ -465,12 +471,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     del target
     model = TTTModel(draft, cfg.ttt_steps, cfg.step_decay, cfg.gradient_checkpointing, cfg.loss_on_oov,
                      cfg.feature_noise, cfg.gate_steps, Objective(cfg.loss, cfg.lk_eta)).to(rt.device)
-    start = {}
-    if resume_tag is None and not cfg.init_draft and (cfg.aux_scale_init != "none" or cfg.head_scale_init != "one"):
-        store.begin_epoch(0)
-        first = load_batch(store, epoch_plan(cfg, store, train_idx, weights_by_id, 0)[0], cfg.batching)
-        start = fit_start(cfg, model, head, first, vocab.t2d.to(rt.device), rt.device)
-        print0(f"train: the draft's start, set on the first micro-batch: {json.dumps(start)}")
+    first = (lambda: first_micro_batch(cfg, store, train_idx, weights_by_id)) if resume_tag is None else None
+    start = fit_start(cfg, model, head, first, vocab.t2d.to(rt.device), rt.device)
     engine = build_engine(cfg, model, rt)
 
     # -- resume, or start over

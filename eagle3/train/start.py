@@ -5,7 +5,8 @@ the recipe's initialisation."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,11 +19,12 @@ from eagle3.draft.model import DraftConfig, DraftHead
 from eagle3.draft.vocab import DraftVocab, select_draft_vocab
 from eagle3.errors import TrainError
 from eagle3.export import read_draft_vocab
-from eagle3.store.batches import loss_token_counts
+from eagle3.store.batches import load_batch, loss_token_counts
 from eagle3.store.shards import HarvestStore, StoreUnion
 from eagle3.target.model import Target
 from eagle3.train.checkpoint import seed_everything
 from eagle3.train.config import TrainConfig
+from eagle3.train.data import epoch_plan
 from eagle3.train.step import train_forward
 
 
@@ -159,6 +161,13 @@ HEAD_SCALES = tuple(2.0 ** (-k / 2) for k in range(33))
 2^-16, half an octave apart."""
 
 
+def first_micro_batch(cfg: TrainConfig, store: Any, train_idx: Sequence[int],
+                      weights_by_id: dict[str, float]) -> dict[str, Tensor]:
+    """The run's first micro-batch (epoch 0's first, every rank's first read), as the loader builds it."""
+    store.begin_epoch(0)
+    return load_batch(store, epoch_plan(cfg, store, train_idx, weights_by_id, 0)[0], cfg.batching)
+
+
 class _TargetsOnce:
     """A target head whose :meth:`targets` is computed on the first call and then returned as is
     (the probes below run one batch through the draft many times)."""
@@ -176,10 +185,12 @@ class _TargetsOnce:
 
 
 @torch.no_grad()
-def fit_start(cfg: TrainConfig, model: Any, head: Any, batch: dict[str, Tensor], t2d: Tensor,
-              device: torch.device) -> dict[str, Any]:
-    """A fresh draft's start, set on the run's first micro-batch ``batch`` (host tensors, as the
-    loader builds it; every rank passes the same one, so every rank starts the same draft):
+def fit_start(cfg: TrainConfig, model: Any, head: Any, first_batch: Callable[[], dict[str, Tensor]] | None,
+              t2d: Tensor, device: torch.device) -> dict[str, Any]:
+    """A fresh draft's start, set on the run's first micro-batch (``first_batch()``, read only when
+    something is set: host tensors, as the loader builds them; every rank reads the same one, so
+    every rank starts the same draft). Nothing is set for a resumed run (``first_batch`` None: the
+    checkpoint holds the weights) or one continuing ``train.init_draft``:
 
     - ``train.aux_scale_init=unit``: each channel of what ``fc`` reads at unit RMS over the batch's
       tokens (:meth:`DraftHead.scale_aux_inputs`);
@@ -194,13 +205,17 @@ def fit_start(cfg: TrainConfig, model: Any, head: Any, batch: dict[str, Tensor],
     engine wraps it (fp32 weights); no random number is drawn."""
     draft = model.draft
     out: dict[str, Any] = {}
+    if first_batch is None or cfg.init_draft or (
+            cfg.aux_scale_init == "none" and (cfg.head_scale_init == "one" or cfg.lm_head_init != "target")):
+        return out
+    batch = first_batch()
     head = _TargetsOnce(head)  # the batch's target distribution, computed once for every forward below
     if cfg.aux_scale_init == "unit":
         real = batch["document_ids"] >= 0
         factor = draft.scale_aux_inputs(batch["aux"][real].to(device))
         out["aux_scale"] = {"min": round(float(factor.min()), 6), "median": round(float(factor.median()), 6),
                             "max": round(float(factor.max()), 6)}
-    if cfg.head_scale_init == "fit" and cfg.lm_head_init == "target" and not cfg.init_draft:
+    if cfg.head_scale_init == "fit" and cfg.lm_head_init == "target":
         was_training, weight = model.training, draft.lm_head.weight
         model.eval()  # no feature noise: nothing random is drawn
         copied = weight.detach().clone()
@@ -216,4 +231,5 @@ def fit_start(cfg: TrainConfig, model: Any, head: Any, batch: dict[str, Tensor],
         model.train(was_training)
         out["head_scale"] = round(HEAD_SCALES[best], 6)
         out["first_batch_loss"] = {"copied": round(losses[0], 4), "fitted": round(losses[best], 4)}
+    print0(f"train: the draft's start, set on the first micro-batch: {json.dumps(out)}")
     return out
