@@ -18,7 +18,15 @@ from eagle3.store.shards import HarvestStore
 from eagle3.target.model import Target
 from eagle3.train.config import TrainConfig, draft_recipe
 from eagle3.train.loop import train
-from tests.helpers import TARGET_HIDDEN, TINY_VOCAB, regenerated_data, sharpen, tiny_draft, tiny_tokenizer
+from tests.helpers import (
+    TARGET_HIDDEN,
+    TINY_VOCAB,
+    lively_target,
+    regenerated_data,
+    sharpen,
+    tiny_draft,
+    tiny_tokenizer,
+)
 
 VARIANTS = {
     "eagle3": {},
@@ -112,11 +120,31 @@ def test_the_default_recipe_learns_on_a_gemma_like_target_from_the_fitted_start(
         return train(TrainConfig(**{**base, "out_dir": str(tmp_path / out), **start}), target=target)
 
     copied = run("copied", aux_scale_init="none", head_scale_init="one")
-    fitted = run("fitted", aux_scale_init="unit", head_scale_init="fit")
+    fitted = run("fitted", aux_scale_init="auto", head_scale_init="auto")  # the recipe's setting
     assert copied["eval_last"]["eval/tau_sim"] < 1.1
     assert fitted["eval_last"]["eval/tau_sim"] > 1.5
+    assert fitted["start"]["logit_std"]["refit"] is True  # the copied head far sharper than the target's
     assert fitted["start"]["head_scale"] < 0.1 and fitted["start"]["aux_scale"]["max"] > 10
     assert fitted["first_loss"] < copied["first_loss"] / 5
     base["steps"] = 60
     with pytest.raises(TrainError, match="train.head_scale_init"):
-        run("fitted", aux_scale_init="unit", head_scale_init="one")
+        run("fitted", aux_scale_init="auto", head_scale_init="one")
+
+
+def test_auto_keeps_a_copied_start_that_is_not_too_sharp(tmp_path: Path) -> None:
+    """On a target whose copied head is about as sharp on the untrained draft as on its own states,
+    ``auto`` probes and keeps the copy: the run equals one with the copy, bit for bit."""
+    target = lively_target()
+    store = tmp_path / "store"
+    harvest(HarvestConfig(data=str(regenerated_data(tmp_path / "data.jsonl", 12, turns=2)), out_dir=str(store),
+                          dtype="float32"), TargetConfig(name_or_path="lively"), target=target, progress=False)
+    base = {**draft_recipe("target-head"), **dict(
+        store=str(store), steps=4, micro_batch_tokens=256, warmup_steps=2, eval_fraction=0.0, eval_every=0,
+        save_every=0, draft_vocab_size=64, wandb_mode="disabled", progress=False, device="cpu")}
+    runs = {}
+    for name, start in {"copied": ("none", "one"), "auto": ("auto", "auto")}.items():
+        runs[name] = train(TrainConfig(**{**base, "out_dir": str(tmp_path / name), "aux_scale_init": start[0],
+                                          "head_scale_init": start[1]}), target=target)
+    assert runs["auto"]["start"]["logit_std"]["refit"] is False and "head_scale" not in runs["auto"]["start"]
+    assert ((tmp_path / "auto" / "final" / "model.safetensors").read_bytes()
+            == (tmp_path / "copied" / "final" / "model.safetensors").read_bytes())

@@ -199,11 +199,13 @@ class TrainConfig:
     head_scale_init: str = "one"
     """With ``lm_head_init=target``, at a fresh start: fit: the copied rows times the factor in [2^-16, 1]
     (half-octave steps) whose untrained draft has the lowest loss on the run's first micro-batch
-    (:func:`eagle3.train.start.fit_start`; the factor is in the run's summary); one: as copied."""
+    (:func:`eagle3.train.start.fit_start`; the factor is in the run's summary); one: as copied; auto: fit
+    when the untrained draft's logits spread more than ``start.SHARP`` times the target's, else one."""
     aux_scale_init: str = "none"
     """At a fresh start: unit: every channel of what ``fc`` reads starts at unit RMS over the first
     micro-batch's tokens (the factor goes in the norm before ``fc``, else in ``fc``'s columns;
-    :meth:`eagle3.draft.model.DraftHead.scale_aux_inputs`); none: as built."""
+    :meth:`eagle3.draft.model.DraftHead.scale_aux_inputs`); none: as built; auto: unit where
+    ``head_scale_init=auto`` would fit (a copied head far sharper than the target's), else none."""
     target_temperature: float = 1.0
     """The distribution the draft learns from is the target's softmax(logits / T) over the draft
     vocab: T < 1 sharpens it towards the target's argmax (what greedy verification accepts), T > 1
@@ -387,10 +389,10 @@ class TrainConfig:
             raise ConfigError(f"train.loss_positions={self.loss_positions!r}: expected assistant or all")
         if self.lm_head_init not in ("target", "random"):
             raise ConfigError(f"train.lm_head_init={self.lm_head_init!r}: expected target or random")
-        if self.head_scale_init not in ("fit", "one"):
-            raise ConfigError(f"train.head_scale_init={self.head_scale_init!r}: expected fit or one")
-        if self.aux_scale_init not in ("unit", "none"):
-            raise ConfigError(f"train.aux_scale_init={self.aux_scale_init!r}: expected unit or none")
+        if self.head_scale_init not in ("auto", "fit", "one"):
+            raise ConfigError(f"train.head_scale_init={self.head_scale_init!r}: expected auto, fit or one")
+        if self.aux_scale_init not in ("auto", "unit", "none"):
+            raise ConfigError(f"train.aux_scale_init={self.aux_scale_init!r}: expected auto, unit or none")
         if self.layer_init not in ("random", "readout"):
             raise ConfigError(f"train.layer_init={self.layer_init!r}: expected random or readout")
         if self.freeze_lm_head and self.lm_head_init != "target" and not self.init_draft:

@@ -184,11 +184,34 @@ class _TargetsOnce:
         return self.computed
 
 
+SHARP = 4.0
+"""``auto`` refits a copied start when the untrained draft's logits spread (std over the draft vocab)
+more than this many times the target's on the first micro-batch: measured 25x on Gemma-3-270M, whose
+copied start does not learn, and 1.4x on SmolLM2-135M, whose copied start beats a refitted one at the
+quickstart's scale (docs/experiments.md, 2026-11-28, issue 52)."""
+
+
+def _logit_spreads(model: Any, head: Any, batch: dict[str, Tensor], t2d: Tensor, device: torch.device,
+                   loss_positions: str) -> tuple[float, float]:
+    """(the draft's, the target's) logits' std over the draft vocab, averaged over the positions: the
+    draft's as its forward computes them on ``batch``, the target's from the batch's last-layer states."""
+    seen: list[Tensor] = []
+    hook = model.draft.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.detach().float().flatten(0, -2)))
+    try:
+        train_forward(model, head, batch, t2d, torch.float32, device, loss_positions)
+    finally:
+        hook.remove()
+    w = head.lm_head.weight
+    x = head.norm(batch["last"][batch["document_ids"] >= 0].to(device=device, dtype=w.dtype))
+    target = head.transform((x @ w[t2d.nonzero().squeeze(1).to(w.device)].T).float())
+    return float(torch.cat(seen).std(-1).mean()), float(target.std(-1).mean())
+
+
 @torch.no_grad()
 def fit_start(cfg: TrainConfig, model: Any, head: Any, first_batch: Callable[[], dict[str, Tensor]] | None,
               t2d: Tensor, device: torch.device) -> dict[str, Any]:
     """A fresh draft's start, set on the run's first micro-batch (``first_batch()``, read only when
-    something is set: host tensors, as the loader builds them; every rank reads the same one, so
+    something may be set: host tensors, as the loader builds them; every rank reads the same one, so
     every rank starts the same draft). Nothing is set for a resumed run (``first_batch`` None: the
     checkpoint holds the weights) or one continuing ``train.init_draft``:
 
@@ -199,25 +222,35 @@ def fit_start(cfg: TrainConfig, model: Any, head: Any, first_batch: Callable[[],
       loss is convex in that factor, so the search stops once it rises). A head copied from the
       target is as sharp as the target's on the target's own states; on an untrained draft's
       states it can be far sharper (Gemma-3's final norm scales some channels by 300), and a start
-      that confident and wrong learns slowly.
+      that confident and wrong learns slowly;
+    - ``auto`` (either key, with ``lm_head_init=target``): ``unit`` / ``fit`` when the copied start's
+      logits spread more than :data:`SHARP` times the target's, else ``none`` / ``one``.
 
-    Returns what was set, for the run's summary. ``model`` is the :class:`TTTModel` before the
-    engine wraps it (fp32 weights); no random number is drawn."""
+    Returns what was probed and set, for the run's summary. ``model`` is the :class:`TTTModel`
+    before the engine wraps it (fp32 weights); no random number is drawn."""
     draft = model.draft
     out: dict[str, Any] = {}
-    if first_batch is None or cfg.init_draft or (
-            cfg.aux_scale_init == "none" and (cfg.head_scale_init == "one" or cfg.lm_head_init != "target")):
+    if first_batch is None or cfg.init_draft or (cfg.aux_scale_init == "none" and cfg.head_scale_init == "one"):
         return out
     batch = first_batch()
     head = _TargetsOnce(head)  # the batch's target distribution, computed once for every forward below
-    if cfg.aux_scale_init == "unit":
+    was_training = model.training
+    model.eval()  # no feature noise: nothing random is drawn
+    sharp = False
+    if "auto" in (cfg.aux_scale_init, cfg.head_scale_init) and cfg.lm_head_init == "target":
+        if "last" in batch:
+            spread, target = _logit_spreads(model, head, batch, t2d, device, cfg.loss_positions)
+            sharp = spread > SHARP * target
+            out["logit_std"] = {"copied": round(spread, 4), "target": round(target, 4), "refit": sharp}
+        else:
+            print0("train: a top-k store has no last-layer states to probe the copied head with; auto keeps it")
+    if cfg.aux_scale_init == "unit" or (cfg.aux_scale_init == "auto" and sharp):
         real = batch["document_ids"] >= 0
         factor = draft.scale_aux_inputs(batch["aux"][real].to(device))
         out["aux_scale"] = {"min": round(float(factor.min()), 6), "median": round(float(factor.median()), 6),
                             "max": round(float(factor.max()), 6)}
-    if cfg.head_scale_init == "fit" and cfg.lm_head_init == "target":
-        was_training, weight = model.training, draft.lm_head.weight
-        model.eval()  # no feature noise: nothing random is drawn
+    if cfg.lm_head_init == "target" and (cfg.head_scale_init == "fit" or (cfg.head_scale_init == "auto" and sharp)):
+        weight = draft.lm_head.weight
         copied = weight.detach().clone()
         losses: list[float] = []
         for scale in HEAD_SCALES:  # convex in the factor: past the minimum the loss only rises
@@ -228,8 +261,8 @@ def fit_start(cfg: TrainConfig, model: Any, head: Any, first_batch: Callable[[],
                 break
         best = min(range(len(losses)), key=lambda i: (losses[i], i))
         weight.copy_(copied * HEAD_SCALES[best])
-        model.train(was_training)
         out["head_scale"] = round(HEAD_SCALES[best], 6)
         out["first_batch_loss"] = {"copied": round(losses[0], 4), "fitted": round(losses[best], 4)}
-    print0(f"train: the draft's start, set on the first micro-batch: {json.dumps(out)}")
+    model.train(was_training)
+    print0(f"train: the draft's start, probed on the first micro-batch: {json.dumps(out)}")
     return out
