@@ -26,6 +26,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+
+from arch_check import MODEL_IMPL  # noqa: E402  (this folder is on sys.path when run as a script)
+
 STARTS = {"copied": ["train.head_scale_init=one", "train.aux_scale_init=none"],
           "fitted": ["train.head_scale_init=fit", "train.aux_scale_init=unit"],
           "auto": ["train.head_scale_init=auto", "train.aux_scale_init=auto"]}  # the recipe's
@@ -51,8 +54,7 @@ def judge(target: str, draft: Path, out: Path, per_set: int, log: Path) -> dict:
     from eagle3.target.source import resolve_target
 
     folder = resolve_target(target).location
-    impl = "transformers" if "gemma" in json.loads((Path(folder) / "config.json").read_text())["model_type"] \
-        else "auto"
+    impl = MODEL_IMPL.get(json.loads((Path(folder) / "config.json").read_text())["model_type"], "auto")
     run(["bash", "-c", f"source scripts/vllm_env.sh && exec .venv-vllm/bin/python tools/vllm_judge.py "
          f"--target {folder} --draft ours={draft} --pools {out / 'pools'} --per-set {per_set} --k 3 "
          f"--max-new-tokens 64 --model-impl {impl}"], log)
