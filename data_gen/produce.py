@@ -93,7 +93,7 @@ def _produce(cfg: HarvestConfig, target_cfg: TargetConfig, seed: int, target: Ta
     capture_s = 0.0
     while True:
         if spool.done():
-            return _summary(cfg, made, tokens, capture_s, started, "the trainer is done", beat)
+            return _summary(cfg, made, tokens, capture_s, started, spool.done_why(), beat)
         if (seq := next_seq()) is None:  # every shard of the epochs asked for is in the spool
             if end is not None and (spool.released_below() >= end or spool.readers_past(end)):
                 return _summary(cfg, made, tokens, capture_s, started, f"{max_epochs} epochs made", beat)

@@ -1,9 +1,12 @@
 """The trainer's processes and device: one place that chooses the device and joins the process
-group (gloo on CPU, nccl on CUDA), and the two collectives the trainer uses."""
+group (gloo on CPU, nccl on CUDA), the two collectives the trainer uses, and the line that names a
+rank lost mid-run (its host died, its process was killed, the network between them broke)."""
 
 from __future__ import annotations
 
+import datetime
 import os
+import re
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eagle3.errors import ConfigError
+from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.home import eagle3_home
 
 
@@ -21,6 +24,45 @@ class Runtime:
     rank: int
     world_size: int
     local_rank: int
+    hosts: tuple[tuple[str, str], ...] = ()
+    """Every rank's (hostname, address), in rank order: who a failed collective lost."""
+
+
+class PeerLost(Eagle3Error, RuntimeError):
+    """A collective failed because another rank is gone or silent; the message names this rank, the
+    lost one where the error tells, and every rank's host (``what``: that, without the advice)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what} (rerun the job, or set launcher.requeue: training resumes from its last checkpoint)")
+        self.what = what
+
+
+# what gloo and nccl say when the other end of a collective went away (or never answered)
+_LOST = re.compile(r"connection (closed|reset)|closed by peer|broken pipe|timed out|timeout|"
+                   r"remote process exited|ncclRemoteError|ncclSystemError|Socket Timeout|No route to host",
+                   re.IGNORECASE)
+
+
+def _address() -> str:
+    """This host's address as a peer sees it (the one its name resolves to), or '?'."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "?"
+
+
+def lost_peer(err: BaseException, rt: Runtime) -> PeerLost | None:
+    """``err`` as a :class:`PeerLost` naming who was lost, when it is a collective's lost peer; else None."""
+    text = str(err)
+    if rt.world_size < 2 or not _LOST.search(text):
+        return None
+    here, mine = rt.hosts[rt.rank] if rt.hosts else (socket.gethostname(), "?")
+    named = [f"rank {r} on {host} ({addr})" for r, (host, addr) in enumerate(rt.hosts)
+             if addr not in ("?", mine) and re.search(rf"\b{re.escape(addr)}\b", text)]
+    ranks = ", ".join(f"{r}: {host}" for r, (host, _) in enumerate(rt.hosts)) or "unknown"
+    who = "lost " + " / ".join(named) if named else "lost another rank (the error does not say which)"
+    first = text.strip().splitlines()[0][:300] if text.strip() else type(err).__name__
+    return PeerLost(f"rank {rt.rank} on {here}: a collective failed: {who}; ranks {ranks}: {first}")
 
 
 def is_rank0() -> bool:
@@ -39,11 +81,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_runtime(device: str = "auto") -> Runtime:
+def init_runtime(device: str = "auto", timeout_s: float = 600.0) -> Runtime:
     """Choose the device once and join (or create) the process group: gloo on CPU, nccl on CUDA.
 
     Without a launcher this is a group of one (the rendezvous variables are filled in). Run again
-    in the same process, it reuses the existing group.
+    in the same process, it reuses the existing group. ``timeout_s``: how long the rendezvous and
+    each collective wait for the other ranks before they fail.
     """
     use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
     if use_cuda and not torch.cuda.is_available():
@@ -72,10 +115,16 @@ def init_runtime(device: str = "auto") -> Runtime:
 
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
         if alone:  # its rendezvous in memory: no port for two runs on one machine to race for
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    return Runtime(device=torch_device, rank=rank, world_size=world, local_rank=local)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)
+    hosts: list[Any] = [(socket.gethostname(), _address())]
+    if world > 1:
+        hosts = [None] * world
+        dist.all_gather_object(hosts, (socket.gethostname(), _address()))
+    return Runtime(device=torch_device, rank=rank, world_size=world, local_rank=local,
+                   hosts=tuple(tuple(h) for h in hosts))
 
 
 @dataclass(frozen=True)
@@ -121,4 +170,5 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-__all__ = ["ContextGroup", "Runtime", "all_reduce_sum", "barrier", "context_group", "init_runtime", "per_rank"]
+__all__ = ["ContextGroup", "PeerLost", "Runtime", "all_reduce_sum", "barrier", "context_group", "init_runtime",
+           "lost_peer", "per_rank"]

@@ -13,6 +13,8 @@ from eagle3.train.config import TrainConfig
 from hard_mining.config import MineConfig
 from serve_eval.config import EvalConfig
 
+JOB_GROUPS = ("prepare", "harvest", "produce", "train", "finish")
+"""The launcher's jobs (recipes/launch.py), as ``launcher.per_job`` names them."""
 RENAMED_STAGES = {"plan": "size"}
 """Stage names recipes may still use: the draft's size before any weights was the ``plan`` stage."""
 
@@ -37,7 +39,22 @@ class LauncherConfig:
     harvest_shards: int = 1
     """The harvest array's tasks (``harvest.shard`` i/n each)."""
     additional: dict[str, str] = field(default_factory=dict)
-    """Extra sbatch options (account, qos, constraint, ...)."""
+    """Extra sbatch options for every job (account, qos, constraint, ...)."""
+    per_job: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Extra sbatch options for one job group, over ``additional``: prepare, harvest, produce, train
+    or finish (e.g. ``launcher.per_job.produce.partition=inference``: the producers on other nodes
+    than the trainer)."""
+    interface: str | None = None
+    """The network interface the training ranks talk over (GLOO_SOCKET_IFNAME and
+    NCCL_SOCKET_IFNAME in the job); None: the one the node's hostname resolves to (gloo), NCCL's
+    own choice."""
+    port: int | None = None
+    """The training job's rendezvous port on its first node; None: 20000 + the job id mod 20000
+    (jobs sharing a node do not collide). A port in use fails the job at once, naming it."""
+    requeue: int = 0
+    """N > 0: a training job that loses a node (a rank's collective fails) requeues itself, up to N
+    times (sbatch --requeue; it waits for nodes, then resumes from its last checkpoint); 0: it
+    fails, naming the lost rank, and a resubmission resumes."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("none", "local", "slurm"):
@@ -45,6 +62,13 @@ class LauncherConfig:
         for name in ("timeout_min", "cpus_per_task", "nodes", "tasks_per_node", "harvest_shards"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"launcher.{name}={getattr(self, name)}: must be >= 1")
+        for job in self.per_job:
+            if job not in JOB_GROUPS:
+                raise ConfigError(f"launcher.per_job.{job}: no such job; expected one of {', '.join(JOB_GROUPS)}")
+        if self.port is not None and not 1024 <= self.port <= 65535:
+            raise ConfigError(f"launcher.port={self.port}: expected 1024..65535 (or null: from the job id)")
+        if self.requeue < 0:
+            raise ConfigError(f"launcher.requeue={self.requeue}: must be >= 0")
 
 
 @dataclass

@@ -28,10 +28,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3.errors import Eagle3Error
 from recipes.config import LauncherConfig, PipelineConfig
+
+if TYPE_CHECKING:
+    from eagle3.distributed import PeerLost
 
 PREPARE = ("size", "target", "pools", "quantize", "regenerate", "val")
 FINISH = ("mine", "eval", "report")
@@ -69,34 +72,146 @@ def harvest_shard(cfg: PipelineConfig, shard: int, shards: int) -> dict[str, Any
     return summary
 
 
-def produce_task(cfg: PipelineConfig, worker: int, workers: int) -> dict[str, Any]:
+SUBMITTED = ".submitted.json"
+"""Written by the submitter into every folder its jobs share (the online spool): a job on a host
+that does not see it is on another filesystem, and stops before it writes anything there."""
+
+
+def _mark_shared(folder: str | os.PathLike[str]) -> str:
+    """Write ``folder/SUBMITTED`` with a fresh token; returns the token."""
+    import json
+    import secrets
+    import socket
+
+    from eagle3.atomic import atomic_write_text
+
+    token = secrets.token_hex(8)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(folder) / SUBMITTED, json.dumps({"token": token, "host": socket.gethostname(),
+                                                             "time": time.time()}) + "\n")
+    return token
+
+
+def check_shared(folder: str | os.PathLike[str], token: str | None, what: str) -> None:
+    """In a job: stop with one line unless this host sees the submitter's ``folder/SUBMITTED`` with
+    ``token`` (None: nothing to check, e.g. a run submitted before this existed)."""
+    import json
+    import socket
+
+    if token is None:
+        return
+    path = Path(folder) / SUBMITTED
+    try:
+        seen = json.loads(path.read_text()).get("token")
+    except (OSError, ValueError):
+        seen = None
+    here = socket.gethostname()
+    if seen is None:
+        raise LaunchError(f"{what} on host {here}: {path} is missing: this host does not see the submitter's "
+                          f"{folder}; it must be on a filesystem every node of the job shares")
+    if seen != token:
+        raise LaunchError(f"{what} on host {here}: {path} is another submission's: two runs use {folder}; "
+                          "give each its own")
+
+
+def produce_task(cfg: PipelineConfig, worker: int, workers: int, token: str | None = None) -> dict[str, Any]:
     """One task of the producer array of online training."""
     from data_gen.produce import produce
     from recipes.pipeline import producer_epochs
 
+    check_shared(cfg.harvest.out_dir, token, f"producer {worker}/{workers}")
     return produce(replace(cfg.harvest, shard=f"{worker}/{workers}"), cfg.target, seed=cfg.train.seed,
                    progress=False, max_epochs=producer_epochs(cfg))
 
 
-def rendezvous_from_job(port_base: int = 20000) -> dict[str, str]:
-    """RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the running submitit job."""
+def check_rendezvous(master: str, port: int, rank: int, nodelist: str) -> None:
+    """One line, before torch's rendezvous would hang or fail obscurely: the job's first node does
+    not resolve on this host; (rank 0, which listens) the port is in use here."""
+    import socket
+
+    here = socket.gethostname()
+    try:
+        socket.getaddrinfo(master, port)
+    except OSError as err:
+        raise LaunchError(f"rank {rank} on {here}: the job's first node {master!r} (from the node list {nodelist!r}) "
+                          f"does not resolve here ({err}): fix the nodes' names (/etc/hosts or DNS)") from None
+    if rank == 0:  # the rendezvous listens here
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store: a closed one may linger
+            try:
+                probe.bind(("", port))
+            except OSError as err:
+                raise LaunchError(f"rank 0 on {here}: the rendezvous port {port} is in use ({err.strerror}): set "
+                                  "launcher.port to a free one") from None
+
+
+def rendezvous_from_job(port_base: int = 20000, port: int | None = None) -> dict[str, str]:
+    """RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the running submitit job: the
+    job's first node, and ``port`` (None: ``port_base`` + the job id mod 20000). A first node this
+    host cannot resolve, or (on that node) a port in use, stops the task with one line."""
     import submitit
 
     env = submitit.JobEnvironment()
     job_number = int("".join(c for c in str(env.job_id).split("_")[0] if c.isdigit()) or 0)
+    port = port if port is not None else port_base + job_number % 20000
+    master = env.hostnames[0]
+    check_rendezvous(master, port, env.global_rank, os.environ.get("SLURM_JOB_NODELIST", "?"))
     return {"RANK": str(env.global_rank), "WORLD_SIZE": str(env.num_tasks), "LOCAL_RANK": str(env.local_rank),
-            "MASTER_ADDR": env.hostnames[0], "MASTER_PORT": str(port_base + job_number % 20000)}
+            "MASTER_ADDR": master, "MASTER_PORT": str(port)}
 
 
-def train_task(cfg: PipelineConfig) -> dict[str, Any]:
-    """One rank of the training job."""
+def train_task(cfg: PipelineConfig, token: str | None = None) -> dict[str, Any]:
+    """One rank of the training job. With ``launcher.requeue``, a rank whose collective lost another
+    rank requeues the job (Slurm restarts it when nodes are free again; it resumes)."""
+    from eagle3.distributed import PeerLost
     from eagle3.train.loop import train
 
-    os.environ.update(rendezvous_from_job())
-    summary = train(cfg.train, cfg.target)
+    if cfg.train.data in ("online", "hybrid"):
+        check_shared(cfg.train.store, token, "the trainer")
+    os.environ.update(rendezvous_from_job(port=cfg.launcher.port))
+    if cfg.launcher.interface:
+        os.environ.update(GLOO_SOCKET_IFNAME=cfg.launcher.interface, NCCL_SOCKET_IFNAME=cfg.launcher.interface)
+    try:
+        summary = train(cfg.train, cfg.target)
+    except PeerLost as err:
+        _requeue_or_fail(cfg.launcher, err)
+        _stop_producers(cfg, err)
+        raise
+    except Exception as err:
+        _stop_producers(cfg, err)
+        raise
     if os.environ["RANK"] == "0":
         _record(cfg, "train", summary)
     return summary
+
+
+def _stop_producers(cfg: PipelineConfig, err: Exception) -> None:
+    """Online: a trainer that fails for good (no requeue) tells the producer jobs to stop, instead of
+    leaving them to run until their time limit; a rerun of the trainer clears it (and resumes)."""
+    from eagle3.atomic import atomic_write_text
+    from eagle3.store.spool import DONE
+
+    if cfg.train.data in ("online", "hybrid") and Path(cfg.train.store).is_dir():  # any rank: the same file
+        atomic_write_text(Path(cfg.train.store) / DONE, f"the trainer failed: {type(err).__name__}: {err}"[:300])
+
+
+def _requeue_or_fail(launcher: LauncherConfig, err: PeerLost) -> None:
+    """With requeues left: ``scontrol requeue`` this job and leave at once (no result is written: the
+    requeued job writes it); else return (the error fails the job)."""
+    import subprocess
+    import sys
+
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    job = os.environ.get("SLURM_JOB_ID")
+    if launcher.kind != "slurm" or job is None or restarts >= launcher.requeue:
+        if launcher.requeue:
+            print(f"{err} (requeued {restarts} of launcher.requeue={launcher.requeue} times: not again)",
+                  file=sys.stderr, flush=True)
+        return
+    print(f"{err.what}; requeueing job {job} ({restarts + 1} of launcher.requeue={launcher.requeue})",
+          file=sys.stderr, flush=True)
+    subprocess.run(["scontrol", "requeue", job], check=False, timeout=60)  # every surviving rank asks; one suffices
+    os._exit(1)
 
 
 def _executor(launcher: LauncherConfig, name: str, gpus: Sequence[int] = (), **params: Any) -> Any:
@@ -126,7 +241,11 @@ def _executor(launcher: LauncherConfig, name: str, gpus: Sequence[int] = (), **p
         slurm["mem_gb"] = launcher.mem_gb
     if launcher.gpus_per_node:
         slurm["gpus_per_node"] = launcher.gpus_per_node
-    slurm["slurm_additional_parameters"] = dict(launcher.additional)
+    extra = {**launcher.additional, **launcher.per_job.get(name, {})}
+    if name == "train" and launcher.requeue:
+        extra["requeue"] = True
+    slurm["slurm_additional_parameters"] = extra
+    slurm["slurm_srun_args"] = ["--kill-on-bad-exit=1"]  # one task failed: its job stops, no rank waits for it
     ex.update_parameters(**slurm)
     return ex
 
@@ -136,21 +255,23 @@ def _after(ex: Any, launcher: LauncherConfig, jobs: list[Any]) -> None:
     if launcher.kind != "slurm" or not jobs:
         return
     ids = sorted({str(j.job_id).split("_")[0] for j in jobs})
-    params = dict(ex.parameters.get("slurm_additional_parameters") or {})
+    params = dict(ex.parameters.get("additional_parameters") or {})  # AutoExecutor: the Slurm executor's own names
     params["dependency"] = "afterok:" + ":".join(ids)
     ex.update_parameters(slurm_additional_parameters=params)
 
 
-def _array(launcher: LauncherConfig, name: str, fn: Any, cfg: PipelineConfig, previous: list[Any]) -> list[Any]:
-    """``launcher.harvest_shards`` tasks ``fn(cfg, i, n)``: a Slurm job array; locally one process per
-    task, task i on GPU i mod ``launcher.gpus_per_node`` (on a CPU: none)."""
+def _array(launcher: LauncherConfig, name: str, fn: Any, cfg: PipelineConfig, previous: list[Any],
+           *extra: Any) -> list[Any]:
+    """``launcher.harvest_shards`` tasks ``fn(cfg, i, n, *extra)``: a Slurm job array; locally one
+    process per task, task i on GPU i mod ``launcher.gpus_per_node`` (on a CPU: none)."""
     n = launcher.harvest_shards
     if launcher.kind == "local":
         g = launcher.gpus_per_node
-        return [_executor(launcher, f"{name}-{i}", gpus=[i % g] if g else []).submit(fn, cfg, i, n) for i in range(n)]
+        return [_executor(launcher, f"{name}-{i}", gpus=[i % g] if g else []).submit(fn, cfg, i, n, *extra)
+                for i in range(n)]
     ex = _executor(launcher, name)
     _after(ex, launcher, previous)
-    return ex.map_array(fn, [cfg] * n, list(range(n)), [n] * n)
+    return ex.map_array(fn, [cfg] * n, list(range(n)), [n] * n, *([e] * n for e in extra))
 
 
 class LaunchError(Eagle3Error, RuntimeError):
@@ -159,12 +280,38 @@ class LaunchError(Eagle3Error, RuntimeError):
 
 def submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None = None) -> dict[str, Any]:
     """Submit the pipeline's stages as jobs; returns the job ids (and, when waiting, the results)."""
-    from submitit.core.utils import FailedJobError, FailedSubmissionError
+    from submitit.core.utils import FailedSubmissionError, UncompletedJobError
 
     try:
         return _submit(cfg, launcher, wait)
-    except (FailedJobError, FailedSubmissionError) as err:  # sbatch refused, or a job failed (its log named)
-        raise LaunchError(f"launcher={launcher.kind}: {err}") from None
+    except (UncompletedJobError, FailedSubmissionError) as err:  # sbatch refused, or a job failed (its log named)
+        raise LaunchError(f"launcher={launcher.kind}: {_why(err, launcher)}") from None
+
+
+def _why(err: Exception, launcher: LauncherConfig) -> str:
+    """submitit's error as one line: a failed job's own error line and its log; sbatch's error line and
+    the node options it was given; else the error's first line."""
+    import re
+
+    from submitit.core.utils import FailedJobError, FailedSubmissionError
+
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if isinstance(err, FailedJobError):
+        raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b.*: ", line)]
+        logs = [line[2:] for line in lines if line.startswith("- ") and line.endswith(".err")]
+        if raised:
+            return f"a job failed: {raised[-1]}" + (f" (its log: {logs[0]})" if logs else "")
+    refused = [line for line in lines if line.startswith("sbatch: error:")]  # submitit raises either class
+    if isinstance(err, FailedSubmissionError) or refused:
+        said = refused or [line for line in lines if "error" in line.lower()]
+        groups = [("additional.", launcher.additional), *((f"per_job.{j}.", o) for j, o in launcher.per_job.items())]
+        nodes = [f"{where}{key}={value}" for where, options in groups for key, value in options.items()
+                 if key in ("nodelist", "exclude", "partition", "constraint")]
+        if launcher.partition:
+            nodes.append(f"partition={launcher.partition}")
+        return (said[-1] if said else lines[0] if lines else type(err).__name__) + \
+            (f" (node options: {', '.join(nodes)})" if nodes else "")
+    return lines[0] if lines else type(err).__name__
 
 
 def _submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None) -> dict[str, Any]:
@@ -195,15 +342,17 @@ def _submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None) ->
         settle(jobs["harvest"])
         previous = jobs["harvest"]
     if "train" in cfg.stages:
+        token = None
         if online:  # the producers start with the trainer, and end when it is done
             from eagle3.store.spool import DONE
 
             (Path(cfg.harvest.out_dir) / DONE).unlink(missing_ok=True)
-            jobs["produce"] = _array(launcher, "produce", produce_task, cfg, previous)
+            token = _mark_shared(cfg.harvest.out_dir)  # every producer and rank checks it sees the same spool
+            jobs["produce"] = _array(launcher, "produce", produce_task, cfg, previous, token)
         ex = _executor(launcher, "train", gpus=range(launcher.gpus_per_node), nodes=launcher.nodes,
                        tasks_per_node=launcher.tasks_per_node)
         _after(ex, launcher, previous)
-        jobs["train"] = [ex.submit(train_task, cfg)]
+        jobs["train"] = [ex.submit(train_task, cfg, token)]
         settle(jobs["train"])
         if online:
             settle(jobs["produce"])
@@ -221,4 +370,5 @@ def _submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None) ->
     return out
 
 
-__all__ = ["LaunchError", "harvest_shard", "produce_task", "rendezvous_from_job", "run_stages", "submit", "train_task"]
+__all__ = ["LaunchError", "check_rendezvous", "check_shared", "harvest_shard", "produce_task", "rendezvous_from_job",
+           "run_stages", "submit", "train_task"]

@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -182,9 +183,16 @@ class Spool:
     def done(self) -> bool:
         return (self.root / DONE).is_file()
 
-    def finish(self) -> None:
-        """The readers are done: producers stop."""
-        atomic_write_text(self.root / DONE, "")
+    def finish(self, why: str = "") -> None:
+        """The readers are done: producers stop (``why``: a trainer that failed says so, and they say it)."""
+        atomic_write_text(self.root / DONE, why)
+
+    def done_why(self) -> str:
+        """Why the readers are done: "the trainer is done", or what the trainer wrote when it failed."""
+        try:
+            return (self.root / DONE).read_text().strip() or "the trainer is done"
+        except OSError:
+            return "the trainer is done"
 
     def put(self, name: str, seq: int, samples: Sequence[Sample], *,
             alive: Callable[[], bool] = lambda: True) -> int:
@@ -342,7 +350,7 @@ def missing_producer(root: str | os.PathLike[str], seq: int, stale_s: float) -> 
         else:
             return None
     return "; ".join(why) + f": restart it (python -m data_gen.produce --shard {mine[0]['worker']}/" \
-        f"{mine[0]['workers']} ...) and rerun the trainer, which resumes"
+        f"{mine[0]['workers']} ...)"
 
 
 class SpoolStore(PlannedSamples):
@@ -353,8 +361,11 @@ class SpoolStore(PlannedSamples):
     :func:`eagle3.store.batches.shard_sequence` (e): the order producers make them in."""
 
     def __init__(self, root: str | os.PathLike[str], *, seed: int, reader: int = 0, wait_s: float = 600.0,
-                 poll_s: float = 0.2, keep_first_epoch: bool = False) -> None:
+                 poll_s: float = 0.2, keep_first_epoch: bool = False, stale_s: float | None = None,
+                 grace_s: float = PRODUCER_GRACE_S) -> None:
         self.root, self.reader, self.wait_s, self.seed = Path(root), reader, wait_s, seed
+        self.stale_s = wait_s if stale_s is None else stale_s  # a producer on another host: silent this long, lost
+        self.grace_s = grace_s
         self.keep_first_epoch, self.poll_s = keep_first_epoch, poll_s
         self.kept: HarvestStore | None = None  # hybrid, from the second epoch: the first one's shards, a store
         start = time.monotonic()
@@ -432,21 +443,28 @@ class SpoolStore(PlannedSamples):
         return self._cache[name][i - self.plan[k][0]]
 
     def _producers_alive(self, name: str, seq: int) -> Callable[[], bool]:
-        """For ``Spool.get``: raises naming the producer of ``seq`` once it has been dead for
-        ``PRODUCER_GRACE_S`` (a producer restarted meanwhile is not named; looked at each second)."""
+        """For ``Spool.get``: names the producer of ``seq`` on stderr once it is lost (its pid gone
+        on this host, or silent for ``stale_s``), and raises naming it when no producer has taken
+        over within ``grace_s`` (a producer restarted meanwhile, on any host, carries on; looked at
+        each second)."""
         last, dead_since = [time.monotonic()], [None]
 
         def alive() -> bool:
             now = time.monotonic()
             if now - last[0] >= 1.0:
                 last[0] = now
-                why = missing_producer(self.root, seq, self.wait_s)
+                why = missing_producer(self.root, seq, self.stale_s)
                 if why is None:
+                    if dead_since[0] is not None:
+                        print(f"spool {self.root}: a producer took over shard {name}", file=sys.stderr, flush=True)
                     dead_since[0] = None
                 elif dead_since[0] is None:
                     dead_since[0] = now
-                elif now - dead_since[0] >= min(PRODUCER_GRACE_S, self.wait_s):
-                    raise StoreError(f"{self.root / 'shards' / name}: not produced: {why}")
+                    print(f"spool {self.root}: shard {name} waits on a lost producer: {why}; this trainer "
+                          f"waits {min(self.grace_s, self.wait_s):.0f} s for it", file=sys.stderr, flush=True)
+                elif now - dead_since[0] >= min(self.grace_s, self.wait_s):
+                    raise StoreError(f"{self.root / 'shards' / name}: not produced: {why}, and rerun the trainer, "
+                                     "which resumes")
             return True
 
         return alive

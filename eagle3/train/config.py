@@ -58,6 +58,15 @@ class TrainConfig:
     run's own target computes each micro-batch's states (targets that fit beside the draft)."""
     spool_wait_s: float = 600.0
     """online/hybrid: how long the trainer waits for a shard (or the first producer) before it stops."""
+    producer_stale_s: float = 120.0
+    """online/hybrid: a producer on another host whose heartbeat is older than this counts as lost
+    (on the trainer's own host a producer's pid tells at once)."""
+    producer_grace_s: float = 30.0
+    """online/hybrid: how long the trainer waits, after naming a lost producer in its log, for a
+    restarted one (on any host) before it stops; a producer restarted meanwhile carries on the run."""
+    collective_timeout_s: float = 600.0
+    """How long the rendezvous and each collective wait for the other ranks: a rank on a lost node
+    that never answers fails the job after this (a killed process's closed connection, at once)."""
     shard_window: int = 0
     """Sample order: 0 shuffles the whole training set each epoch; N > 0 shuffles the store's
     shards and batches N consecutive shards at a time (each shard needed only while its window

@@ -84,7 +84,8 @@ def open_train_store(cfg: TrainConfig, rank: int = 0) -> HarvestStore | StoreUni
     if cfg.data in ("online", "hybrid"):
         try:
             store = SpoolStore(cfg.store, seed=cfg.seed, reader=rank, wait_s=cfg.spool_wait_s,
-                               keep_first_epoch=cfg.data == "hybrid")
+                               keep_first_epoch=cfg.data == "hybrid", stale_s=cfg.producer_stale_s,
+                               grace_s=cfg.producer_grace_s)
             store.check_budget(cfg.shard_window)
             return store
         except StoreError as err:

@@ -62,6 +62,7 @@ from eagle3.distributed import (
     barrier,
     context_group,
     init_runtime,
+    lost_peer,
     per_rank,
     print0,
 )
@@ -73,7 +74,7 @@ from eagle3.draft.model import DraftHead
 from eagle3.draft.target_head import TargetHead
 from eagle3.draft.ttt import step_weights
 from eagle3.draft.vocab import write_draft_vocab
-from eagle3.errors import TrainError, run_cli
+from eagle3.errors import Eagle3Error, TrainError, run_cli
 from eagle3.export import read_draft_vocab
 from eagle3.store.batches import (
     BatchLoader,
@@ -433,7 +434,17 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     if not cfg.store or not cfg.out_dir:
         raise TrainError("train.store and train.out_dir must be set")
     started = time.perf_counter()
-    rt = init_runtime(cfg.device)  # train.device=cuda without CUDA: a ConfigError, named
+    rt = init_runtime(cfg.device, cfg.collective_timeout_s)  # train.device=cuda without CUDA: a ConfigError, named
+    try:
+        return _train(cfg, target_cfg, target, rt, started)
+    except RuntimeError as err:  # a collective lost a rank (its node died): named, not a bare gloo/nccl trace
+        if isinstance(err, Eagle3Error) or (lost := lost_peer(err, rt)) is None:
+            raise
+        raise lost from err
+
+
+def _train(cfg: TrainConfig, target_cfg: TargetConfig, target: Target | None, rt: Runtime,
+           started: float) -> dict[str, Any]:
     context = context_group(rt, cfg.context_parallel)  # a size that does not divide the world: named
     if rt.device.type == "cpu":
         torch.set_num_threads(cfg.threads)
@@ -505,7 +516,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
                  if rt.device.type == "cuda" else None)
     summary = {
         "stage": "train", "out": str(out_dir), "steps": state.step, "resumed_from_step": resumed_step,
-        "world_size": rt.world_size, "zero_stage": cfg.zero_stage, "precision": cfg.precision,
+        "world_size": rt.world_size, "hosts": [host for host, _ in rt.hosts], "zero_stage": cfg.zero_stage,
+        "precision": cfg.precision,
         "device": str(rt.device), "train_samples": len(train_idx), "eval_samples": len(eval_idx),
         "draft_vocab_size": vocab.size, "trainable_parameters": parameter_count(draft.config)
         - (draft.config.draft_vocab_size * draft.config.hidden_size if cfg.freeze_lm_head else 0),

@@ -1,0 +1,143 @@
+"""What a multi-node run needs that one host never exercises, checked without a cluster: the line
+that names a rank lost mid-collective, the rendezvous checks (first node unresolvable, port in
+use), the shared-filesystem check of a job's folders, submitit's errors as one line, the launcher's
+multi-node keys, and a trainer that waits for a lost producer's replacement. The real two-node
+runs are CI's (scripts/ci/slurm.sh)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3.distributed import PeerLost, Runtime, lost_peer
+from eagle3.errors import ConfigError
+from eagle3.store.spool import SpoolStore
+from recipes.config import LauncherConfig
+from recipes.launch import LaunchError, check_rendezvous, check_shared
+
+
+def runtime(rank: int, hosts: list[tuple[str, str]]) -> Runtime:
+    return Runtime(device=torch.device("cpu"), rank=rank, world_size=len(hosts), local_rank=0, hosts=tuple(hosts))
+
+
+def test_a_collective_that_lost_a_rank_names_it_by_its_address() -> None:
+    rt = runtime(0, [("n1", "10.0.0.1"), ("n2", "10.0.0.2"), ("n3", "10.0.0.3")])
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [10.0.0.3]:41234: Connection reset by peer")
+    lost = lost_peer(gloo, rt)
+    assert isinstance(lost, PeerLost)
+    assert lost.what.startswith("rank 0 on n1: a collective failed: lost rank 2 on n3 (10.0.0.3)")
+    assert "ranks 0: n1, 1: n2, 2: n3" in str(lost) and "launcher.requeue" in str(lost)
+    assert "rank 1 on" not in str(lost)  # 10.0.0.3 names n3 only (no prefix match on 10.0.0.1...)
+    # ranks on one host share an address: the error cannot say which one went away
+    same_host = runtime(1, [("box", "10.0.0.9"), ("box", "10.0.0.9")])
+    assert "does not say which" in str(lost_peer(RuntimeError("Connection closed by peer [10.0.0.9]:1"), same_host))
+    # not a lost peer: left as it is
+    assert lost_peer(RuntimeError("CUDA out of memory"), rt) is None
+    assert lost_peer(RuntimeError("Connection reset by peer"), runtime(0, [("n1", "10.0.0.1")])) is None
+
+
+def test_the_rendezvous_names_a_first_node_it_cannot_resolve_and_a_port_in_use() -> None:
+    with pytest.raises(LaunchError, match=r"rank 1 on .*first node 'no-such-node\.invalid' \(from the node list "
+                                          r"'no-such-node\.invalid,n2'\) does not resolve here"):
+        check_rendezvous("no-such-node.invalid", 29500, 1, "no-such-node.invalid,n2")
+    with socket.socket() as squatter:
+        squatter.bind(("", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        with pytest.raises(LaunchError, match=rf"rank 0 on .*: the rendezvous port {port} is in use .*launcher\.port"):
+            check_rendezvous("localhost", port, 0, "localhost")
+        check_rendezvous("localhost", port, 1, "localhost")  # only rank 0 listens there
+    check_rendezvous("localhost", port, 0, "localhost")  # free again
+
+
+def test_a_job_on_a_host_without_the_shared_folder_stops_naming_it(tmp_path: Path) -> None:
+    from recipes.launch import _mark_shared
+
+    token = _mark_shared(tmp_path / "spool")
+    check_shared(tmp_path / "spool", token, "producer 0/1")  # seen: nothing said
+    check_shared(tmp_path / "elsewhere", None, "producer 0/1")  # no token (an older submission): not checked
+    with pytest.raises(LaunchError, match=r"producer 0/1 on host .*elsewhere/\.submitted\.json is missing: this host "
+                                          r"does not see the submitter's .*elsewhere; it must be on a filesystem"):
+        check_shared(tmp_path / "elsewhere", token, "producer 0/1")
+    _mark_shared(tmp_path / "spool")  # a second submission on the same folder
+    with pytest.raises(LaunchError, match="is another submission's: two runs use"):
+        check_shared(tmp_path / "spool", token, "the trainer")
+
+
+def test_submitit_errors_become_one_line() -> None:
+    from submitit.core.utils import FailedJobError
+
+    from recipes.launch import _why
+
+    trace = ("Job (task=0) failed during processing with trace:\n----------------------\nTraceback (most recent call "
+             "last):\n  File \"x.py\", line 1, in <module>\n    raise LaunchError(...)\nrecipes.launch.LaunchError: "
+             "rank 0 on n1: the rendezvous port 20005 is in use\n----------------------\nYou can check full logs with "
+             "'job.stderr(0)' and 'job.stdout(0)'or at paths:\n  - /j/5_0_log.err\n  - /j/5_0_log.out\n")
+    launcher = LauncherConfig(kind="slurm", per_job={"train": {"nodelist": "n9", "qos": "high"}})
+    assert _why(FailedJobError(trace), launcher) == ("a job failed: recipes.launch.LaunchError: rank 0 on n1: the "
+                                                     "rendezvous port 20005 is in use (its log: /j/5_0_log.err)")
+    refused = FailedJobError("sbatch: error: Batch job submission failed: Invalid node name specified\n")
+    assert _why(refused, launcher) == ("sbatch: error: Batch job submission failed: Invalid node name specified "
+                                       "(node options: per_job.train.nodelist=n9)")
+
+
+def test_the_multi_node_launcher_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from recipes import launch
+
+    with pytest.raises(ConfigError, match=r"launcher\.per_job\.trainer: no such job; expected one of prepare, harvest"):
+        LauncherConfig(per_job={"trainer": {"nodelist": "n1"}})
+    with pytest.raises(ConfigError, match=r"launcher\.port=80: expected 1024\.\.65535"):
+        LauncherConfig(port=80)
+    with pytest.raises(ConfigError, match=r"launcher\.requeue=-1"):
+        LauncherConfig(requeue=-1)
+    (tmp_path / "bin").mkdir()
+    for tool in ("srun", "sbatch"):
+        (tmp_path / "bin" / tool).write_text("#!/bin/sh\nexit 0\n")
+        (tmp_path / "bin" / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
+    cluster = LauncherConfig(kind="slurm", folder=str(tmp_path), requeue=2, additional={"account": "a"},
+                             per_job={"produce": {"partition": "inference"}, "train": {"account": "b"}})
+    params = {name: launch._executor(cluster, name)._executor.parameters for name in ("produce", "train", "finish")}
+    extra = {name: p["additional_parameters"] for name, p in params.items()}
+    assert extra == {"produce": {"account": "a", "partition": "inference"},
+                     "train": {"account": "b", "requeue": True},  # only the training job requeues itself
+                     "finish": {"account": "a"}}
+    assert all(p["srun_args"] == ["--kill-on-bad-exit=1"] for p in params.values())
+    after = launch._executor(cluster, "train")
+    launch._after(after, cluster, [type("Job", (), {"job_id": "41_1"})(), type("Job", (), {"job_id": "41_0"})()])
+    assert after._executor.parameters["additional_parameters"] == {"account": "b", "requeue": True,
+                                                                    "dependency": "afterok:41"}  # kept beside it
+
+
+def test_a_trainer_names_a_lost_producer_and_carries_on_with_its_replacement(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A producer on another host falls silent: named on stderr at once, an error only after the
+    grace; a producer that writes its heartbeat again in time (a restart, any host) carries on."""
+    record = tmp_path / "producer-0-of-1.json"
+
+    def heartbeat(age_s: float, host: str = "n2") -> None:
+        record.write_text(json.dumps({"worker": 0, "workers": 1, "pid": 1, "host": host, "state": "running",
+                                      "made": 3, "time": time.time() - age_s}))
+
+    store = SpoolStore.__new__(SpoolStore)  # only what the wait reads: no spool needed
+    store.root, store.wait_s, store.stale_s, store.grace_s = tmp_path, 600.0, 5.0, 1.5
+    heartbeat(age_s=60)
+    alive = store._producers_alive("e0000-shard-00003", seq=3)
+    time.sleep(1.05)
+    assert alive()
+    said = capsys.readouterr().err
+    assert "shard e0000-shard-00003 waits on a lost producer: producer 0/1 (pid 1 on n2) silent for" in said
+    assert "this trainer waits 2 s for it" in said
+    heartbeat(age_s=0, host="n1")  # restarted elsewhere
+    time.sleep(1.05)
+    assert alive() and "a producer took over shard e0000-shard-00003" in capsys.readouterr().err
+    heartbeat(age_s=60)
+    with pytest.raises(Exception, match=r"not produced: producer 0/1 \(pid 1 on n2\) silent for .*rerun the trainer"):
+        for _ in range(5):
+            time.sleep(1.05)
+            alive()
