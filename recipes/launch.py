@@ -65,7 +65,9 @@ def harvest_shard(cfg: PipelineConfig, shard: int, shards: int) -> dict[str, Any
         from recipes.pipeline import plan_only
 
         return plan_only(cfg)
-    summary = run(replace(cfg.harvest, shard=f"{shard}/{shards}"), cfg.target)
+    import socket
+
+    summary = run(replace(cfg.harvest, shard=f"{shard}/{shards}"), cfg.target) | {"host": socket.gethostname()}
     if summary["complete"]:
         verify_store(cfg.harvest.out_dir)
         _record(cfg, "harvest", summary)
