@@ -63,6 +63,7 @@ def _produce(cfg: HarvestConfig, target_cfg: TargetConfig, seed: int, target: Ta
     write_index(root, hp.samples)
     spool = Spool(root, hp.spec, budget_bytes=int(cfg.spool_budget_mb * 2**20), plan_sha256=plan_digest(root),
                   seed=seed)
+    spool.started = time.time() - (time.perf_counter() - started)  # a failed trainer's older `done`: not ours
     worker, workers = cfg.worker
     shards = len(hp.plan)
     end = None if max_epochs is None else max_epochs * shards

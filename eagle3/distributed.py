@@ -44,7 +44,19 @@ _LOST = re.compile(r"connection (closed|reset)|closed by peer|broken pipe|timed 
 
 
 def _address() -> str:
-    """This host's address as a peer sees it (the one its name resolves to), or '?'."""
+    """This rank's address as its peers see it: the interface the collectives are told to use
+    (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, Linux), else the one the hostname resolves to; '?'."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("NCCL_SOCKET_IFNAME")
+    if interface and "," not in interface:
+        import fcntl
+        import struct
+
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", interface[:15].encode()))  # SIOCGIFADDR
+            return socket.inet_ntoa(packed[20:24])
+        except OSError:
+            pass
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:

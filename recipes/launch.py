@@ -23,18 +23,16 @@ Slurm job ids restart when its state is wiped).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from eagle3.errors import Eagle3Error
 from recipes.config import LauncherConfig, PipelineConfig
-
-if TYPE_CHECKING:
-    from eagle3.distributed import PeerLost
 
 PREPARE = ("size", "target", "pools", "quantize", "regenerate", "val")
 FINISH = ("mine", "eval", "report")
@@ -94,19 +92,24 @@ def _mark_shared(folder: str | os.PathLike[str]) -> str:
     return token
 
 
-def check_shared(folder: str | os.PathLike[str], token: str | None, what: str) -> None:
+def check_shared(folder: str | os.PathLike[str], token: str | None, what: str, wait_s: float = 10.0) -> None:
     """In a job: stop with one line unless this host sees the submitter's ``folder/SUBMITTED`` with
-    ``token`` (None: nothing to check, e.g. a run submitted before this existed)."""
+    ``token`` within ``wait_s`` (None: nothing to check, e.g. a run submitted before this existed)."""
     import json
     import socket
 
     if token is None:
         return
     path = Path(folder) / SUBMITTED
-    try:
-        seen = json.loads(path.read_text()).get("token")
-    except (OSError, ValueError):
-        seen = None
+    deadline = time.monotonic() + wait_s
+    while True:  # a network filesystem's cached view of the folder may lag the submitter's write
+        try:
+            seen = json.loads(path.read_text()).get("token")
+        except (OSError, ValueError):
+            seen = None
+        if seen == token or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
     here = socket.gethostname()
     if seen is None:
         raise LaunchError(f"{what} on host {here}: {path} is missing: this host does not see the submitter's "
@@ -118,12 +121,14 @@ def check_shared(folder: str | os.PathLike[str], token: str | None, what: str) -
 
 def produce_task(cfg: PipelineConfig, worker: int, workers: int, token: str | None = None) -> dict[str, Any]:
     """One task of the producer array of online training."""
+    import socket
+
     from data_gen.produce import produce
     from recipes.pipeline import producer_epochs
 
     check_shared(cfg.harvest.out_dir, token, f"producer {worker}/{workers}")
     return produce(replace(cfg.harvest, shard=f"{worker}/{workers}"), cfg.target, seed=cfg.train.seed,
-                   progress=False, max_epochs=producer_epochs(cfg))
+                   progress=False, max_epochs=producer_epochs(cfg)) | {"host": socket.gethostname()}
 
 
 def check_rendezvous(master: str, port: int, rank: int, nodelist: str) -> None:
@@ -163,57 +168,42 @@ def rendezvous_from_job(port_base: int = 20000, port: int | None = None) -> dict
 
 
 def train_task(cfg: PipelineConfig, token: str | None = None) -> dict[str, Any]:
-    """One rank of the training job. With ``launcher.requeue``, a rank whose collective lost another
-    rank requeues the job (Slurm restarts it when nodes are free again; it resumes)."""
+    """One rank of the training job. A rank that fails records why (recipes/rank_failure.py); a rank
+    whose collective lost another rank, and finds no such record, calls the other's node lost and,
+    with ``launcher.requeue``, requeues the job (Slurm restarts it when nodes are free; it resumes).
+    A trainer that fails for good stops an online run's producers."""
+    import socket
+
     from eagle3.distributed import PeerLost
     from eagle3.train.loop import train
+    from recipes import rank_failure
 
-    if cfg.train.data in ("online", "hybrid"):
-        check_shared(cfg.train.store, token, "the trainer")
-    os.environ.update(rendezvous_from_job(port=cfg.launcher.port))
-    if cfg.launcher.interface:
-        os.environ.update(GLOO_SOCKET_IFNAME=cfg.launcher.interface, NCCL_SOCKET_IFNAME=cfg.launcher.interface)
+    rank = os.environ.get("SLURM_PROCID", "0")
     try:
+        if cfg.train.data in ("online", "hybrid"):
+            check_shared(cfg.train.store, token, "the trainer")
+        os.environ.update(rendezvous_from_job(port=cfg.launcher.port))
+        if cfg.launcher.interface:
+            os.environ.update(GLOO_SOCKET_IFNAME=cfg.launcher.interface, NCCL_SOCKET_IFNAME=cfg.launcher.interface)
+        rank = os.environ["RANK"]
+        rank_failure.clear_record(cfg, rank)
         summary = train(cfg.train, cfg.target)
     except PeerLost as err:
-        _requeue_or_fail(cfg.launcher, err)
-        _stop_producers(cfg, err)
+        crash = rank_failure.crashed_rank(cfg)
+        if crash is None and rank_failure.requeue(cfg.launcher, err):
+            os._exit(1)  # Slurm ends this run; the requeued one writes the result
+        rank_failure.stop_producers(cfg, err)
+        if crash is not None:  # not a lost node: that rank's error is the job's
+            raise LaunchError(f"rank {rank} on {socket.gethostname()}: stopped, as {crash}") from err
         raise
     except Exception as err:
-        _stop_producers(cfg, err)
+        with contextlib.suppress(OSError):
+            rank_failure.record_crash(cfg, rank, err)
+            rank_failure.stop_producers(cfg, err)
         raise
-    if os.environ["RANK"] == "0":
+    if rank == "0":
         _record(cfg, "train", summary)
     return summary
-
-
-def _stop_producers(cfg: PipelineConfig, err: Exception) -> None:
-    """Online: a trainer that fails for good (no requeue) tells the producer jobs to stop, instead of
-    leaving them to run until their time limit; a rerun of the trainer clears it (and resumes)."""
-    from eagle3.atomic import atomic_write_text
-    from eagle3.store.spool import DONE
-
-    if cfg.train.data in ("online", "hybrid") and Path(cfg.train.store).is_dir():  # any rank: the same file
-        atomic_write_text(Path(cfg.train.store) / DONE, f"the trainer failed: {type(err).__name__}: {err}"[:300])
-
-
-def _requeue_or_fail(launcher: LauncherConfig, err: PeerLost) -> None:
-    """With requeues left: ``scontrol requeue`` this job and leave at once (no result is written: the
-    requeued job writes it); else return (the error fails the job)."""
-    import subprocess
-    import sys
-
-    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    job = os.environ.get("SLURM_JOB_ID")
-    if launcher.kind != "slurm" or job is None or restarts >= launcher.requeue:
-        if launcher.requeue:
-            print(f"{err} (requeued {restarts} of launcher.requeue={launcher.requeue} times: not again)",
-                  file=sys.stderr, flush=True)
-        return
-    print(f"{err.what}; requeueing job {job} ({restarts + 1} of launcher.requeue={launcher.requeue})",
-          file=sys.stderr, flush=True)
-    subprocess.run(["scontrol", "requeue", job], check=False, timeout=60)  # every surviving rank asks; one suffices
-    os._exit(1)
 
 
 def _executor(launcher: LauncherConfig, name: str, gpus: Sequence[int] = (), **params: Any) -> Any:
@@ -299,7 +289,7 @@ def _why(err: Exception, launcher: LauncherConfig) -> str:
 
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     if isinstance(err, FailedJobError):
-        raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b.*: ", line)]
+        raised = [line for line in lines if re.match(r"^(?:[a-z_]\w*\.)*[A-Z]\w*: ", line)]  # pkg.mod.Class: why
         logs = [line[2:] for line in lines if line.startswith("- ") and line.endswith(".err")]
         if raised:
             return f"a job failed: {raised[-1]}" + (f" (its log: {logs[0]})" if logs else "")

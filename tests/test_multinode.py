@@ -16,6 +16,7 @@ import torch
 
 from eagle3.distributed import PeerLost, Runtime, lost_peer
 from eagle3.errors import ConfigError
+from eagle3.store.shards import StoreError
 from eagle3.store.spool import SpoolStore
 from recipes.config import LauncherConfig
 from recipes.launch import LaunchError, check_rendezvous, check_shared
@@ -63,10 +64,10 @@ def test_a_job_on_a_host_without_the_shared_folder_stops_naming_it(tmp_path: Pat
     check_shared(tmp_path / "elsewhere", None, "producer 0/1")  # no token (an older submission): not checked
     with pytest.raises(LaunchError, match=r"producer 0/1 on host .*elsewhere/\.submitted\.json is missing: this host "
                                           r"does not see the submitter's .*elsewhere; it must be on a filesystem"):
-        check_shared(tmp_path / "elsewhere", token, "producer 0/1")
+        check_shared(tmp_path / "elsewhere", token, "producer 0/1", wait_s=0.5)
     _mark_shared(tmp_path / "spool")  # a second submission on the same folder
     with pytest.raises(LaunchError, match="is another submission's: two runs use"):
-        check_shared(tmp_path / "spool", token, "the trainer")
+        check_shared(tmp_path / "spool", token, "the trainer", wait_s=0.5)
 
 
 def test_submitit_errors_become_one_line() -> None:
@@ -125,8 +126,8 @@ def test_a_trainer_names_a_lost_producer_and_carries_on_with_its_replacement(
                                       "made": 3, "time": time.time() - age_s}))
 
     store = SpoolStore.__new__(SpoolStore)  # only what the wait reads: no spool needed
-    store.root, store.wait_s, store.stale_s, store.grace_s = tmp_path, 600.0, 5.0, 1.5
-    heartbeat(age_s=60)
+    store.root, store.wait_s, store.stale_s, store.grace_s = tmp_path, 600.0, 60.0, 1.5
+    heartbeat(age_s=600)
     alive = store._producers_alive("e0000-shard-00003", seq=3)
     time.sleep(1.05)
     assert alive()
@@ -136,8 +137,82 @@ def test_a_trainer_names_a_lost_producer_and_carries_on_with_its_replacement(
     heartbeat(age_s=0, host="n1")  # restarted elsewhere
     time.sleep(1.05)
     assert alive() and "a producer took over shard e0000-shard-00003" in capsys.readouterr().err
-    heartbeat(age_s=60)
-    with pytest.raises(Exception, match=r"not produced: producer 0/1 \(pid 1 on n2\) silent for .*rerun the trainer"):
+    heartbeat(age_s=600)
+    with pytest.raises(StoreError, match=r"not produced: producer 0/1 \(pid 1 on n2\) silent for .*rerun the trainer"):
         for _ in range(5):
             time.sleep(1.05)
             alive()
+
+
+def test_a_failed_jobs_line_is_the_rank_naming_one_of_a_chained_trace() -> None:
+    from submitit.core.utils import FailedJobError
+
+    from recipes.launch import _why
+
+    trace = ("Job (task=0) failed during processing with trace:\n----------------------\nTraceback (most recent call "
+             "last):\nRuntimeError: [pair.cc:537] Read error [10.0.0.2]:41234: Connection reset by peer\n\nThe above "
+             "exception was the direct cause of the following exception:\n\nTraceback (most recent call last):\n"
+             "eagle3.distributed.PeerLost: rank 0 on n1: a collective failed: lost rank 1 on n2 (10.0.0.2)\n"
+             "----------------------\nYou can check full logs at paths:\n  - /j/5_0_log.err\n")
+    assert _why(FailedJobError(trace), LauncherConfig(kind="slurm")) == (
+        "a job failed: eagle3.distributed.PeerLost: rank 0 on n1: a collective failed: lost rank 1 on n2 (10.0.0.2) "
+        "(its log: /j/5_0_log.err)")
+
+
+def test_a_crashed_rank_is_told_from_a_lost_node_and_never_requeued(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that raised leaves a record; a survivor finds it (no requeue: it would crash again); a
+    lost node leaves none. Requeue asks Slurm, and a refusal or a missing scontrol fails the job."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from recipes import rank_failure
+
+    cfg = SimpleNamespace(train=SimpleNamespace(out_dir=str(tmp_path / "train"), data="online",
+                                                store=str(tmp_path / "spool")))
+    assert rank_failure.crashed_rank(cfg, wait_s=0.0) is None  # nothing recorded: a lost node
+    rank_failure.record_crash(cfg, "1", ValueError("the disk is full\nmore"))
+    assert rank_failure.crashed_rank(cfg, wait_s=0.0) == f"rank 1 on {socket.gethostname()} failed: ValueError: " \
+                                                          "the disk is full"
+    rank_failure.clear_record(cfg, "1")  # the rank's next run starts clean
+    assert rank_failure.crashed_rank(cfg, wait_s=0.0) is None
+
+    lost = PeerLost("rank 0 on n1: a collective failed: lost rank 1 on n2 (10.0.0.2)")
+    slurm = LauncherConfig(kind="slurm", requeue=1)
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert not rank_failure.requeue(slurm, lost)  # its one requeue is spent
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    asked: list[list[str]] = []
+
+    def scontrol(args: list[str], **_: object) -> SimpleNamespace:
+        asked.append(args)
+        return SimpleNamespace(returncode=0 if args[-1] == "41" else 1, stderr="Invalid job id specified")
+
+    monkeypatch.setattr(subprocess, "run", scontrol)
+    assert rank_failure.requeue(slurm, lost) and asked == [["scontrol", "requeue", "41"]]
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert not rank_failure.requeue(slurm, lost)  # Slurm refused: the job fails instead
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError("scontrol")))
+    assert not rank_failure.requeue(slurm, lost)
+    assert not rank_failure.requeue(LauncherConfig(kind="local", requeue=1), lost)
+
+
+def test_a_failed_trainer_stops_the_producers_but_not_one_started_after(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from eagle3.store.spool import DONE, Spool
+    from recipes import rank_failure
+
+    (tmp_path / "spool").mkdir()
+    cfg = SimpleNamespace(train=SimpleNamespace(out_dir=str(tmp_path / "train"), data="online",
+                                                store=str(tmp_path / "spool")))
+    spool = Spool.__new__(Spool)  # done() reads only its folder
+    spool.root = tmp_path / "spool"
+    assert not spool.done()
+    rank_failure.stop_producers(cfg, RuntimeError("boom"))
+    assert spool.done() and spool.done_why() == "the trainer failed: RuntimeError: boom"
+    spool.started = time.time() + 1  # a producer restarted after the failure: the trainer it serves is a rerun
+    assert not spool.done()
+    (tmp_path / "spool" / DONE).write_text("")  # a trainer that finished: every producer stops
+    assert spool.done() and spool.done_why() == "the trainer is done"

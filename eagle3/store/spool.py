@@ -180,8 +180,20 @@ class Spool:
             return int(json.loads((self.root / RELEASED).read_text())["seq"])
         return 0
 
+    started: float | None = None
+    """A producer's start (epoch seconds), set by it: a failed trainer's ``done`` written before
+    does not count (that producer is the restart the failure asked for)."""
+
     def done(self) -> bool:
-        return (self.root / DONE).is_file()
+        """The readers are done (module docstring; ``started``)."""
+        path = self.root / DONE
+        try:
+            if self.started is not None and path.stat().st_mtime < self.started \
+                    and self.done_why().startswith("the trainer failed"):
+                return False
+        except OSError:
+            pass
+        return path.is_file()
 
     def finish(self, why: str = "") -> None:
         """The readers are done: producers stop (``why``: a trainer that failed says so, and they say it)."""

@@ -38,6 +38,7 @@ cleanup() {
   ip link del "${prefix}b" 2>/dev/null || true
 }
 trap cleanup EXIT
+trap 'exit 130' INT TERM  # a signal exits, and the EXIT trap cleans up
 
 # --- munge: runs as the munge user, needs /run/munge
 mkdir -p /run/munge /etc/munge "$work/munge"
@@ -63,7 +64,7 @@ mariadb --socket="$work/mysql/mysql.sock" -e "create database if not exists slur
   grant all on slurm_acct_db.* to 'slurm'@'localhost'; flush privileges;"
 
 # --- the cluster's network: a bridge here (the controller's address), nothing routed elsewhere
-if ip route | grep -q "^$net\."; then
+if grep -q "^$net\." <<<"$(ip route)"; then
   echo "slurm CI: $net.0/24 is already routed on this machine; set another net= in $0" >&2
   exit 1
 fi

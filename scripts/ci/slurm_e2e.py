@@ -151,15 +151,18 @@ def node_lost(work: Path, cluster: Cluster) -> bool:
     folder = sorted(Path(cfg.launcher.folder).glob("*-train"))[-1]  # this submission's (the newest) train job
     wait_for("the surviving rank's line", lambda: "requeueing job" in logs(folder), timeout_s=180)
     named = [line for line in logs(folder).splitlines() if "a collective failed" in line]
-    # the node comes back once the lost run's processes on n1 are gone (srun gives a dead node's step
-    # up to 32 s): the requeued run reuses the step's id, and a late cancel of the old one would hit it
-    wait_for("the lost run's job steps to end", lambda: subprocess.run(
-        ["pgrep", "-f", rf"slurmstepd: \[{job}\."], capture_output=True).returncode != 0, timeout_s=180)
+    # the node comes back once the lost run's processes on n1 are gone (its srun gives the dead node's
+    # step up to 32 s): the requeued run reuses the step's id, and a late cancel of the old one would
+    # hit it. Every process of the job names its folder (the batch script, srun, the ranks), or is its
+    # slurmstepd.
+    wait_for("the lost run's processes to end", lambda: all(subprocess.run(
+        ["pgrep", "-f", pattern], capture_output=True).returncode != 0
+        for pattern in (str(folder), rf"slurmstepd: \[{job}\.")), timeout_s=180)
     cluster.start("n2")
     state = wait_job(job)
     summary = json.loads((work / "train-lost" / "summary.json").read_text()) if state == "COMPLETED" else {}
     same = state == "COMPLETED" and final(work / "train-lost") == final(work / "train")
-    ok = same and bool(named) and "n2" in named[0] and (summary.get("resumed_from_step") or 0) > 0
+    ok = same and bool(named) and "lost rank 1 on n2" in named[0] and (summary.get("resumed_from_step") or 0) > 0
     say(check="node lost", job=job, state=state, named=named[:1], resumed_from_step=summary.get("resumed_from_step"),
         equals_uninterrupted=same, seconds=round(time.time() - started, 1), ok=ok)
     return ok
@@ -217,13 +220,14 @@ def producer_lost(work: Path, cluster: Cluster) -> bool:
     named = [line for line in logs(folder).splitlines() if "waits on a lost producer" in line]
     token = json.loads((work / "harvest" / ".submitted.json").read_text())["token"]
     again = replace(cfg.launcher, per_job={"produce": {"nodelist": "n1"}})
-    restarted = _array(again, "produce-again", produce_task, cfg, [], token)[0]
+    restarted = _array(again, "produce", produce_task, cfg, [], token)[0]
     state = wait_job(job)
     produced = restarted.results()[0]
     subprocess.run(["scancel", *jobs["produce"]], check=False)  # Slurm requeued the lost node's producer job
     cluster.start("n2")
     same = state == "COMPLETED" and final(work / "train") == reference
-    ok = same and bool(named) and "on n2" in named[0] and produced["stopped"] == "the trainer is done"
+    ok = (same and bool(named) and "(pid" in named[0] and " on n2)" in named[0] and produced["host"] == "n1"
+          and produced["stopped"] == "the trainer is done")
     say(check="producer's node lost", state=state, named=named[:1], restarted_producer=produced,
         equals_offline=same, seconds=round(time.time() - started, 1), ok=ok)
     return ok

@@ -15,7 +15,7 @@ mkdir -p "$work/nodes"
 case "$action" in
   start)
     addr="$4"
-    if ! ip netns list | grep -qw "$ns"; then
+    if ! grep -qw "$ns" <<<"$(ip netns list)"; then
       host_if="${prefix}v${name}" node_if="${prefix}p${name}"
       ip netns add "$ns"
       ip link add "$host_if" type veth peer name "$node_if"
