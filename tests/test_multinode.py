@@ -216,3 +216,44 @@ def test_a_failed_trainer_stops_the_producers_but_not_one_started_after(tmp_path
     assert not spool.done()
     (tmp_path / "spool" / DONE).write_text("")  # a trainer that finished: every producer stops
     assert spool.done() and spool.done_why() == "the trainer is done"
+
+
+SILENT_PEER = """
+import json, os, sys, time
+import torch
+from eagle3.distributed import init_runtime, lost_peer
+rt = init_runtime("cpu", timeout_s=3)
+if rt.rank == 1:  # a rank that stays alive but never answers (a frozen node)
+    time.sleep(8)
+    sys.exit(0)
+t0 = time.monotonic()
+try:
+    torch.distributed.all_reduce(torch.ones(4))
+    print(json.dumps({"lost": None}))
+except RuntimeError as err:
+    print(json.dumps({"seconds": time.monotonic() - t0, "lost": str(lost_peer(err, rt))}))
+"""
+
+
+@pytest.mark.slow
+def test_a_silent_rank_fails_the_collective_after_the_timeout_and_is_named_lost(tmp_path: Path) -> None:
+    """Two gloo ranks, the second never answering: the first's collective fails after the rendezvous
+    timeout (``train.collective_timeout_s``), as a lost peer, instead of hanging."""
+    import os
+    import subprocess
+    import sys
+
+    from eagle3.distributed import _free_port
+
+    script = tmp_path / "silent.py"
+    script.write_text(SILENT_PEER)
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "OMP_NUM_THREADS": "1"}
+    root = Path(__file__).parents[1]
+    procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=root)
+             for r in (0, 1)]
+    out = [p.communicate(timeout=120)[0] for p in procs]
+    said = json.loads(out[0].strip().splitlines()[-1])
+    assert said["lost"] is not None and "a collective failed: lost another rank" in said["lost"]
+    assert "Timed out" in said["lost"] and 2.5 <= said["seconds"] < 30  # the 3 s timeout, not gloo's 30 min
