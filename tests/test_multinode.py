@@ -220,8 +220,13 @@ def test_a_failed_trainer_stops_the_producers_but_not_one_started_after(tmp_path
 
 SILENT_PEER = """
 import json, os, sys, time
-import torch
+from pathlib import Path
+import deepspeed, torch
 from eagle3.distributed import init_runtime, lost_peer
+here = Path(sys.argv[1])  # both ranks imported: start the 3 s rendezvous together (imports vary on a busy machine)
+(here / f"ready-{os.environ['RANK']}").touch()
+while not all((here / f"ready-{r}").exists() for r in (0, 1)):
+    time.sleep(0.05)
 rt = init_runtime("cpu", timeout_s=3)
 if rt.rank == 1:  # a rank that stays alive but never answers (a frozen node)
     time.sleep(8)
@@ -250,8 +255,9 @@ def test_a_silent_rank_fails_the_collective_after_the_timeout_and_is_named_lost(
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "OMP_NUM_THREADS": "1"}
     root = Path(__file__).parents[1]
-    procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=root)
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.DEVNULL, text=True,
+                              cwd=root)
              for r in (0, 1)]
     out = [p.communicate(timeout=120)[0] for p in procs]
     said = json.loads(out[0].strip().splitlines()[-1])
