@@ -42,7 +42,7 @@ class LauncherConfig:
     """Extra sbatch options for every job (account, qos, constraint, ...)."""
     per_job: dict[str, dict[str, str]] = field(default_factory=dict)
     """Extra sbatch options for one job group, over ``additional``: prepare, harvest, produce, train
-    or finish (e.g. ``launcher.per_job.produce.partition=inference``: the producers on other nodes
+    or finish (e.g. ``+launcher.per_job.produce.partition=inference``: the producers on other nodes
     than the trainer)."""
     interface: str | None = None
     """The network interface the training ranks talk over (GLOO_SOCKET_IFNAME and

@@ -96,6 +96,10 @@ def test_the_multi_node_launcher_keys(tmp_path: Path, monkeypatch: pytest.Monkey
         LauncherConfig(port=80)
     with pytest.raises(ConfigError, match=r"launcher\.requeue=-1"):
         LauncherConfig(requeue=-1)
+    from eagle3.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"train\.collective_timeout_s=0: must be > 0 \(seconds\)"):
+        TrainConfig(collective_timeout_s=0)
     (tmp_path / "bin").mkdir()
     for tool in ("srun", "sbatch"):
         (tmp_path / "bin" / tool).write_text("#!/bin/sh\nexit 0\n")

@@ -293,6 +293,9 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)}: must be >= 0")
         self._check_data()
+        for name in ("spool_wait_s", "producer_stale_s", "producer_grace_s", "collective_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name}={getattr(self, name)}: must be > 0 (seconds)")
         if self.lr <= 0:
             raise ConfigError(f"train.lr={self.lr}: must be > 0")
         if self.optimizer not in ("adamw", "muon"):
