@@ -293,7 +293,10 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)}: must be >= 0")
         self._check_data()
-        for name in ("spool_wait_s", "producer_stale_s", "producer_grace_s", "collective_timeout_s"):
+        for name in ("spool_wait_s", "producer_grace_s"):  # 0: do not wait
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name}={getattr(self, name)}: must be >= 0 (seconds)")
+        for name in ("producer_stale_s", "collective_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)}: must be > 0 (seconds)")
         if self.lr <= 0:
