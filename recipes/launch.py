@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -63,8 +64,6 @@ def harvest_shard(cfg: PipelineConfig, shard: int, shards: int) -> dict[str, Any
         from recipes.pipeline import plan_only
 
         return plan_only(cfg)
-    import socket
-
     summary = run(replace(cfg.harvest, shard=f"{shard}/{shards}"), cfg.target) | {"host": socket.gethostname()}
     if summary["complete"]:
         verify_store(cfg.harvest.out_dir)
@@ -81,7 +80,6 @@ def _mark_shared(folder: str | os.PathLike[str]) -> str:
     """Write ``folder/SUBMITTED`` with a fresh token; returns the token."""
     import json
     import secrets
-    import socket
 
     from eagle3.atomic import atomic_write_text
 
@@ -96,7 +94,6 @@ def check_shared(folder: str | os.PathLike[str], token: str | None, what: str, w
     """In a job: stop with one line unless this host sees the submitter's ``folder/SUBMITTED`` with
     ``token`` within ``wait_s`` (None: nothing to check, e.g. a run submitted before this existed)."""
     import json
-    import socket
 
     if token is None:
         return
@@ -121,8 +118,6 @@ def check_shared(folder: str | os.PathLike[str], token: str | None, what: str, w
 
 def produce_task(cfg: PipelineConfig, worker: int, workers: int, token: str | None = None) -> dict[str, Any]:
     """One task of the producer array of online training."""
-    import socket
-
     from data_gen.produce import produce
     from recipes.pipeline import producer_epochs
 
@@ -134,8 +129,6 @@ def produce_task(cfg: PipelineConfig, worker: int, workers: int, token: str | No
 def check_rendezvous(master: str, port: int, rank: int, nodelist: str) -> None:
     """One line, before torch's rendezvous would hang or fail obscurely: the job's first node does
     not resolve on this host; (rank 0, which listens) the port is in use here."""
-    import socket
-
     here = socket.gethostname()
     try:
         socket.getaddrinfo(master, port)
@@ -172,8 +165,6 @@ def train_task(cfg: PipelineConfig, token: str | None = None) -> dict[str, Any]:
     whose collective lost another rank, and finds no such record, calls the other's node lost and,
     with ``launcher.requeue``, requeues the job (Slurm restarts it when nodes are free; it resumes).
     A trainer that fails for good stops an online run's producers."""
-    import socket
-
     from eagle3.distributed import PeerLost
     from eagle3.train.loop import train
     from recipes import rank_failure

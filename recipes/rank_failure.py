@@ -91,10 +91,10 @@ def stop_producers(cfg: PipelineConfig, err: BaseException) -> None:
     """Online: a trainer that fails for good tells the producers to stop (the spool's ``done`` with
     why), instead of leaving them to run until their time limit. A producer started later than
     this ignores it; a rerun trainer clears it."""
-    from eagle3.store.spool import DONE
+    from eagle3.store.spool import mark_done
 
     if cfg.train.data in ("online", "hybrid") and Path(cfg.train.store).is_dir():  # any rank: the same file
-        atomic_write_text(Path(cfg.train.store) / DONE, f"the trainer failed: {type(err).__name__}: {err}"[:300])
+        mark_done(cfg.train.store, f"the trainer failed: {type(err).__name__}: {err}"[:300])
 
 
 __all__ = ["FAILED", "clear_record", "crashed_rank", "record_crash", "requeue", "stop_producers"]

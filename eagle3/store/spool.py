@@ -195,9 +195,9 @@ class Spool:
             pass
         return path.is_file()
 
-    def finish(self, why: str = "") -> None:
-        """The readers are done: producers stop (``why``: a trainer that failed says so, and they say it)."""
-        atomic_write_text(self.root / DONE, why)
+    def finish(self) -> None:
+        """The readers are done: producers stop."""
+        mark_done(self.root)
 
     def done_why(self) -> str:
         """Why the readers are done: "the trainer is done", or what the trainer wrote when it failed."""
@@ -326,6 +326,12 @@ class Heartbeat:
         if force or changes or now - self._last >= self.every_s:
             self._last = now
             atomic_write_text(self.path, json.dumps({**self.record, "time": time.time()}) + "\n")
+
+
+def mark_done(root: str | os.PathLike[str], why: str = "") -> None:
+    """Tell the producers of the spool ``root`` to stop: the readers are done (``why``: a trainer that
+    failed says so, and the producers report it)."""
+    atomic_write_text(Path(root) / DONE, why)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -542,4 +548,4 @@ class SpoolStore(PlannedSamples):
             self.spool.clear()  # what producers made ahead: nothing will read it (a longer rerun makes it again)
 
 
-__all__ = ["HEADER", "Heartbeat", "Spool", "SpoolStore", "missing_producer", "shard_key"]
+__all__ = ["HEADER", "Heartbeat", "Spool", "SpoolStore", "mark_done", "missing_producer", "shard_key"]
