@@ -73,6 +73,10 @@ class MineConfig:
     traffic_pick: str = "lowest_tau"
     """traffic: lowest_tau (the requests the served draft accepted least on first: its errors on real
     traffic) or random (the log's uniform mixture)."""
+    sample_weights: str | None = None
+    """Per-sample weights of the base store (``train.sample_weights``' JSON: sample id -> weight >= 0,
+    absent ids 1) kept in every round's training, e.g. 0 for what the deployment must not train on;
+    reweight's domain weights multiply them. The pipeline passes ``train.sample_weights``."""
     weight_power: float = 4.0
     """reweight: domain weight (tau_best / tau_domain) ** power, clipped to [0.25, 4]."""
     steps: int = 60

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import time
@@ -249,7 +250,8 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
 
     draft_dir = Path(cfg.draft)
     stores: list[str] = []  # appended by earlier rounds
-    weights_file: str | None = None
+    weights_file: str | None = cfg.sample_weights or None  # the base weights until reweight writes its own
+    base_weights = _read_base_weights(cfg.sample_weights)
     token_weights: str | None = None  # error replay's, carried from round to round
     harvested_ids = {str(r["id"]) for r in records}
     for done in manifest["rounds"]:
@@ -276,7 +278,8 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
                     known=[*eval_sets, *eval_records, *records],
                     fresh=[p for p in pool if str(p.get("id")) not in harvested_ids],
                     traffic=[t for t in traffic if str(t["id"]) not in harvested_ids],
-                    harvester=Harvester(rdir, target, target_cfg, base, seed, progress, cfg.workers, cfg.mode))
+                    harvester=Harvester(rdir, target, target_cfg, base, seed, progress, cfg.workers, cfg.mode),
+                    base_weights=base_weights)
         new_records, added, weights_file = _mine(rd, weights_file)
         round_stores, added_records, token_weights = _harvest_mined(rd, new_records, stores, added, token_weights)
         records += read_records(added_records)
@@ -334,6 +337,7 @@ class _Round:
     fresh: list[dict[str, Any]]
     traffic: list[dict[str, Any]]
     harvester: Harvester
+    base_weights: dict[str, float]
 
 
 def _mine(rd: _Round, weights_file: str | None) -> tuple[list[dict[str, Any]], dict[str, Any], str | None]:
@@ -375,14 +379,29 @@ def _add(rd: _Round, new_records: list[dict[str, Any]],
     return kept, {"picked": len(picked), "kept": len(kept), "dropped": dropped}
 
 
+def _read_base_weights(path: str | None) -> dict[str, float]:
+    """``mine.sample_weights`` read as the trainer reads ``train.sample_weights`` (checked the same way)."""
+    if not path:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise MineError(f"mine.sample_weights={path}: {err}") from None
+    if not isinstance(data, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                             and math.isfinite(v) and v >= 0 for v in data.values()):
+        raise MineError(f"mine.sample_weights={path}: expected a JSON object of sample id -> finite weight >= 0")
+    return {str(k): float(v) for k, v in data.items()}
+
+
 def _reweight(rd: _Round) -> tuple[str, dict[str, Any]]:
     """Weak where it matters: domain weights from the held-out acceptance (the training set is already fitted)."""
     counts: dict[str, int] = {}
     for sc in rd.train_scores:
         counts[sc.domain] = counts.get(sc.domain, 0) + 1
     w = domain_weights(group_scores(rd.before, "domain"), power=rd.cfg.weight_power, counts=counts)
+    weights = {k: round(v * rd.base_weights.get(k, 1.0), 6) for k, v in sample_weights(rd.train_scores, w).items()}
     weights_file = str(rd.dir / "sample_weights.json")
-    atomic_write_text(Path(weights_file), json.dumps(sample_weights(rd.train_scores, w), indent=0))
+    atomic_write_text(Path(weights_file), json.dumps(weights, indent=0))
     return weights_file, {"domain_weights": {k: round(v, 4) for k, v in w.items()}}
 
 

@@ -409,3 +409,33 @@ def test_traffic_rounds_mine_the_requests_the_draft_served_worst(world: dict, tm
     with pytest.raises(MineError, match=f"mine.traffic: {log}:7: not a traffic log line"):
         run_rounds(MineConfig(**base, out_dir=str(tmp_path / "bad")), world["train"], lively, target=target,
                    progress=False)
+
+
+def test_the_base_stores_weights_are_kept_in_every_rounds_training(world: dict, tmp_path: Path) -> None:
+    root, target = world["root"], world["target"]
+    ids = sorted(HarvestStore(root / "store").sample_ids)
+    zero = set(ids[::2])
+    path = tmp_path / "base_weights.json"
+    path.write_text(json.dumps({sid: 0.0 for sid in zero}))
+    lively = TargetConfig(name_or_path="lively")
+    base = dict(draft=str(root / "train" / "final"), store=str(root / "store"), records=[str(world["data"])],
+                eval_store=str(root / "val"), eval_records=[str(world["val"])], steps=1, max_new_tokens=8,
+                sample_weights=str(path), wandb_mode="disabled")
+    # reweight: its domain weights times the base weights; the zeroed samples stay out
+    (entry,) = run_rounds(MineConfig(**base, strategies=["reweight"], out_dir=str(tmp_path / "rw")), world["train"],
+                          lively, target=target, progress=False)["rounds"]
+    weights = json.loads(Path(entry["sample_weights"]).read_text())
+    domain_w = entry["added"]["reweight"]["domain_weights"]
+    assert {sid for sid, w in weights.items() if w == 0} == zero
+    assert any(w != 1.0 for w in domain_w.values()) and all(weights[sid] > 0 for sid in ids if sid not in zero)
+    # a round without reweight trains with the base weights as they are (the trainer pins the file)
+    pool = record_file(tmp_path / "pool.jsonl", range(300, 304), "p")
+    (entry,) = run_rounds(MineConfig(**base, strategies=["uniform"], uniform=2, pool=str(pool),
+                                     out_dir=str(tmp_path / "u")), world["train"], lively, target=target,
+                          progress=False)["rounds"]
+    assert entry["sample_weights"] == str(path)
+    path.write_text('{"a": -1}')
+    with pytest.raises(MineError, match=f"mine.sample_weights={path}: expected a JSON object"):
+        run_rounds(MineConfig(**base, strategies=["reweight"], out_dir=str(tmp_path / "bad")), world["train"], lively,
+                   target=target, progress=False)
+    assert not (tmp_path / "bad").exists()

@@ -14,7 +14,8 @@ by the server; then one round of mining from the traffic against uniform data, a
    to the OpenAI-compatible server (``serve_eval.server``, in this process, over HTTP) serving that
    draft with ``--traffic-log``; greedy, ``--max-tokens`` each.
 3. **One round per arm**, each adding ``--added`` prompts and continuing ``--steps`` steps (the
-   mining ablation's continued training): ``traffic-worst`` (``mine.traffic_pick=lowest_tau``: the
+   mining ablation's continued training, the store's ``--domain`` samples still weighted 0: the
+   deployment's own data lacks the domain): ``traffic-worst`` (``mine.traffic_pick=lowest_tau``: the
    requests the draft served worst), ``traffic-random`` (the log's uniform mixture) and
    ``pool-uniform`` (random pool prompts, the domain at its pool share).
 
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     common = dict(draft=str(draft), store=args.store, records=args.records, eval_store=args.eval_store,
                   eval_records=args.eval_records, pool=args.pool, eval_sets=args.eval_sets, rounds=1,
                   steps=args.steps, traffic=str(log), traffic_prompts=args.added, uniform=args.added,
-                  wandb_mode="disabled")
+                  sample_weights=str(out / "weights.json"), wandb_mode="disabled")
     after: dict[str, list[list[dict[str, Any]]]] = {}
     before: list[dict[str, Any]] = []
     for seed in args.seeds:
