@@ -20,8 +20,9 @@ by the server; then one round of mining from the traffic against uniform data, a
    ``pool-uniform`` (random pool prompts, the domain at its pool share).
 
 Printed: one JSON line per (arm, group) with held-out tau_sim per seed and its bootstrap interval,
-the shifted domain marked, then each traffic arm against ``pool-uniform`` (paired difference and
-the ratio of (tau - 1)).
+the shifted domain marked, then each traffic arm against ``pool-uniform`` and ``traffic-worst``
+against ``traffic-random``: the paired difference, ``gain_ratio`` (the arm's gain over the shifted
+draft / the control's) and ``tau1_ratio`` (the ratio of (tau - 1) after the round).
 """
 
 from __future__ import annotations
@@ -164,21 +165,25 @@ def main(argv: list[str] | None = None) -> None:
     draws = torch.randint(0, len(before), (args.bootstrap, len(before)), generator=torch.Generator().manual_seed(0))
     for group in [None, *sorted({r["domain"] for r in before})]:
         mean = {}
+        base = pooled_tau([r for r in before if group in (None, r["domain"])])
         for arm in after:
             per_seed = [pooled_tau([r for r in s if group is None or r["domain"] == group]) for s in after[arm]]
             mean[arm] = sum(per_seed) / len(per_seed)
             lo, hi = bootstrap(after[arm], group, draws)
-            base = pooled_tau([r for r in before if group in (None, r["domain"])])
             print(json.dumps({"figure": "shift_tau", "group": group or "overall", "shifted": group == args.domain,
                               "arm": arm, "before": round(base, 4), "per_seed": [round(t, 4) for t in per_seed],
                               "mean": round(mean[arm], 4),
                               "ci95": [round(lo, 4), round(hi, 4)]}), flush=True)
-        for arm in ("traffic-worst", "traffic-random"):
-            d, lo, hi = paired_diff(after[arm], after["pool-uniform"], group, draws)
+        for arm, control in (("traffic-worst", "pool-uniform"), ("traffic-random", "pool-uniform"),
+                             ("traffic-worst", "traffic-random")):
+            d, lo, hi = paired_diff(after[arm], after[control], group, draws)
+            gain = mean[control] - base
             print(json.dumps({"figure": "shift_diff", "group": group or "overall", "shifted": group == args.domain,
-                              "arm": arm, "minus_pool_uniform": round(d, 4), "ci95": [round(lo, 4), round(hi, 4)],
-                              "gain_ratio": round((mean[arm] - 1) / (mean["pool-uniform"] - 1), 4)
-                              if mean["pool-uniform"] > 1 else None}), flush=True)
+                              "arm": arm, "control": control, "minus_control": round(d, 4),
+                              "ci95": [round(lo, 4), round(hi, 4)],
+                              "gain_ratio": round((mean[arm] - base) / gain, 4) if gain > 0 else None,
+                              "tau1_ratio": round((mean[arm] - 1) / (mean[control] - 1), 4)
+                              if mean[control] > 1 else None}), flush=True)
 
 
 if __name__ == "__main__":
