@@ -215,22 +215,27 @@ def run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig
         return _run_rounds(cfg, train_cfg, target_cfg, out, target, progress)
 
 
-def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig, out: Path, target: Any,
-                progress: bool) -> dict[str, Any]:
-    from eagle3.target.model import load_target
-    from eagle3.train.loop import train
-
-    manifest_path = out / MANIFEST
-    manifest: dict[str, Any] = (json.loads(manifest_path.read_text()) if manifest_path.is_file()
+def _read_manifest(cfg: MineConfig, path: Path) -> dict[str, Any]:
+    """The run's manifest (a new one if none), refused when written with other settings."""
+    manifest: dict[str, Any] = (json.loads(path.read_text()) if path.is_file()
                                 else {"config": asdict(cfg), "rounds": []})
     loose = ("rounds", "workers", "wandb_mode", "wandb_project")  # more rounds extend a finished run
     # settings an earlier version did not write are not compared: its runs resume
     pinned = {k: v for k, v in asdict(cfg).items() if k not in loose and k in manifest["config"]}
     changed = sorted(k for k in pinned if manifest["config"][k] != pinned[k])
     if changed:
-        raise MineError(f"{manifest_path}: written with other settings ({', '.join('mine.' + k for k in changed)}); "
+        raise MineError(f"{path}: written with other settings ({', '.join('mine.' + k for k in changed)}); "
                         "use a new out_dir")
+    return manifest
 
+
+def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig, out: Path, target: Any,
+                progress: bool) -> dict[str, Any]:
+    from eagle3.target.model import load_target
+    from eagle3.train.loop import train
+
+    manifest_path = out / MANIFEST
+    manifest = _read_manifest(cfg, manifest_path)
     base = HarvestStore(Path(cfg.store))
     eval_store = HarvestStore(Path(cfg.eval_store))
     if target is None:
