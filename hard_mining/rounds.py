@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
@@ -232,6 +231,7 @@ def _read_manifest(cfg: MineConfig, path: Path) -> dict[str, Any]:
 def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig, out: Path, target: Any,
                 progress: bool) -> dict[str, Any]:
     from eagle3.target.model import load_target
+    from eagle3.train.data import read_sample_weights
     from eagle3.train.loop import train
 
     manifest_path = out / MANIFEST
@@ -256,7 +256,7 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
     draft_dir = Path(cfg.draft)
     stores: list[str] = []  # appended by earlier rounds
     weights_file: str | None = cfg.sample_weights or None  # the base weights until reweight writes its own
-    base_weights = _read_base_weights(cfg.sample_weights)
+    base_weights = read_sample_weights(cfg.sample_weights, "mine.sample_weights", MineError)
     token_weights: str | None = None  # error replay's, carried from round to round
     harvested_ids = {str(r["id"]) for r in records}
     for done in manifest["rounds"]:
@@ -382,20 +382,6 @@ def _add(rd: _Round, new_records: list[dict[str, Any]],
     kept, dropped = dedupe(picked, [*rd.known, *new_records])
     new_records += kept
     return kept, {"picked": len(picked), "kept": len(kept), "dropped": dropped}
-
-
-def _read_base_weights(path: str | None) -> dict[str, float]:
-    """``mine.sample_weights`` read as the trainer reads ``train.sample_weights`` (checked the same way)."""
-    if not path:
-        return {}
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise MineError(f"mine.sample_weights={path}: {err}") from None
-    if not isinstance(data, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                             and math.isfinite(v) and v >= 0 for v in data.values()):
-        raise MineError(f"mine.sample_weights={path}: expected a JSON object of sample id -> finite weight >= 0")
-    return {str(k): float(v) for k, v in data.items()}
 
 
 def _reweight(rd: _Round) -> tuple[str, dict[str, Any]]:

@@ -24,16 +24,19 @@ from eagle3.target.model import Target, load_target, load_target_head
 from eagle3.train.config import TrainConfig
 
 
-def _read_sample_weights(path: str | None) -> dict[str, float]:
+def read_sample_weights(path: str | None, key: str = "train.sample_weights",
+                        error: type[Exception] = TrainError) -> dict[str, float]:
+    """A sample-weights file (JSON: sample id -> finite weight >= 0; none: {}) read and checked; a bad
+    one raises ``error`` naming ``key``."""
     if not path:
         return {}
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise TrainError(f"train.sample_weights={path}: {err}") from None
-    if not isinstance(data, dict) or not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
-                                             for v in data.values()):
-        raise TrainError(f"train.sample_weights={path}: expected a JSON object of sample id -> finite weight >= 0")
+        raise error(f"{key}={path}: {err}") from None
+    if not isinstance(data, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                             and math.isfinite(v) and v >= 0 for v in data.values()):
+        raise error(f"{key}={path}: expected a JSON object of sample id -> finite weight >= 0")
     return {str(k): float(v) for k, v in data.items()}
 
 
@@ -104,7 +107,7 @@ def open_train_store(cfg: TrainConfig, rank: int = 0) -> HarvestStore | StoreUni
 
 def sample_weights(cfg: TrainConfig, store: HarvestStore | StoreUnion) -> dict[str, float]:
     """``train.sample_weights`` read and checked against the store's sample ids."""
-    weights_by_id = _read_sample_weights(cfg.sample_weights)
+    weights_by_id = read_sample_weights(cfg.sample_weights)
     sample_ids = set(store.sample_ids)
     if weights_by_id and not set(weights_by_id) & sample_ids:
         raise TrainError(f"train.sample_weights={cfg.sample_weights}: none of its ids is a sample of the training "
