@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from eagle3.errors import ConfigError
 from eagle3.train.config import WANDB_MODES
 
-MINE_STRATEGIES = ("reweight", "hardest", "synthesize", "replay", "traffic", "uniform")
+MINE_STRATEGIES = ("reweight", "hardest", "synthesize", "replay", "traffic", "weak", "uniform")
 TRAFFIC_PICKS = ("lowest_tau", "random")
 RANKS = ("missed_confident", "excess", "loss")
 """How samples are ranked hardest first (``mine.rank``, :func:`hard_mining.score.rank_key`):
@@ -36,7 +36,8 @@ class MineConfig:
     out_dir: str = ""
     rounds: int = 1
     strategies: list[str] = field(default_factory=lambda: ["reweight", "hardest", "synthesize"])
-    """Any of reweight, hardest, synthesize, replay; or uniform (random pool prompts, the ablation's control)."""
+    """Any of reweight, hardest, synthesize, replay, traffic, weak; or uniform (random pool prompts, the
+    ablation's control)."""
     rank: str = "missed_confident"
     """hardest and synthesize: how samples are ranked hardest first (hard_mining.score.RANKS):
     missed_confident (the share of starts whose first draft token the target rejected where it was
@@ -59,6 +60,10 @@ class MineConfig:
     """synthesize: procedural math and code prompts each per round."""
     uniform: int = 16
     """uniform: random pool prompts per round."""
+    weak: int = 16
+    """weak: pool prompts per round split over the domains by their held-out deficit (reweight's domain
+    weights, ``(tau_best / tau_domain) ** weight_power`` clipped to [0.25, 4]; a pool domain the
+    held-out store lacks counts as the best), random within each domain."""
     replay_prompts: int = 16
     """replay: pool prompts per round (balanced over domains) the draft is run against; with them,
     every conversation the round adds is replayed: the tokens its served rounds rejected are weighted
@@ -125,7 +130,7 @@ class MineConfig:
                               "(python -m serve_eval.server --traffic-log PATH)")
         if not self.replay_weight >= 0:
             raise ConfigError(f"mine.replay_weight={self.replay_weight}: must be >= 0")
-        for name in ("candidates", "hard_examples", "variations", "procedural", "uniform", "replay_prompts",
+        for name in ("candidates", "hard_examples", "variations", "procedural", "uniform", "weak", "replay_prompts",
                      "traffic_prompts"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"mine.{name}={getattr(self, name)}: must be >= 0")

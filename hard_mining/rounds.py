@@ -16,7 +16,8 @@ Each round (``OUT/round-<r>/``):
    ``keep_fraction`` by ``mine.rank``; ``synthesize`` has the target write variations of the hardest
    training prompts and adds procedural math and code prompts; ``replay`` adds pool prompts to run
    the draft against; ``traffic`` adds the requests of a server's traffic log the deployed draft
-   served worst; ``uniform`` adds random pool prompts (the control arm of the ablation). New
+   served worst; ``weak`` adds pool prompts split over the domains by their held-out deficit;
+   ``uniform`` adds random pool prompts (the control arm of the ablation). New
    prompts are deduplicated against every eval set, the held-out conversations and everything
    harvested so far;
 3. regenerate the new prompts fully and harvest them into a store of the round; with ``replay``,
@@ -76,6 +77,7 @@ from hard_mining.strategies import (
     prompt_record,
     sample_weights,
     variation_requests,
+    weak_pick,
 )
 
 MANIFEST = "manifest.json"
@@ -207,7 +209,7 @@ def run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfig
     for name in ("draft", "store", "eval_store", "out_dir"):
         if not getattr(cfg, name):
             raise MineError(f"mine.{name} must be set")
-    needs_pool = {"hardest", "uniform"} & set(cfg.strategies)
+    needs_pool = {"hardest", "uniform", "weak"} & set(cfg.strategies)
     if needs_pool and not cfg.pool:
         raise MineError(f"mine.pool must be set for strategies {sorted(needs_pool)}")
     with output_dir(cfg.out_dir) as out:  # bad inputs found below leave no empty out_dir
@@ -369,6 +371,12 @@ def _mine(rd: _Round, weights_file: str | None) -> tuple[list[dict[str, Any]], d
                   if cfg.traffic_pick == "lowest_tau" else random.Random(rd.seed).sample(rd.traffic, n))
         kept, info = _add(rd, new_records, picked)
         added["traffic"] = {"logged": len(rd.traffic), **info, "served_tau": [t["meta"]["served_tau"] for t in kept]}
+    if "weak" in cfg.strategies and cfg.weak:
+        w = domain_weights(group_scores(rd.before, "domain"), power=cfg.weight_power)
+        taken = {str(x["id"]) for x in new_records}
+        picked, split = weak_pick([p for p in rd.fresh if str(p.get("id")) not in taken], cfg.weak, w,
+                                  rd.seed + 700_000)
+        added["weak"] = {**_add(rd, new_records, picked)[1], "per_domain": split}
     if "uniform" in cfg.strategies and cfg.uniform:
         picked = random.Random(rd.seed).sample(rd.fresh, min(cfg.uniform, len(rd.fresh)))
         added["uniform"] = _add(rd, new_records, picked)[1]

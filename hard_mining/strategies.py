@@ -1,7 +1,8 @@
 """Mining strategies: small functions from scores to more (or more heavily weighted) training data.
 
 * :func:`domain_weights` + :func:`sample_weights` — oversample the weak domains of what is
-  already harvested (no new data);
+  already harvested (no new data); :func:`split_by_weight` + :func:`weak_pick` — spend a budget of
+  new pool prompts on the domains by the same weights;
 * :func:`pick_hardest` — of a larger pool of candidate prompts scored cheaply (a short
   regenerated and harvested prefix, run through the draft), keep the top fraction by loss;
 * :func:`variation_requests` / :func:`parse_variation` — the target writes new prompts near
@@ -45,6 +46,31 @@ def domain_weights(groups: dict[str, GroupScore], power: float = 4.0, low: float
 def sample_weights(scores: Sequence[SampleScore], weights: dict[str, float]) -> dict[str, float]:
     """Per sample id: its domain's weight (for ``train.sample_weights``)."""
     return {s.sample_id: round(weights.get(s.domain, 1.0), 6) for s in scores}
+
+
+def split_by_weight(n: int, weights: dict[str, float], available: dict[str, int]) -> dict[str, int]:
+    """``n`` items split over the domains of ``available`` in proportion to ``weights`` (Sainte-Lague:
+    each item goes to the domain with the largest weight / (2 * given + 1); a domain without a weight
+    counts 1), none given more than it has; what a full domain cannot take goes to the others."""
+    out = dict.fromkeys(available, 0)
+    for _ in range(min(n, sum(available.values()))):
+        open_ = [d for d in sorted(available) if out[d] < available[d]]
+        best = max(open_, key=lambda d: weights.get(d, 1.0) / (2 * out[d] + 1))
+        out[best] += 1
+    return out
+
+
+def weak_pick(pool: Sequence[dict[str, Any]], n: int, weights: dict[str, float],
+              seed: int) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """``n`` pool prompts, the count per domain by :func:`split_by_weight`, random within each
+    domain -> (the prompts, the count per domain)."""
+    by_domain: dict[str, list[dict[str, Any]]] = {}
+    for record in pool:
+        by_domain.setdefault(str(record.get("domain")), []).append(record)
+    counts = split_by_weight(n, weights, {d: len(items) for d, items in by_domain.items()})
+    rng = random.Random(seed)
+    picked = [x for d in sorted(by_domain) for x in rng.sample(by_domain[d], counts[d])]
+    return picked, {d: c for d, c in counts.items() if c}
 
 
 # ---------------------------------------------------------------- (b) the hardest candidates

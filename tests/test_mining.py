@@ -38,7 +38,9 @@ from hard_mining.strategies import (
     pick_hardest,
     prompt_record,
     sample_weights,
+    split_by_weight,
     variation_requests,
+    weak_pick,
 )
 from tests.helpers import lively_target, record_file
 
@@ -173,6 +175,45 @@ def test_domain_weights_by_hand() -> None:
     assert wt == pytest.approx({"coding": 1 / 1.05, "multilingual": 1.25 / 1.05, "science": 1 / 1.05})
     per = sample_weights([_s("a", "coding", [0], 1.0), _s("c", "multilingual", [0], 1.0)], w)
     assert per == {"a": pytest.approx(0.888889), "c": pytest.approx(1.111111)}
+
+
+def test_weak_domains_get_the_added_prompts_by_hand() -> None:
+    # proportional to the weights: 3 : 1 of 8 -> 6 and 2; an unweighted domain counts 1
+    assert split_by_weight(8, {"coding": 3.0, "general": 1.0}, {"coding": 50, "general": 50}) == {
+        "coding": 6, "general": 2}
+    assert split_by_weight(4, {"coding": 3.0}, {"coding": 9, "science": 9}) == {"coding": 3, "science": 1}
+    # a domain with too few prompts is filled, the rest goes to the others; never more than the pool
+    assert split_by_weight(8, {"coding": 10.0, "general": 1.0}, {"coding": 2, "general": 50}) == {
+        "coding": 2, "general": 6}
+    assert split_by_weight(9, {"coding": 1.0}, {"coding": 3, "general": 2}) == {"coding": 3, "general": 2}
+    pool = [{"id": f"p{i}", "domain": DOMAINS[i % 4]} for i in range(40)]
+    picked, split = weak_pick(pool, 8, {"coding": 4.0, "science": 2.0, "general": 1.0, "multilingual": 1.0}, seed=3)
+    assert split == {"coding": 4, "science": 2, "general": 1, "multilingual": 1}
+    assert sorted(p["domain"] for p in picked) == sorted(d for d, c in split.items() for _ in range(c))
+    assert len({p["id"] for p in picked}) == 8
+    assert weak_pick(pool, 8, {"coding": 4.0}, seed=3) == weak_pick(pool, 8, {"coding": 4.0}, seed=3)
+    assert weak_pick(pool, 8, {"coding": 4.0}, seed=3)[0] != weak_pick(pool, 8, {"coding": 4.0}, seed=4)[0]
+
+
+def test_a_weak_round_adds_most_prompts_where_the_draft_is_weakest(world: dict, tmp_path: Path) -> None:
+    root, target = world["root"], world["target"]
+    pool = record_file(tmp_path / "pool.jsonl", range(400, 440), "p")
+    lively = TargetConfig(name_or_path="lively")
+    cfg = MineConfig(draft=str(root / "train" / "final"), store=str(root / "store"), records=[str(world["data"])],
+                     eval_store=str(root / "val"), eval_records=[str(world["val"])], pool=str(pool),
+                     strategies=["weak"], weak=8, weight_power=20.0, steps=1, max_new_tokens=8,
+                     out_dir=str(tmp_path / "weak"), wandb_mode="disabled")
+    (entry,) = run_rounds(cfg, world["train"], lively, target=target, progress=False)["rounds"]
+    taus = {d: g["tau_sim"] for d, g in entry["before"]["domain"].items()}
+    split = entry["added"]["weak"]["per_domain"]
+    assert sum(split.values()) == entry["added"]["weak"]["picked"] == 8
+    weakest, best = min(taus, key=taus.get), max(taus, key=taus.get)
+    assert split.get(weakest, 0) == max(split.values()) and split.get(weakest, 0) > split.get(best, 0)
+    mined = [json.loads(x) for x in Path(entry["added_records"][0]).read_text().splitlines()]
+    assert len(mined) == entry["added"]["weak"]["kept"] and mined
+    with pytest.raises(MineError, match="mine.pool must be set"):
+        run_rounds(MineConfig(**{**cfg.__dict__, "pool": ""}), world["train"], lively, target=target,
+                   progress=False)
 
 
 def test_variations_procedural_prompts_and_dedup() -> None:

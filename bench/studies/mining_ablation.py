@@ -78,8 +78,8 @@ def paired_diff(a: list[list[dict]], b: list[list[dict]], group: str | None,
     return point, float(t.quantile(0.025)), float(t.quantile(0.975))
 
 
-ARMS = ("uniform", "loss", "excess", "learnable", "replay", "hard-tokens", "learnable-replay", "all", "mined",
-        "uniform-matched")
+ARMS = ("uniform", "weak", "loss", "excess", "learnable", "replay", "hard-tokens", "learnable-replay", "all",
+        "mined", "uniform-matched")
 CONTROL = {"mined": "uniform-matched"}
 """An arm's control where it is not ``uniform``."""
 
@@ -91,6 +91,7 @@ def arm_settings(arm: str, added: int, matched: int | None, hard_entropy: float,
     hard_tokens = {"hard_tokens": "downweight", "hard_token_entropy": hard_entropy, "hard_token_weight": 0.0}
     arms: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         "uniform": ({"strategies": ["uniform"], "uniform": added}, {}),
+        "weak": ({"strategies": ["weak"], "weak": added}, {}),
         "loss": ({"strategies": ["hardest"], "rank": "loss", **hardest}, {}),
         "excess": ({"strategies": ["hardest"], "rank": "excess", **hardest}, {}),
         "learnable": ({"strategies": ["hardest"], "rank": "missed_confident", **hardest}, {}),
