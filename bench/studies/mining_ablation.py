@@ -30,6 +30,7 @@ the round), the difference's interval above 0.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -121,6 +122,47 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-records", nargs="+", required=True)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--heldout-store", default="",
+                        help="score the drafts (each arm's, and the one they start from) on this held-out store "
+                             "instead of the rounds' --eval-store, e.g. a larger one built after the runs; the "
+                             "scores are cached beside each run")
+    parser.add_argument("--heldout-records", nargs="+", default=[])
+
+
+class HeldOut:
+    """Where a study's figures come from: each run's own held-out scores (``--eval-store``, scored by
+    the round), or with ``--heldout-store`` the drafts scored again on that store (cached per store)."""
+
+    def __init__(self, args: argparse.Namespace, target: Any, ttt_steps: int) -> None:
+        self.store_path, self.target, self.ttt_steps = args.heldout_store, target, ttt_steps
+        if not self.store_path:
+            return
+        from eagle3.store.shards import HarvestStore
+        from hard_mining.rounds import check_records_describe
+        from hard_mining.score import read_sample_meta
+
+        if not args.heldout_records:
+            raise SystemExit("--heldout-store: give --heldout-records (the records it was harvested from)")
+        self.store = HarvestStore(Path(self.store_path))
+        self.meta = read_sample_meta(args.heldout_records)
+        check_records_describe(self.store, set(self.meta), "--heldout-records")
+        manifest = (Path(self.store_path) / "manifest.json").read_bytes()
+        self.key = hashlib.sha256(str(Path(self.store_path).resolve()).encode() + manifest).hexdigest()[:12]
+
+    def scores(self, run: Path, which: str) -> list[dict[str, Any]]:
+        """Run ``run``'s held-out scores, ``which`` "before" (the draft it started from) or "after"."""
+        if not self.store_path:
+            return load_scores(run / "round-1" / f"scores_eval_{which}.jsonl")
+        cached = run / "round-1" / f"scores_heldout_{which}_{self.key}.jsonl"
+        if not cached.is_file():
+            from hard_mining.rounds import load_scoring_draft
+            from hard_mining.score import score_store, target_head, write_scores
+
+            manifest = json.loads((run / "manifest.json").read_text())
+            draft = manifest["config"]["draft"] if which == "before" else manifest["rounds"][0]["draft"]
+            write_scores(cached, score_store(load_scoring_draft(draft, self.target), target_head(self.target),
+                                             self.store, self.meta, ttt_steps=self.ttt_steps))
+        return load_scores(cached)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -161,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     common = dict(draft=args.draft, store=args.store, records=args.records, eval_store=args.eval_store,
                   eval_records=args.eval_records, pool=args.pool, eval_sets=args.eval_sets, rounds=1,
                   steps=args.steps, wandb_mode="offline")
+    heldout = HeldOut(args, target, args.ttt_steps)
     after: dict[str, list[list[dict[str, Any]]]] = {}
     before: list[dict[str, Any]] = []
     for seed in args.seeds:
@@ -176,9 +219,8 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"figure": "mining_arm", "arm": arm, "seed": seed,
                               "added_prompts": len(entry["added_ids"]), "added": entry["added"],
                               "train": entry["train"], "seconds": entry["seconds"]}), flush=True)
-            after.setdefault(arm, []).append(
-                load_scores(out / f"{arm}-{seed}" / "round-1" / "scores_eval_after.jsonl"))
-            before = load_scores(out / f"{arm}-{seed}" / "round-1" / "scores_eval_before.jsonl")
+            after.setdefault(arm, []).append(heldout.scores(out / f"{arm}-{seed}", "after"))
+            before = heldout.scores(out / f"{arm}-{seed}", "before")
 
     n = len(before)
     g = torch.Generator().manual_seed(0)

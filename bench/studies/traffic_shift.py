@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mining_ablation import add_data_arguments, bootstrap, load_scores, paired_diff, pooled_tau  # noqa: E402
+from mining_ablation import HeldOut, add_data_arguments, bootstrap, paired_diff, pooled_tau  # noqa: E402
 
 ARMS = {"traffic-worst": {"strategies": ["traffic"], "traffic_pick": "lowest_tau"},
         "traffic-random": {"strategies": ["traffic"], "traffic_pick": "random"},
@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                   eval_records=args.eval_records, pool=args.pool, eval_sets=args.eval_sets, rounds=1,
                   steps=args.steps, traffic=str(log), traffic_prompts=args.added, uniform=args.added,
                   sample_weights=str(out / "weights.json"), wandb_mode="disabled")
+    heldout = HeldOut(args, target, 3)
     after: dict[str, list[list[dict[str, Any]]]] = {}
     before: list[dict[str, Any]] = []
     for seed in args.seeds:
@@ -160,8 +161,8 @@ def main(argv: list[str] | None = None) -> None:
                                   target=target, progress=False)
             print(json.dumps({"figure": "shift_arm", "arm": arm, "seed": seed, "added": manifest["rounds"][0]["added"],
                               "seconds": manifest["rounds"][0]["seconds"]}), flush=True)
-            after.setdefault(arm, []).append(load_scores(out / f"{arm}-{seed}" / "round-1" / "scores_eval_after.jsonl"))
-            before = load_scores(out / f"{arm}-{seed}" / "round-1" / "scores_eval_before.jsonl")
+            after.setdefault(arm, []).append(heldout.scores(out / f"{arm}-{seed}", "after"))
+            before = heldout.scores(out / f"{arm}-{seed}", "before")
     draws = torch.randint(0, len(before), (args.bootstrap, len(before)), generator=torch.Generator().manual_seed(0))
     for group in [None, *sorted({r["domain"] for r in before})]:
         mean = {}
