@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     draws = torch.randint(0, len(before), (args.bootstrap, len(before)), generator=torch.Generator().manual_seed(0))
     for group in [None, *sorted({r["domain"] for r in before})]:
         mean = {}
-        base = pooled_tau([r for r in before if group in (None, r["domain"])])
+        base = pooled_tau([r for r in before if group is None or r["domain"] == group])
         for arm in after:
             per_seed = [pooled_tau([r for r in s if group is None or r["domain"] == group]) for s in after[arm]]
             mean[arm] = sum(per_seed) / len(per_seed)
