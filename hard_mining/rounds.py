@@ -361,9 +361,7 @@ def _mine(rd: _Round, weights_file: str | None) -> tuple[list[dict[str, Any]], d
         kept, added["synthesize"] = _synthesize(rd, new_records)
         new_records += kept
     if "replay" in cfg.strategies and cfg.replay_prompts:
-        taken = {str(x["id"]) for x in new_records}
-        picked = balanced_pick([p for p in rd.fresh if str(p.get("id")) not in taken], cfg.replay_prompts,
-                               rd.seed + 500_000)
+        picked = balanced_pick(_not_taken(rd.fresh, new_records), cfg.replay_prompts, rd.seed + 500_000)
         added["replay"] = _add(rd, new_records, picked)[1]
     if "traffic" in cfg.strategies and cfg.traffic_prompts:
         n = min(cfg.traffic_prompts, len(rd.traffic))
@@ -373,14 +371,18 @@ def _mine(rd: _Round, weights_file: str | None) -> tuple[list[dict[str, Any]], d
         added["traffic"] = {"logged": len(rd.traffic), **info, "served_tau": [t["meta"]["served_tau"] for t in kept]}
     if "weak" in cfg.strategies and cfg.weak:
         w = domain_weights(group_scores(rd.before, "domain"), power=cfg.weight_power)
-        taken = {str(x["id"]) for x in new_records}
-        picked, split = weak_pick([p for p in rd.fresh if str(p.get("id")) not in taken], cfg.weak, w,
-                                  rd.seed + 700_000)
+        picked, split = weak_pick(_not_taken(rd.fresh, new_records), cfg.weak, w, rd.seed + 700_000)
         added["weak"] = {**_add(rd, new_records, picked)[1], "per_domain": split}
     if "uniform" in cfg.strategies and cfg.uniform:
         picked = random.Random(rd.seed).sample(rd.fresh, min(cfg.uniform, len(rd.fresh)))
         added["uniform"] = _add(rd, new_records, picked)[1]
     return new_records, added, weights_file
+
+
+def _not_taken(pool: list[dict[str, Any]], new_records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The prompts of ``pool`` that an earlier strategy of the round has not added already."""
+    taken = {str(x["id"]) for x in new_records}
+    return [p for p in pool if str(p.get("id")) not in taken]
 
 
 def _add(rd: _Round, new_records: list[dict[str, Any]],

@@ -135,7 +135,7 @@ class HeldOut:
 
     def __init__(self, args: argparse.Namespace, target: Any, ttt_steps: int) -> None:
         self.store_path, self.target, self.ttt_steps = args.heldout_store, target, ttt_steps
-        self.scored: dict[str, str] = {}
+        self.scored: dict[str, list[Any]] = {}
         if not self.store_path:
             return
         from eagle3.store.shards import HarvestStore
@@ -156,18 +156,16 @@ class HeldOut:
             return load_scores(run / "round-1" / f"scores_eval_{which}.jsonl")
         cached = run / "round-1" / f"scores_heldout_{which}_{self.key}.jsonl"
         if not cached.is_file():
-            from eagle3.atomic import atomic_write_text
             from hard_mining.rounds import load_scoring_draft
-            from hard_mining.score import score_store, target_head
+            from hard_mining.score import score_store, target_head, write_scores
 
             manifest = json.loads((run / "manifest.json").read_text())
             draft = str(Path(manifest["config"]["draft"] if which == "before" else manifest["rounds"][0]["draft"])
                         .resolve())
             if draft not in self.scored:  # the arms share the draft they start from: scored once
-                scores = score_store(load_scoring_draft(draft, self.target), target_head(self.target), self.store,
-                                     self.meta, ttt_steps=self.ttt_steps)
-                self.scored[draft] = "".join(json.dumps(x.as_dict()) + "\n" for x in scores)
-            atomic_write_text(cached, self.scored[draft])
+                self.scored[draft] = score_store(load_scoring_draft(draft, self.target), target_head(self.target),
+                                                 self.store, self.meta, ttt_steps=self.ttt_steps)
+            write_scores(cached, self.scored[draft])
         return load_scores(cached)
 
 
