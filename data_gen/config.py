@@ -158,10 +158,21 @@ class RegenerateConfig:
     mode is kept in each record (``generation.thinking``) so that the harvest renders it the same way."""
     thinking_on_fraction: float = 0.5
     """With ``thinking=mix``: the share of records regenerated with thinking on."""
+    capture: bool = False
+    """(hf backend) Keep the states the generating forwards computed (aux-layer inputs, pre-norm last
+    state) of every sample the harvest will store, in ``states/``: a harvest of this folder's dataset
+    then reads them instead of running the target again (``harvest.fused``)."""
+    capture_dtype: str = "bfloat16"
+    """The kept states' dtype: bfloat16 or float32 (a harvest storing another dtype than this one
+    recomputes, unless this is float32)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("hf", "vllm"):
             raise ConfigError(f"regenerate.backend={self.backend!r}: expected hf or vllm")
+        if self.capture_dtype not in ("bfloat16", "float32"):
+            raise ConfigError(f"regenerate.capture_dtype={self.capture_dtype!r}: expected bfloat16 or float32")
+        if self.capture and self.backend != "hf":
+            raise ConfigError("regenerate.capture=true needs regenerate.backend=hf (vLLM's generation keeps no states)")
         if self.thinking not in THINKING_MODES:
             raise ConfigError(f"regenerate.thinking={self.thinking!r}: expected one of {', '.join(THINKING_MODES)}")
         if not 0.0 <= self.thinking_on_fraction <= 1.0:
@@ -211,10 +222,17 @@ class HarvestConfig:
     spool_budget_mb: float = 1024.0
     """Online training (train.data=online): out_dir is the spool producers fill, at most this many MiB
     (plus the one shard the trainer waits for)."""
+    fused: str = "auto"
+    """Read the states the regeneration kept (``regenerate.capture``, its ``states/`` beside ``data``)
+    instead of running the target: ``auto`` where they exist and were made by this target, dtype, chat
+    template and aux layers (else the target runs, said in one line), ``on`` (a mismatch fails, naming
+    the key), ``off``."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("hf", "vllm"):
             raise ConfigError(f"harvest.backend={self.backend!r}: expected hf or vllm")
+        if self.fused not in ("auto", "on", "off"):
+            raise ConfigError(f"harvest.fused={self.fused!r}: expected auto, on or off")
         if self.dtype not in ("bfloat16", "float8_e4m3fn", "float32"):
             raise ConfigError(f"harvest.dtype={self.dtype!r}: expected bfloat16, float8_e4m3fn or float32")
         if self.store not in ("last", "topk") or (self.store == "topk") != (self.topk > 0):

@@ -193,6 +193,47 @@ def reply_slots(conversation: Sequence[Mapping[str, Any]]) -> list[list[dict[str
     return slots
 
 
+class ConversationJob:
+    """One conversation regenerated turn by turn (:func:`regenerate_conversations`): renders each
+    turn's prompt from the target's own earlier replies, takes the replies, drops what is too long."""
+
+    def __init__(self, chat: ChatFormat, conversation: Sequence[Mapping[str, Any]],
+                 max_prompt_tokens: int | None) -> None:
+        self.chat, self.max_prompt_tokens = chat, max_prompt_tokens
+        self.slots = reply_slots(conversation)
+        system = [{"role": "system", "content": m["content"]} for m in conversation[:1] if m["role"] == "system"]
+        self.result = RegeneratedConversation(messages=system)
+        self._prompt: list[int] | None = None
+        self.sequences_of: Any = None  # with capture: RegeneratedConversation -> the sequences to keep states of
+
+    @property
+    def depth(self) -> int:
+        return len(self.result.turns)
+
+    def next_prompt(self) -> list[int] | None:
+        result, depth = self.result, len(self.result.turns)
+        if depth >= len(self.slots) or result.dropped_turns:
+            return None
+        ids = self.chat.prompt_ids(result.messages + self.slots[depth])
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            result.dropped_turns = len(self.slots) - depth
+            return None
+        self._prompt = ids
+        return ids
+
+    def take_reply(self, reply: Reply) -> None:
+        assert self._prompt is not None
+        text = self.chat.tokenizer.decode(reply.token_ids, skip_special_tokens=False,
+                                          clean_up_tokenization_spaces=False)
+        self.result.messages += [*self.slots[self.depth], {"role": "assistant", "content": text}]
+        self.result.turns.append(reply)
+        self.result.prompts.append(self._prompt)
+        self._prompt = None
+
+    def sequences(self) -> list[list[int]]:
+        return [] if self.sequences_of is None else self.sequences_of(self.result)
+
+
 def regenerate_conversations(
     generator: Generator | Target,
     chat: ChatFormat,
@@ -204,58 +245,62 @@ def regenerate_conversations(
     max_prompt_tokens: int | None = None,
     thinking: Sequence[bool | None] | None = None,
     tools: Sequence[Sequence[Mapping[str, Any]] | None] | None = None,
+    engine: Any = None,
+    sequences_of: Any = None,
+    results: list[RegeneratedConversation] | None = None,
 ) -> list[RegeneratedConversation]:
-    """Regenerate every assistant turn of ``conversations`` with the target, as one batch.
+    """Regenerate every assistant turn of ``conversations`` with the target.
 
     ``generator`` is a :class:`Generator` (HF or vLLM), or a Target (run with HF).
 
     The original assistant contents (and their tool calls) are dropped; user turns and tool results
-    are kept (:func:`reply_slots`). Turns are generated depth by depth: all first replies in one
-    ``generate`` call (from ``[system, user1]``), then all second replies from the first reply, the
-    target's own, and the messages after it (``user2``, or the results of the call it stands for),
-    and so on; the batch at depth ``d`` holds the conversations with at least ``d`` replies, in
-    input order, sampled with ``derive_seed(seed, d)``. A conversation whose prompt at depth ``d``
-    exceeds ``max_prompt_tokens`` keeps its first ``d - 1`` exchanges and drops the rest
-    (``dropped_turns``); at depth 1 that skips it entirely. ``thinking[i]``: conversation i's
-    prompts rendered with the template's thinking switch on or off (None: unset); ``tools[i]``: the
-    function schemas it may call (:meth:`ChatFormat.with_tools`).
+    are kept (:func:`reply_slots`); each reply is written from the target's own earlier replies and
+    the messages after them (``user2``, or the results of the call it stands for). A conversation
+    whose prompt at depth ``d`` exceeds ``max_prompt_tokens`` keeps its first ``d - 1`` exchanges and
+    drops the rest (``dropped_turns``); at depth 1 that skips it entirely. ``thinking[i]``:
+    conversation i's prompts rendered with the template's thinking switch on or off (None: unset);
+    ``tools[i]``: the function schemas it may call (:meth:`ChatFormat.with_tools`).
+
+    With ``engine`` (a :class:`data_gen.engine.Engine` on the HF target) every conversation keeps
+    its KV cache from turn to turn and rows are decoded together (sampled: conversation i draws from
+    ``derive_seed(seed, i)``); ``sequences_of`` (a conversation -> the token sequences to keep
+    states of) turns its capture on, and the states come back as ``engine.captured``; ``results``, if
+    given, is filled with the conversations at the start (what ``sequences_of`` is called with). Otherwise
+    (vLLM) turns go depth by depth: all first replies in one ``generate`` call, then all second
+    replies, ..., the batch at depth ``d`` sampled with ``derive_seed(seed, d)``.
     """
     if isinstance(generator, Target):
         generator = HFGenerator(generator)
-    slots = [reply_slots(conv) for conv in conversations]
     modes = thinking if thinking is not None else [None] * len(conversations)
     schemas = tools if tools is not None else [None] * len(conversations)
     chats = [(chat if mode is None else chat.with_thinking(mode)).with_tools(given)
              for mode, given in zip(modes, schemas, strict=True)]
-    out = []
-    for conv in conversations:
-        system = [{"role": "system", "content": m["content"]} for m in conv[:1] if m["role"] == "system"]
-        out.append(RegeneratedConversation(messages=system))
-    for depth in range(1, max((len(given) for given in slots), default=0) + 1):
-        rows, prompts = [], []
-        for row, (result, given) in enumerate(zip(out, slots, strict=True)):
-            if len(given) < depth or result.dropped_turns:
+    jobs = [ConversationJob(c, conv, max_prompt_tokens) for c, conv in zip(chats, conversations, strict=True)]
+    if results is not None:  # the caller's view of the conversations as they are written
+        results[:] = [job.result for job in jobs]
+    if engine is not None:
+        for job in jobs:
+            job.sequences_of = sequences_of
+        engine.captured = engine.run(jobs, [derive_seed(seed, i) for i in range(len(jobs))])
+        return [job.result for job in jobs]
+    for depth in range(1, max((len(job.slots) for job in jobs), default=0) + 1):
+        live, prompts = [], []
+        for job in jobs:
+            if len(job.slots) < depth or job.result.dropped_turns:
                 continue
-            messages = result.messages + given[depth - 1]
-            ids = chats[row].prompt_ids(messages)
-            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-                result.dropped_turns = len(given) - (depth - 1)
-                continue
-            rows.append(row)
-            prompts.append(ids)
-        if not rows:
+            ids = job.next_prompt()
+            if ids is not None:
+                live.append(job)
+                prompts.append(ids)
+        if not live:
             continue
         replies = generator.generate(prompts, chat.stop_ids, max_new_tokens, sampling, seed=derive_seed(seed, depth))
-        for row, prompt, reply in zip(rows, prompts, replies, strict=True):
-            text = chat.tokenizer.decode(reply.token_ids, skip_special_tokens=False,
-                                         clean_up_tokenization_spaces=False)
-            out[row].messages += [*slots[row][depth - 1], {"role": "assistant", "content": text}]
-            out[row].turns.append(reply)
-            out[row].prompts.append(prompt)
-    return out
+        for job, reply in zip(live, replies, strict=True):
+            job.take_reply(reply)
+    return [job.result for job in jobs]
 
 
 __all__ = [
-    "Generator", "HFGenerator", "RegeneratedConversation", "Reply", "derive_seed",
+    "ConversationJob", "Generator", "HFGenerator", "RegeneratedConversation", "Reply", "derive_seed",
     "generate", "left_pad", "regenerate_conversations", "reply_slots", "trim_generated",
 ]

@@ -33,6 +33,7 @@ import torch
 from filelock import FileLock, Timeout
 
 from data_gen.config import HarvestConfig
+from data_gen.kept_states import KeptStates, kept_backend
 from data_gen.regenerate import read_pool
 from eagle3.atomic import atomic_write_text, remove_leftovers, sha256_file
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
@@ -203,6 +204,9 @@ def _spec_and_backend(cfg: HarvestConfig, target_cfg: TargetConfig,
         num_layers=shape[0], hidden_size=shape[1], vocab_size=shape[2],
         aux_layer_ids=tuple(layers), dtype=cfg.dtype, store=cfg.store, topk=cfg.topk, max_seq_len=max_seq_len,
     )
+    if cfg.backend == "hf":  # the states the regeneration kept, where they fit this harvest
+        assert target is not None
+        backend = kept_backend(cfg.fused, Path(cfg.data), spec, str(target.dtype).removeprefix("torch."), backend)
     return spec, chat, backend
 
 
@@ -295,7 +299,7 @@ def plan_harvest(cfg: HarvestConfig, target_cfg: TargetConfig, target: Target | 
     lengths = [len(ids) for _, ids, _ in samples]
     plan = shard_plan(lengths, bytes_per_token(spec), int(cfg.max_shard_mb * 2**20))
     settings = {k: v for k, v in asdict(cfg).items()
-                if k not in ("data", "out_dir", "shard", "threads", "spool_budget_mb")}
+                if k not in ("data", "out_dir", "shard", "threads", "spool_budget_mb", "fused")}
     record = {"spec": spec.to_json(), "settings": settings, "data_sha256": sha256_file(data), "shards": plan,
               "counts": dict(counts), "cut": [{"sample": name, "tokens": n} for name, n in cut]}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -362,6 +366,8 @@ def _harvest_shards(cfg: HarvestConfig, out_dir: Path, spec: HarvestSpec, backen
         "samples": len(samples), "tokens_this_run": done_tokens,
         "capture_tokens_per_s": round(done_tokens / capture_s, 1) if capture_s else None,
         "bytes_per_token": round(bytes_per_token(spec), 1), "projected_bytes": projected,
+        **({"kept_states_read": backend.found, "kept_states_missing": backend.computed}
+           if isinstance(backend, KeptStates) else {}),
         "wall_seconds": round(time.perf_counter() - started, 2),
     }
 

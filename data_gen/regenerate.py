@@ -40,13 +40,16 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from data_gen.config import RegenerateConfig
+from data_gen.engine import Captured, Engine, EngineStats
 from data_gen.generate import (
     Generator,
     HFGenerator,
@@ -77,6 +80,7 @@ PARTS = "parts"
 DATASET = "dataset"
 STORE = "regenerated.jsonl"
 SUMMARY = "summary.json"
+STATES = "states"
 
 
 class RegenerateError(Eagle3Error, RuntimeError):
@@ -142,6 +146,7 @@ def manifest_settings(cfg: RegenerateConfig, target_cfg: TargetConfig, pool_sha2
         # unset, as before these settings existed: a folder regenerated then still resumes
         **({"thinking": cfg.thinking, "thinking_on_fraction": cfg.thinking_on_fraction}
            if cfg.thinking != "template" else {}),
+        **({"capture": True, "capture_dtype": cfg.capture_dtype} if cfg.capture else {}),
     }
 
 
@@ -278,7 +283,8 @@ def _remove_stale_temps(out_dir: Path) -> None:
     """Temporary files left by a killed run (atomic writes never finished)."""
     import shutil
 
-    for stale in [*out_dir.glob(".*.tmp"), *(out_dir / PARTS).glob(".*.tmp"), out_dir / f".{DATASET}.old"]:
+    for stale in [*out_dir.glob(".*.tmp"), *(out_dir / PARTS).glob(".*.tmp"), *(out_dir / STATES).glob(".*.tmp"),
+                  out_dir / f".{DATASET}.old"]:
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
         elif stale.exists():
@@ -343,20 +349,73 @@ def assemble(out_dir: Path, batches: int) -> dict[str, int]:
 
 
 def _generate_batch(generator: Generator, chat: ChatFormat, cfg: RegenerateConfig, target_cfg: TargetConfig,
-                    records: list[dict[str, Any]], b: int, prompt_limit: int | None) -> tuple[int, float]:
-    """Batch ``b`` regenerated into its part file; (new tokens, seconds). A batch depends on nothing
-    but its records and its seed, whichever process runs it."""
+                    records: list[dict[str, Any]], b: int, prompt_limit: int | None) -> BatchStats:
+    """Batch ``b`` regenerated into its part file (and, capturing, its states file first); what it
+    took. A batch depends on nothing but its records and its seed, whichever process runs it."""
     chunk = records[b * cfg.batch_size:(b + 1) * cfg.batch_size]
     modes = [record_thinking(cfg, b * cfg.batch_size + i) for i in range(len(chunk))]
+    target = getattr(generator, "target", None)
+    engine = None
+    if target is not None:  # HF: cached conversations, rows decoded together, states kept if asked
+        engine = Engine(target, len(chunk), chat.stop_ids, cfg.max_new_tokens, cfg.sampling, capture=cfg.capture,
+                        capture_dtype=getattr(torch, cfg.capture_dtype))
+
+    def samples_of(result: RegeneratedConversation) -> list[list[int]]:  # what the harvest will store of it
+        from data_gen.harvest import tokenize_records
+
+        i = next(k for k, job_result in enumerate(results_box) if job_result is result)
+        record = output_record(chunk[i], result, cfg, target_cfg.name_or_path, chat.renders_time, modes[i])
+        return [ids for _, ids, _ in tokenize_records([record], chat, 1 << 30, Counter())]
+
+    results_box: list[RegeneratedConversation] = []
     t0 = time.perf_counter()
     results = regenerate_conversations(generator, chat, [r["messages"] for r in chunk], cfg.max_new_tokens,
                                        cfg.sampling, seed=derive_seed(cfg.seed, b), max_prompt_tokens=prompt_limit,
-                                       thinking=modes, tools=[r.get("tools") for r in chunk])
+                                       thinking=modes, tools=[r.get("tools") for r in chunk], engine=engine,
+                                       sequences_of=samples_of if cfg.capture else None, results=results_box)
     seconds = time.perf_counter() - t0
     lines = [_dumps(output_record(rec, res, cfg, target_cfg.name_or_path, chat.renders_time, mode, chat.tokenizer))
              for rec, res, mode in zip(chunk, results, modes, strict=True)]
+    if cfg.capture:
+        assert engine is not None
+        write_states(states_path(Path(cfg.out_dir), b), [c for job in engine.captured for c in job])
     atomic_write_text(part_path(Path(cfg.out_dir), b), "".join(line + "\n" for line in lines))
-    return sum(t.num_generated for r in results for t in r.turns), seconds
+    stats = BatchStats(sum(t.num_generated for r in results for t in r.turns), seconds)
+    if engine is not None:
+        stats.engine = engine.stats
+    return stats
+
+
+@dataclass
+class BatchStats:
+    """What generating batches took: new tokens, seconds, and (HF) what the target was fed."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    engine: EngineStats = field(default_factory=EngineStats)
+
+    def add(self, other: BatchStats) -> None:
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+        self.engine.add(other.engine)
+
+
+def states_path(out_dir: Path, batch: int) -> Path:
+    return out_dir / STATES / f"part-{batch:06d}.safetensors"
+
+
+def write_states(path: Path, captured: Sequence[Captured]) -> None:
+    """The kept states of a batch, atomically: per sample ``k``: ``k.ids``, ``k.aux``, ``k.last``."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for k, c in enumerate(captured):
+        tensors[f"{k}.ids"] = torch.tensor(c.ids, dtype=torch.int64)
+        tensors[f"{k}.aux"], tensors[f"{k}.last"] = c.aux.contiguous(), c.last.contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)
 
 
 def _worker(cfg: RegenerateConfig, target_cfg: TargetConfig, batches: list[int], done: Any) -> None:
@@ -381,7 +440,7 @@ class _Workers:
         self.cfg, self.target_cfg, self.todo, self.n = cfg, target_cfg, todo, n
         self.procs: list[Any] = []
         self.done: Any = None
-        self.tokens, self.seconds = 0, 0.0  # what the workers generated, in how many process-seconds
+        self.stats = BatchStats()  # what the workers generated, in how many process-seconds
 
     def __enter__(self) -> _Workers:
         import multiprocessing
@@ -405,8 +464,8 @@ class _Workers:
         """Batches the workers finished since the last call (their tokens and seconds kept)."""
         count = 0
         while self.done is not None and not self.done.empty():
-            n, seconds = self.done.get()
-            self.tokens, self.seconds, count = self.tokens + n, self.seconds + seconds, count + 1
+            self.stats.add(self.done.get())
+            count += 1
         return count
 
     def wait(self) -> int:
@@ -467,7 +526,8 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
             check_manifest(out_dir, settings)  # fail fast, before loading the target
             _remove_stale_temps(out_dir)
             size = cfg.batch_size
-            todo = [b for b in range(batches) if not _part_complete(out_dir, b, len(records[b * size:(b + 1) * size]))]
+            todo = [b for b in range(batches) if not _part_complete(out_dir, b, len(records[b * size:(b + 1) * size]))
+                    or cfg.capture and not states_path(out_dir, b).is_file()]
             generator, chat, dtype = make_backend(cfg, target_cfg, target)
             if cfg.thinking != "template":  # a template without a switch: named before anything is written
                 try:
@@ -476,21 +536,27 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
                     raise RegenerateError(f"regenerate.thinking={cfg.thinking}: {err}") from None
             settings |= {"dtype": dtype, "chat_template_sha256": chat.template_sha256,
                          "chat_template_source": chat.template_source}
+            if cfg.capture:  # what a harvest reading the states checks they were made by
+                from eagle3.fingerprint import weights_fingerprint
+
+                target = generator.target  # type: ignore[attr-defined]
+                settings |= {"aux_layer_ids": list(target.aux_layer_ids),
+                             "weights_fingerprint": weights_fingerprint(target.model.name_or_path)}
             check_manifest(out_dir, settings)
             write_manifest(out_dir, settings, len(records), batches)
             prompt_limit = _prompt_limit(cfg, generator)
-            generated, gen_seconds = 0, 0.0
+            mine = BatchStats()
             bar = tqdm(total=batches, initial=batches - len(todo), unit="batch", desc="regenerate",
                        disable=not progress, file=sys.stderr, dynamic_ncols=True)
             n_workers = cfg.workers if cfg.backend == "hf" else 1
             with bar, _Workers(cfg, target_cfg, todo, n_workers) as workers:
                 for b in todo[::n_workers]:  # this process's share; the workers take the rest
-                    n, seconds = _generate_batch(generator, chat, cfg, target_cfg, records, b, prompt_limit)
-                    generated, gen_seconds = generated + n, gen_seconds + seconds
-                    bar.set_postfix_str(f"{generated / gen_seconds:.1f} tok/s")
+                    mine.add(_generate_batch(generator, chat, cfg, target_cfg, records, b, prompt_limit))
+                    bar.set_postfix_str(f"{mine.tokens / max(mine.seconds, 1e-9):.1f} tok/s")
                     bar.update(1 + workers.finished())
                 bar.update(workers.wait())
-            generated, gen_seconds = generated + workers.tokens, gen_seconds + workers.seconds
+            mine.add(workers.stats)
+            generated, gen_seconds, fed = mine.tokens, mine.seconds, mine.engine
             counts = assemble(out_dir, batches)
             summary = {
                 "stage": "regenerate", "out": str(out_dir / DATASET / STORE), "target": target_cfg.name_or_path,
@@ -498,12 +564,31 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
                 "generated_tokens_this_run": generated, "generation_seconds": round(gen_seconds, 3),
                 "generated_tokens_per_s": round(generated / gen_seconds, 2) if gen_seconds else None,
                 "wall_seconds": round(time.perf_counter() - started, 3), "threads": torch.get_num_threads(),
-                "workers": n_workers,
+                "workers": n_workers, **_fed_summary(fed),
             }
             atomic_write_text(out_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
             return summary
         finally:
             lock.release()
+
+
+def _fed_summary(fed: EngineStats) -> dict[str, Any]:
+    """What the HF engine fed the target this run (nothing for vLLM): prefill and decode tokens,
+    their rates per process-second, and how many tokens were fed per token of the conversations."""
+    if not fed.fed_tokens:
+        return {}
+    rate = (lambda n, s: round(n / s, 1) if s else None)  # noqa: E731
+    return {
+        "fed_tokens": fed.fed_tokens, "conversation_tokens": fed.conversation_tokens,
+        "fed_per_conversation_token": round(fed.fed_tokens / fed.conversation_tokens, 3)
+        if fed.conversation_tokens else None,
+        "prefill_tokens": fed.prefill_tokens, "decode_tokens": fed.decode_tokens,
+        "capture_tail_tokens": fed.tail_tokens, "decode_forwards": fed.decode_forwards,
+        "decode_rows_per_forward": round(fed.decode_tokens / fed.decode_forwards, 2) if fed.decode_forwards else None,
+        "decode_idle_row_steps": fed.decode_idle_rows,
+        "prefill_tokens_per_s": rate(fed.prefill_tokens, fed.prefill_seconds),
+        "decode_tokens_per_s": rate(fed.decode_tokens, fed.decode_seconds),
+    }
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[RegenerateConfig, TargetConfig, bool]:

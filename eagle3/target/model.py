@@ -199,7 +199,7 @@ class Target:
     def forward(
         self,
         input_ids: Tensor,  # [batch, seq]
-        attention_mask: Tensor | None = None,  # [batch, past + seq], 0 at padding
+        attention_mask: Tensor | dict[str, Tensor] | None = None,  # [batch, past + seq], 0 at padding
         past_key_values: Any = None,
         *,
         use_cache: bool = False,
@@ -225,8 +225,9 @@ class Target:
             position_ids = cache_position.expand(batch, seq) if position_ids is None else position_ids
         past_len = 0 if past_key_values is None or cache_position is not None else past_key_values.get_seq_length()
         if position_ids is not None:
-            if attention_mask is not None and attention_mask.dim() != 4:
-                raise ValueError("explicit position_ids go with a 4D attention_mask (or none)")
+            if attention_mask is not None and not isinstance(attention_mask, dict) and attention_mask.dim() != 4:
+                raise ValueError("explicit position_ids go with a 4D attention_mask, a dict of them per layer "
+                                 "type, or none")
         elif attention_mask is not None:
             if attention_mask.shape != (batch, past_len + seq):
                 raise ValueError(
