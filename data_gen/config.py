@@ -130,7 +130,12 @@ class RegenerateConfig:
     limit: int | None = None
     """Only the first ``limit`` records of the pool."""
     batch_size: int = 8
-    """Records per batch; batch b is always records [b*batch_size, (b+1)*batch_size)."""
+    """Records per batch; batch b is always records [b*batch_size, (b+1)*batch_size), generated on its own
+    (its output depends on nothing else) and written as one part."""
+    rows: int = 8
+    """(hf backend) Conversations of a batch decoded together, each keeping its KV cache from turn to turn;
+    a row whose conversation ends takes the batch's next one. More rows read the weights once for more
+    tokens, up to where attending over every row's history costs more than the weights."""
     max_new_tokens: int = 256
     """Per assistant turn."""
     temperature: float = 0.0
@@ -177,7 +182,7 @@ class RegenerateConfig:
             raise ConfigError(f"regenerate.thinking={self.thinking!r}: expected one of {', '.join(THINKING_MODES)}")
         if not 0.0 <= self.thinking_on_fraction <= 1.0:
             raise ConfigError(f"regenerate.thinking_on_fraction={self.thinking_on_fraction}: must be in [0, 1]")
-        for name in ("batch_size", "threads", "workers"):
+        for name in ("batch_size", "rows", "threads", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"regenerate.{name}={getattr(self, name)}: must be >= 1")
         if self.limit is not None and self.limit < 0:

@@ -72,6 +72,8 @@ class EngineStats:
     decode_tokens: int = 0
     decode_forwards: int = 0
     decode_seconds: float = 0.0
+    decode_kv_slots: int = 0
+    """Cache slots the decode forwards attended over (rows x width, summed): the KV bytes they read."""
     decode_idle_rows: int = 0
     """Row-steps of decode forwards that ran a dummy token (an idle row below a busy one)."""
     conversation_tokens: int = 0
@@ -145,7 +147,8 @@ class Engine:
 
     @torch.no_grad()
     def run(self, jobs: Sequence[Job], seeds: Sequence[int]) -> list[list[Captured]]:
-        """Every job to its end; with capture, per job the states of its :meth:`Job.sequences`."""
+        """Every job to its end, started in order (a free row takes the next); with capture, per job
+        the states of its :meth:`Job.sequences`."""
         cache = RowCache(self.target.config, self.rows)
         generators = [None if self.sampling.greedy else torch.Generator(device="cpu").manual_seed(int(s))
                       for s in seeds]
@@ -200,6 +203,7 @@ class Engine:
         out = self.target(torch.tensor(tokens, device=device), attention_mask=cache.mask(n, device),
                           past_key_values=cache, use_cache=True, return_logits=False,
                           position_ids=cache.positions(n).to(device))
+        width = max(cache.length[r] for r in rows)
         real = [k for k, row in enumerate(states) if row is not None]
         cache.advance(n, [rows[k] for k in real])
         logits = self.target.head(out.last[real, -1]).float()  # [real rows, V]
@@ -222,6 +226,7 @@ class Engine:
             self.stats.decode_forwards += 1
             self.stats.decode_seconds += seconds
             self.stats.decode_idle_rows += len(rows) - len(real)
+            self.stats.decode_kv_slots += len(rows) * width
         return full
 
     def _take(self, cache: RowCache, r: int, row: _Row, token: int, jobs: Sequence[Job],

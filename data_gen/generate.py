@@ -271,18 +271,33 @@ def regenerate_conversations(
     """
     if isinstance(generator, Target):
         generator = HFGenerator(generator)
-    modes = thinking if thinking is not None else [None] * len(conversations)
-    schemas = tools if tools is not None else [None] * len(conversations)
-    chats = [(chat if mode is None else chat.with_thinking(mode)).with_tools(given)
-             for mode, given in zip(modes, schemas, strict=True)]
-    jobs = [ConversationJob(c, conv, max_prompt_tokens) for c, conv in zip(chats, conversations, strict=True)]
+    jobs = conversation_jobs(chat, conversations, max_prompt_tokens, thinking, tools)
     if results is not None:  # the caller's view of the conversations as they are written
         results[:] = [job.result for job in jobs]
     if engine is not None:
         for job in jobs:
             job.sequences_of = sequences_of
         engine.captured = engine.run(jobs, [derive_seed(seed, i) for i in range(len(jobs))])
-        return [job.result for job in jobs]
+    else:
+        run_by_depth(generator, chat, jobs, max_new_tokens, sampling, seed)
+    return [job.result for job in jobs]
+
+
+def conversation_jobs(chat: ChatFormat, conversations: Sequence[Sequence[Mapping[str, Any]]],
+                      max_prompt_tokens: int | None, thinking: Sequence[bool | None] | None = None,
+                      tools: Sequence[Sequence[Mapping[str, Any]] | None] | None = None) -> list[ConversationJob]:
+    """One :class:`ConversationJob` per conversation, rendered in its thinking mode with its tools."""
+    modes = thinking if thinking is not None else [None] * len(conversations)
+    schemas = tools if tools is not None else [None] * len(conversations)
+    chats = [(chat if mode is None else chat.with_thinking(mode)).with_tools(given)
+             for mode, given in zip(modes, schemas, strict=True)]
+    return [ConversationJob(c, conv, max_prompt_tokens) for c, conv in zip(chats, conversations, strict=True)]
+
+
+def run_by_depth(generator: Generator, chat: ChatFormat, jobs: Sequence[ConversationJob], max_new_tokens: int,
+                 sampling: SamplingConfig, seed: int) -> None:
+    """Every job's turns depth by depth: all first replies in one ``generate`` call, then all second
+    replies, ...; the batch at depth ``d`` sampled with ``derive_seed(seed, d)``."""
     for depth in range(1, max((len(job.slots) for job in jobs), default=0) + 1):
         live, prompts = [], []
         for job in jobs:
@@ -297,10 +312,10 @@ def regenerate_conversations(
         replies = generator.generate(prompts, chat.stop_ids, max_new_tokens, sampling, seed=derive_seed(seed, depth))
         for job, reply in zip(live, replies, strict=True):
             job.take_reply(reply)
-    return [job.result for job in jobs]
 
 
 __all__ = [
-    "ConversationJob", "Generator", "HFGenerator", "RegeneratedConversation", "Reply", "derive_seed",
-    "generate", "left_pad", "regenerate_conversations", "reply_slots", "trim_generated",
+    "ConversationJob", "Generator", "HFGenerator", "RegeneratedConversation", "Reply", "conversation_jobs",
+    "derive_seed", "generate", "left_pad", "regenerate_conversations", "reply_slots", "run_by_depth",
+    "trim_generated",
 ]

@@ -41,7 +41,7 @@ import json
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,11 +51,13 @@ import torch
 from data_gen.config import RegenerateConfig
 from data_gen.engine import Captured, Engine, EngineStats
 from data_gen.generate import (
+    ConversationJob,
     Generator,
     HFGenerator,
     RegeneratedConversation,
+    conversation_jobs,
     derive_seed,
-    regenerate_conversations,
+    run_by_depth,
 )
 from eagle3.atomic import atomic_dir, atomic_write_text, output_dir, sha256_file
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
@@ -147,6 +149,7 @@ def manifest_settings(cfg: RegenerateConfig, target_cfg: TargetConfig, pool_sha2
         **({"thinking": cfg.thinking, "thinking_on_fraction": cfg.thinking_on_fraction}
            if cfg.thinking != "template" else {}),
         **({"capture": True, "capture_dtype": cfg.capture_dtype} if cfg.capture else {}),
+        **({"rows": cfg.rows} if cfg.backend == "hf" else {}),  # which rows share a forward: round-off
     }
 
 
@@ -348,42 +351,67 @@ def assemble(out_dir: Path, batches: int) -> dict[str, int]:
     return counts
 
 
-def _generate_batch(generator: Generator, chat: ChatFormat, cfg: RegenerateConfig, target_cfg: TargetConfig,
-                    records: list[dict[str, Any]], b: int, prompt_limit: int | None) -> BatchStats:
-    """Batch ``b`` regenerated into its part file (and, capturing, its states file first); what it
-    took. A batch depends on nothing but its records and its seed, whichever process runs it."""
-    chunk = records[b * cfg.batch_size:(b + 1) * cfg.batch_size]
-    modes = [record_thinking(cfg, b * cfg.batch_size + i) for i in range(len(chunk))]
+def _generate_parts(generator: Generator, chat: ChatFormat, cfg: RegenerateConfig, target_cfg: TargetConfig,
+                    records: list[dict[str, Any]], batches: Sequence[int], prompt_limit: int | None,
+                    on_part: Callable[[BatchStats], None]) -> None:
+    """Batches ``batches`` regenerated, each into its part file (capturing, its states file first);
+    ``on_part`` with what each took. A batch depends on nothing but its records and its seed, whichever
+    process runs it: HF, one engine per batch, ``rows`` of its conversations decoded together (a row
+    refilled by the batch's next conversation as soon as its own ends; record i sampled from
+    ``derive_seed(derive_seed(seed, b), i)``); vLLM, turn depth by turn depth."""
+    size, out_dir = cfg.batch_size, Path(cfg.out_dir)
     target = getattr(generator, "target", None)
-    engine = None
-    if target is not None:  # HF: cached conversations, rows decoded together, states kept if asked
-        engine = Engine(target, len(chunk), chat.stop_ids, cfg.max_new_tokens, cfg.sampling, capture=cfg.capture,
-                        capture_dtype=getattr(torch, cfg.capture_dtype))
+    chunks = {b: records[b * size:(b + 1) * size] for b in batches}
+    modes = {b: [record_thinking(cfg, b * size + i) for i in range(len(chunks[b]))] for b in batches}
+    results: dict[int, list[RegeneratedConversation]] = {}
+    kept: dict[int, list[list[Captured]]] = {}
+    clock = [time.perf_counter()]
 
-    def samples_of(result: RegeneratedConversation) -> list[list[int]]:  # what the harvest will store of it
+    def write_part(b: int, engine: EngineStats | None = None) -> None:
+        lines = [_dumps(output_record(rec, res, cfg, target_cfg.name_or_path, chat.renders_time, mode,
+                                      chat.tokenizer))
+                 for rec, res, mode in zip(chunks[b], results[b], modes[b], strict=True)]
+        if cfg.capture:
+            write_states(states_path(out_dir, b), [c for states in kept[b] for c in states])
+        atomic_write_text(part_path(out_dir, b), "".join(line + "\n" for line in lines))
+        now = time.perf_counter()
+        stats = BatchStats(sum(t.num_generated for r in results[b] for t in r.turns), now - clock[0])
+        clock[0] = now
+        if engine is not None:
+            stats.engine = engine
+        on_part(stats)
+
+    def jobs_of(b: int) -> list[ConversationJob]:
+        chunk = chunks[b]
+        jobs = conversation_jobs(chat, [r["messages"] for r in chunk], prompt_limit, modes[b],
+                                 [r.get("tools") for r in chunk])
+        results[b] = [job.result for job in jobs]
+        return jobs
+
+    for b in batches:
+        jobs = jobs_of(b)
+        if target is None:
+            run_by_depth(generator, chat, jobs, cfg.max_new_tokens, cfg.sampling, derive_seed(cfg.seed, b))
+            write_part(b)
+            continue
+        engine = Engine(target, min(cfg.rows, len(jobs)), chat.stop_ids, cfg.max_new_tokens, cfg.sampling,
+                        capture=cfg.capture, capture_dtype=getattr(torch, cfg.capture_dtype))
+        if cfg.capture:
+            for i, job in enumerate(jobs):
+                job.sequences_of = _samples_of(chat, cfg, target_cfg, chunks[b][i], modes[b][i])
+        kept[b] = engine.run(jobs, [derive_seed(derive_seed(cfg.seed, b), i) for i in range(len(jobs))])
+        write_part(b, engine.stats)
+
+
+def _samples_of(chat: ChatFormat, cfg: RegenerateConfig, target_cfg: TargetConfig, record: dict[str, Any],
+                mode: bool | None) -> Callable[[RegeneratedConversation], list[list[int]]]:
+    """A regenerated conversation -> the token ids of the samples the harvest will store of it."""
+    def samples(result: RegeneratedConversation) -> list[list[int]]:
         from data_gen.harvest import tokenize_records
 
-        i = next(k for k, job_result in enumerate(results_box) if job_result is result)
-        record = output_record(chunk[i], result, cfg, target_cfg.name_or_path, chat.renders_time, modes[i])
-        return [ids for _, ids, _ in tokenize_records([record], chat, 1 << 30, Counter())]
-
-    results_box: list[RegeneratedConversation] = []
-    t0 = time.perf_counter()
-    results = regenerate_conversations(generator, chat, [r["messages"] for r in chunk], cfg.max_new_tokens,
-                                       cfg.sampling, seed=derive_seed(cfg.seed, b), max_prompt_tokens=prompt_limit,
-                                       thinking=modes, tools=[r.get("tools") for r in chunk], engine=engine,
-                                       sequences_of=samples_of if cfg.capture else None, results=results_box)
-    seconds = time.perf_counter() - t0
-    lines = [_dumps(output_record(rec, res, cfg, target_cfg.name_or_path, chat.renders_time, mode, chat.tokenizer))
-             for rec, res, mode in zip(chunk, results, modes, strict=True)]
-    if cfg.capture:
-        assert engine is not None
-        write_states(states_path(Path(cfg.out_dir), b), [c for job in engine.captured for c in job])
-    atomic_write_text(part_path(Path(cfg.out_dir), b), "".join(line + "\n" for line in lines))
-    stats = BatchStats(sum(t.num_generated for r in results for t in r.turns), seconds)
-    if engine is not None:
-        stats.engine = engine.stats
-    return stats
+        out = output_record(record, result, cfg, target_cfg.name_or_path, chat.renders_time, mode)
+        return [ids for _, ids, _ in tokenize_records([out], chat, 1 << 30, Counter())]
+    return samples
 
 
 @dataclass
@@ -428,8 +456,7 @@ def _worker(cfg: RegenerateConfig, target_cfg: TargetConfig, batches: list[int],
     records = read_pool(Path(cfg.pool), cfg.limit)
     generator, chat, _ = make_backend(cfg, target_cfg)
     prompt_limit = _prompt_limit(cfg, generator)
-    for b in batches:
-        done.put(_generate_batch(generator, chat, cfg, target_cfg, records, b, prompt_limit))
+    _generate_parts(generator, chat, cfg, target_cfg, records, batches, prompt_limit, done.put)
 
 
 class _Workers:
@@ -550,10 +577,13 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
                        disable=not progress, file=sys.stderr, dynamic_ncols=True)
             n_workers = cfg.workers if cfg.backend == "hf" else 1
             with bar, _Workers(cfg, target_cfg, todo, n_workers) as workers:
-                for b in todo[::n_workers]:  # this process's share; the workers take the rest
-                    mine.add(_generate_batch(generator, chat, cfg, target_cfg, records, b, prompt_limit))
+                def part_done(stats: BatchStats) -> None:
+                    mine.add(stats)
                     bar.set_postfix_str(f"{mine.tokens / max(mine.seconds, 1e-9):.1f} tok/s")
                     bar.update(1 + workers.finished())
+
+                # this process's share; the workers take the rest
+                _generate_parts(generator, chat, cfg, target_cfg, records, todo[::n_workers], prompt_limit, part_done)
                 bar.update(workers.wait())
             mine.add(workers.stats)
             generated, gen_seconds, fed = mine.tokens, mine.seconds, mine.engine

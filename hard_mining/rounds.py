@@ -159,7 +159,8 @@ class Harvester:
         regenerate(RegenerateConfig(pool=str(work / "prompts.jsonl"), out_dir=str(work / "regen"),
                                     max_new_tokens=max_new_tokens, temperature=temperature, seed=self.seed,
                                     workers=self.workers, thinking=self.thinking[0],
-                                    thinking_on_fraction=self.thinking[1]),
+                                    thinking_on_fraction=self.thinking[1], capture=True,
+                                    capture_dtype="bfloat16" if self.dtype == "bfloat16" else "float32"),
                    self.target_cfg, target=self.target, progress=self.progress)
         data = work / "regen" / "dataset" / "regenerated.jsonl"
         if not any(True for _ in iter_jsonl(data)):
