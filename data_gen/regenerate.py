@@ -594,7 +594,7 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
                 "generated_tokens_this_run": generated, "generation_seconds": round(gen_seconds, 3),
                 "generated_tokens_per_s": round(generated / gen_seconds, 2) if gen_seconds else None,
                 "wall_seconds": round(time.perf_counter() - started, 3), "threads": torch.get_num_threads(),
-                "workers": n_workers, **_fed_summary(fed),
+                "workers": n_workers, "dtype": dtype, **_fed_summary(fed),
             }
             atomic_write_text(out_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
             return summary

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from eagle3.atomic import atomic_write_text, sha256_file
-from eagle3.device import synchronize
+from eagle3.device import cpu_native_bf16, synchronize
 from eagle3.errors import Eagle3Error
 from eagle3.target.model import check_capture, load_target
 from recipes.config import PipelineConfig
@@ -91,6 +91,10 @@ def stage_target(cfg: PipelineConfig) -> dict[str, Any]:
         "vocab_size": target.vocab_size,
         "aux_layer_ids": list(target.aux_layer_ids),
         "dtype": str(target.dtype).removeprefix("torch."),
+        "dtype_chosen_by": (f"target.dtype={cfg.target.dtype}" if cfg.target.dtype != "auto" else
+                            "auto: " + ("an accelerator" if target.device.type != "cpu" else
+                                        "a CPU with native bf16 (AVX512-BF16/AMX)" if cpu_native_bf16()
+                                        else "a CPU without native bf16")),
         "device": str(target.device),
         "has_chat_template": bool(tok.chat_template),
         "load_seconds": round(load_s, 2),

@@ -221,3 +221,20 @@ def test_the_target_heads_draft_vocab_is_read_again_after_an_in_place_change(sto
     assert size == (target.vocab_size + 3) // 4 and ids.tolist() == list(range(0, target.vocab_size, 4))
     with pytest.raises(TypeError, match="bool mask"):
         head._draft_vocab(ids)
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_has_it(monkeypatch, tmp_path) -> None:
+    import eagle3.device as device
+
+    monkeypatch.delenv("EAGLE3_CPU_BF16", raising=False)
+    for flags, native in (("fpu avx2 avx512f", False), ("fpu avx512f avx512_bf16", True), ("amx_bf16 amx_tile", True)):
+        cpuinfo = tmp_path / "cpuinfo"
+        cpuinfo.write_text(f"processor : 0\nflags : {flags}\n")
+        real_path = device.Path
+        monkeypatch.setattr(device, "Path", lambda p, real=real_path, f=cpuinfo: f if p == "/proc/cpuinfo" else real(p))
+        assert device.cpu_native_bf16() is native
+        want = torch.bfloat16 if native else torch.float32
+        assert device.resolve_dtype("auto", torch.device("cpu")) == want
+        assert device.resolve_dtype("float32", torch.device("cpu")) == torch.float32  # asked for: kept
+    monkeypatch.setenv("EAGLE3_CPU_BF16", "1")
+    assert device.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
