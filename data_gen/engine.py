@@ -37,7 +37,7 @@ from torch import Tensor
 from data_gen.generate import Reply
 from eagle3.config import SamplingConfig
 from eagle3.target.model import Target
-from eagle3.target.row_cache import RowCache
+from eagle3.target.row_cache import RowCache, row_attention
 
 
 class Job(Protocol):
@@ -149,9 +149,14 @@ class Engine:
     def run(self, jobs: Sequence[Job], seeds: Sequence[int]) -> list[list[Captured]]:
         """Every job to its end, started in order (a free row takes the next); with capture, per job
         the states of its :meth:`Job.sequences`."""
-        cache = RowCache(self.target.config, self.rows)
+        cache = RowCache(self.target.config, self.rows, slots=1024)
         generators = [None if self.sampling.greedy else torch.Generator(device="cpu").manual_seed(int(s))
                       for s in seeds]
+        with row_attention(self.target.model):
+            return self._run(jobs, generators, cache)
+
+    def _run(self, jobs: Sequence[Job], generators: list[torch.Generator | None],
+             cache: RowCache) -> list[list[Captured]]:
         waiting = deque(range(len(jobs)))
         slots: list[_Row | None] = [None] * self.rows
         captured: list[list[Captured]] = [[] for _ in jobs]
@@ -200,7 +205,9 @@ class Engine:
         t0 = time.perf_counter()
         device = self.target.device
         cache.select(rows, n)
-        out = self.target(torch.tensor(tokens, device=device), attention_mask=cache.mask(n, device),
+        # one row has no stale slots: transformers' own causal mask (its fused kernels where it can)
+        mask = None if len(rows) == 1 else cache.mask(n, device)
+        out = self.target(torch.tensor(tokens, device=device), attention_mask=mask,
                           past_key_values=cache, use_cache=True, return_logits=False,
                           position_ids=cache.positions(n).to(device))
         width = max(cache.length[r] for r in rows)

@@ -24,12 +24,18 @@ kept but hidden::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ROWS_ATTENTION = "eagle3_rows"
 
 
 class _Rows:
@@ -164,4 +170,56 @@ class RowCache(Cache):
         return self.layers[layer_idx].get_seq_length() if self.layers else 0
 
 
-__all__ = ["RowCache", "RowLayer"]
+def rows_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+                   dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                   **kwargs: Any) -> tuple[Tensor, None]:
+    """transformers' SDPA attention, except that several rows under a 4D mask each attend over their
+    own slots only (up to the last one their last query may see), not the longest row's width: one
+    long conversation among the rows no longer makes every row read its length of keys::
+
+        query [b, heads, q, d], key/value [b, kv_heads, width, d] -> [b, q, heads, d]
+    """
+    b, heads, q, dim = query.shape
+    if b == 1 or not isinstance(attention_mask, Tensor) or attention_mask.dim() != 4 or kwargs.get("softcap"):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    last = attention_mask[:, 0, -1]  # [b, width]: what each row's last query may see
+    ends = (last.shape[-1] - last.flip(-1).int().argmax(-1)).tolist()  # one past its last visible slot
+    out = []
+    for r, end in enumerate(ends):
+        mask = attention_mask[r:r + 1, :, :, :end]  # [1, 1, q, end]
+        k, v = key[r:r + 1, :, :end], value[r:r + 1, :, :end]
+        if q == 1 and bool(mask.all()):  # the usual decode step: no mask, the query heads grouped per kv head
+            o = torch.nn.functional.scaled_dot_product_attention(query[r:r + 1].reshape(1, kv_heads, group, dim),
+                                                                 k, v, scale=scaling)
+            out.append(o.reshape(1, heads, 1, dim))
+        else:
+            out.append(torch.nn.functional.scaled_dot_product_attention(
+                query[r:r + 1], k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
+                attn_mask=mask, scale=scaling))
+    return torch.cat(out).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ROWS_ATTENTION, rows_attention)
+AttentionMaskInterface.register(ROWS_ATTENTION, sdpa_mask)
+
+
+@contextlib.contextmanager
+def row_attention(model: torch.nn.Module) -> Iterator[None]:
+    """The model's attention is :func:`rows_attention` inside the block (where it runs SDPA: another
+    implementation, eager for Gemma 2's soft-capping say, is left as it is)."""
+    config = model.config
+    saved = config._attn_implementation
+    if saved != "sdpa":
+        yield
+        return
+    config._attn_implementation = ROWS_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = saved
+
+
+__all__ = ["RowCache", "RowLayer", "row_attention", "rows_attention"]
