@@ -171,6 +171,14 @@ class Engine:
             active = [r for r in range(self.rows) if slots[r] is not None]
             if not active:
                 return captured
+            for r in range(self.rows):  # a free row: nothing to attend over in its dummy steps
+                if slots[r] is None:
+                    cache.keep(r, 0)
+            while not waiting and active[-1] >= len(active):  # the last ones: packed into rows 0..n-1
+                free = next(r for r in range(self.rows) if slots[r] is None)
+                cache.move(active[-1], free)
+                slots[free], slots[active[-1]] = slots[active[-1]], None
+                active = [r for r in range(self.rows) if slots[r] is not None]
             for r in active:  # prompts (and capture tails) fed one row at a time
                 row = slots[r]
                 assert row is not None

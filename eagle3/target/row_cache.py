@@ -166,6 +166,16 @@ class RowCache(Cache):
             raise ValueError(f"row {row}: keep {length} of {self.shared.length[row]} tokens")
         self.shared.length[row] = length
 
+    def move(self, src: int, dst: int) -> None:
+        """Row ``src``'s tokens into row ``dst`` (a copy of its slots); ``src`` is then free."""
+        n = self.shared.length[src]
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.grow(self.shared.slots)
+                layer.keys[dst, :, :n] = layer.keys[src, :, :n]
+                layer.values[dst, :, :n] = layer.values[src, :, :n]
+        self.shared.length[dst], self.shared.length[src] = n, 0
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length() if self.layers else 0
 
