@@ -73,7 +73,7 @@ class EngineStats:
     decode_forwards: int = 0
     decode_seconds: float = 0.0
     decode_kv_slots: int = 0
-    """Cache slots the decode forwards attended over (rows x width, summed): the KV bytes they read."""
+    """Cache slots the decode forwards' rows attended over, summed: the KV bytes they read."""
     decode_idle_rows: int = 0
     """Row-steps of decode forwards that ran a dummy token (an idle row below a busy one)."""
     conversation_tokens: int = 0
@@ -218,8 +218,8 @@ class Engine:
         out = self.target(torch.tensor(tokens, device=device), attention_mask=mask,
                           past_key_values=cache, use_cache=True, return_logits=False,
                           position_ids=cache.positions(n).to(device))
-        width = max(cache.length[r] for r in rows)
         real = [k for k, row in enumerate(states) if row is not None]
+        attended = sum(cache.length[rows[k]] + n for k in real)
         cache.advance(n, [rows[k] for k in real])
         logits = self.target.head(out.last[real, -1]).float()  # [real rows, V]
         full = logits.new_zeros((len(rows), logits.shape[-1]))
@@ -241,7 +241,7 @@ class Engine:
             self.stats.decode_forwards += 1
             self.stats.decode_seconds += seconds
             self.stats.decode_idle_rows += len(rows) - len(real)
-            self.stats.decode_kv_slots += len(rows) * width
+            self.stats.decode_kv_slots += attended
         return full
 
     def _take(self, cache: RowCache, r: int, row: _Row, token: int, jobs: Sequence[Job],
