@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -88,6 +88,26 @@ class EngineStats:
     def add(self, other: EngineStats) -> None:
         for name in self.__dataclass_fields__:
             setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def summary(self) -> dict[str, Any]:
+        """What was fed (nothing: {}): prefill and decode tokens, their rates per process-second, and
+        how many tokens were fed per token of the conversations (1.0: nothing fed twice)."""
+        if not self.fed_tokens:
+            return {}
+
+        def rate(n: float, per: float, digits: int = 1) -> float | None:
+            return round(n / per, digits) if per else None
+
+        return {
+            "fed_tokens": self.fed_tokens, "conversation_tokens": self.conversation_tokens,
+            "fed_per_conversation_token": rate(self.fed_tokens, self.conversation_tokens, 3),
+            "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens,
+            "capture_tail_tokens": self.tail_tokens, "decode_forwards": self.decode_forwards,
+            "decode_rows_per_forward": rate(self.decode_tokens, self.decode_forwards, 2),
+            "decode_idle_row_steps": self.decode_idle_rows,
+            "prefill_tokens_per_s": rate(self.prefill_tokens, self.prefill_seconds),
+            "decode_tokens_per_s": rate(self.decode_tokens, self.decode_seconds),
+        }
 
 
 @dataclass

@@ -20,10 +20,31 @@ from typing import Any
 
 import torch
 
+from data_gen.engine import Captured
 from eagle3.errors import Eagle3Error
 from eagle3.store.shards import HarvestSpec
 
 _PREFIX = 32  # ids that key the index (a sample cut at max_seq_len is found by its prefix)
+STATES = "states"
+
+
+def states_path(out_dir: Path, batch: int) -> Path:
+    """Batch ``batch``'s kept states in regeneration folder ``out_dir``."""
+    return out_dir / STATES / f"part-{batch:06d}.safetensors"
+
+
+def write_states(path: Path, captured: Sequence[Captured]) -> None:
+    """A batch's kept states, atomically: per sample ``k``, ``k.ids`` [T], ``k.aux`` [T, A, H], ``k.last`` [T, H]."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for k, c in enumerate(captured):
+        tensors[f"{k}.ids"] = torch.tensor(c.ids, dtype=torch.int64)
+        tensors[f"{k}.aux"], tensors[f"{k}.last"] = c.aux.contiguous(), c.last.contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)
 
 
 class KeptStatesError(Eagle3Error, ValueError):
@@ -42,7 +63,7 @@ def check_kept(folder: Path, spec: HarvestSpec, target_dtype: str) -> str | None
         settings = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))["settings"]
     except (OSError, ValueError, KeyError, TypeError):
         return f"{folder}/manifest.json is missing or unreadable"
-    if not settings.get("capture") or not (folder / "states").is_dir():
+    if not settings.get("capture") or not (folder / STATES).is_dir():
         return f"{folder} was regenerated without regenerate.capture"
     wanted = {
         "target.name_or_path": (settings.get("target"), spec.target),
@@ -73,7 +94,7 @@ class KeptStates:
         self.found = self.computed = 0
         self._files: list[Any] = []
         self._index: dict[tuple[int, ...], list[tuple[int, str, list[int]]]] = {}
-        for path in sorted((folder / "states").glob("part-*.safetensors")):
+        for path in sorted((folder / STATES).glob("part-*.safetensors")):
             handle = safe_open(str(path), framework="pt")
             f = len(self._files)
             self._files.append(handle)
@@ -112,10 +133,11 @@ def kept_backend(mode: str, data: Path, spec: HarvestSpec, target_dtype: str, fa
         return KeptStates(folder, fallback)
     if mode == "on":
         raise KeptStatesError(f"harvest.fused=on: the states kept in {folder}/states cannot be used: {why}")
-    if (folder / "states").is_dir():  # kept, but not for this harvest: said, then computed
+    if (folder / STATES).is_dir():  # kept, but not for this harvest: said, then computed
         print(f"harvest: not reading the states kept in {folder}/states ({why}); running the target",
               file=sys.stderr)
     return fallback
 
 
-__all__ = ["KeptStates", "KeptStatesError", "check_kept", "kept_backend", "regeneration_dir"]
+__all__ = ["KeptStates", "KeptStatesError", "check_kept", "kept_backend", "regeneration_dir", "states_path",
+           "write_states"]

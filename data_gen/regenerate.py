@@ -59,18 +59,13 @@ from data_gen.generate import (
     derive_seed,
     run_by_depth,
 )
+from data_gen.harvest import tokenize_records
+from data_gen.kept_states import STATES, states_path, write_states
 from eagle3.atomic import atomic_dir, atomic_write_text, output_dir, sha256_file
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import TargetConfig, add_target_arguments
 from eagle3.errors import Eagle3Error, run_cli
-from eagle3.store.conversations import (
-    ConversationError,
-    check_messages,
-    check_tools,
-    iter_jsonl,
-    messages_of,
-    record_id,
-)
+from eagle3.store.conversations import ConversationError, read_pool
 from eagle3.target.chat import ChatFormat, ChatFormatError, messages_sha256
 from eagle3.target.model import Target, load_target
 from eagle3.target.positions import context_length
@@ -82,7 +77,6 @@ PARTS = "parts"
 DATASET = "dataset"
 STORE = "regenerated.jsonl"
 SUMMARY = "summary.json"
-STATES = "states"
 
 
 class RegenerateError(Eagle3Error, RuntimeError):
@@ -100,42 +94,6 @@ class ManifestMismatchError(RegenerateError):
 
 def part_path(out_dir: Path, batch: int) -> Path:
     return out_dir / PARTS / f"part-{batch:06d}.jsonl"
-
-
-def read_pool(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
-    """Records of a pool jsonl file, the first ``limit`` if given; messages validated.
-
-    Pool records from ``data_gen.pools`` pass as they are; a user's own jsonl (ShareGPT
-    ``conversations`` or OpenAI ``messages``) works too, ids derived from the content. A bad
-    row (malformed JSON, not UTF-8, unknown role, empty turn, ...) raises ConversationError naming
-    ``file:line``: nothing is generated from a pool that cannot be read whole.
-    """
-    records = []
-    first_at: dict[str, str] = {}  # record id -> where it was first read
-    for where, row in iter_jsonl(path):
-        if limit is not None and len(records) >= limit:
-            break
-        try:
-            if isinstance(row, ConversationError):
-                raise row
-            messages = check_messages(messages_of(row))
-            tools = check_tools(row["tools"]) if row.get("tools") is not None else None
-        except ConversationError as err:
-            raise ConversationError(f"{where}: {err}") from None
-        record = {k: v for k, v in row.items() if k != "conversations"}
-        record["messages"] = messages
-        if tools is not None:
-            record["tools"] = tools
-        record.setdefault("id", record_id(messages))
-        if not isinstance(record["id"], (str, int)) or record["id"] == "":
-            raise ConversationError(f"{where}: 'id' {record['id']!r} is not a non-empty string or an integer")
-        key = str(record["id"])  # as the harvest names samples: 1 and "1" are one id
-        if key in first_at:  # two records, one id: the harvest would refuse it after all the generation
-            derived = "" if "id" in row else " (ids derived from the content: the same conversation twice)"
-            raise ConversationError(f"{where}: record id {record['id']!r} is also the id of {first_at[key]}{derived}")
-        first_at[key] = where
-        records.append(record)
-    return records
 
 
 def manifest_settings(cfg: RegenerateConfig, target_cfg: TargetConfig, pool_sha256: str) -> dict[str, Any]:
@@ -407,8 +365,6 @@ def _samples_of(chat: ChatFormat, cfg: RegenerateConfig, target_cfg: TargetConfi
                 mode: bool | None) -> Callable[[RegeneratedConversation], list[list[int]]]:
     """A regenerated conversation -> the token ids of the samples the harvest will store of it."""
     def samples(result: RegeneratedConversation) -> list[list[int]]:
-        from data_gen.harvest import tokenize_records
-
         out = output_record(record, result, cfg, target_cfg.name_or_path, chat.renders_time, mode)
         return [ids for _, ids, _ in tokenize_records([out], chat, 1 << 30, Counter())]
     return samples
@@ -426,24 +382,6 @@ class BatchStats:
         self.tokens += other.tokens
         self.seconds += other.seconds
         self.engine.add(other.engine)
-
-
-def states_path(out_dir: Path, batch: int) -> Path:
-    return out_dir / STATES / f"part-{batch:06d}.safetensors"
-
-
-def write_states(path: Path, captured: Sequence[Captured]) -> None:
-    """The kept states of a batch, atomically: per sample ``k``: ``k.ids``, ``k.aux``, ``k.last``."""
-    from safetensors.torch import save_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for k, c in enumerate(captured):
-        tensors[f"{k}.ids"] = torch.tensor(c.ids, dtype=torch.int64)
-        tensors[f"{k}.aux"], tensors[f"{k}.last"] = c.aux.contiguous(), c.last.contiguous()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp))
-    tmp.replace(path)
 
 
 def _worker(cfg: RegenerateConfig, target_cfg: TargetConfig, batches: list[int], done: Any) -> None:
@@ -594,31 +532,12 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
                 "generated_tokens_this_run": generated, "generation_seconds": round(gen_seconds, 3),
                 "generated_tokens_per_s": round(generated / gen_seconds, 2) if gen_seconds else None,
                 "wall_seconds": round(time.perf_counter() - started, 3), "threads": torch.get_num_threads(),
-                "workers": n_workers, "dtype": dtype, **_fed_summary(fed),
+                "workers": n_workers, "dtype": dtype, **fed.summary(),
             }
             atomic_write_text(out_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
             return summary
         finally:
             lock.release()
-
-
-def _fed_summary(fed: EngineStats) -> dict[str, Any]:
-    """What the HF engine fed the target this run (nothing for vLLM): prefill and decode tokens,
-    their rates per process-second, and how many tokens were fed per token of the conversations."""
-    if not fed.fed_tokens:
-        return {}
-    rate = (lambda n, s: round(n / s, 1) if s else None)  # noqa: E731
-    return {
-        "fed_tokens": fed.fed_tokens, "conversation_tokens": fed.conversation_tokens,
-        "fed_per_conversation_token": round(fed.fed_tokens / fed.conversation_tokens, 3)
-        if fed.conversation_tokens else None,
-        "prefill_tokens": fed.prefill_tokens, "decode_tokens": fed.decode_tokens,
-        "capture_tail_tokens": fed.tail_tokens, "decode_forwards": fed.decode_forwards,
-        "decode_rows_per_forward": round(fed.decode_tokens / fed.decode_forwards, 2) if fed.decode_forwards else None,
-        "decode_idle_row_steps": fed.decode_idle_rows,
-        "prefill_tokens_per_s": rate(fed.prefill_tokens, fed.prefill_seconds),
-        "decode_tokens_per_s": rate(fed.decode_tokens, fed.decode_seconds),
-    }
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[RegenerateConfig, TargetConfig, bool]:

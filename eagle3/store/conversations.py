@@ -348,3 +348,39 @@ def _dataset_rows(path: Path) -> Iterator[tuple[str, Any]]:
     for split, part in splits:
         for i, row in enumerate(part):
             yield f"{path}[{split + ':' if split else ''}{i}]", row
+
+
+def read_pool(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """Records of a pool jsonl file, the first ``limit`` if given; messages validated.
+
+    Pool records from ``data_gen.pools`` pass as they are; a user's own jsonl (ShareGPT
+    ``conversations`` or OpenAI ``messages``) works too, ids derived from the content. A bad
+    row (malformed JSON, not UTF-8, unknown role, empty turn, ...) raises ConversationError naming
+    ``file:line``: nothing is generated from a pool that cannot be read whole.
+    """
+    records = []
+    first_at: dict[str, str] = {}  # record id -> where it was first read
+    for where, row in iter_jsonl(path):
+        if limit is not None and len(records) >= limit:
+            break
+        try:
+            if isinstance(row, ConversationError):
+                raise row
+            messages = check_messages(messages_of(row))
+            tools = check_tools(row["tools"]) if row.get("tools") is not None else None
+        except ConversationError as err:
+            raise ConversationError(f"{where}: {err}") from None
+        record = {k: v for k, v in row.items() if k != "conversations"}
+        record["messages"] = messages
+        if tools is not None:
+            record["tools"] = tools
+        record.setdefault("id", record_id(messages))
+        if not isinstance(record["id"], (str, int)) or record["id"] == "":
+            raise ConversationError(f"{where}: 'id' {record['id']!r} is not a non-empty string or an integer")
+        key = str(record["id"])  # as the harvest names samples: 1 and "1" are one id
+        if key in first_at:  # two records, one id: the harvest would refuse it after all the generation
+            derived = "" if "id" in row else " (ids derived from the content: the same conversation twice)"
+            raise ConversationError(f"{where}: record id {record['id']!r} is also the id of {first_at[key]}{derived}")
+        first_at[key] = where
+        records.append(record)
+    return records

@@ -226,8 +226,7 @@ class Target:
         past_len = 0 if past_key_values is None or cache_position is not None else past_key_values.get_seq_length()
         if position_ids is not None:
             if attention_mask is not None and not isinstance(attention_mask, dict) and attention_mask.dim() != 4:
-                raise ValueError("explicit position_ids go with a 4D attention_mask, a dict of them per layer "
-                                 "type, or none")
+                raise ValueError("explicit position_ids go with a 4D attention_mask (or a dict per layer type)")
         elif attention_mask is not None:
             if attention_mask.shape != (batch, past_len + seq):
                 raise ValueError(
