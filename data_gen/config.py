@@ -164,9 +164,9 @@ class RegenerateConfig:
     thinking_on_fraction: float = 0.5
     """With ``thinking=mix``: the share of records regenerated with thinking on."""
     capture: bool = False
-    """(hf backend) Keep the states the generating forwards computed (aux-layer inputs, pre-norm last
-    state) of every sample the harvest will store, in ``states/``: a harvest of this folder's dataset
-    then reads them instead of running the target again (``harvest.fused``)."""
+    """(hf backend; vLLM keeps none, said in one line) Keep the states the generating forwards computed
+    (aux-layer inputs, pre-norm last state) of every sample the harvest will store, in ``states/``: a
+    harvest of this folder's dataset then reads them instead of running the target (``harvest.fused``)."""
     capture_dtype: str = "bfloat16"
     """The kept states' dtype: bfloat16 or float32 (a harvest storing another dtype than this one
     recomputes, unless this is float32)."""
@@ -176,8 +176,6 @@ class RegenerateConfig:
             raise ConfigError(f"regenerate.backend={self.backend!r}: expected hf or vllm")
         if self.capture_dtype not in ("bfloat16", "float32"):
             raise ConfigError(f"regenerate.capture_dtype={self.capture_dtype!r}: expected bfloat16 or float32")
-        if self.capture and self.backend != "hf":
-            raise ConfigError("regenerate.capture=true needs regenerate.backend=hf (vLLM's generation keeps no states)")
         if self.thinking not in THINKING_MODES:
             raise ConfigError(f"regenerate.thinking={self.thinking!r}: expected one of {', '.join(THINKING_MODES)}")
         if not 0.0 <= self.thinking_on_fraction <= 1.0:

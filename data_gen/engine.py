@@ -135,7 +135,7 @@ def pick_token(logits: Tensor, sampling: SamplingConfig, generator: torch.Genera
     top-k and top-p (the smallest set of most likely tokens whose mass reaches top_p)."""
     if sampling.greedy:
         return int(logits.argmax())
-    logits = logits.float() / sampling.temperature
+    logits = logits.float().cpu() / sampling.temperature  # the generator is a CPU one, whatever the device
     if sampling.top_k:
         kth = logits.topk(min(sampling.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -42,7 +42,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -464,6 +464,10 @@ def run(cfg: RegenerateConfig, target_cfg: TargetConfig, *, progress: bool = Tru
     from tqdm import tqdm
 
     started = time.perf_counter()
+    if cfg.capture and cfg.backend != "hf":
+        print("regenerate.capture: vLLM's generation keeps no states; the harvest will run the target",
+              file=sys.stderr)
+        cfg = replace(cfg, capture=False)
     if target is None:
         torch.set_num_threads(cfg.threads)
     pool, out_dir = Path(cfg.pool), Path(cfg.out_dir)
