@@ -26,7 +26,8 @@ class TargetConfig:
     name_or_path: str = DEFAULT_TARGET
     """An embedded target name, a local HF model folder, a local .gguf file, or a hub id."""
     dtype: str = "auto"
-    """auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16."""
+    """auto (bf16 on CUDA and on CPUs with native bf16, AVX512-BF16 or AMX; fp32 on other CPUs), float32,
+    bfloat16 or float16."""
     device: str = "auto"
     """auto, cpu, cuda, cuda:N."""
     aux_layer_ids: list[int] | None = None

@@ -81,15 +81,8 @@ def test_every_regenerated_token_is_the_targets_argmax(target: Target, chat: Cha
     """Greedy: each reply token is the argmax of the target's logits over its prompt and the reply so
     far (one full forward of the sequence, no cache)."""
     engine = Engine(target, 4, chat.stop_ids, 10)
-    for conv in regenerate_conversations(target, chat, _pool(6), 10, engine=engine):
-        for prompt, turn in zip(conv.prompts, conv.turns, strict=True):
-            written = [*turn.token_ids, *([turn.stop_id] if turn.stop_id is not None else [])]
-            ids = torch.tensor([[*prompt, *written]])
-            logits = target(ids).logits[0, len(prompt) - 1:-1]  # [reply, V]
-            top2 = logits.topk(2, dim=-1)
-            chosen = logits.gather(1, torch.tensor(written)[:, None])[:, 0]
-            ties = (top2.values[:, 0] - top2.values[:, 1]).abs() < 1e-4  # round-off ties, named if any
-            assert ((chosen == top2.values[:, 0]) | ties).all(), (written, logits.argmax(-1).tolist())
+    checked, equal, ties = _argmax_report(target, regenerate_conversations(target, chat, _pool(6), 10, engine=engine))
+    assert checked > 50 and equal + ties == checked, (checked, equal, ties)
 
 
 def test_sampling_is_a_property_of_the_conversation_not_of_its_batch(target: Target, chat: ChatFormat) -> None:
@@ -206,3 +199,46 @@ def test_kill_9_with_capture_then_rerun_gives_the_same_store(tmp_path: Path) -> 
         assert runs[name]["kept_states_missing"] == 0
     for shard in sorted((tmp_path / "straight-harvest").glob("shard-*.safetensors")):
         assert (tmp_path / "killed-harvest" / shard.name).read_bytes() == shard.read_bytes()
+
+
+def _argmax_report(target: Target, conversations: list) -> tuple[int, int, int]:
+    """(tokens checked, tokens that are the argmax of a full forward over their prompt and reply so far,
+    tokens at a round-off tie: top two logits within 1e-4)."""
+    checked = equal = ties = 0
+    for conv in conversations:
+        for prompt, turn in zip(conv.prompts, conv.turns, strict=True):
+            written = [*turn.token_ids, *([turn.stop_id] if turn.stop_id is not None else [])]
+            logits = target(torch.tensor([[*prompt, *written]])).logits[0, len(prompt) - 1:-1]  # [reply, V]
+            top2 = logits.topk(2, dim=-1).values
+            chosen = logits.gather(1, torch.tensor(written)[:, None])[:, 0]
+            checked += len(written)
+            equal += int((chosen == top2[:, 0]).sum())
+            ties += int(((chosen != top2[:, 0]) & ((top2[:, 0] - top2[:, 1]).abs() < 1e-4)).sum())
+    return checked, equal, ties
+
+
+@pytest.mark.integration
+def test_the_default_target_regenerates_its_own_argmax() -> None:
+    """On the embedded target, multi-turn conversations of the quickstart's kinds (code, maths, another
+    language, a tool result): every regenerated token is the target's argmax, ties named."""
+    from eagle3.config import DEFAULT_TARGET
+    from eagle3.target.model import load_target
+
+    target = load_target(DEFAULT_TARGET, dtype="float32", device="cpu")
+    chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
+    user, assistant = "user", "assistant"
+    conversations = [
+        [{"role": user, "content": "Write a Python function that checks whether a string is a palindrome."},
+         {"role": assistant, "content": "x"}, {"role": user, "content": "Now make it ignore punctuation."}],
+        [{"role": "system", "content": "You are a careful maths tutor."},
+         {"role": user, "content": "A train travels 180 km in 2.5 hours. What is its average speed?"}],
+        [{"role": user, "content": "Erkläre kurz, was Photosynthese ist."}, {"role": assistant, "content": "x"},
+         {"role": user, "content": "Und warum sind Blätter grün?"}],
+        [{"role": user, "content": "What is the weather in Paris?"}, {"role": assistant, "content": "x"},
+         {"role": "tool", "name": "weather", "tool_call_id": "c1", "content": '{"temp_c": 14, "sky": "rain"}'}],
+    ]
+    engine = Engine(target, 3, chat.stop_ids, 40)
+    regenerated = regenerate_conversations(target, chat, conversations, 40, engine=engine)
+    checked, equal, ties = _argmax_report(target, regenerated)
+    assert checked > 200 and equal + ties == checked, (checked, equal, ties)
+    assert engine.stats.fed_tokens <= 1.2 * engine.stats.conversation_tokens
