@@ -5,10 +5,11 @@ The same conversations (the first ``--conversations`` of the quickstart's domain
 sorted as the pipeline sorts them) regenerated twice in one run: ``depth`` (every turn's whole prompt
 fed again, HF ``generate`` per depth: how regeneration ran before the engine) and ``cached`` (the
 engine: the history fed once, rows decoded together and refilled). Greedy, so both must write the same
-tokens (counted). The limit: this machine's memory bandwidth (a large copy) and matmul rate (fp32,
-64 x 576 x 1536 products, one thread) give the fastest each forward could be — decode reads the
-weights once per step and each row's cache slots, prefill is compute-bound — and the engine's
-decode/prefill rates are printed beside it. One JSON line per figure.
+tokens (counted), and every token the engine wrote is checked against the argmax of one full forward over
+its prompt and reply (ties within 1e-4 named). The limit: this machine's memory bandwidth (a large
+copy) and matmul rate (fp32, 64 x 576 x 1536 products, one thread) give the fastest each forward
+could be — decode reads the weights once per step and each row's cache slots, prefill is
+compute-bound — and the engine's decode/prefill rates are printed beside it. One JSON line per figure.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/speed/regen_cached.py --pool runs/quickstart/prompts.jsonl \\
         [--conversations 16] [--rows 8] [--max-new-tokens 80]
@@ -96,6 +97,18 @@ def main() -> None:
         "prefill_tokens_per_s": round(st.prefill_tokens / st.prefill_seconds, 1),
         "prefill_limit_tokens_per_s": round(st.prefill_tokens / prefill_limit_s, 1),
     }))
+    checked = equal = ties = 0  # every regenerated token against the argmax of one full forward
+    for conv in cached:
+        for prompt, turn in zip(conv.prompts, conv.turns, strict=True):
+            written = [*turn.token_ids, *([turn.stop_id] if turn.stop_id is not None else [])]
+            logits = target(torch.tensor([[*prompt, *written]])).logits[0, len(prompt) - 1:-1]  # [reply, V]
+            top2 = logits.topk(2, dim=-1).values
+            chosen = logits.gather(1, torch.tensor(written)[:, None])[:, 0]
+            checked += len(written)
+            equal += int((chosen == top2[:, 0]).sum())
+            ties += int(((chosen != top2[:, 0]) & ((top2[:, 0] - top2[:, 1]).abs() < 1e-4)).sum())
+    print(json.dumps({"figure": "greedy_argmax", "tokens": checked, "argmax": equal, "round_off_ties": ties,
+                      "other": checked - equal - ties}))
     if args.skip_depth:
         return
     t0 = time.perf_counter()
