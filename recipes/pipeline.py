@@ -254,7 +254,10 @@ def stage_val(cfg: PipelineConfig) -> dict[str, Any]:
     chosen = select_balanced(read_jsonl(pool), cfg.val.num_prompts, cfg.val.domains, cfg.val.seed)
     root = Path(cfg.out_dir) / "val"
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chosen)
-    val_regen = replace(cfg.regenerate, pool=str(root / "prompts.jsonl"), out_dir=str(root / "regenerate"))
+    # a few prompts: split over the workers rather than one batch on one of them
+    size = min(cfg.regenerate.batch_size, -(-len(chosen) // cfg.regenerate.workers))
+    val_regen = replace(cfg.regenerate, pool=str(root / "prompts.jsonl"), out_dir=str(root / "regenerate"),
+                        batch_size=size)
     regen = _regenerate(cfg, val_regen, text, "val", "val.*")
     data = root / "regenerate" / "dataset" / "regenerated.jsonl"
     summary = _harvest(cfg, replace(cfg.harvest, data=str(data), out_dir=str(root / "harvest")), "val")
