@@ -35,6 +35,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from eagle3.device import sdpa
+
 ROWS_ATTENTION = "eagle3_rows"
 
 
@@ -202,13 +204,11 @@ def rows_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: T
         mask = attention_mask[r:r + 1, :, :, :end]  # [1, 1, q, end]
         k, v = key[r:r + 1, :, :end], value[r:r + 1, :, :end]
         if q == 1 and bool(mask.all()):  # the usual decode step: no mask, the query heads grouped per kv head
-            o = torch.nn.functional.scaled_dot_product_attention(query[r:r + 1].reshape(1, kv_heads, group, dim),
-                                                                 k, v, scale=scaling)
+            o = sdpa(query[r:r + 1].reshape(1, kv_heads, group, dim), k, v, scale=scaling)
             out.append(o.reshape(1, heads, 1, dim))
         else:
-            out.append(torch.nn.functional.scaled_dot_product_attention(
-                query[r:r + 1], k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
-                attn_mask=mask, scale=scaling))
+            out.append(sdpa(query[r:r + 1], k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
+                            attn_mask=mask, scale=scaling))
     return torch.cat(out).transpose(1, 2).contiguous(), None
 
 
