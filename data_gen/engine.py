@@ -316,4 +316,21 @@ class Engine:
         return None
 
 
-__all__ = ["Captured", "Engine", "EngineStats", "Job", "common_prefix", "pick_token"]
+@torch.no_grad()
+def greedy_check(target: Target, conversations: Sequence[Any]) -> tuple[int, int, int]:
+    """(tokens written, tokens that are the argmax of one full forward over their prompt and the reply
+    so far, tokens at a round-off tie: top two logits within 1e-4) over regenerated conversations."""
+    checked = equal = ties = 0
+    for conv in conversations:
+        for prompt, turn in zip(conv.prompts, conv.turns, strict=True):
+            written = [*turn.token_ids, *([turn.stop_id] if turn.stop_id is not None else [])]
+            logits = target(torch.tensor([[*prompt, *written]])).logits[0, len(prompt) - 1:-1]  # [reply, V]
+            top2 = logits.topk(2, dim=-1).values
+            chosen = logits.gather(1, torch.tensor(written)[:, None])[:, 0]
+            checked += len(written)
+            equal += int((chosen == top2[:, 0]).sum())
+            ties += int(((chosen != top2[:, 0]) & ((top2[:, 0] - top2[:, 1]).abs() < 1e-4)).sum())
+    return checked, equal, ties
+
+
+__all__ = ["Captured", "Engine", "EngineStats", "Job", "common_prefix", "greedy_check", "pick_token"]

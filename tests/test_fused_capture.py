@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from data_gen.config import HarvestConfig, RegenerateConfig
-from data_gen.engine import Engine, common_prefix, pick_token
+from data_gen.engine import Engine, common_prefix, greedy_check, pick_token
 from data_gen.generate import regenerate_conversations
 from data_gen.harvest import run as harvest
 from data_gen.kept_states import KeptStatesError
@@ -81,7 +81,7 @@ def test_every_regenerated_token_is_the_targets_argmax(target: Target, chat: Cha
     """Greedy: each reply token is the argmax of the target's logits over its prompt and the reply so
     far (one full forward of the sequence, no cache)."""
     engine = Engine(target, 4, chat.stop_ids, 10)
-    checked, equal, ties = _argmax_report(target, regenerate_conversations(target, chat, _pool(6), 10, engine=engine))
+    checked, equal, ties = greedy_check(target, regenerate_conversations(target, chat, _pool(6), 10, engine=engine))
     assert checked > 50 and equal + ties == checked, (checked, equal, ties)
 
 
@@ -201,22 +201,6 @@ def test_kill_9_with_capture_then_rerun_gives_the_same_store(tmp_path: Path) -> 
         assert (tmp_path / "killed-harvest" / shard.name).read_bytes() == shard.read_bytes()
 
 
-def _argmax_report(target: Target, conversations: list) -> tuple[int, int, int]:
-    """(tokens checked, tokens that are the argmax of a full forward over their prompt and reply so far,
-    tokens at a round-off tie: top two logits within 1e-4)."""
-    checked = equal = ties = 0
-    for conv in conversations:
-        for prompt, turn in zip(conv.prompts, conv.turns, strict=True):
-            written = [*turn.token_ids, *([turn.stop_id] if turn.stop_id is not None else [])]
-            logits = target(torch.tensor([[*prompt, *written]])).logits[0, len(prompt) - 1:-1]  # [reply, V]
-            top2 = logits.topk(2, dim=-1).values
-            chosen = logits.gather(1, torch.tensor(written)[:, None])[:, 0]
-            checked += len(written)
-            equal += int((chosen == top2[:, 0]).sum())
-            ties += int(((chosen != top2[:, 0]) & ((top2[:, 0] - top2[:, 1]).abs() < 1e-4)).sum())
-    return checked, equal, ties
-
-
 @pytest.mark.integration
 def test_the_default_target_regenerates_its_own_argmax() -> None:
     """On the embedded target, multi-turn conversations of the quickstart's kinds (code, maths, another
@@ -239,6 +223,6 @@ def test_the_default_target_regenerates_its_own_argmax() -> None:
     ]
     engine = Engine(target, 3, chat.stop_ids, 40)
     regenerated = regenerate_conversations(target, chat, conversations, 40, engine=engine)
-    checked, equal, ties = _argmax_report(target, regenerated)
+    checked, equal, ties = greedy_check(target, regenerated)
     assert checked > 200 and equal + ties == checked, (checked, equal, ties)
     assert engine.stats.fed_tokens <= 1.2 * engine.stats.conversation_tokens

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from data_gen.engine import Engine
+from data_gen.engine import Engine, greedy_check
 from data_gen.generate import regenerate_conversations
 from data_gen.regenerate import read_pool
 from eagle3.config import DEFAULT_TARGET
@@ -97,16 +97,7 @@ def main() -> None:
         "prefill_tokens_per_s": round(st.prefill_tokens / st.prefill_seconds, 1),
         "prefill_limit_tokens_per_s": round(st.prefill_tokens / prefill_limit_s, 1),
     }))
-    checked = equal = ties = 0  # every regenerated token against the argmax of one full forward
-    for conv in cached:
-        for prompt, turn in zip(conv.prompts, conv.turns, strict=True):
-            written = [*turn.token_ids, *([turn.stop_id] if turn.stop_id is not None else [])]
-            logits = target(torch.tensor([[*prompt, *written]])).logits[0, len(prompt) - 1:-1]  # [reply, V]
-            top2 = logits.topk(2, dim=-1).values
-            chosen = logits.gather(1, torch.tensor(written)[:, None])[:, 0]
-            checked += len(written)
-            equal += int((chosen == top2[:, 0]).sum())
-            ties += int(((chosen != top2[:, 0]) & ((top2[:, 0] - top2[:, 1]).abs() < 1e-4)).sum())
+    checked, equal, ties = greedy_check(target, cached)  # every regenerated token vs a full forward's argmax
     print(json.dumps({"figure": "greedy_argmax", "tokens": checked, "argmax": equal, "round_off_ties": ties,
                       "other": checked - equal - ties}))
     if args.skip_depth:
