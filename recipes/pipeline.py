@@ -317,7 +317,7 @@ def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
         except Eagle3Error as err:  # a missing, empty or malformed eval set, named
             raise PipelineError(f"eval.sets: {err}") from None
         report = evaluate(target, draft, prompts, config=e.spec, params=e.sampling, max_new_tokens=e.max_new_tokens,
-                          stop_ids=sorted(chat.stop_ids), seed=cfg.seed)
+                          stop_ids=sorted(chat.stop_ids), seed=cfg.seed, compare=e.compare)
         report.update(draft=draft_path, target=cfg.target.name_or_path, settings=settings)
         write_report(report, out, e.wandb_mode)
     return {"out_dir": str(out), "draft": draft_path, "overall": report["overall"],

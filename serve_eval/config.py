@@ -17,6 +17,8 @@ THINKING_MODES = ("template", "on", "off")
 """How an evaluation renders prompts for a reasoning target (:meth:`ChatFormat.in_mode`)."""
 
 TARGET_CACHES = ("dynamic", "static", "graphs")  # SpecConfig.target_cache; serve_eval/static_cache.py
+PROPOSERS = ("draft", "lookup", "hybrid")
+"""SpecConfig.proposer: the draft alone, the lookup alone (no draft forward), or both in one tree."""
 
 
 @dataclass(frozen=True)
@@ -30,22 +32,51 @@ class SpecConfig:
     topk: int = 4
     """Tree: children per expanded node, and nodes expanded per depth."""
     budget: int = 16
-    """Tree: draft tokens verified per round (the best by cumulative draft log-prob)."""
+    """Tree: draft tokens verified per round (the best by cumulative draft log-prob); a hybrid tree's
+    lookup branch takes its room out of it (the draft's last nodes make way)."""
     target_cache: str = "dynamic"
     """The target's KV cache: dynamic (transformers' DynamicCache, cropped after each round); static
     (one preallocated cache, rolled back by length, a tree's accepted nodes moved down in place,
     :mod:`serve_eval.static_cache`); graphs (static, and the fixed-length forwards compiled with mode
     reduce-overhead: CUDA graphs on CUDA)."""
+    proposer: str = "draft"
+    """draft (the draft's chain or tree), lookup (the continuation of the longest earlier match of the
+    context's last tokens, :mod:`serve_eval.lookup`; no draft needed), or hybrid (both in one verified
+    tree, shared prefixes merged)."""
+    lookup_k: int = 8
+    """Most tokens the lookup proposes in a round (its branch)."""
+    lookup_min: int = 1
+    """Shortest match (tokens ending the context) the lookup acts on."""
+    lookup_max: int = 4
+    """Longest n-gram the lookup indexes (a match may run further back; it is then measured whole)."""
+    lookup_scale: int = 2
+    """Tokens the lookup proposes per matched token, up to ``lookup_k`` (a one-token match is a weak hint)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("chain", "tree"):
             raise ConfigError(f"mode={self.mode!r}: expected chain or tree")
+        if self.proposer not in PROPOSERS:
+            raise ConfigError(f"proposer={self.proposer!r}: expected one of {', '.join(PROPOSERS)}")
         if self.target_cache not in TARGET_CACHES:
             raise ConfigError(f"target_cache={self.target_cache!r}: expected {', '.join(TARGET_CACHES[:-1])} or "
                               f"{TARGET_CACHES[-1]}")
-        for name in ("k", "topk", "budget"):
+        for name in ("k", "topk", "budget", "lookup_k", "lookup_min", "lookup_scale"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.lookup_max < self.lookup_min:
+            raise ConfigError(f"lookup_max={self.lookup_max}: must be >= lookup_min={self.lookup_min}")
+        if self.proposer == "hybrid" and self.mode == "tree" and self.budget <= self.lookup_k:
+            raise ConfigError(f"budget={self.budget}: a hybrid tree's budget holds the lookup's branch "
+                              f"(lookup_k={self.lookup_k}) and at least one draft node; raise budget above "
+                              f"{self.lookup_k} or lower lookup_k")
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.proposer != "lookup"
+
+    @property
+    def uses_lookup(self) -> bool:
+        return self.proposer != "draft"
 
 
 @dataclass
@@ -73,6 +104,19 @@ class EvalConfig:
     """Tree: draft tokens verified per round."""
     target_cache: str = SpecConfig.target_cache
     """dynamic, static (chains) or graphs (static + CUDA graphs on CUDA); see :class:`SpecConfig`."""
+    proposer: str = SpecConfig.proposer
+    """draft, lookup or hybrid (both in one verified tree); see :class:`SpecConfig`."""
+    compare: list[str] = field(default_factory=lambda: ["lookup"])
+    """Other proposers run on the same prompts beside ``proposer``, reported side by side (tokens per
+    target forward, speedup, acceptance by proposer); [] for none."""
+    lookup_k: int = SpecConfig.lookup_k
+    """Most tokens the lookup proposes in a round."""
+    lookup_min: int = SpecConfig.lookup_min
+    """Shortest match the lookup acts on."""
+    lookup_max: int = SpecConfig.lookup_max
+    """Longest n-gram the lookup indexes."""
+    lookup_scale: int = SpecConfig.lookup_scale
+    """Tokens the lookup proposes per matched token (up to lookup_k)."""
     temperature: float = SamplingConfig.temperature
     """0 is greedy (outputs equal plain decoding token for token); above, sampled as the target samples."""
     top_p: float = SamplingConfig.top_p
@@ -93,6 +137,13 @@ class EvalConfig:
             self.sampling  # noqa: B018
         except ConfigError as err:
             raise ConfigError(f"eval.{err}") from None
+        for name in self.compare:
+            if name not in PROPOSERS:
+                raise ConfigError(f"eval.compare: {name!r} is not a proposer (expected {', '.join(PROPOSERS)})")
+            try:
+                self.spec_for(name)
+            except ConfigError as err:
+                raise ConfigError(f"eval.compare: {name}: {err}") from None
         if self.thinking not in THINKING_MODES:
             raise ConfigError(f"eval.thinking={self.thinking!r}: expected one of {', '.join(THINKING_MODES)}")
         if self.wandb_mode not in WANDB_MODES:
@@ -100,8 +151,13 @@ class EvalConfig:
 
     @property
     def spec(self) -> SpecConfig:
+        return self.spec_for(self.proposer)
+
+    def spec_for(self, proposer: str) -> SpecConfig:
+        """These speculation settings with ``proposer`` (the main run's, or one of ``compare``)."""
         return SpecConfig(mode=self.mode, k=self.k, topk=self.topk, budget=self.budget,
-                          target_cache=self.target_cache)
+                          target_cache=self.target_cache, proposer=proposer, lookup_k=self.lookup_k,
+                          lookup_min=self.lookup_min, lookup_max=self.lookup_max, lookup_scale=self.lookup_scale)
 
     @property
     def sampling(self) -> SamplingConfig:

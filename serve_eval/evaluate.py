@@ -41,6 +41,7 @@ from eagle3.draft.metrics import (
     acceptance_by_context,
     acceptance_by_part,
     acceptance_per_position,
+    accepted_by_source,
     served_tau,
 )
 from eagle3.errors import ConfigError, InputError, MissingInputError, run_cli
@@ -134,6 +135,7 @@ def summarise(spec: list[DecodeStats], plain: list[DecodeStats],
     accepted = [a for s in spec for a in s.accepted]
     depths = [d for s in spec for d in (s.depths or [s.proposed] * len(s.accepted))]
     contexts = [c for s in spec for c in s.contexts]
+    sources = [r for s in spec for r in (s.sources or [(a, 0, 0) for a in s.accepted])]
     thinking = [t for p in parts for t in p] if parts is not None else [False] * len(accepted)
     k = max((s.proposed for s in spec), default=0)
     spec_s = sum(s.seconds_total for s in spec)
@@ -144,8 +146,10 @@ def summarise(spec: list[DecodeStats], plain: list[DecodeStats],
     return {
         "prompts": len(spec),
         "tau": round(served_tau(accepted), 4),
+        "rounds": len(accepted),
         "accept_per_pos": [round(a, 4) for a in acceptance_per_position(accepted, depths, k)],
-        "by_context": acceptance_by_context(accepted, depths, contexts, k),
+        "accepted_by": {**accepted_by_source(sources), "lookup_rounds": sum(1 for s in spec for n in s.lookup if n)},
+        "by_context": acceptance_by_context(accepted, depths, contexts, k, sources),
         "by_part": acceptance_by_part(accepted, depths, thinking, k),
         "spec_tokens_per_s": round(spec_tokens / spec_s, 2) if spec_s else None,
         "plain_tokens_per_s": round(plain_tokens / plain_s, 2) if plain_s else None,
@@ -156,64 +160,95 @@ def summarise(spec: list[DecodeStats], plain: list[DecodeStats],
     }
 
 
+class _Run:
+    """One proposer's generations over the eval sets, kept per set."""
+
+    def __init__(self, decoder: SpeculativeDecoder) -> None:
+        self.decoder = decoder
+        self.sets: dict[str, dict[str, Any]] = {}
+        self.stats: list[DecodeStats] = []
+        self.parts: list[list[bool]] = []
+
+
 def evaluate(target: Any, draft: Any, prompts: dict[str, list[list[int]]], *, config: SpecConfig,
              params: SamplingConfig, max_new_tokens: int, stop_ids: Sequence[int], seed: int = 0,
-             progress: bool = True) -> dict[str, Any]:
-    """Plain and speculative generation of every prompt; the report's data."""
+             progress: bool = True, compare: Sequence[str] = ()) -> dict[str, Any]:
+    """Plain and speculative generation of every prompt, with ``config``'s proposer and each of
+    ``compare`` (the same settings, another proposer) on the same prompts; the report's data."""
+    from dataclasses import replace
+
     from tqdm import tqdm
 
-    decoder = SpeculativeDecoder(target, draft, config)
+    runs = {config.proposer: _Run(SpeculativeDecoder(target, draft, config))}
+    for name in compare:
+        if name not in runs:
+            runs[name] = _Run(SpeculativeDecoder(target, draft, replace(config, proposer=name)))
+    main = runs[config.proposer]
+    decoder = main.decoder
     # the cost model of this machine, measured first (it also warms the device up): the report says why
     width = config.budget if config.mode == "tree" else config.k
     room = context_length(target.config) or 4096
-    cost = measure_cost(decoder, width, context=min(256, room // 2)) if draft is not None else None
+    cost = measure_cost(decoder, width, context=min(256, room // 2)) if decoder.proposer is not None else None
     stops = frozenset(stop_ids)
-    sets: dict[str, Any] = {}
     rows = []
-    all_spec: list[DecodeStats] = []
     all_plain: list[DecodeStats] = []
-    all_parts: list[list[bool]] = []
     tokenizer = getattr(target, "tokenizer", None)  # labels rounds: thinking or answer
     total = sum(len(p) for p in prompts.values())
     bar = tqdm(total=total, desc="serve_eval", disable=not progress)
     for name, items in prompts.items():
-        spec_stats, plain_stats, parts, divergences, equal = [], [], [], [], 0
+        plain_stats = []
+        per_run: dict[str, dict[str, Any]] = {r: {"stats": [], "parts": [], "divergences": [], "equal": 0}
+                                             for r in runs}
         for i, prompt in enumerate(items):
             base = decoder.generate(prompt, max_new_tokens, stops, params, seed=seed + i, speculate=False)
-            got = decoder.generate(prompt, max_new_tokens, stops, params, seed=seed + i)
-            spec_stats.append(got.stats)
             plain_stats.append(base.stats)
-            parts.append(round_parts(tokenizer, prompt, got.tokens, got.stats) if tokenizer is not None
-                         else [False] * len(got.stats.accepted))
-            at = first_divergence(got.tokens, base.tokens) if params.greedy else None
-            if params.greedy and at is None:
-                equal += 1
-            elif params.greedy:
-                margin = top2_margin(target, prompt + base.tokens[:at])
-                divergences.append({"prompt": i, "position": at, "margin": round(margin, 6),
-                                    "tie": margin < TIE_MARGIN})
-            rows.append({"set": name, "prompt": i, **got.stats.as_dict(),
-                         "plain_tokens_per_s": base.stats.as_dict()["tokens_per_s"]})
+            for proposer, run in runs.items():
+                got = run.decoder.generate(prompt, max_new_tokens, stops, params, seed=seed + i)
+                acc = per_run[proposer]
+                acc["stats"].append(got.stats)
+                acc["parts"].append(round_parts(tokenizer, prompt, got.tokens, got.stats) if tokenizer is not None
+                                    else [False] * len(got.stats.accepted))
+                at = first_divergence(got.tokens, base.tokens) if params.greedy else None
+                if params.greedy and at is None:
+                    acc["equal"] += 1
+                elif params.greedy:
+                    margin = top2_margin(target, prompt + base.tokens[:at])
+                    acc["divergences"].append({"prompt": i, "position": at, "margin": round(margin, 6),
+                                               "tie": margin < TIE_MARGIN})
+                if run is main:
+                    rows.append({"set": name, "prompt": i, **got.stats.as_dict(),
+                                 "plain_tokens_per_s": base.stats.as_dict()["tokens_per_s"]})
             bar.update(1)
-        sets[name] = summarise(spec_stats, plain_stats, parts)
-        if params.greedy:
-            sets[name].update(equal=equal, divergences=divergences, lossless=all(d["tie"] for d in divergences))
-        all_spec += spec_stats
+        for proposer, run in runs.items():
+            acc = per_run[proposer]
+            run.sets[name] = summarise(acc["stats"], plain_stats, acc["parts"])
+            if params.greedy:
+                run.sets[name].update(equal=acc["equal"], divergences=acc["divergences"],
+                                      lossless=all(d["tie"] for d in acc["divergences"]))
+            run.stats += acc["stats"]
+            run.parts += acc["parts"]
         all_plain += plain_stats
-        all_parts += parts
     bar.close()
-    overall = summarise(all_spec, all_plain, all_parts)
-    if params.greedy:
-        overall["equal"] = sum(s["equal"] for s in sets.values())
-        overall["lossless"] = all(s["lossless"] for s in sets.values())
+    results = {}
+    for proposer, run in runs.items():
+        overall = summarise(run.stats, all_plain, run.parts)
+        if params.greedy:
+            overall["equal"] = sum(s["equal"] for s in run.sets.values())
+            overall["lossless"] = all(s["lossless"] for s in run.sets.values())
+        results[proposer] = {"sets": run.sets, "overall": overall}
+    sets, overall = results[config.proposer]["sets"], results[config.proposer]["overall"]
     if cost is not None:
         overall["cost_model"] = cost.explain(config.k, overall["tau"], width)
     return {"config": {"mode": config.mode, "k": config.k, "topk": config.topk, "budget": config.budget,
-                       "target_cache": config.target_cache,
+                       "target_cache": config.target_cache, "proposer": config.proposer,
+                       "lookup": {"k": config.lookup_k, "min": config.lookup_min, "max": config.lookup_max,
+                                  "scale": config.lookup_scale},
                        "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
                        "max_new_tokens": max_new_tokens, "device": str(target.device),
                        "dtype": str(target.dtype).removeprefix("torch.")},
-            "sets": sets, "overall": overall, "prompts": rows}
+            "sets": sets, "overall": overall,
+            "compare": {p: r for p, r in results.items() if p != config.proposer},
+            "prompts": rows}
 
 
 # ---------------------------------------------------------------- report
@@ -221,8 +256,10 @@ def evaluate(target: Any, draft: Any, prompts: dict[str, list[list[int]]], *, co
 
 def markdown(report: dict[str, Any]) -> str:
     c = report["config"]
-    lines = [f"# Speculative decoding report ({c['mode']}, K={c['k']}"
+    lookup = c.get("lookup") or {}
+    lines = [f"# Speculative decoding report ({c.get('proposer', 'draft')}, {c['mode']}, K={c['k']}"
              + (f", top-k {c['topk']}, budget {c['budget']}" if c["mode"] == "tree" else "")
+             + (f", lookup up to {lookup.get('k')} tokens" if c.get("proposer", "draft") != "draft" else "")
              + f", temperature {c['temperature']}, {c['max_new_tokens']} new tokens)", "",
              "| set | prompts | tau | acceptance by position | tokens/s (spec) | tokens/s (plain) | speedup | "
              "TTFT s | draft / verify share | greedy equal |",
@@ -233,6 +270,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {name} | {s['prompts']} | {s['tau']:.3f} | {accept}"
                      f" | {s['spec_tokens_per_s']} | {s['plain_tokens_per_s']} | {s['speedup']} | {s['ttft_s']} | "
                      f"{s['time_split']['draft']:.2f} / {s['time_split']['verify']:.2f} | {eq} |")
+    lines += proposer_table(report)
     lines += context_table(report)
     lines += part_table(report)
     if cost := report["overall"].get("cost_model"):
@@ -250,6 +288,38 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"- {n} prompt {d['prompt']}, token {d['position']}: margin {d['margin']}"
                   + (" (near-tie)" if d["tie"] else " (NOT a near-tie)") for n, d in divergences]
     return "\n".join(lines) + "\n"
+
+
+def runs_of(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every proposer the report ran, the main one first: {proposer: {"sets", "overall"}}."""
+    main = report["config"].get("proposer", "draft")
+    return {main: {"sets": report["sets"], "overall": report["overall"]}, **report.get("compare", {})}
+
+
+def proposer_table(report: dict[str, Any]) -> list[str]:
+    """Per set, each proposer's tokens per target forward (tau) and speedup side by side, and where the
+    accepted tokens of a round that had both came from; nothing when only one proposer ran."""
+    runs = runs_of(report)
+    if len(runs) < 2:
+        return []
+    names = list(runs)
+    lines = ["", "By proposer: tokens per target forward (tau) and speedup over plain decoding, the same prompts; "
+             "accepted tokens from the draft / the lookup / both (rounds with a lookup branch):", "",
+             "| set | " + " | ".join(f"{n} tau | {n} speedup" for n in names) + " | accepted by (draft / lookup / both) |",
+             "| --- |" + " --- | --- |" * len(names) + " --- |"]
+    for name in [*report["sets"], "overall"]:
+        cells = []
+        for n in names:
+            s = runs[n]["overall"] if name == "overall" else runs[n]["sets"].get(name)
+            cells += [f"{s['tau']:.3f}", f"{s['speedup']}"] if s else ["-", "-"]
+        split = []
+        for n in names:
+            s = runs[n]["overall"] if name == "overall" else runs[n]["sets"].get(name)
+            by = (s or {}).get("accepted_by")
+            if by and n != "draft":
+                split.append(f"{n}: {by['draft']} / {by['lookup']} / {by['both']} ({by['lookup_rounds']})")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {'; '.join(split) or '-'} |")
+    return lines
 
 
 def part_table(report: dict[str, Any]) -> list[str]:
@@ -321,12 +391,33 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
             labels = [b for b in overall if b in groups]
             ax3.plot(labels, [groups[b]["tau"] for b in labels], marker="o", label=name,
                      linewidth=2.5 if name == "overall" else 1.2)
-        ax3.set(xlabel="context before the round (tokens)", ylabel="tau", title="tau by context length")
+            if name == "overall":  # a point stands on its rounds: 61 say less than 2,599
+                for b in labels:
+                    ax3.annotate(f"{groups[b]['rounds']} rounds", (b, groups[b]["tau"]), textcoords="offset points",
+                                 xytext=(0, 6), ha="center", fontsize=7)
+        ax3.set(xlabel="context before the round (tokens; overall's rounds noted)", ylabel="tau",
+                title="tau by context length")
         ax3.legend()
         fig3.tight_layout()
         fig3.savefig(out / "tau_by_context.png", dpi=100)
         plt.close(fig3)
         written.append("tau_by_context.png")
+    runs = runs_of(report)
+    if len(runs) > 1:
+        fig4, ax4 = plt.subplots(figsize=(max(6, 1.2 * (len(names) + 1)), 4))
+        width = 0.8 / len(runs)
+        for j, (proposer, run) in enumerate(runs.items()):
+            values = [run["sets"].get(n, {}).get("tau", 0) for n in names] + [run["overall"]["tau"]]
+            ax4.bar([i + j * width for i in range(len(values))], values, width=width, label=proposer)
+        ax4.set_xticks([i + width * (len(runs) - 1) / 2 for i in range(len(names) + 1)], [*names, "overall"],
+                       rotation=30, ha="right")
+        ax4.axhline(1.0, color="gray", linewidth=0.8)
+        ax4.set(title="tokens per target forward by proposer", ylabel="tau")
+        ax4.legend()
+        fig4.tight_layout()
+        fig4.savefig(out / "tau_by_proposer.png", dpi=100)
+        plt.close(fig4)
+        written.append("tau_by_proposer.png")
     return ["acceptance_by_position.png", *written]
 
 
@@ -349,6 +440,12 @@ def log_wandb(report: dict[str, Any], out: Path, mode: str, project: str) -> Non
             run.summary[f"serve/{name}/accept_pos{i}"] = a
         for bucket, g in s.get("by_context", {}).items():
             run.summary[f"serve/{name}/tau_context_{bucket}"] = g["tau"]
+        for source, tokens in s.get("accepted_by", {}).items():
+            run.summary[f"serve/{name}/accepted_{source}"] = tokens
+    for proposer, other in report.get("compare", {}).items():
+        for name, s in [*other["sets"].items(), ("overall", other["overall"])]:
+            run.summary[f"serve/{proposer}/{name}/tau"] = s["tau"]
+            run.summary[f"serve/{proposer}/{name}/speedup"] = s["speedup"]
     columns = ["set", "prompt", "tau", "tokens_per_s", "plain_tokens_per_s", "new_tokens"]
     run.log({"serve/prompts": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in report["prompts"]]),
              **{f"serve/{png.removesuffix('.png')}": wandb.Image(str(out / png)) for png in report["plots"]}})
@@ -416,7 +513,8 @@ def _main(argv: Sequence[str] | None) -> int:
     from eagle3.target.chat import ChatFormat
 
     # sets also as one comma-separated word, as earlier versions took them
-    cfg = dataclass_from_args(EvalConfig, args, sets=[s for word in args.sets for s in word.split(",") if s])
+    cfg = dataclass_from_args(EvalConfig, args, sets=[s for word in args.sets for s in word.split(",") if s],
+                              compare=[s for word in args.compare for s in word.split(",") if s])
     if Path(cfg.out_dir).exists() and not Path(cfg.out_dir).is_dir():
         raise ConfigError(f"--out {cfg.out_dir}: exists and is not a folder")
     target, draft = load_pair(cfg.draft, args.target, args.target_dtype, args.device)
@@ -424,12 +522,15 @@ def _main(argv: Sequence[str] | None) -> int:
     served = chat.in_mode(cfg.thinking)
     prompts = {name: read_prompts(Path(args.pools), name, cfg.per_set, served) for name in cfg.sets}
     report = evaluate(target, draft, prompts, config=cfg.spec, params=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
-                      stop_ids=sorted(chat.stop_ids), seed=args.seed, progress=not args.no_progress)
+                      stop_ids=sorted(chat.stop_ids), seed=args.seed, progress=not args.no_progress,
+                      compare=cfg.compare)
     report["draft"], report["target"] = str(cfg.draft), args.target
     write_report(report, Path(cfg.out_dir), cfg.wandb_mode)
     print(json.dumps({"stage": "serve_eval", "out": cfg.out_dir, "overall": report["overall"],
                       "sets": {n: {k: s[k] for k in ("tau", "speedup", "spec_tokens_per_s", "plain_tokens_per_s")}
-                               for n, s in report["sets"].items()}}))
+                               for n, s in report["sets"].items()},
+                      "compare": {p: {n: {k: s[k] for k in ("tau", "speedup")} for n, s in r["sets"].items()}
+                                  for p, r in report["compare"].items()}}))
     return 0
 
 

@@ -39,11 +39,12 @@ from torch import Tensor
 from eagle3.config import SamplingConfig
 from eagle3.device import synchronize
 from eagle3.draft.families import Proposal, Proposer, family_of
-from eagle3.draft.metrics import acceptance_per_position, served_tau
+from eagle3.draft.metrics import acceptance_per_position, accepted_by_source, served_tau
 from eagle3.draft.model import DraftHead, DraftKV
 from eagle3.errors import ConfigError
 from eagle3.target.model import Target
 from serve_eval.config import SpecConfig
+from serve_eval.lookup import DRAFT, LOOKUP, MATCH_CAP, LookupIndex, Merged, SharedLookup, fit_budget, merge_branch
 from serve_eval.static_cache import StaticDraftKV, StaticKV, check_static_target
 from serve_eval.verify import (
     Acceptance,
@@ -75,6 +76,9 @@ class DecodeStats:
     proposed: int = 0  # the deepest proposal of any round (K), for acceptance per position
     depths: list[int] = field(default_factory=list)  # depth proposed per round (K, or the adaptive choice)
     contexts: list[int] = field(default_factory=list)  # per round: tokens before its first drafted token
+    sources: list[tuple[int, int, int]] = field(default_factory=list)
+    """Per round: accepted tokens proposed by the draft only, the lookup only, and both."""
+    lookup: list[int] = field(default_factory=list)  # per round: the lookup's branch length (0: no match)
     seconds_prefill: float = 0.0
     seconds_draft: float = 0.0
     seconds_verify: float = 0.0
@@ -84,6 +88,10 @@ class DecodeStats:
     def tau(self) -> float:
         """Mean tokens per verify forward, the bonus token included (1.0 for plain decoding)."""
         return served_tau(self.accepted)
+
+    def accepted_by(self) -> dict[str, int]:
+        """Accepted tokens by who proposed them: draft, lookup, both; and the rounds with a lookup branch."""
+        return {**accepted_by_source(self.sources), "lookup_rounds": sum(1 for n in self.lookup if n)}
 
     def acceptance_per_position(self) -> list[float]:
         """Share of the rounds proposing a token at depth i (1-based) in which it was accepted."""
@@ -99,6 +107,7 @@ class DecodeStats:
             "tokens_per_s": round(self.new_tokens / self.seconds_total, 2) if self.seconds_total else None,
             "draft_s": round(self.seconds_draft, 4), "verify_s": round(self.seconds_verify, 4),
             "other_s": round(max(decode - self.seconds_draft - self.seconds_verify, 0.0), 4),
+            "accepted_by": self.accepted_by(),
         }
 
 
@@ -147,7 +156,9 @@ class SpeculativeDecoder:
             check_static_target(target, config.target_cache)
             self._static = StaticKV(target, graphs=config.target_cache == "graphs")
         self.proposer: Proposer | None = None
-        if draft is not None:
+        if config.proposer == "hybrid" and draft is None:
+            raise ConfigError("proposer=hybrid needs a draft (proposer=lookup speculates without one)")
+        if draft is not None and config.uses_draft:
             c = draft.config
             if c.target_hidden_size != target.hidden_size or c.vocab_size != target.vocab_size:
                 raise ConfigError(f"draft (target_hidden_size {c.target_hidden_size}, vocab {c.vocab_size}) does "
@@ -183,24 +194,39 @@ class SpeculativeDecoder:
 
     # -- generation
 
+    @property
+    def speculates(self) -> bool:
+        """Whether :meth:`generate` proposes anything (a draft, or the lookup)."""
+        return self.proposer is not None or self.config.uses_lookup
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest node a round can propose (per-position acceptance is counted up to it)."""
+        k = self.config.k if self.proposer is not None else 0
+        return max(k, self.config.lookup_k) if self.config.uses_lookup else k
+
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: set[int] | frozenset[int] = frozenset(),
                  params: SamplingConfig = SamplingConfig(), seed: int = 0, speculate: bool = True,
                  policy: DepthPolicy | None = None,
-                 on_tokens: Callable[[list[int]], bool] | None = None) -> Generation:
+                 on_tokens: Callable[[list[int]], bool] | None = None,
+                 shared: SharedLookup | None = None) -> Generation:
         """Generate up to ``max_new_tokens`` after ``prompt`` (stopping after a stop id).
 
-        ``policy`` (chains only) picks each round's depth, 0..K (0: a plain target step, the
-        draft still catching up) and is told what was accepted. ``on_tokens`` is called with each
-        round's new tokens; returning False ends the generation there (a stop string, a client
-        gone)."""
+        ``policy`` (chains only) picks each round's draft depth, 0..K (0: no draft tokens, the draft
+        still catching up) and is told what was accepted. ``on_tokens`` is called with each round's
+        new tokens; returning False ends the generation there (a stop string, a client gone).
+        ``shared``: recent replies of other requests the lookup may continue from where this
+        request's own context has no match (the server's)."""
         if not prompt:
             raise ValueError("empty prompt")
         if policy is not None and self.config.mode != "chain":
             raise ConfigError("an adaptive depth policy needs mode=chain")
+        cfg = self.config
         proposer = self.proposer if speculate else None
+        lookup = LookupIndex(cfg.lookup_min, cfg.lookup_max) if speculate and cfg.uses_lookup else None
         g = torch.Generator(device=self.device).manual_seed(seed)  # sampling happens where the logits are
-        stats = DecodeStats(proposed=self.config.k if proposer else 0)
+        stats = DecodeStats(proposed=self.max_depth if speculate else 0)
         synchronize(self.device)
         start = time.perf_counter()
         cache = self.target_cache(len(prompt) + max_new_tokens + self._extra_slots(target=True))
@@ -211,50 +237,80 @@ class SpeculativeDecoder:
         n = len(prompt)  # tokens in the target's cache (the newest emitted one is not)
         if proposer is not None:
             proposer.start(len(prompt) + max_new_tokens + self._extra_slots(target=False))
+        if lookup is not None:
+            lookup.extend(prompt + emitted)
         # rows the target verified, not yet run through the draft: (aux [1, R, A, H], the token after
         # each); run right before the next proposal, so a round at depth 0 costs no draft step
         pending: list[tuple[Tensor, list[int]]] = [(out.aux, prompt[1:] + emitted)] if proposer else []
         while going and len(emitted) < max_new_tokens and emitted[-1] not in stop_ids:
-            if proposer is None:
+            if proposer is None and lookup is None:
                 new = self._plain_step(emitted[-1], cache, params, g, stats)
+                n += len(new)
             else:
                 t0 = time.perf_counter()
-                k = self.config.k if policy is None else min(max(policy.choose(), 0), self.config.k)
+                k = cfg.k if policy is None else min(max(policy.choose(), 0), cfg.k)
                 proposal = Proposal([], [])
-                if k > 0:  # draft: catch up on the pending rows, then propose
+                if proposer is not None and k > 0:  # draft: catch up on the pending rows, then propose
                     aux, tokens = torch.cat([a for a, _ in pending], dim=1), [t for _, ts in pending for t in ts]
                     pending.clear()
                     proposal = proposer.propose(aux, tokens, n - len(tokens), k, params, g)
+                tree = self._round_tree(proposal, lookup, shared, max_new_tokens - len(emitted) - 1)
                 synchronize(self.device)
                 stats.seconds_draft += time.perf_counter() - t0
-                out, acc = self._verify(emitted[-1], proposal, n, cache, params, g, stats)  # verify, accept
+                out, acc = self._verify(emitted[-1], tree, proposal.qs, n, cache, params, g, stats)  # verify, accept
                 path = acc.path if acc.path is not None else list(range(acc.accepted))
+                depth = max(tree_depths(tree.parents), default=0)
                 stats.accepted.append(acc.accepted)
                 stats.contexts.append(n + 1)  # the prompt and every emitted token, the newest not yet cached
-                stats.depths.append(max(tree_depths(proposal.parents), default=0) if self.config.mode == "tree"
-                                    else len(proposal.tokens))
+                stats.depths.append(depth)
+                stats.lookup.append(sum(1 for s in tree.sources if s & LOOKUP))
+                by = [tree.sources[i] for i in path]
+                stats.sources.append((by.count(DRAFT), by.count(LOOKUP), by.count(DRAFT | LOOKUP)))
                 if policy is not None:
-                    policy.observe(len(proposal.tokens), acc.accepted)
+                    policy.observe(depth, acc.accepted)
                 keep_accepted(cache, n + 1, path)  # roll back the target and the draft
-                proposer.rollback(n - sum(len(ts) for _, ts in pending))
-                pending.append((out.aux[:, [0, *(1 + p for p in path)]], acc.tokens))  # x and the accepted nodes
+                if proposer is not None:
+                    proposer.rollback(n - sum(len(ts) for _, ts in pending))
+                    pending.append((out.aux[:, [0, *(1 + p for p in path)]], acc.tokens))  # x and the accepted nodes
+                n += len(acc.tokens)  # x and the accepted nodes are cached now; the last new token is not
                 new = acc.tokens
             new = _until_stop(new[:max_new_tokens - len(emitted)], stop_ids)
-            n += len(new) if proposer is None else len(pending[-1][1])
             emitted += new
+            if lookup is not None:
+                lookup.extend(new)
             going = on_tokens is None or on_tokens(new) is not False
         stats.new_tokens = len(emitted)
         synchronize(self.device)
         stats.seconds_total = time.perf_counter() - start
         return Generation(emitted, stats)
 
+    def _round_tree(self, proposal: Proposal, lookup: LookupIndex | None, shared: SharedLookup | None,
+                    room: int) -> Merged:
+        """The round's verification tree: the draft's proposal, with the lookup's continuation (its own
+        context first, then ``shared``) merged in, at most ``room`` tokens deep on the lookup's side and
+        within a tree's budget."""
+        cfg = self.config
+        branch: list[int] = []
+        if lookup is not None and room > 0:
+            limit = min(cfg.lookup_k, room)
+            found = lookup.propose(limit, cfg.lookup_scale)
+            if found is None and shared is not None:
+                found = shared.propose(lookup.tokens[-MATCH_CAP:], limit, cfg.lookup_scale)
+            branch = found.tokens if found is not None else []
+        merged = merge_branch(proposal.tokens, proposal.parents, branch)
+        if cfg.mode == "tree" and self.proposer is not None:
+            merged = fit_budget(merged, cfg.budget)
+        return merged
+
     def _extra_slots(self, target: bool) -> int:
         """Cache rows beyond prompt + new tokens: a round's proposal (a tree's nodes in the target's
         cache; a tree's expansions, topk rows per depth, in the draft's), and one more."""
-        k, tree = self.config.k, self.config.mode == "tree"
+        cfg = self.config
+        k, tree = cfg.k, cfg.mode == "tree"
+        lookup = cfg.lookup_k if cfg.uses_lookup else 0
         if not tree:
-            return k + 1
-        return max(self.config.budget if target else (k - 1) * self.config.topk, k) + 1
+            return k + lookup + 1
+        return max(cfg.budget if target else (k - 1) * cfg.topk, k, lookup) + 1
 
     def _plain_step(self, x: int, cache: Any, params: SamplingConfig, g: torch.Generator | None,
                     stats: DecodeStats) -> list[int]:
@@ -266,14 +322,16 @@ class SpeculativeDecoder:
         stats.target_forwards += 1
         return [self._pick(out.logits[0, -1], params, g)]
 
-    def _verify(self, x: int, proposal: Proposal, n: int, cache: Any, params: SamplingConfig,
+    def _verify(self, x: int, tree: Merged, qs: Tensor | None, n: int, cache: Any, params: SamplingConfig,
                 g: torch.Generator | None, stats: DecodeStats) -> tuple[Any, Acceptance]:
-        """One target forward over ``x`` and the proposal (a chain, or a tree under its mask), then
-        acceptance: greedy, or speculative sampling against the proposal's distributions ``qs``."""
-        tokens, parents, qs = proposal.tokens, proposal.parents, proposal.qs
-        tree = self.config.mode == "tree"
+        """One target forward over ``x`` and the round's nodes (a chain, or a tree under its mask),
+        then acceptance: greedy, or speculative sampling against the draft's distributions ``qs``
+        where the round is the draft's own sampled chain (else each node's token is tried against
+        the target's residual distribution, which is exact for any candidates)."""
+        tokens, parents = tree.tokens, tree.parents
+        chain = tree.is_chain
         t0 = time.perf_counter()
-        if tree:  # each node sees the prefix, x and its ancestors, at position n + depth
+        if not chain:  # each node sees the prefix, x and its ancestors, at position n + depth
             m = len(tokens) + 1
             width = cache.slots if isinstance(cache, StaticKV) else n + m  # a static cache: every slot
             mask = torch.zeros(m, width, dtype=torch.bool)  # built on the host, moved once
@@ -289,10 +347,13 @@ class SpeculativeDecoder:
         stats.target_forwards += 1
         logits = out.logits[0]  # [1 + N, V]
         if params.greedy:
-            acc = greedy_tree(tokens, parents, logits) if tree else greedy_chain(tokens, logits)
+            acc = greedy_chain(tokens, logits) if chain else greedy_tree(tokens, parents, logits)
         else:
             probs = target_probs(logits, params)
-            acc = sample_tree(tokens, parents, probs, g) if tree else sample_chain(tokens, qs, probs, g)
+            if chain and tree.added == 0 and (qs is not None or not tokens):
+                acc = sample_chain(tokens, qs, probs, g)
+            else:
+                acc = sample_tree(tokens, parents, probs, g)
         return out, acc
 
     @staticmethod

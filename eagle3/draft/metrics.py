@@ -116,10 +116,22 @@ def context_bucket(tokens: int) -> str:
     return CONTEXT_BUCKETS[bisect_right(CONTEXT_EDGES, tokens)]
 
 
+PROPOSER_SOURCES = ("draft", "lookup", "both")
+"""Who proposed an accepted token: the draft only, the lookup only, or both (the same token at the
+same node of a hybrid round's tree)."""
+
+
+def accepted_by_source(sources: Sequence[Sequence[int]]) -> dict[str, int]:
+    """Accepted tokens per :data:`PROPOSER_SOURCES` over rounds of (draft, lookup, both) counts."""
+    return {name: int(sum(r[i] for r in sources)) for i, name in enumerate(PROPOSER_SOURCES)}
+
+
 def acceptance_by_group(accepted: Sequence[int], depths: Sequence[int], groups: Sequence[str],
-                        order: Sequence[str], k: int) -> dict[str, dict[str, Any]]:
+                        order: Sequence[str], k: int,
+                        sources: Sequence[Sequence[int]] | None = None) -> dict[str, dict[str, Any]]:
     """Per group (in ``order``, those with rounds): rounds, tau and acceptance per position of the
-    rounds ``groups`` puts in it (one name per round)."""
+    rounds ``groups`` puts in it (one name per round); with ``sources`` (per round, accepted tokens
+    by proposer), the accepted tokens of each group by proposer too."""
     rows: dict[str, list[int]] = {}
     for i, group in enumerate(groups):
         rows.setdefault(group, []).append(i)
@@ -128,14 +140,18 @@ def acceptance_by_group(accepted: Sequence[int], depths: Sequence[int], groups: 
         acc, dep = [accepted[i] for i in rows[group]], [depths[i] for i in rows[group]]
         out[group] = {"rounds": len(acc), "tau": round(served_tau(acc), 4),
                       "accept_per_pos": [round(a, 4) for a in acceptance_per_position(acc, dep, k)]}
+        if sources is not None:
+            out[group]["accepted_by"] = accepted_by_source([sources[i] for i in rows[group]])
     return out
 
 
 def acceptance_by_context(accepted: Sequence[int], depths: Sequence[int], contexts: Sequence[int],
-                          k: int) -> dict[str, dict[str, Any]]:
+                          k: int, sources: Sequence[Sequence[int]] | None = None) -> dict[str, dict[str, Any]]:
     """Per context-length bucket (shortest first, those with rounds): rounds, tau and acceptance per
-    position of the rounds whose first drafted token had that much context before it."""
-    return acceptance_by_group(accepted, depths, [context_bucket(t) for t in contexts], CONTEXT_BUCKETS, k)
+    position of the rounds whose first drafted token had that much context before it (and, with
+    ``sources``, their accepted tokens by proposer)."""
+    return acceptance_by_group(accepted, depths, [context_bucket(t) for t in contexts], CONTEXT_BUCKETS, k,
+                               sources)
 
 
 REPLY_PARTS = ("answer", "thinking")
@@ -148,7 +164,7 @@ def acceptance_by_part(accepted: Sequence[int], depths: Sequence[int], thinking:
     return acceptance_by_group(accepted, depths, [REPLY_PARTS[bool(t)] for t in thinking], REPLY_PARTS, k)
 
 
-__all__ = ["CONTEXT_BUCKETS", "CONTEXT_EDGES", "REPLY_PARTS", "AcceptanceTally", "acceptance_by_context",
-           "acceptance_by_group", "acceptance_by_part",
+__all__ = ["CONTEXT_BUCKETS", "CONTEXT_EDGES", "PROPOSER_SOURCES", "REPLY_PARTS", "AcceptanceTally",
+           "acceptance_by_context", "acceptance_by_group", "acceptance_by_part", "accepted_by_source",
            "acceptance_per_position",
            "accepted_runs", "context_bucket", "served_tau", "step_hits", "upto_before"]
