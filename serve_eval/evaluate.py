@@ -305,7 +305,8 @@ def proposer_table(report: dict[str, Any]) -> list[str]:
     names = list(runs)
     lines = ["", "By proposer: tokens per target forward (tau) and speedup over plain decoding, the same prompts; "
              "accepted tokens from the draft / the lookup / both (rounds with a lookup branch):", "",
-             "| set | " + " | ".join(f"{n} tau | {n} speedup" for n in names) + " | accepted by (draft / lookup / both) |",
+             "| set | " + " | ".join(f"{n} tau | {n} speedup" for n in names)
+             + " | accepted by (draft / lookup / both) |",
              "| --- |" + " --- | --- |" * len(names) + " --- |"]
     for name in [*report["sets"], "overall"]:
         cells = []
