@@ -438,13 +438,13 @@ def plain(target: Target, prompt: list[int], n: int = 24) -> list[int]:
     return SpeculativeDecoder(target, None).generate(prompt, n).tokens
 
 
-def assert_sampling_matches_target(config: SpecConfig, draft_for) -> None:
-    """Sampled generation with ``draft_for(target)`` on a tiny model matches the target's distribution
-    (chi-square over 1500 three-token continuations, p = 1e-4)."""
+def assert_sampling_matches_target(config: SpecConfig, draft_for, prompt: list[int] | None = None) -> None:
+    """Sampled generation with ``draft_for(target)`` (None: no draft) on a tiny model matches the
+    target's distribution (chi-square over 1500 three-token continuations of ``prompt``, p = 1e-4)."""
     target = make_target(vocab=32, layers=4)
-    draft = draft_for(target)
+    draft = draft_for(target) if draft_for is not None else None
     params = SamplingConfig(temperature=1.0, top_k=4)
-    prompt = [1, 7, 3]
+    prompt = prompt or [1, 7, 3]
     decoder = SpeculativeDecoder(target, draft, config)
     trials = 1500
     counts: dict[tuple[int, int, int], int] = {}
