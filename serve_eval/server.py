@@ -1,7 +1,8 @@
 """An OpenAI-compatible speculative-decoding server with live acceptance metrics.
 
     python -m serve_eval.server --draft runs/quickstart/train/best [--target smollm2-135m] \\
-        [--k 3 | --adaptive] [--port 8000] [--api-key KEY]
+        [--k 3 | --adaptive] [--proposer draft|lookup|hybrid] [--lookup-shared-tokens N] \\
+        [--port 8000] [--api-key KEY]
 
 Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (``stream: true`` for
 server-sent events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text:
@@ -13,7 +14,10 @@ Requests are served one at a time by a worker thread (batch-1 speculative decodi
 and draft's KV caches per request) from a bounded queue: a full queue answers 503. Every bad
 request is a 4xx with an OpenAI-style ``{"error": {"message", "type", "param"}}`` body naming the
 reason. With ``--adaptive`` each request's chain depth follows its running acceptance and the
-cost model measured at start-up (:mod:`serve_eval.adaptive`); depth 0 is plain decoding.
+cost model measured at start-up (:mod:`serve_eval.adaptive`); depth 0 is plain decoding. With
+``--proposer hybrid`` each round also continues the context where its last tokens occurred before
+(:mod:`serve_eval.lookup`), in the same verified tree; ``--lookup-shared-tokens`` lets that lookup
+continue from recent replies to other requests too (a capped index, counted in ``/metrics``).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from eagle3.store.conversations import ConversationError, check_messages, check_
 from eagle3.target.chat import ChatFormat, ChatFormatError
 from serve_eval.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_cost
 from serve_eval.config import SpecConfig
+from serve_eval.lookup import SharedLookup
 from serve_eval.openai_api import BadRequest, ChatRequest, CompletionRequest, parse_body
 from serve_eval.server_metrics import Metrics
 from serve_eval.spec_decode import SpeculativeDecoder
@@ -138,18 +143,22 @@ class Engine:
     def __init__(self, decoder: SpeculativeDecoder, chat: ChatFormat, *, model_name: str, max_model_len: int,
                  default_max_tokens: int = 1024, adaptive: bool = False, cost: CostModel | None = None,
                  prior: Sequence[float] | None = None, max_queue: int = 256, recent_requests: int = 64,
-                 traffic: TrafficLog | None = None) -> None:
+                 traffic: TrafficLog | None = None, shared: SharedLookup | None = None) -> None:
         self.decoder, self.chat, self.model_name, self.traffic = decoder, chat, model_name, traffic
         self.tokenizer = chat.tokenizer
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
-        self.k = decoder.config.k if decoder.draft is not None else 0
-        if adaptive and (decoder.draft is None or decoder.config.mode != "chain"):
-            raise ConfigError("adaptive speculation needs a draft and mode=chain")
+        self.k = decoder.config.k if decoder.proposer is not None else 0
+        if adaptive and (decoder.proposer is None or decoder.config.mode != "chain"
+                         or decoder.config.proposer != "draft"):
+            raise ConfigError("adaptive speculation needs a draft, mode=chain and proposer=draft")
+        if shared is not None and not decoder.config.uses_lookup:
+            raise ConfigError("--lookup-shared-tokens: the shared lookup index needs proposer=lookup or hybrid")
+        self.shared = shared
         if adaptive and cost is None:
             raise ValueError("adaptive speculation needs a cost model")
         # every finished request's rounds become the next request's prior
         self.session = AdaptiveSession(cost, self.k, prior) if adaptive and cost is not None else None
-        self.metrics = Metrics(self.k, recent_requests)
+        self.metrics = Metrics(decoder.max_depth, recent_requests, shared)
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.ids = itertools.count(1)
         self.worker = threading.Thread(target=self._work, name="eagle3-engine", daemon=True)
@@ -276,12 +285,14 @@ class Engine:
             return not hit_stop and not job.cancelled.is_set()
 
         policy = None
-        if self.decoder.draft is not None and self.decoder.config.mode == "chain":
+        if self.decoder.proposer is not None and self.decoder.config.mode == "chain":
             adaptive = self.session.start() if self.session is not None else None
             policy = _LiveDepth(self.k, adaptive, self.metrics)
         gen = self.decoder.generate(job.prompt, job.max_tokens, self.chat.stop_ids, job.params, job.seed,
-                                    policy=policy, on_tokens=on_tokens)
+                                    policy=policy, on_tokens=on_tokens, shared=self.shared)
         stats = gen.stats
+        if self.shared is not None and not job.cancelled.is_set():
+            self.shared.add(job.prompt, gen.tokens)
         if policy is None:
             for depth, accepted in zip(stats.depths or [0] * len(stats.accepted), stats.accepted, strict=True):
                 self.metrics.observe_round(depth, accepted)
@@ -305,7 +316,8 @@ class Engine:
                   "spec_decode": {"tau": round(stats.tau, 4),
                                   "accept_per_pos": [round(a, 4) for a in stats.acceptance_per_position()],
                                   "mean_depth": round(sum(stats.depths) / len(stats.depths), 3)
-                                  if stats.depths else 0.0}})
+                                  if stats.depths else 0.0,
+                                  "accepted_by": stats.accepted_by()}})
 
 
 # ---------------------------------------------------------------- HTTP
@@ -468,7 +480,16 @@ def build_engine(args: argparse.Namespace) -> Engine:
     from serve_eval.evaluate import load_pair_meta
 
     spec = dataclass_from_args(SpecConfig, args)  # checked before the models load
-    target, draft, meta = load_pair_meta(args.draft, args.target, args.target_dtype, args.device)
+    if args.draft is None and spec.uses_draft:
+        raise ConfigError(f"--draft: proposer={spec.proposer} needs a draft (proposer=lookup serves without one)")
+    if args.lookup_shared_tokens and not spec.uses_lookup:
+        raise ConfigError("--lookup-shared-tokens: the shared lookup index needs --proposer lookup or hybrid")
+    if args.draft is None:
+        from eagle3.target.model import load_target
+
+        target, draft, meta = load_target(args.target, dtype=args.target_dtype, device=args.device), None, {}
+    else:
+        target, draft, meta = load_pair_meta(args.draft, args.target, args.target_dtype, args.device)
     decoder = SpeculativeDecoder(target, draft, spec)
     chat = ChatFormat.for_tokenizer(target.tokenizer, target.model.generation_config)
     limit = int(getattr(target.model.config, "max_position_embeddings", 0) or 0) or 8192
@@ -481,7 +502,9 @@ def build_engine(args: argparse.Namespace) -> Engine:
                   default_max_tokens=args.default_max_tokens, adaptive=args.adaptive, cost=cost,
                   prior=draft_prior(meta, args.k), max_queue=args.max_queue, recent_requests=args.recent_requests,
                   traffic=TrafficLog(args.traffic_log, int(args.traffic_log_max_mb * 2**20)) if args.traffic_log
-                  else None)
+                  else None,
+                  shared=SharedLookup(args.lookup_shared_tokens, spec.lookup_min, spec.lookup_max)
+                  if args.lookup_shared_tokens else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -490,7 +513,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve_eval.server", description=__doc__.splitlines()[0])
-    parser.add_argument("--draft", required=True, help="draft folder (ours, vLLM, speculators or SGLang format)")
+    parser.add_argument("--draft", default=None, help="draft folder (ours, vLLM, speculators or SGLang format); "
+                        "not needed with --proposer lookup")
     add_target_arguments(parser)
     parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -507,10 +531,14 @@ def _main(argv: Sequence[str] | None) -> int:
                         help="append each finished chat request (messages, tools, prompt and reply ids, the draft's "
                              "rounds; no headers or keys) to this JSONL file, for mining (off by default)")
     parser.add_argument("--traffic-log-max-mb", type=float, default=256.0, help="the traffic log stops growing here")
+    parser.add_argument("--lookup-shared-tokens", type=int, default=0,
+                        help="with --proposer lookup or hybrid: also continue from recent replies to other requests, "
+                             "at most this many tokens of them held (the oldest dropped; 0: off)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     for flag, value, low in (("--default-max-tokens", args.default_max_tokens, 1), ("--max-queue", args.max_queue, 1),
                              ("--recent-requests", args.recent_requests, 0),
+                             ("--lookup-shared-tokens", args.lookup_shared_tokens, 0),
                              ("--threads", args.threads, 1), ("--port", args.port, 0)):
         if value < low:
             parser.error(f"{flag} must be >= {low}, got {value}")

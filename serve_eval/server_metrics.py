@@ -1,6 +1,7 @@
 """What the server's ``GET /metrics`` shows: Prometheus counters of requests, tokens and speculative
-acceptance (per draft position and per context bucket, named as vLLM names its counters), plus a
-window of recent requests' own tau and acceptance."""
+acceptance (per draft position and per context bucket, named as vLLM names its counters; accepted
+tokens by proposer and context bucket; the shared lookup index's size), plus a window of recent
+requests' own tau and acceptance."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ import threading
 from collections import deque
 from typing import Any
 
-from eagle3.draft.metrics import context_bucket
+from eagle3.draft.metrics import CONTEXT_BUCKETS, PROPOSER_SOURCES, context_bucket
+from serve_eval.lookup import SharedLookup
 from serve_eval.spec_decode import DecodeStats
 
 
 class Metrics:
     """Server-wide counters plus a window of recent requests, rendered as Prometheus text."""
 
-    def __init__(self, max_depth: int, recent: int) -> None:
+    def __init__(self, max_depth: int, recent: int, shared: SharedLookup | None = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
@@ -39,6 +41,22 @@ class Metrics:
                                   "their first drafted token (0-1k, 1-2k, ... tokens)", ["context"], registry=r)
         self.accepted_ctx = Counter("eagle3_spec_decode_accepted_tokens_by_context", "Draft tokens accepted, by the "
                                     "context before their round's first drafted token", ["context"], registry=r)
+        self.accepted_by = Counter("eagle3_spec_decode_accepted_tokens_by_proposer", "Draft tokens accepted, by who "
+                                   "proposed them: the draft, the lookup, or both", ["proposer", "context"],
+                                   registry=r)
+        self.lookup_rounds = Counter("eagle3_spec_decode_lookup_rounds", "Rounds whose tree held a lookup branch",
+                                     ["context"], registry=r)
+        for source in PROPOSER_SOURCES:  # present from the start, at 0
+            self.accepted_by.labels(source, CONTEXT_BUCKETS[0])
+        if shared is not None:
+            for name, text, value in (
+                    ("eagle3_lookup_shared_tokens", "Tokens held by the shared lookup index", lambda: shared.tokens),
+                    ("eagle3_lookup_shared_replies", "Replies held by the shared lookup index", lambda: len(shared.docs)),
+                    ("eagle3_lookup_shared_added", "Replies added to the shared lookup index", lambda: shared.added),
+                    ("eagle3_lookup_shared_evicted", "Replies dropped from the shared lookup index (its cap)",
+                     lambda: shared.evicted),
+                    ("eagle3_lookup_shared_max_tokens", "The shared lookup index's cap", lambda: shared.max_tokens)):
+                Gauge(name, text, registry=r).set_function(value)
         self.queue_depth = Gauge("eagle3_queue_depth", "Requests waiting", registry=r)
         self.running = Gauge("eagle3_running", "Requests being generated", registry=r)
         self.latency = Histogram("eagle3_request_seconds", "Request latency (queue included)", registry=r,
@@ -66,10 +84,17 @@ class Metrics:
             return
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
-        for tokens, accepted in zip(stats.contexts, stats.accepted, strict=True):  # tau of a bucket: 1 + a / r
-            bucket = context_bucket(tokens)
+        sources = stats.sources or [(a, 0, 0) for a in stats.accepted]
+        lookup = stats.lookup or [0] * len(stats.accepted)
+        for tokens, accepted, by, branch in zip(stats.contexts, stats.accepted, sources, lookup, strict=True):
+            bucket = context_bucket(tokens)  # tau of a bucket: 1 + a / r
             self.rounds_ctx.labels(bucket).inc()
             self.accepted_ctx.labels(bucket).inc(accepted)
+            for source, count in zip(PROPOSER_SOURCES, by, strict=True):
+                if count:
+                    self.accepted_by.labels(source, bucket).inc(count)
+            if branch:
+                self.lookup_rounds.labels(bucket).inc()
         with self.lock:
             self.recent.append({"id": request_id, "tau": stats.tau, "rounds": len(stats.accepted),
                                 "accept_per_pos": stats.acceptance_per_position(),

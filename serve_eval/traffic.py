@@ -3,7 +3,8 @@
 Off by default. With ``--traffic-log PATH`` the server appends one JSON line per finished chat
 request: the messages and tools as the request sent them (after the server's checks), the prompt's
 token ids, the reply's token ids and how it ended, and the rounds the draft served (the context
-before each round's first draft token, its depth, the tokens accepted). Nothing else: no headers,
+before each round's first draft token, its depth, the tokens accepted, and of those how many the
+draft, the lookup, or both proposed). Nothing else: no headers,
 keys, client addresses or times. The file stops growing at ``--traffic-log-max-mb`` (one warning on
 stderr), and a line is written whole or not at all (one ``write`` of the encoded line).
 
@@ -48,8 +49,11 @@ class TrafficLog:
         line = json.dumps({
             "messages": messages, **({"tools": tools} if tools else {}), "prompt_ids": prompt_ids,
             "reply_ids": reply_ids, "finish_reason": finish_reason, "k": stats.proposed,
-            "rounds": [list(r) for r in zip(stats.contexts, stats.depths or [stats.proposed] * len(stats.accepted),
-                                            stats.accepted, strict=True)],
+            "rounds": [[*r[:3], *r[3]] for r in zip(stats.contexts,
+                                                     stats.depths or [stats.proposed] * len(stats.accepted),
+                                                     stats.accepted,
+                                                     stats.sources or [(a, 0, 0) for a in stats.accepted],
+                                                     strict=True)],
             "tau": round(stats.tau, 4)}, ensure_ascii=False) + "\n"
         data = line.encode()
         with self.lock:

@@ -23,6 +23,7 @@ from eagle3.target.chat import ChatFormat
 from eagle3.target.model import Target
 from serve_eval.adaptive import CostModel
 from serve_eval.config import SpecConfig
+from serve_eval.lookup import SharedLookup
 from serve_eval.server import Engine, TextStream, build_app, main
 from serve_eval.spec_decode import SpeculativeDecoder
 from serve_eval.traffic import TrafficError, TrafficLog, read_traffic
@@ -62,14 +63,15 @@ class Served:
         self.engine.close()
 
 
-def tiny_engine(adaptive: bool = False, max_model_len: int = 256, traffic: TrafficLog | None = None) -> Engine:
+def tiny_engine(adaptive: bool = False, max_model_len: int = 256, traffic: TrafficLog | None = None,
+                proposer: str = "draft", shared: SharedLookup | None = None) -> Engine:
     torch.manual_seed(0)
     target = Target(tiny_llama(num_layers=6, vocab=TINY_VOCAB), tiny_tokenizer(), aux_layer_ids=(1, 2, 3))
-    decoder = SpeculativeDecoder(target, make_draft(target), SpecConfig("chain", k=3))
+    decoder = SpeculativeDecoder(target, make_draft(target), SpecConfig("chain", k=3, proposer=proposer))
     chat = ChatFormat.for_tokenizer(target.tokenizer)
     cost = CostModel([0.010, 0.011, 0.012, 0.013], 0.001) if adaptive else None
     return Engine(decoder, chat, model_name=MODEL, max_model_len=max_model_len, adaptive=adaptive, cost=cost,
-                  prior=[0.9, 0.9, 0.9], recent_requests=8, traffic=traffic)
+                  prior=[0.9, 0.9, 0.9], recent_requests=8, traffic=traffic, shared=shared)
 
 
 @pytest.fixture(scope="module")
@@ -295,6 +297,42 @@ def test_twenty_concurrent_clients_and_live_metrics(served: Served) -> None:
     assert any(k.startswith('eagle3_request_acceptance{request_id="chatcmpl-') for k in values)
 
 
+def test_twenty_concurrent_clients_with_the_hybrid_and_a_capped_shared_index() -> None:
+    shared = SharedLookup(max_tokens=120)
+    s = Served(tiny_engine(proposer="hybrid", shared=shared), KEY)
+    try:
+        client = s.client()
+        # requests that repeat: the lookup continues within a request and from earlier replies
+        asks = [f"repeat after me: {' '.join(['alpha beta gamma'] * (1 + i % 3))} question {i % 5}" for i in range(20)]
+
+        def one(i: int) -> str:
+            return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": asks[i]}],
+                                                  max_tokens=16, temperature=0).choices[0].message.content
+
+        with concurrent.futures.ThreadPoolExecutor(20) as pool:
+            outs = list(pool.map(one, range(20)))
+        for ask, out in zip(asks, outs, strict=True):  # each equals its own plain greedy decoding
+            assert out == plain_text(s.engine, s.engine.chat.prompt_ids([{"role": "user", "content": ask}]), 16)[0]
+        values = {}
+        for line in httpx.get(f"{s.url}/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        assert values['eagle3_requests_total{endpoint="chat",outcome="ok"}'] == 20
+        by = {source: sum(v for k, v in values.items() if k.startswith("eagle3_spec_decode_accepted_tokens_by_"
+                                                                        f'proposer_total{{context="0-1k",proposer="{source}"'))
+              for source in ("draft", "lookup", "both")}
+        assert sum(by.values()) == values["eagle3_spec_decode_num_accepted_tokens_total"]
+        assert by["lookup"] + by["both"] > 0
+        assert values['eagle3_spec_decode_lookup_rounds_total{context="0-1k"}'] > 0
+        # the shared index: capped and counted
+        assert values["eagle3_lookup_shared_added"] == 20 and values["eagle3_lookup_shared_max_tokens"] == 120
+        assert values["eagle3_lookup_shared_tokens"] <= 120 and values["eagle3_lookup_shared_evicted"] > 0
+        assert values["eagle3_lookup_shared_tokens"] == shared.tokens
+    finally:
+        s.stop()
+
+
 def test_adaptive_depth_keeps_outputs_and_reports_depths() -> None:
     s = Served(tiny_engine(adaptive=True), None)
     try:
@@ -376,6 +414,16 @@ def test_startup_refuses_a_draft_that_does_not_fit(tmp_path: Path, tiny_model_di
     with pytest.raises(SystemExit):
         main(["--draft", str(fits), "--recent-requests", "-1"])
     assert "--recent-requests must be >= 0" in capsys.readouterr().err
+    # the lookup: served without a draft; a hybrid needs one; the shared index needs the lookup
+    assert main(["--target", str(tiny_model_dir), "--proposer", "lookup", "--lookup-shared-tokens", "64"]) == 0
+    assert started[-1].decoder.proposer is None and started[-1].shared.max_tokens == 64
+    assert main(["--target", str(tiny_model_dir), "--proposer", "hybrid"]) == 2
+    assert "--draft: proposer=hybrid needs a draft" in capsys.readouterr().err
+    assert main(["--draft", str(fits), "--target", str(tiny_model_dir), "--lookup-shared-tokens", "64"]) == 2
+    assert "--lookup-shared-tokens: the shared lookup index needs" in capsys.readouterr().err
+    assert main(["--draft", str(fits), "--target", str(tiny_model_dir), "--proposer", "hybrid", "--mode", "tree",
+                 "--budget", "4"]) == 2
+    assert "budget=4" in capsys.readouterr().err
 
 
 def test_the_opt_in_traffic_log_holds_what_mining_reads_and_nothing_else(tmp_path: Path) -> None:
@@ -391,7 +439,8 @@ def test_the_opt_in_traffic_log_holds_what_mining_reads_and_nothing_else(tmp_pat
         assert line["messages"] == MESSAGES and line["prompt_ids"] == s.engine.chat.prompt_ids(MESSAGES)
         assert s.engine.tokenizer.decode(line["reply_ids"], skip_special_tokens=True) == r.choices[0].message.content
         assert line["tau"] == r.model_extra["spec_decode"]["tau"] and line["k"] == 3
-        accepted = sum(a for _, _, a in line["rounds"])  # every reply token: a round's accepted + its own
+        assert all(r[2] == sum(r[3:]) for r in line["rounds"])  # accepted = by draft + by lookup + by both
+        accepted = sum(r[2] for r in line["rounds"])  # every reply token: a round's accepted + its own
         assert accepted + len(line["rounds"]) + 1 >= len(line["reply_ids"])
         for _ in range(6000 // len(log.read_bytes())):  # the cap: lines stop, whole, once the next would pass it
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
