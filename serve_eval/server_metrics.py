@@ -51,7 +51,8 @@ class Metrics:
         if shared is not None:
             for name, text, value in (
                     ("eagle3_lookup_shared_tokens", "Tokens held by the shared lookup index", lambda: shared.tokens),
-                    ("eagle3_lookup_shared_replies", "Replies held by the shared lookup index", lambda: len(shared.docs)),
+                    ("eagle3_lookup_shared_replies", "Replies held by the shared lookup index",
+                     lambda: len(shared.docs)),
                     ("eagle3_lookup_shared_added", "Replies added to the shared lookup index", lambda: shared.added),
                     ("eagle3_lookup_shared_evicted", "Replies dropped from the shared lookup index (its cap)",
                      lambda: shared.evicted),
