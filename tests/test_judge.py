@@ -24,6 +24,13 @@ def test_prompts_are_generated_per_context_bucket_and_their_counters_add_up() ->
         "4-8k": {"drafts": 2, "tau": 1.0, "accept_per_pos": []}}
 
 
+def test_tokens_per_forward_counts_the_rounds_that_proposed_nothing() -> None:
+    # two prompts, 10 tokens each: the prefill gives 1 each; 18 after it; 6 accepted -> 12 forwards
+    assert judge.tokens_per_forward(20, 2, 6) == 1.5
+    assert judge.tokens_per_forward(20, 2, 0) == 1.0  # nothing accepted: plain decoding
+    assert judge.tokens_per_forward(2, 2, 0) == 1.0  # only prefills
+
+
 def test_a_windowed_draft_gets_a_copy_without_its_window(tmp_path: Path) -> None:
     import json
 

@@ -20,6 +20,10 @@ turn). For every eval set and draft one JSON line:
   context-length bucket of the prompts (0-1k, 1-2k, 2-4k, ...: each bucket's prompts are one
   ``generate`` call, since the counters are engine-wide), for long-context sets
   (``python -m data_gen.long_context``); the engine's ``max_model_len`` fits the longest prompt;
+* ``tokens_per_forward``: generated tokens per target forward after the prefill, rounds that proposed
+  nothing included (:func:`tokens_per_forward`). This is the figure to compare across speculators:
+  vLLM's ``tau`` counts only the rounds that drafted, which for n-gram (no draft where nothing
+  matches) reads far higher than the tokens each forward of the target actually gave;
 * ``tokens_per_s``: generated tokens / wall seconds of that set's ``generate`` call, and the same
   for the plain engine (``plain_tokens_per_s``) — a CPU figure, not a GPU speedup;
 * ``equal``: prompts whose greedy output equals the plain engine's; each other prompt is a
@@ -121,6 +125,14 @@ def run_engine(job: dict[str, Any]) -> dict[str, Any]:
             got["by_context"][bucket] = delta
         out[name] = {"tokens": tokens, **got, **merge_counters(list(got["by_context"].values()))}
     return out
+
+
+def tokens_per_forward(generated: int, prompts: int, accepted: int) -> float:
+    """Generated tokens per target forward after the prefill: each prompt's first token comes from its
+    prefill, and each later forward gives its accepted draft tokens and one more, so a prompt's
+    forwards are ``its tokens - 1 - its accepted``, whether that round drafted or not."""
+    forwards = generated - prompts - accepted
+    return round((generated - prompts) / forwards, 4) if forwards > 0 else 1.0
 
 
 def group_by_context(prompts: list[list[int]]) -> dict[str, list[int]]:
@@ -260,6 +272,7 @@ def judge(target_folder: str, drafts: dict[str, Path | None], prompts: dict[str,
             lines.append({
                 "figure": "vllm_judge", "draft": name, "set": set_name, "prompts": len(got["tokens"]), "k": served_k,
                 "tau": round(1 + got["accepted"] / drafts_n, 4),
+                "tokens_per_forward": tokens_per_forward(generated, len(got["tokens"]), got["accepted"]),
                 "accept_per_pos": [round(x / drafts_n, 4) for x in got["per_pos"]],
                 "by_context": by_context(got),
                 "drafts": got["drafts"], "accepted": got["accepted"], "generated_tokens": generated,
@@ -331,6 +344,9 @@ def main(argv: list[str] | None = None) -> None:
         drafts_n = sum(x["drafts"] for x in mine)
         print(json.dumps({"figure": "vllm_judge_overall", "draft": name,
                           "tau": round(1 + sum(x["accepted"] for x in mine) / max(drafts_n, 1), 4),
+                          "tokens_per_forward": tokens_per_forward(sum(x["generated_tokens"] for x in mine),
+                                                                   sum(x["prompts"] for x in mine),
+                                                                   sum(x["accepted"] for x in mine)),
                           "equal": sum(x["equal"] for x in mine), "prompts": sum(x["prompts"] for x in mine),
                           "lossless": all(x["lossless"] for x in mine)}), flush=True)
 
