@@ -54,9 +54,9 @@ def edit_messages(task: Task, files: Sequence[str], ask: str) -> list[dict[str, 
     messages: list[dict[str, Any]] = [{"role": "user", "content": ask}]
     for n, text in enumerate(files):
         call = f"call_{n}"
+        read = {"name": "read_file", "arguments": {"path": _path(text)}}
         messages += [
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"id": call, "type": "function", "function": {"name": "read_file", "arguments": {"path": _path(text)}}}]},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": call, "type": "function", "function": read}]},
             {"role": "tool", "content": _body(text), "name": "read_file", "tool_call_id": call}]
     return [*messages, {"role": "assistant", "content": ""}]
 
