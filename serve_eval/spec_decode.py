@@ -44,7 +44,17 @@ from eagle3.draft.model import DraftHead, DraftKV
 from eagle3.errors import ConfigError
 from eagle3.target.model import Target
 from serve_eval.config import SpecConfig
-from serve_eval.lookup import DRAFT, LOOKUP, MATCH_CAP, LookupIndex, Merged, SharedLookup, fit_budget, merge_branch
+from serve_eval.lookup import (
+    DRAFT,
+    LOOKUP,
+    MATCH_CAP,
+    Continuation,
+    LookupIndex,
+    Merged,
+    SharedLookup,
+    fit_budget,
+    merge_branch,
+)
 from serve_eval.static_cache import StaticDraftKV, StaticKV, check_static_target
 from serve_eval.verify import (
     Acceptance,
@@ -79,6 +89,10 @@ class DecodeStats:
     sources: list[tuple[int, int, int]] = field(default_factory=list)
     """Per round: accepted tokens proposed by the draft only, the lookup only, and both."""
     lookup: list[int] = field(default_factory=list)  # per round: the lookup's branch length (0: no match)
+    lookup_match: list[int] = field(default_factory=list)  # per round: its match length (0: none)
+    first: list[tuple[float | None, bool | None, bool | None]] = field(default_factory=list)
+    """Per round: the draft's probability of its first token (None: no draft token), whether the target's
+    first token was the draft's first, and whether it was the lookup's first (None: no proposal)."""
     seconds_prefill: float = 0.0
     seconds_draft: float = 0.0
     seconds_verify: float = 0.0
@@ -254,7 +268,7 @@ class SpeculativeDecoder:
                     aux, tokens = torch.cat([a for a, _ in pending], dim=1), [t for _, ts in pending for t in ts]
                     pending.clear()
                     proposal = proposer.propose(aux, tokens, n - len(tokens), k, params, g)
-                tree = self._round_tree(proposal, lookup, shared, max_new_tokens - len(emitted) - 1)
+                tree, found = self._round_tree(proposal, lookup, shared, max_new_tokens - len(emitted) - 1)
                 synchronize(self.device)
                 stats.seconds_draft += time.perf_counter() - t0
                 out, acc = self._verify(emitted[-1], tree, proposal.qs, n, cache, params, g, stats)  # verify, accept
@@ -264,6 +278,10 @@ class SpeculativeDecoder:
                 stats.contexts.append(n + 1)  # the prompt and every emitted token, the newest not yet cached
                 stats.depths.append(depth)
                 stats.lookup.append(sum(1 for s in tree.sources if s & LOOKUP))
+                stats.lookup_match.append(found.match if found is not None else 0)
+                stats.first.append((proposal.first_p,
+                                    acc.tokens[0] == proposal.tokens[0] if proposal.tokens else None,
+                                    acc.tokens[0] == found.tokens[0] if found is not None else None))
                 by = [tree.sources[i] for i in path]
                 stats.sources.append((by.count(DRAFT), by.count(LOOKUP), by.count(DRAFT | LOOKUP)))
                 if policy is not None:
@@ -285,22 +303,21 @@ class SpeculativeDecoder:
         return Generation(emitted, stats)
 
     def _round_tree(self, proposal: Proposal, lookup: LookupIndex | None, shared: SharedLookup | None,
-                    room: int) -> Merged:
+                    room: int) -> tuple[Merged, Continuation | None]:
         """The round's verification tree: the draft's proposal, with the lookup's continuation (its own
         context first, then ``shared``) merged in, at most ``room`` tokens deep on the lookup's side and
-        within a tree's budget."""
+        within a tree's budget; and that continuation (None: no match)."""
         cfg = self.config
-        branch: list[int] = []
+        found = None
         if lookup is not None and room > 0:
             limit = min(cfg.lookup_k, room)
             found = lookup.propose(limit, cfg.lookup_scale)
             if found is None and shared is not None:
                 found = shared.propose(lookup.tokens[-MATCH_CAP:], limit, cfg.lookup_scale)
-            branch = found.tokens if found is not None else []
-        merged = merge_branch(proposal.tokens, proposal.parents, branch)
+        merged = merge_branch(proposal.tokens, proposal.parents, found.tokens if found is not None else [])
         if cfg.mode == "tree" and self.proposer is not None:
             merged = fit_budget(merged, cfg.budget)
-        return merged
+        return merged, found
 
     def _extra_slots(self, target: bool) -> int:
         """Cache rows beyond prompt + new tokens: a round's proposal (a tree's nodes in the target's

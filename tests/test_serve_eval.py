@@ -53,11 +53,14 @@ def test_rounds_are_counted_by_the_context_before_them(tmp_path: Path) -> None:
     long = DecodeStats(accepted=[0, 1, 3], proposed=3, contexts=[1024, 5000, 300000], seconds_total=1.0)
     plain = DecodeStats(seconds_total=1.0)
     summary = summarise([short, long], [plain, plain])
+    def by(draft: int) -> dict[str, int]:  # rounds without per-proposer counts: the draft's
+        return {"draft": draft, "lookup": 0, "both": 0}
+
     assert summary["by_context"] == {
-        "0-1k": {"rounds": 2, "tau": 2.0, "accept_per_pos": [0.5, 0.5, 0.0]},
-        "1-2k": {"rounds": 1, "tau": 1.0, "accept_per_pos": [0.0, 0.0, 0.0]},
-        "4-8k": {"rounds": 1, "tau": 2.0, "accept_per_pos": [1.0, 0.0, 0.0]},
-        "256k+": {"rounds": 1, "tau": 4.0, "accept_per_pos": [1.0, 1.0, 1.0]}}
+        "0-1k": {"rounds": 2, "tau": 2.0, "accept_per_pos": [0.5, 0.5, 0.0], "accepted_by": by(2)},
+        "1-2k": {"rounds": 1, "tau": 1.0, "accept_per_pos": [0.0, 0.0, 0.0], "accepted_by": by(0)},
+        "4-8k": {"rounds": 1, "tau": 2.0, "accept_per_pos": [1.0, 0.0, 0.0], "accepted_by": by(1)},
+        "256k+": {"rounds": 1, "tau": 4.0, "accept_per_pos": [1.0, 1.0, 1.0], "accepted_by": by(3)}}
     report = {"config": {"mode": "chain", "k": 3, "topk": 1, "budget": 1, "temperature": 0.0, "max_new_tokens": 4},
               "sets": {"long": summarise([long], [plain])}, "overall": summary, "prompts": []}
     text = markdown(report)
@@ -66,6 +69,35 @@ def test_rounds_are_counted_by_the_context_before_them(tmp_path: Path) -> None:
     assert "| overall | 2.000 (2) | 1.000 (1) | 2.000 (1) | 4.000 (1) |" in text
     write_report(report, tmp_path, wandb_mode="disabled")
     assert (tmp_path / "tau_by_context.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_other_proposers_run_beside_the_main_one_on_the_same_prompts(tmp_path: Path) -> None:
+    target = make_target()
+    draft = make_draft(target)
+    repeating = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]  # the lookup finds matches here
+    report = evaluate(target, draft, {"a": PROMPTS, "loop": [repeating]},
+                      config=SpecConfig("chain", k=2, proposer="hybrid"), params=SamplingConfig(),
+                      max_new_tokens=16, stop_ids=[], progress=False, compare=["draft", "lookup"])
+    assert report["config"]["proposer"] == "hybrid" and set(report["compare"]) == {"draft", "lookup"}
+    runs = {"hybrid": report, **report["compare"]}
+    for name, run in runs.items():
+        assert run["overall"]["equal"] == 3 and run["overall"]["prompts"] == 3  # every run lossless
+        by = run["overall"]["accepted_by"]
+        assert by["draft"] + by["lookup"] + by["both"] == round((run["overall"]["tau"] - 1)
+                                                                 * run["overall"]["rounds"])
+        if name == "draft":
+            assert by["lookup"] == by["both"] == by["lookup_rounds"] == 0
+        else:
+            assert by["lookup_rounds"] > 0
+        if name == "lookup":
+            assert by["draft"] == by["both"] == 0
+    for bucket in report["overall"]["by_context"].values():
+        assert set(bucket["accepted_by"]) == {"draft", "lookup", "both"}
+    write_report(report, tmp_path, wandb_mode="disabled")
+    text = (tmp_path / "report.md").read_text()
+    assert "| set | hybrid tau | hybrid speedup | draft tau | draft speedup | lookup tau | lookup speedup |" in text
+    assert f"| overall | {report['overall']['tau']:.3f} |" in text
+    assert (tmp_path / "tau_by_proposer.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_markdown_flags_divergences_that_are_not_ties() -> None:

@@ -41,11 +41,14 @@ if TYPE_CHECKING:
 @dataclass
 class Proposal:
     """One round's draft: ``tokens`` (target ids), each one's parent node (-1: the root; a chain is
-    -1, 0, 1, ..) and, when sampled, the distribution each was drawn from, ``qs`` [N, V]."""
+    -1, 0, 1, ..), when sampled the distribution each was drawn from, ``qs`` [N, V], and the draft's
+    own probability of its first token (``first_p``: at temperature 1; a tree's best root child), which
+    a serving policy may weigh other proposals against."""
 
     tokens: list[int]
     parents: list[int]
     qs: Tensor | None = None
+    first_p: float | None = None
 
 
 class Proposer:
@@ -119,7 +122,12 @@ class Proposer:
         else:
             qs = torch.softmax(full.float() / params.temperature, dim=-1)  # [k, V]
             tokens = torch.multinomial(qs, 1, generator=g)[:, 0].tolist()
-        return Proposal(tokens, list(range(-1, len(tokens) - 1)), qs)
+        return Proposal(tokens, list(range(-1, len(tokens) - 1)), qs, self.probability(full[0], tokens[0]))
+
+    @staticmethod
+    def probability(full: Tensor, token: int) -> float:
+        """The draft's probability of ``token`` (temperature 1) from one row's target-vocab logits [V]."""
+        return float(torch.softmax(full.float(), dim=-1)[token])
 
 
 class DraftFamily:

@@ -4,6 +4,7 @@ dynamic tree, exported in every engine format (vLLM, SGLang, speculators)."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -109,14 +110,17 @@ class StepProposer(Proposer):
         """k tokens, each drawn from the draft's distribution after the previous one (state [1, 1, H],
         logits [1, Vd] at the root)."""
         tokens, qs = [], []
+        first_p = None
         for depth in range(1, k + 1):
             token, q = self.draw(logits[0], params, g)
             tokens.append(token)
+            if depth == 1:
+                first_p = self.probability(self.target_logits(logits[0]), token)
             if q is not None:
                 qs.append(q)
             if depth < k:
                 state, logits = self.step(token, state, n - 1 + depth)
-        return Proposal(tokens, list(range(-1, len(tokens) - 1)), torch.stack(qs) if qs else None)
+        return Proposal(tokens, list(range(-1, len(tokens) - 1)), torch.stack(qs) if qs else None, first_p)
 
     def tree(self, root_state: Tensor, root_logits: Tensor, n: int) -> Proposal:
         """EAGLE-2 dynamic tree: deterministic top-k children, expanded by cumulative log-prob."""
@@ -163,7 +167,8 @@ class StepProposer(Proposer):
         # keep the best `budget` nodes; a child never outscores its parent, so ancestors stay
         keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[: self.spec.budget])
         index = {old: new for new, old in enumerate(keep)}
-        return Proposal([tokens[i] for i in keep], [index[parents[i]] if parents[i] >= 0 else -1 for i in keep])
+        return Proposal([tokens[i] for i in keep], [index[parents[i]] if parents[i] >= 0 else -1 for i in keep],
+                        first_p=math.exp(scores[0]))  # node 0: the root's most likely child
 
 
 EAGLE3 = register(Eagle3Family())
