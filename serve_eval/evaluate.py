@@ -188,7 +188,11 @@ def evaluate(target: Any, draft: Any, prompts: dict[str, list[list[int]]], *, co
     # the cost model of this machine, measured first (it also warms the device up): the report says why
     width = config.budget if config.mode == "tree" else config.k
     room = context_length(target.config) or 4096
-    cost = measure_cost(decoder, width, context=min(256, room // 2)) if decoder.proposer is not None else None
+    cost = measure_cost(decoder, width, context=min(256, room // 2))
+    for run in runs.values():  # the lookup's branches priced on this machine
+        run.decoder.cost_lookup(cost)
+    if decoder.proposer is None:  # the report's cost model explains a draft's rounds
+        cost = None
     stops = frozenset(stop_ids)
     rows = []
     all_plain: list[DecodeStats] = []

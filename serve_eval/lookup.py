@@ -20,13 +20,14 @@ request's own context has no match.
 :func:`merge_branch` puts a lookup continuation into a draft's proposal: down the draft's nodes as
 long as they hold the same tokens (those nodes then count for both), then a chain of its own. The
 result is one tree for one target forward; :data:`DRAFT` and :data:`LOOKUP` mark each node's source.
+:class:`LookupPolicy` cuts a continuation to the tokens worth verifying on the machine at hand.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DRAFT, LOOKUP = 1, 2
 """Source bits of a proposed node (3: proposed by both)."""
@@ -153,6 +154,63 @@ class SharedLookup:
         return None if best is None else Continuation(best.tokens, best.match, shared=True)
 
 
+MATCH_BUCKETS = 8
+"""Match lengths the policy keeps apart (1..7, then 8 and longer together)."""
+
+
+@dataclass
+class LookupPolicy:
+    """How long each round's lookup branch is: the tokens whose expected worth beats their cost.
+
+    The j-th token of a branch (j = 0, 1, ..) is accepted with probability about ``p(m) c^j``: ``p(m)``
+    the share of rounds with a match of m tokens whose first lookup token the target took, ``c`` the
+    share of later branch tokens taken once the one before was; both counted over the rounds so far
+    (Beta-smoothed over a prior: ``m / (m + 2)`` and 0.8). Verifying one more token costs
+    ``token_cost`` of a plain decoding step, i.e. that many tokens of plain output (the cost model's
+    slope over t(1): ~0.17 on a 2-core CPU, ~0 for batch-1 decoding on a GPU), so a branch keeps the
+    tokens with ``p(m) c^j > token_cost``, none where the match is weak and verifying is dear. The
+    draft's confidence is not weighed: its first token's probability does not tell when the lookup
+    is right (``bench/studies/lookup_rounds.py``)."""
+
+    token_cost: float = 0.0
+    prior_weight: float = 4.0
+    first: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0] for _ in range(MATCH_BUCKETS)])
+    later: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [hits, trials] after a taken token
+
+    def __post_init__(self) -> None:
+        if self.token_cost < 0:
+            raise ValueError(f"lookup token cost must be >= 0, got {self.token_cost}")
+
+    def p_first(self, match: int) -> float:
+        m = min(max(match, 1), MATCH_BUCKETS)
+        hits, trials = self.first[m - 1]
+        return (hits + self.prior_weight * m / (m + 2)) / (trials + self.prior_weight)
+
+    def p_later(self) -> float:
+        hits, trials = self.later
+        return (hits + self.prior_weight * 0.8) / (trials + self.prior_weight)
+
+    def length(self, match: int, proposed: int) -> int:
+        """Tokens of a ``proposed``-token continuation worth verifying after a match of ``match``."""
+        p, c, n = self.p_first(match), self.p_later(), 0
+        while n < proposed and p > self.token_cost:
+            n += 1
+            p *= c
+        return n
+
+    def observe(self, match: int, first_right: bool, branch: int, taken: int) -> None:
+        """A round's outcome after a match of ``match``: whether the target's next token was the
+        continuation's first (known whether or not it was proposed, so a weak match's estimate keeps
+        learning while none is verified), and of a ``branch``-token branch verified, the first
+        ``taken`` tokens the target took."""
+        m = min(max(match, 1), MATCH_BUCKETS)
+        self.first[m - 1][1] += 1
+        self.first[m - 1][0] += bool(first_right)
+        if branch > 1 and taken > 0:  # later tokens tried: each after a taken one
+            self.later[1] += min(taken + 1, branch) - 1
+            self.later[0] += min(taken, branch) - 1
+
+
 @dataclass
 class Merged:
     """One round's verification tree: ``tokens`` and ``parents`` (-1: the root), each node's source
@@ -220,5 +278,5 @@ def fit_budget(merged: Merged, budget: int) -> Merged:
                   [merged.sources[i] for i in keep], merged.added)
 
 
-__all__ = ["DRAFT", "LOOKUP", "MATCH_CAP", "Continuation", "LookupIndex", "Merged", "SharedLookup", "branch_length",
-           "fit_budget", "merge_branch"]
+__all__ = ["DRAFT", "LOOKUP", "MATCH_BUCKETS", "MATCH_CAP", "Continuation", "LookupIndex", "LookupPolicy", "Merged",
+           "SharedLookup", "branch_length", "fit_budget", "merge_branch"]

@@ -495,9 +495,11 @@ def build_engine(args: argparse.Namespace) -> Engine:
     limit = int(getattr(target.model.config, "max_position_embeddings", 0) or 0) or 8192
     max_model_len = min(args.max_model_len, limit) if args.max_model_len else limit
     cost = None
-    if args.adaptive:
+    if args.adaptive or spec.uses_lookup:  # adaptive depths, and the lookup's branches, priced on this machine
         cost = measure_cost(decoder, args.k)
-        print(json.dumps({"server": "cost model", **cost.as_dict()}), file=sys.stderr)
+        decoder.cost_lookup(cost)
+        print(json.dumps({"server": "cost model", **cost.as_dict(),
+                          "lookup_token_cost": round(decoder.lookup_policy.token_cost, 4)}), file=sys.stderr)
     return Engine(decoder, chat, model_name=args.served_model_name or args.target, max_model_len=max_model_len,
                   default_max_tokens=args.default_max_tokens, adaptive=args.adaptive, cost=cost,
                   prior=draft_prior(meta, args.k), max_queue=args.max_queue, recent_requests=args.recent_requests,

@@ -43,6 +43,7 @@ from eagle3.draft.metrics import acceptance_per_position, accepted_by_source, se
 from eagle3.draft.model import DraftHead, DraftKV
 from eagle3.errors import ConfigError
 from eagle3.target.model import Target
+from serve_eval.adaptive import CostModel
 from serve_eval.config import SpecConfig
 from serve_eval.lookup import (
     DRAFT,
@@ -50,6 +51,7 @@ from serve_eval.lookup import (
     MATCH_CAP,
     Continuation,
     LookupIndex,
+    LookupPolicy,
     Merged,
     SharedLookup,
     fit_budget,
@@ -170,6 +172,8 @@ class SpeculativeDecoder:
             check_static_target(target, config.target_cache)
             self._static = StaticKV(target, graphs=config.target_cache == "graphs")
         self.proposer: Proposer | None = None
+        self.lookup_policy = LookupPolicy()
+        """Sizes the lookup's branches (its token cost is 0 until told the machine's: :meth:`cost_lookup`)."""
         if config.proposer == "hybrid" and draft is None:
             raise ConfigError("proposer=hybrid needs a draft (proposer=lookup speculates without one)")
         if draft is not None and config.uses_draft:
@@ -207,6 +211,13 @@ class SpeculativeDecoder:
                            position_ids=torch.tensor([positions], device=self.device))
 
     # -- generation
+
+    def cost_lookup(self, cost: CostModel) -> None:
+        """Price the lookup's extra verified tokens from a measured cost model: the verify forward's
+        cost per token over one plain step's (``verify_s`` is fitted linear, so its slope is one step)."""
+        verify = cost.verify_s
+        slope = (verify[-1] - verify[0]) / max(len(verify) - 1, 1)
+        self.lookup_policy.token_cost = max(slope, 0.0) / verify[0]
 
     @property
     def speculates(self) -> bool:
@@ -277,8 +288,12 @@ class SpeculativeDecoder:
                 stats.accepted.append(acc.accepted)
                 stats.contexts.append(n + 1)  # the prompt and every emitted token, the newest not yet cached
                 stats.depths.append(depth)
-                stats.lookup.append(sum(1 for s in tree.sources if s & LOOKUP))
+                branch = sum(1 for s in tree.sources if s & LOOKUP)
+                stats.lookup.append(branch)
                 stats.lookup_match.append(found.match if found is not None else 0)
+                if found is not None:
+                    taken = next((i for i, node in enumerate(path) if not tree.sources[node] & LOOKUP), len(path))
+                    self.lookup_policy.observe(found.match, acc.tokens[0] == found.tokens[0], branch, taken)
                 stats.first.append((proposal.first_p,
                                     acc.tokens[0] == proposal.tokens[0] if proposal.tokens else None,
                                     acc.tokens[0] == found.tokens[0] if found is not None else None))
@@ -314,7 +329,8 @@ class SpeculativeDecoder:
             found = lookup.propose(limit, cfg.lookup_scale)
             if found is None and shared is not None:
                 found = shared.propose(lookup.tokens[-MATCH_CAP:], limit, cfg.lookup_scale)
-        merged = merge_branch(proposal.tokens, proposal.parents, found.tokens if found is not None else [])
+        branch = found.tokens[:self.lookup_policy.length(found.match, len(found.tokens))] if found is not None else []
+        merged = merge_branch(proposal.tokens, proposal.parents, branch)
         if cfg.mode == "tree" and self.proposer is not None:
             merged = fit_budget(merged, cfg.budget)
         return merged, found

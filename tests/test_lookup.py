@@ -15,6 +15,7 @@ from serve_eval.lookup import (
     DRAFT,
     LOOKUP,
     LookupIndex,
+    LookupPolicy,
     SharedLookup,
     branch_length,
     fit_budget,
@@ -117,6 +118,22 @@ def test_a_budget_drops_the_drafts_last_leaves_and_keeps_the_lookup() -> None:
     for i, parent in enumerate(fitted.parents):
         assert -1 <= parent < i
     assert fit_budget(merged, 20) is merged
+
+
+def test_the_policy_keeps_the_tokens_worth_their_cost_and_learns_per_match() -> None:
+    free = LookupPolicy()  # verifying costs nothing more: the whole continuation
+    assert free.length(1, 6) == 6 and free.length(8, 3) == 3
+    dear = LookupPolicy(token_cost=0.4)  # prior: p(1) = 1/3, p(4) = 2/3, c = 0.8
+    assert dear.length(1, 6) == 0  # a one-token match is not worth a verified token here
+    assert dear.length(4, 6) == 3  # 0.67, 0.53, 0.43 > 0.4 > 0.34
+    for _ in range(40):  # one-token matches that turn out right, and long runs after them
+        dear.observe(1, True, 6, 6)
+    assert dear.p_first(1) > 0.9 and dear.p_later() > 0.9 and dear.length(1, 6) == 6
+    for _ in range(200):
+        dear.observe(9, False, 0, 0)  # never verified, still counted: the target's token is known
+    assert dear.p_first(8) < 0.05 and dear.length(12, 6) == 0
+    with pytest.raises(ValueError, match="token cost"):
+        LookupPolicy(token_cost=-1)
 
 
 # ---------------------------------------------------------------- decoding
