@@ -321,7 +321,10 @@ def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
         report.update(draft=draft_path, target=cfg.target.name_or_path, settings=settings)
         write_report(report, out, e.wandb_mode)
     return {"out_dir": str(out), "draft": draft_path, "overall": report["overall"],
-            "sets": {n: {k: s[k] for k in ("tau", "speedup", "accept_per_pos")} for n, s in report["sets"].items()}}
+            "sets": {n: {k: s[k] for k in ("tau", "speedup", "accept_per_pos")} for n, s in report["sets"].items()},
+            "compare": {p: {"overall": {k: r["overall"][k] for k in ("tau", "speedup")},
+                            "sets": {n: {k: s[k] for k in ("tau", "speedup")} for n, s in r["sets"].items()}}
+                        for p, r in report.get("compare", {}).items()}}
 
 
 def stage_report(cfg: PipelineConfig) -> dict[str, Any]:
