@@ -14,7 +14,10 @@ One JSON line per figure:
   plain loop must be at least as fast, or the speedup is measured against a slow baseline;
 * ``speculative`` per eval set and overall: tau, acceptance per position, tokens/s of the
   speculative and plain loops, the measured speedup, the prediction for that tau and their ratio
-  (the gap is the loop's own overhead).
+  (the gap is the loop's own overhead);
+* ``beside`` per eval set and overall, for each of ``--compare`` (default: ``lookup``, the untrained
+  prompt-lookup baseline; ``hybrid``: the draft and the lookup in one verified tree): its tau (tokens
+  per target forward), speedup and greedy equality on the same prompts, and its ratio to the draft's.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=int, default=16)
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--compare", default="lookup",
+                        help="proposers run beside the draft on the same prompts, comma separated ('' for none)")
     parser.add_argument("--out", default=None, help="also write serve_eval's report here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -85,8 +90,9 @@ def main(argv: list[str] | None = None) -> None:
         synchronize(target.device)
         hf_seconds += time.perf_counter() - start
         hf_tokens += out.shape[1] - len(p)
+    compare = [c for c in args.compare.split(",") if c]
     report = evaluate(target, draft, prompts, config=config, params=SamplingConfig(),
-                      max_new_tokens=args.max_new_tokens, stop_ids=stops, progress=False)
+                      max_new_tokens=args.max_new_tokens, stop_ids=stops, progress=False, compare=compare)
     plain_tps = report["overall"]["plain_tokens_per_s"]
     print(json.dumps({"figure": "baseline", "hf_generate_tokens_per_s": round(hf_tokens / hf_seconds, 2),
                       "plain_loop_tokens_per_s": plain_tps,
@@ -100,6 +106,14 @@ def main(argv: list[str] | None = None) -> None:
         line.update(predicted_speedup=round(predicted, 3),
                     measured_over_predicted=round(s["speedup"] / predicted, 3) if s["speedup"] else None)
         print(json.dumps(line), flush=True)
+    for proposer, other in report["compare"].items():
+        for name, s in [*other["sets"].items(), ("overall", other["overall"])]:
+            mine = report["overall"] if name == "overall" else report["sets"][name]
+            print(json.dumps({"figure": "beside", "proposer": proposer, "set": name, "tau": s["tau"],
+                              "speedup": s["speedup"], "equal": s.get("equal"), "prompts": s["prompts"],
+                              "tau_over_draft": round(s["tau"] / mine["tau"], 3),
+                              "speedup_over_draft": round(s["speedup"] / mine["speedup"], 3)
+                              if s["speedup"] and mine["speedup"] else None}), flush=True)
     if args.out:
         report["draft"], report["target"] = args.draft, args.target
         write_report(report, Path(args.out), "disabled")
