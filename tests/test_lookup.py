@@ -22,7 +22,16 @@ from serve_eval.lookup import (
     merge_branch,
 )
 from serve_eval.spec_decode import SpeculativeDecoder
-from tests.helpers import PROMPTS, OracleDecoder, assert_sampling_matches_target, make_draft, make_target, plain
+from tests.helpers import (
+    PROMPTS,
+    OracleDecoder,
+    assert_sampling_matches_target,
+    dflash_for,
+    make_draft,
+    make_target,
+    peagle_for,
+    plain,
+)
 
 # ---------------------------------------------------------------- the index
 
@@ -160,6 +169,19 @@ def test_greedy_equals_plain_decoding_with_the_lookup(config: SpecConfig) -> Non
         if config.proposer == "lookup":
             assert all(r[0] == 0 and r[2] == 0 for r in stats.sources)
     assert rounds_with_lookup > 0
+
+
+@pytest.mark.parametrize("family", ["peagle", "dflash"])
+def test_the_parallel_families_serve_the_hybrid_losslessly(family: str) -> None:
+    target = make_target()
+    draft = {"peagle": peagle_for, "dflash": dflash_for}[family](target)
+    decoder = SpeculativeDecoder(target, draft, SpecConfig("chain", k=3, proposer="hybrid"))
+    branches = 0
+    for prompt in ([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3], PROMPTS[0]):
+        got = decoder.generate(prompt, 30)
+        assert got.tokens == plain(target, prompt, 30)
+        branches += sum(1 for n in got.stats.lookup if n)
+    assert branches > 0
 
 
 def test_a_right_draft_and_a_right_lookup_are_counted_as_both() -> None:
