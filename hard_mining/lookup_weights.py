@@ -25,7 +25,7 @@ from eagle3.errors import ConfigError, run_cli
 from serve_eval.lookup import LookupIndex
 
 
-def lookup_tokens(ids: Sequence[int], mask: Sequence[bool], min_match: int = 2, max_match: int = 4) -> list[int]:
+def lookup_tokens(ids: Sequence[int], mask: Sequence[bool], min_match: int = 2, max_match: int = 8) -> list[int]:
     """Indices j of the reply tokens (``mask[j]``) that the lookup over ``ids[:j]`` proposes first after
     a match of at least ``min_match`` tokens."""
     index = LookupIndex(1, max_match)
@@ -39,7 +39,7 @@ def lookup_tokens(ids: Sequence[int], mask: Sequence[bool], min_match: int = 2, 
     return out
 
 
-def lookup_weights(store: object, weight: float, min_match: int, max_match: int = 4,
+def lookup_weights(store: object, weight: float, min_match: int, max_match: int = 8,
                    ) -> tuple[dict[str, list[list[int | float]]], dict[str, int]]:
     """``train.token_weights`` entries for every sample of ``store`` (a harvest store) and counts."""
     out: dict[str, list[list[int | float]]] = {}
@@ -67,7 +67,7 @@ def _main(argv: Sequence[str] | None) -> int:
     parser.add_argument("--out", required=True, help="the token weights file (train.token_weights)")
     parser.add_argument("--weight", type=float, default=0.25, help="the weight of a token the lookup proposes")
     parser.add_argument("--min-match", type=int, default=2, help="the shortest match that counts")
-    parser.add_argument("--max-match", type=int, default=4, help="the longest n-gram indexed")
+    parser.add_argument("--max-match", type=int, default=8, help="the longest n-gram indexed")
     args = parser.parse_args(argv)
     if not 0 <= args.weight <= 1:
         raise ConfigError(f"--weight {args.weight}: expected 0..1 (1 changes nothing)")

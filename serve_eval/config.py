@@ -47,7 +47,7 @@ class SpecConfig:
     """Most tokens the lookup proposes in a round (its branch)."""
     lookup_min: int = 1
     """Shortest match (tokens ending the context) the lookup acts on."""
-    lookup_max: int = 4
+    lookup_max: int = 8
     """Longest n-gram the lookup indexes (a match may run further back; it is then measured whole)."""
     lookup_scale: int = 2
     """Tokens the lookup proposes per matched token, up to ``lookup_k`` (a one-token match is a weak hint)."""

@@ -54,7 +54,7 @@ def branch_length(match: int, limit: int, scale: int) -> int:
 class LookupIndex:
     """n-gram occurrences of one growing token sequence."""
 
-    def __init__(self, min_match: int = 1, max_match: int = 4, per_key: int = 4) -> None:
+    def __init__(self, min_match: int = 1, max_match: int = 8, per_key: int = 16) -> None:
         if not 1 <= min_match <= max_match:
             raise ValueError(f"lookup match lengths {min_match}..{max_match}: need 1 <= min <= max")
         self.min_match, self.max_match, self.per_key = min_match, max_match, per_key
@@ -117,7 +117,7 @@ class LookupIndex:
 class SharedLookup:
     """Recent replies across requests (each with the tail of its prompt), capped at ``max_tokens``."""
 
-    def __init__(self, max_tokens: int, min_match: int = 1, max_match: int = 4, context: int = 256) -> None:
+    def __init__(self, max_tokens: int, min_match: int = 1, max_match: int = 8, context: int = 256) -> None:
         if max_tokens < 0:
             raise ValueError(f"shared lookup: max_tokens must be >= 0, got {max_tokens}")
         self.max_tokens, self.min_match, self.max_match, self.context = max_tokens, min_match, max_match, context
