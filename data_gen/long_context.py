@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from data_gen.long_edit import TOOLS, edit_records
 from data_gen.sources import ISO3_TO_ISO1, text_paragraphs
 from eagle3.atomic import atomic_write_text
 from eagle3.errors import ConfigError, run_cli
@@ -202,10 +203,9 @@ def build(pools: Path, count_prompt: Callable[[Any], int], lengths: Sequence[int
                                          "text_language": t.language}})
         written[name] = _write(pools, name, records)
     written["long_chat"] = _write(pools, "long_chat", chat_records(count_prompt, lengths, tasks, seed))
-    from data_gen.long_edit import TOOLS, edit_records
-
-    written["long_edit"] = _write(pools, "long_edit", edit_records(lambda turns: count_prompt(turns, TOOLS), lengths,
-                                                                   tasks, seed))
+    edit_tasks = code_tasks(3 * tasks, seed)[2 * tasks:]  # past long_code's and long_chat's
+    written["long_edit"] = _write(pools, "long_edit", edit_records(edit_tasks, lambda turns: count_prompt(turns, TOOLS),
+                                                                   lengths, seed))
     return written
 
 

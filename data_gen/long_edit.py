@@ -17,9 +17,6 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from data_gen import long_context
-from data_gen.long_context import Task
-
 EDITS = (
     "rename `{name}` to `{name}_v2` (its own recursive calls included; nothing else changes)",
     "add a one-line docstring to `{name}` saying what it returns (nothing else changes)",
@@ -48,7 +45,7 @@ def _body(text: str) -> str:
     return text.split("\n", 1)[1] if "\n" in text else ""
 
 
-def edit_messages(task: Task, files: Sequence[str], ask: str) -> list[dict[str, Any]]:
+def edit_messages(task: Any, files: Sequence[str], ask: str) -> list[dict[str, Any]]:
     """The conversation: the ask, one read_file call and its result per file of ``files`` (the focus
     among them, as ``# file:`` texts), then the reply left to write."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": ask}]
@@ -61,7 +58,7 @@ def edit_messages(task: Task, files: Sequence[str], ask: str) -> list[dict[str, 
     return [*messages, {"role": "assistant", "content": ""}]
 
 
-def fit_reads(task: Task, ask: str, length: int, count: Callable[[list[dict[str, Any]]], int],
+def fit_reads(task: Any, ask: str, length: int, count: Callable[[list[dict[str, Any]]], int],
               rng: random.Random) -> tuple[list[dict[str, Any]], int]:
     """Other modules read before the focus, in a seeded order, as many as keep the prompt within
     ``length`` tokens; -> (messages, tokens)."""
@@ -73,12 +70,13 @@ def fit_reads(task: Task, ask: str, length: int, count: Callable[[list[dict[str,
     return messages, count(messages[:-1])
 
 
-def edit_records(count: Callable[[list[dict[str, Any]]], int], lengths: Sequence[int], tasks: int,
+def edit_records(tasks: Sequence[Any], count: Callable[[list[dict[str, Any]]], int], lengths: Sequence[int],
                  seed: int) -> list[dict[str, Any]]:
-    """``long_edit``'s records: each task short, then at each length. ``count``: a prompt's tokens
-    (the turns up to the last tool result, :data:`TOOLS` rendered in)."""
+    """``long_edit``'s records: each code task (:class:`data_gen.long_context.Task`: an id
+    ``module:function``, the ``# file:`` focus text, the other modules) short, then at each length.
+    ``count``: a prompt's tokens (the turns up to the last tool result, :data:`TOOLS` rendered in)."""
     records = []
-    for i, task in enumerate(long_context.code_tasks(3 * tasks, seed)[2 * tasks:]):
+    for i, task in enumerate(tasks):
         member, name = _path(task.focus), task.id.rsplit(":", 1)[-1]  # code tasks: "module.py:function"
         ask = f"In `{member}`, {EDITS[i % len(EDITS)].format(name=name)}. Then show me the whole updated function."
         rng = random.Random(f"{seed}:edit:{task.id}")

@@ -190,7 +190,7 @@ def evaluate(target: Any, draft: Any, prompts: dict[str, list[list[int]]], *, co
     room = context_length(target.config) or 4096
     cost = measure_cost(decoder, width, context=min(256, room // 2))
     for run in runs.values():  # the lookup's branches priced on this machine
-        run.decoder.cost_lookup(cost)
+        run.decoder.cost_lookup(cost.verify_s)
     if decoder.proposer is None:  # the report's cost model explains a draft's rounds
         cost = None
     stops = frozenset(stop_ids)

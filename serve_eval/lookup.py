@@ -167,7 +167,7 @@ class LookupPolicy:
     share of later branch tokens taken once the one before was; both counted over the rounds so far
     (Beta-smoothed over a prior: ``m / (m + 2)`` and 0.8). Verifying one more token costs
     ``token_cost`` of a plain decoding step, i.e. that many tokens of plain output (the cost model's
-    slope over t(1): ~0.17 on a 2-core CPU, ~0 for batch-1 decoding on a GPU), so a branch keeps the
+    slope over t(1): ~0.2 on a 2-core CPU, ~0 for batch-1 decoding on a GPU), so a branch keeps the
     tokens with ``p(m) c^j > token_cost``, none where the match is weak and verifying is dear. The
     draft's confidence is not weighed: its first token's probability does not tell when the lookup
     is right (``bench/studies/lookup_rounds.py``)."""

@@ -497,7 +497,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
     cost = None
     if args.adaptive or spec.uses_lookup:  # adaptive depths, and the lookup's branches, priced on this machine
         cost = measure_cost(decoder, args.k)
-        decoder.cost_lookup(cost)
+        decoder.cost_lookup(cost.verify_s)
         print(json.dumps({"server": "cost model", **cost.as_dict(),
                           "lookup_token_cost": round(decoder.lookup_policy.token_cost, 4)}), file=sys.stderr)
     return Engine(decoder, chat, model_name=args.served_model_name or args.target, max_model_len=max_model_len,

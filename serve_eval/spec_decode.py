@@ -29,7 +29,7 @@ with like. Timings split draft / verify / other; ``stats`` has tau and acceptanc
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,7 +43,6 @@ from eagle3.draft.metrics import acceptance_per_position, accepted_by_source, se
 from eagle3.draft.model import DraftHead, DraftKV
 from eagle3.errors import ConfigError
 from eagle3.target.model import Target
-from serve_eval.adaptive import CostModel
 from serve_eval.config import SpecConfig
 from serve_eval.lookup import (
     DRAFT,
@@ -212,10 +211,10 @@ class SpeculativeDecoder:
 
     # -- generation
 
-    def cost_lookup(self, cost: CostModel) -> None:
-        """Price the lookup's extra verified tokens from a measured cost model: the verify forward's
-        cost per token over one plain step's (``verify_s`` is fitted linear, so its slope is one step)."""
-        verify = cost.verify_s
+    def cost_lookup(self, verify: Sequence[float]) -> None:
+        """Price the lookup's extra verified tokens from a measured cost model's verify times (seconds
+        over 1, 2, .. tokens, fitted linear: :class:`serve_eval.adaptive.CostModel`): the cost of one
+        more verified token over one plain step's."""
         slope = (verify[-1] - verify[0]) / max(len(verify) - 1, 1)
         self.lookup_policy.token_cost = max(slope, 0.0) / verify[0]
 
