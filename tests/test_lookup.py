@@ -195,8 +195,8 @@ def test_a_right_draft_and_a_right_lookup_are_counted_as_both() -> None:
     assert by["both"] > 0 and by["lookup_rounds"] > 0
 
 
-@pytest.mark.parametrize("config", [
-    SpecConfig("chain", k=2, proposer="hybrid", lookup_k=3, lookup_scale=1),
+@pytest.mark.parametrize("config", [  # slow: 30 s each here; CI runs them beside the quickstart
+    pytest.param(SpecConfig("chain", k=2, proposer="hybrid", lookup_k=3, lookup_scale=1), marks=pytest.mark.slow),
     pytest.param(SpecConfig("chain", k=2, proposer="lookup", lookup_k=3), marks=pytest.mark.slow),
     pytest.param(SpecConfig("tree", k=2, topk=2, budget=5, proposer="hybrid", lookup_k=3), marks=pytest.mark.slow),
 ])
