@@ -10,7 +10,7 @@ was the draft's first and the lookup's first, and the lookup's match length. Pri
 * ``calibration``: the draft's first token, per bin of its probability: rounds, mean probability,
   share right (and the expected calibration error over the bins);
 * ``lookup_by_match``: per match length, rounds and the share where the lookup's first token was right;
-* ``disagree``: rounds where both proposed and their first tokens differ, per bin of the draft's
+* ``disagree``: rounds where both proposed and not both were right, per bin of the draft's
   probability: which of the two the target took (what a policy weighing one against the other sees).
 """
 
