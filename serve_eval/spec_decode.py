@@ -219,11 +219,6 @@ class SpeculativeDecoder:
         self.lookup_policy.token_cost = max(slope, 0.0) / verify[0]
 
     @property
-    def speculates(self) -> bool:
-        """Whether :meth:`generate` proposes anything (a draft, or the lookup)."""
-        return self.proposer is not None or self.config.uses_lookup
-
-    @property
     def max_depth(self) -> int:
         """The deepest node a round can propose (per-position acceptance is counted up to it)."""
         k = self.config.k if self.proposer is not None else 0
