@@ -22,7 +22,7 @@ gets its own matched uniform control, ``uniform-matched``). Every (arm, seed) is
 One JSON line per (arm, group): held-out tau_sim (K = the TTT steps) per seed, their mean, and a
 95% bootstrap interval (samples resampled with replacement, the same draws for every arm and
 seed; the statistic is the mean over seeds of the pooled tau); then per arm against its control
-the paired difference with its interval and the ratio of (tau - 1). Goal of issue 50: the best
+the paired difference with its interval and the ratio of (tau - 1). The goal: the best
 arm's (tau - 1) >= 1.10x uniform's overall and >= 1.15x on the weakest domain (the lowest before
 the round), the difference's interval above 0.
 """

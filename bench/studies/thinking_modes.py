@@ -1,5 +1,5 @@
 """A draft trained on thinking-on data only against one trained on a mix, each served with thinking on
-and with it off (issue 49): does the mix keep its acceptance in both modes, and does the on-only
+and with it off: does the mix keep its acceptance in both modes, and does the on-only
 draft drop with thinking off, as published drafts do (z-lab/dflash #60)?
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/studies/thinking_modes.py --pools runs/quickstart/pools \\
