@@ -53,12 +53,14 @@ from eagle3.errors import ConfigError, run_cli
 from eagle3.store.conversations import ConversationError, check_messages, check_tools
 from eagle3.target.chat import ChatFormat, ChatFormatError
 from serve_eval.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_cost
+from serve_eval.capture import CaptureWriter
 from serve_eval.config import SpecConfig
 from serve_eval.lookup import SharedLookup
 from serve_eval.openai_api import BadRequest, ChatRequest, CompletionRequest, parse_body
+from serve_eval.promoted import DraftFollower
 from serve_eval.server_metrics import Metrics
 from serve_eval.spec_decode import SpeculativeDecoder
-from serve_eval.traffic import TrafficLog
+from serve_eval.traffic import TrafficLog, rounds_of
 
 # ---------------------------------------------------------------- text
 
@@ -143,8 +145,10 @@ class Engine:
     def __init__(self, decoder: SpeculativeDecoder, chat: ChatFormat, *, model_name: str, max_model_len: int,
                  default_max_tokens: int = 1024, adaptive: bool = False, cost: CostModel | None = None,
                  prior: Sequence[float] | None = None, max_queue: int = 256, recent_requests: int = 64,
-                 traffic: TrafficLog | None = None, shared: SharedLookup | None = None) -> None:
+                 traffic: TrafficLog | None = None, shared: SharedLookup | None = None,
+                 capture: CaptureWriter | None = None, follower: DraftFollower | None = None) -> None:
         self.decoder, self.chat, self.model_name, self.traffic = decoder, chat, model_name, traffic
+        self.capture, self.follower = capture, follower
         self.tokenizer = chat.tokenizer
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
         self.k = decoder.config.k if decoder.proposer is not None else 0
@@ -159,6 +163,17 @@ class Engine:
         # every finished request's rounds become the next request's prior
         self.session = AdaptiveSession(cost, self.k, prior) if adaptive and cost is not None else None
         self.metrics = Metrics(decoder.max_depth, recent_requests, shared)
+        if capture is not None:
+            for name, text, value in (
+                    ("eagle3_capture_requests", "Requests captured as training samples", lambda: capture.written),
+                    ("eagle3_capture_paused", "Requests not captured: the capture folder was full",
+                     lambda: capture.paused),
+                    ("eagle3_capture_max_bytes", "The capture folder's budget", lambda: capture.max_bytes)):
+                self.metrics.watch(name, text, value)
+        if follower is not None:
+            for kind in follower.counts:
+                self.metrics.watch(f"eagle3_draft_{kind}", f"Promoted drafts {kind.replace('_', ' ')} by the server",
+                                   lambda kind=kind: follower.counts[kind])
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.ids = itertools.count(1)
         self.worker = threading.Thread(target=self._work, name="eagle3-engine", daemon=True)
@@ -262,6 +277,8 @@ class Engine:
                 continue
             self.metrics.running.set(1)
             try:
+                if self.follower is not None:  # between requests: a promoted draft, checked
+                    self._swap(self.follower.poll())
                 self._run(job)
             except Exception as err:  # the request fails, the server goes on
                 try:
@@ -272,6 +289,11 @@ class Engine:
                                     time.perf_counter() - job.queued_at)
             finally:
                 self.metrics.running.set(0)
+
+    def _swap(self, draft: Any) -> None:
+        if draft is not None:
+            self.decoder.set_draft(draft)
+            self.metrics.version.set(self.follower.version if self.follower is not None else 0)
 
     def _run(self, job: Job) -> None:
         text = TextStream(self.tokenizer, job.stops)
@@ -288,8 +310,10 @@ class Engine:
         if self.decoder.proposer is not None and self.decoder.config.mode == "chain":
             adaptive = self.session.start() if self.session is not None else None
             policy = _LiveDepth(self.k, adaptive, self.metrics)
+        version = self.follower.version if self.follower is not None else 0
+        capture = self.capture is not None and self.capture.has_room()
         gen = self.decoder.generate(job.prompt, job.max_tokens, self.chat.stop_ids, job.params, job.seed,
-                                    policy=policy, on_tokens=on_tokens, shared=self.shared)
+                                    policy=policy, on_tokens=on_tokens, shared=self.shared, capture=capture)
         stats = gen.stats
         if self.shared is not None and not job.cancelled.is_set():
             self.shared.add(job.prompt, gen.tokens)
@@ -318,6 +342,18 @@ class Engine:
                                   "mean_depth": round(sum(stats.depths) / len(stats.depths), 3)
                                   if stats.depths else 0.0,
                                   "accepted_by": stats.accepted_by()}})
+        self.metrics.observe_version(version, stats)
+        if self.capture is not None and outcome == "ok":
+            if gen.states is not None:  # None: the folder was full (counted when the request began)
+                try:
+                    self.capture.write(job.prompt, gen.tokens, gen.states, {
+                        "draft_version": version, "finish_reason": "stop" if stopped else "length",
+                        "k": stats.proposed, "rounds": rounds_of(stats)})
+                except OSError as err:  # a full disk: the request was served; capture skips it, counted
+                    self.capture.paused += 1
+                    print(f"capture: {job.request_id} not captured: {err}", file=sys.stderr)
+        if self.follower is not None and self.follower.observe(version, sum(stats.accepted), len(stats.accepted)):
+            self._swap(self.follower.roll_back())
 
 
 # ---------------------------------------------------------------- HTTP
@@ -500,13 +536,41 @@ def build_engine(args: argparse.Namespace) -> Engine:
         decoder.cost_lookup(cost.verify_s)
         print(json.dumps({"server": "cost model", **cost.as_dict(),
                           "lookup_token_cost": round(decoder.lookup_policy.token_cost, 4)}), file=sys.stderr)
+    capture, follower = live_parts(args, target, chat, max_model_len, spec.uses_draft)
     return Engine(decoder, chat, model_name=args.served_model_name or args.target, max_model_len=max_model_len,
                   default_max_tokens=args.default_max_tokens, adaptive=args.adaptive, cost=cost,
                   prior=draft_prior(meta, args.k), max_queue=args.max_queue, recent_requests=args.recent_requests,
                   traffic=TrafficLog(args.traffic_log, int(args.traffic_log_max_mb * 2**20)) if args.traffic_log
                   else None,
                   shared=SharedLookup(args.lookup_shared_tokens, spec.lookup_min, spec.lookup_max)
-                  if args.lookup_shared_tokens else None)
+                  if args.lookup_shared_tokens else None, capture=capture, follower=follower)
+
+
+def live_parts(args: argparse.Namespace, target: Any, chat: ChatFormat, max_model_len: int,
+               drafts: bool) -> tuple[CaptureWriter | None, DraftFollower | None]:
+    """With ``--live DIR``: the capture into ``DIR/capture`` and, where a draft serves, the follower of
+    ``DIR/serving.json`` (its drafts loaded and checked as the server's own)."""
+    if args.live is None:
+        return None, None
+    from pathlib import Path
+
+    from serve_eval.capture import serving_spec
+
+    live = Path(args.live)
+    spec = serving_spec(target, args.target, chat, args.capture_dtype, max_model_len)
+    capture = CaptureWriter(live / "capture", spec, int(args.capture_max_mb * 2**20))
+    if not drafts:
+        return capture, None
+
+    def load(folder: Any) -> Any:
+        from eagle3.export import fit_to_target, load_draft
+
+        loaded = load_draft(folder if folder is not None else args.draft)
+        fit_to_target(loaded, target)
+        return loaded.draft.to(device=target.device, dtype=target.dtype).eval()
+
+    return capture, DraftFollower(live, load, rollback_requests=args.rollback_requests,
+                                  rollback_drop=args.rollback_drop)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -536,14 +600,31 @@ def _main(argv: Sequence[str] | None) -> int:
     parser.add_argument("--lookup-shared-tokens", type=int, default=0,
                         help="with --proposer lookup or hybrid: also continue from recent replies to other requests, "
                              "at most this many tokens of them held (the oldest dropped; 0: off)")
+    parser.add_argument("--live", default=None,
+                        help="learn from the traffic: capture each finished request's training sample (its token ids "
+                             "and the target states the server computed; no text, headers or keys) into DIR/capture, "
+                             "and serve the drafts a live trainer promotes in DIR/serving.json (off by default)")
+    parser.add_argument("--capture-max-mb", type=float, default=1024.0,
+                        help="with --live: capture pauses while the captured requests hold this much")
+    parser.add_argument("--capture-dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn", "float32"),
+                        help="with --live: the captured states' dtype (as harvest.dtype)")
+    parser.add_argument("--rollback-requests", type=int, default=16,
+                        help="with --live: a promoted draft serves this many requests, then its served tau is "
+                             "compared with the previous draft's over as many (0: never roll back)")
+    parser.add_argument("--rollback-drop", type=float, default=0.1,
+                        help="with --live: roll back where the promoted draft's (tau - 1) falls this fraction below "
+                             "the previous draft's")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     for flag, value, low in (("--default-max-tokens", args.default_max_tokens, 1), ("--max-queue", args.max_queue, 1),
                              ("--recent-requests", args.recent_requests, 0),
                              ("--lookup-shared-tokens", args.lookup_shared_tokens, 0),
+                             ("--rollback-requests", args.rollback_requests, 0),
                              ("--threads", args.threads, 1), ("--port", args.port, 0)):
         if value < low:
             parser.error(f"{flag} must be >= {low}, got {value}")
+    if not 0 <= args.rollback_drop < 1:
+        parser.error(f"--rollback-drop must be in [0, 1), got {args.rollback_drop}")
     if args.port > 65535:
         parser.error(f"--port must be <= 65535, got {args.port}")
     if args.max_model_len is not None and args.max_model_len < 2:

@@ -58,12 +58,28 @@ class Metrics:
                      lambda: shared.evicted),
                     ("eagle3_lookup_shared_max_tokens", "The shared lookup index's cap", lambda: shared.max_tokens)):
                 Gauge(name, text, registry=r).set_function(value)
+        self.version = Gauge("eagle3_draft_version", "The draft version served (0: the one the server started "
+                             "with; promoted ones count up)", registry=r)
+        self.version_rounds = Counter("eagle3_spec_decode_rounds_by_draft_version", "Verify rounds, by the draft "
+                                      "version that served them", ["version"], registry=r)
+        self.version_accepted = Counter("eagle3_spec_decode_accepted_tokens_by_draft_version", "Draft tokens "
+                                        "accepted, by the draft version that served them", ["version"], registry=r)
         self.queue_depth = Gauge("eagle3_queue_depth", "Requests waiting", registry=r)
         self.running = Gauge("eagle3_running", "Requests being generated", registry=r)
         self.latency = Histogram("eagle3_request_seconds", "Request latency (queue included)", registry=r,
                                  buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
         self.recent: deque[dict[str, Any]] = deque(maxlen=recent)
         self.lock = threading.Lock()
+
+    def watch(self, name: str, text: str, value: Any) -> None:
+        """A gauge read from ``value()`` at each scrape (the live loop's counts)."""
+        from prometheus_client import Gauge
+
+        Gauge(name, text, registry=self.registry).set_function(value)
+
+    def observe_version(self, version: int, stats: DecodeStats) -> None:
+        self.version_rounds.labels(str(version)).inc(len(stats.accepted))
+        self.version_accepted.labels(str(version)).inc(sum(stats.accepted))
 
     def observe_round(self, depth: int, accepted: int) -> None:
         self.target_forwards.inc()

@@ -126,10 +126,36 @@ class DecodeStats:
         }
 
 
+class StateTape:
+    """The target states of every token a generation fed, as its forwards computed them (the
+    prefill's rows, then each round's newest token and accepted nodes): what a harvest of the served
+    sequence stores, taken without another target forward (:mod:`serve_eval.capture`)."""
+
+    def __init__(self) -> None:
+        self.aux: list[Tensor] = []  # [R, A, H] per forward
+        self.last: list[Tensor] = []  # [R, H]
+
+    def add(self, aux: Tensor, last: Tensor) -> None:
+        """Rows of one forward: ``aux`` [1, R, A, H] and ``last`` [1, R, H] (copied: a static cache's
+        outputs are overwritten by its next forward)."""
+        self.aux.append(aux[0].clone())
+        self.last.append(last[0].clone())
+
+    def rows(self, n: int) -> tuple[Tensor, Tensor]:
+        """The first ``n`` fed tokens' states: aux [n, A, H] and last [n, H], fp32 on the host."""
+        aux, last = torch.cat(self.aux)[:n], torch.cat(self.last)[:n]
+        if aux.shape[0] < n:
+            raise ValueError(f"the tape holds {aux.shape[0]} rows, {n} asked")
+        return aux.float().cpu(), last.float().cpu()
+
+
 @dataclass
 class Generation:
     tokens: list[int]
     stats: DecodeStats
+    states: tuple[Tensor, Tensor] | None = None
+    """With ``capture``: aux [T - 1, A, H] and last [T - 1, H] of the prompt and every emitted token but
+    the last one (never fed to the target), fp32."""
 
 
 def crop_cache(cache: Any, length: int) -> None:
@@ -175,6 +201,13 @@ class SpeculativeDecoder:
         """Sizes the lookup's branches (its token cost is 0 until told the machine's: :meth:`cost_lookup`)."""
         if config.proposer == "hybrid" and draft is None:
             raise ConfigError("proposer=hybrid needs a draft (proposer=lookup speculates without one)")
+        self.set_draft(draft)
+
+    def set_draft(self, draft: DraftHead | None) -> None:
+        """Serve ``draft`` from the next generation on (checked against the target first; the decoder
+        keeps everything else: its target cache, its lookup policy)."""
+        target, config = self.target, self.config
+        proposer = None
         if draft is not None and config.uses_draft:
             c = draft.config
             if c.target_hidden_size != target.hidden_size or c.vocab_size != target.vocab_size:
@@ -186,7 +219,8 @@ class SpeculativeDecoder:
             family = family_of(c)
             # under graphs a family that drafts step by step replays its steps over a static draft cache
             replayed = config.target_cache == "graphs" and family.replays_steps
-            self.proposer = family.proposer(draft, StaticDraftKV(draft) if replayed else DraftKV(draft), config)
+            proposer = family.proposer(draft, StaticDraftKV(draft) if replayed else DraftKV(draft), config)
+        self.draft, self.proposer = draft, proposer
 
     # -- helpers
 
@@ -229,14 +263,15 @@ class SpeculativeDecoder:
                  params: SamplingConfig = SamplingConfig(), seed: int = 0, speculate: bool = True,
                  policy: DepthPolicy | None = None,
                  on_tokens: Callable[[list[int]], bool] | None = None,
-                 shared: SharedLookup | None = None) -> Generation:
+                 shared: SharedLookup | None = None, capture: bool = False) -> Generation:
         """Generate up to ``max_new_tokens`` after ``prompt`` (stopping after a stop id).
 
         ``policy`` (chains only) picks each round's draft depth, 0..K (0: no draft tokens, the draft
         still catching up) and is told what was accepted. ``on_tokens`` is called with each round's
         new tokens; returning False ends the generation there (a stop string, a client gone).
         ``shared``: recent replies of other requests the lookup may continue from where this
-        request's own context has no match (the server's)."""
+        request's own context has no match (the server's). ``capture``: keep the target states of
+        every fed token (:attr:`Generation.states`), from the forwards the generation runs anyway."""
         if not prompt:
             raise ValueError("empty prompt")
         if policy is not None and self.config.mode != "chain":
@@ -250,6 +285,9 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         cache = self.target_cache(len(prompt) + max_new_tokens + self._extra_slots(target=True))
         out = self._target(prompt, cache)
+        tape = StateTape() if capture else None
+        if tape is not None:
+            tape.add(out.aux, out.last)
         emitted = [self._pick(out.logits[0, -1], params, g)]
         stats.seconds_prefill = time.perf_counter() - start
         going = on_tokens is None or on_tokens(list(emitted)) is not False
@@ -263,7 +301,7 @@ class SpeculativeDecoder:
         pending: list[tuple[Tensor, list[int]]] = [(out.aux, prompt[1:] + emitted)] if proposer else []
         while going and len(emitted) < max_new_tokens and emitted[-1] not in stop_ids:
             if proposer is None and lookup is None:
-                new = self._plain_step(emitted[-1], cache, params, g, stats)
+                new = self._plain_step(emitted[-1], cache, params, g, stats, tape)
                 n += len(new)
             else:
                 t0 = time.perf_counter()
@@ -295,6 +333,9 @@ class SpeculativeDecoder:
                 stats.sources.append((by.count(DRAFT), by.count(LOOKUP), by.count(DRAFT | LOOKUP)))
                 if policy is not None:
                     policy.observe(depth, acc.accepted)
+                if tape is not None:
+                    kept = [0, *(1 + p for p in path)]
+                    tape.add(out.aux[:, kept], out.last[:, kept])
                 keep_accepted(cache, n + 1, path)  # roll back the target and the draft
                 if proposer is not None:
                     proposer.rollback(n - sum(len(ts) for _, ts in pending))
@@ -309,7 +350,8 @@ class SpeculativeDecoder:
         stats.new_tokens = len(emitted)
         synchronize(self.device)
         stats.seconds_total = time.perf_counter() - start
-        return Generation(emitted, stats)
+        states = tape.rows(len(prompt) + len(emitted) - 1) if tape is not None else None
+        return Generation(emitted, stats, states)
 
     def _round_tree(self, proposal: Proposal, lookup: LookupIndex | None, shared: SharedLookup | None,
                     room: int) -> tuple[Merged, Continuation | None]:
@@ -340,10 +382,12 @@ class SpeculativeDecoder:
         return max(cfg.budget if target else (k - 1) * cfg.topk, k, lookup) + 1
 
     def _plain_step(self, x: int, cache: Any, params: SamplingConfig, g: torch.Generator | None,
-                    stats: DecodeStats) -> list[int]:
+                    stats: DecodeStats, tape: StateTape | None = None) -> list[int]:
         """One target step without a draft (the baseline)."""
         t0 = time.perf_counter()
         out = self._target([x], cache)
+        if tape is not None:
+            tape.add(out.aux, out.last)
         synchronize(self.device)
         stats.seconds_verify += time.perf_counter() - t0
         stats.target_forwards += 1
@@ -398,5 +442,5 @@ def _until_stop(tokens: list[int], stop_ids: set[int] | frozenset[int]) -> list[
     return tokens
 
 
-__all__ = ["DecodeStats", "DepthPolicy", "Generation", "SpeculativeDecoder", "crop_cache",
+__all__ = ["DecodeStats", "DepthPolicy", "Generation", "SpeculativeDecoder", "StateTape", "crop_cache",
            "keep_accepted"]

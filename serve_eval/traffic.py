@@ -32,6 +32,14 @@ class TrafficError(Eagle3Error, ValueError):
     pass
 
 
+def rounds_of(stats: DecodeStats) -> list[list[int]]:
+    """Per round: [context before its first draft token, depth, tokens accepted, of those proposed by
+    the draft only, the lookup only, both]."""
+    return [[*r[:3], *r[3]] for r in zip(stats.contexts, stats.depths or [stats.proposed] * len(stats.accepted),
+                                         stats.accepted, stats.sources or [(a, 0, 0) for a in stats.accepted],
+                                         strict=True)]
+
+
 class TrafficLog:
     """Appends finished chat requests to ``path`` (created with its folder) until ``max_bytes``."""
 
@@ -49,11 +57,7 @@ class TrafficLog:
         line = json.dumps({
             "messages": messages, **({"tools": tools} if tools else {}), "prompt_ids": prompt_ids,
             "reply_ids": reply_ids, "finish_reason": finish_reason, "k": stats.proposed,
-            "rounds": [[*r[:3], *r[3]] for r in zip(stats.contexts,
-                                                     stats.depths or [stats.proposed] * len(stats.accepted),
-                                                     stats.accepted,
-                                                     stats.sources or [(a, 0, 0) for a in stats.accepted],
-                                                     strict=True)],
+            "rounds": rounds_of(stats),
             "tau": round(stats.tau, 4)}, ensure_ascii=False) + "\n"
         data = line.encode()
         with self.lock:

@@ -1,0 +1,250 @@
+"""Promoted drafts: what a live trainer publishes and a server picks up between requests.
+
+A live folder (``--live DIR``) holds, beside the server's ``capture/``::
+
+    serving.json          the draft to serve: version, folder, every file's sha256, the versions
+                          before it (replaced atomically, under ``serving.lock``)
+    drafts/v<NNNN>/       each promoted draft (copied under a temporary name, then renamed)
+    events.jsonl          every promotion, refusal, swap and rollback, with its figures
+
+Version 0 is the draft the server started with (``serving.json`` absent). The server checks a new
+version's checksums and its fit to the target before it serves it; a version that fails either is
+never served (an event says why). A request runs on the draft it started with: the server swaps
+between requests only. After a swap the server watches the new version's served tau; where it falls
+short of the previous version's over the same number of requests by more than a margin, the server
+rolls back to it and the trainer goes on from there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3.atomic import atomic_write_text, sha256_file
+from eagle3.errors import Eagle3Error
+
+SERVING = "serving.json"
+EVENTS = "events.jsonl"
+DRAFTS = "drafts"
+
+
+class PromotionError(Eagle3Error, ValueError):
+    """A candidate that cannot be served (another target or vocabulary, a damaged file): never promoted."""
+
+
+def checksums(folder: Path) -> dict[str, str]:
+    """sha256 of every file of a draft folder, by relative name."""
+    return {str(p.relative_to(folder)): sha256_file(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def check_files(folder: Path, files: dict[str, str]) -> str | None:
+    """Why ``folder`` does not hold exactly ``files`` (a name and what differs), or None."""
+    try:
+        found = checksums(folder)
+    except OSError as err:
+        return f"{folder}: {err}"
+    for name, digest in files.items():
+        if name not in found:
+            return f"{folder}/{name} is missing"
+        if found[name] != digest:
+            return f"{folder}/{name}: sha256 {found[name][:12]} differs from the promoted {digest[:12]}"
+    extra = sorted(set(found) - set(files))
+    return f"{folder}/{extra[0]} was not promoted" if extra else None
+
+
+@contextlib.contextmanager
+def _locked(live: Path) -> Iterator[None]:
+    live.mkdir(parents=True, exist_ok=True)
+    with (live / "serving.lock").open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def read_serving(live: str | Path) -> dict[str, Any] | None:
+    """The promotion pointer, or None (version 0 serves: the server's own draft)."""
+    path = Path(live) / SERVING
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except ValueError as err:  # written atomically: only a hand edit gets here
+        raise PromotionError(f"{path}: {err}") from None
+
+
+def log_event(live: str | Path, event: str, **figures: Any) -> dict[str, Any]:
+    """Append one event line (one write: whole or not at all) and print it on stderr."""
+    entry = {"event": event, "time": round(time.time(), 3), **figures}
+    line = json.dumps(entry, sort_keys=True)
+    with (Path(live) / EVENTS).open("a", encoding="utf-8") as f:
+        f.write(line + "\n")
+    print(f"live: {line}", file=sys.stderr)
+    return entry
+
+
+def serving_version(live: str | Path) -> int:
+    pointer = read_serving(live)
+    return int(pointer["version"]) if pointer else 0
+
+
+def publish(live: str | Path, source: str | Path, figures: dict[str, Any]) -> int:
+    """Promote draft folder ``source``: copied to ``drafts/v<N>`` (temp name, then rename), then the
+    pointer replaced. Returns the new version."""
+    live, source = Path(live), Path(source)
+    files = checksums(source)
+    with _locked(live):
+        pointer = read_serving(live)
+        version = max([int(pointer["version"]) if pointer else 0, *_known_versions(live)]) + 1
+        dest = live / DRAFTS / f"v{version:04d}"
+        tmp = live / DRAFTS / f".v{version:04d}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(source, tmp)
+        why = check_files(tmp, files)
+        if why is not None:
+            raise PromotionError(f"copying {source}: {why}")
+        tmp.rename(dest)
+        history = [*(pointer.get("history", []) if pointer else []),
+                   *([_entry(pointer)] if pointer else [{"version": 0}])]
+        new = {"version": version, "path": str(dest.relative_to(live)), "files": files,
+               "digest": _digest(files), "history": history[-16:], "rolled_back": (pointer or {}).get(
+                   "rolled_back", [])}
+        atomic_write_text(live / SERVING, json.dumps(new, indent=2))
+    log_event(live, "promoted", version=version, source=str(source), **figures)
+    return version
+
+
+def rollback(live: str | Path, version: int, **figures: Any) -> dict[str, Any] | None:
+    """Point back to the version served before ``version`` (if ``version`` still serves); the new pointer."""
+    live = Path(live)
+    with _locked(live):
+        pointer = read_serving(live)
+        if not pointer or int(pointer["version"]) != version or not pointer.get("history"):
+            return None
+        previous = pointer["history"][-1]
+        new = {**previous, "history": pointer["history"][:-1],
+               "rolled_back": [*pointer.get("rolled_back", []), version]}
+        atomic_write_text(live / SERVING, json.dumps(new, indent=2))
+    log_event(live, "rolled_back", version=version, to=int(previous["version"]), **figures)
+    return new
+
+
+def _entry(pointer: dict[str, Any]) -> dict[str, Any]:
+    return {k: pointer[k] for k in ("version", "path", "files", "digest") if k in pointer}
+
+
+def _digest(files: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def _known_versions(live: Path) -> list[int]:
+    return [int(p.name[1:]) for p in (live / DRAFTS).glob("v[0-9]*") if p.name[1:].isdigit()]
+
+
+@dataclass
+class VersionTally:
+    """Served rounds per draft version: tau = 1 + accepted / rounds over a window of requests."""
+
+    window: int
+    requests: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+
+    def add(self, version: int, accepted: int, rounds: int) -> None:
+        if rounds:
+            kept = self.requests.setdefault(version, [])
+            kept.append((accepted, rounds))
+            del kept[:-self.window]
+
+    def tau(self, version: int) -> tuple[float, int]:
+        """(tau over the version's latest requests, how many)."""
+        kept = self.requests.get(version, [])
+        rounds = sum(r for _, r in kept)
+        return (1.0 + sum(a for a, _ in kept) / rounds if rounds else 1.0), len(kept)
+
+
+class DraftFollower:
+    """The server's side: between requests, serve the promoted version (checked), and roll back a
+    version whose served tau drops below the one before it."""
+
+    def __init__(self, live: str | Path, load: Any, *, rollback_requests: int = 16, rollback_drop: float = 0.1) -> None:
+        """``load(folder)``: the draft of a promoted folder, checked against the target (None: the
+        server's own draft, version 0)."""
+        self.live, self.load = Path(live), load
+        self.version, self.previous = 0, None
+        self.rollback_requests, self.rollback_drop = rollback_requests, rollback_drop
+        self.tally = VersionTally(max(rollback_requests, 1))
+        self.refused: set[str] = set()
+        self.counts = {"swapped": 0, "refused": 0, "rolled_back": 0}
+        self._seen: float | None = None
+
+    def poll(self) -> Any | None:
+        """The draft to swap in (a version newer than the one served, its files and fit checked),
+        or None. Cheap when nothing changed (one stat)."""
+        path = self.live / SERVING
+        try:
+            stamp = path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
+        if stamp == self._seen:
+            return None
+        self._seen = stamp
+        pointer = read_serving(self.live)
+        digest = pointer.get("digest", "initial") if pointer else "initial"
+        if pointer is None or int(pointer["version"]) == self.version or digest in self.refused:
+            return None
+        folder = self.live / pointer["path"] if "path" in pointer else None  # None: the server's own draft
+        why = check_files(folder, pointer["files"]) if folder is not None else None
+        draft = None
+        if why is None:
+            try:
+                draft = self.load(folder)
+            except (Eagle3Error, ValueError, OSError) as err:
+                why = f"{folder}: {err}"
+        if draft is None:
+            self.refused.add(digest)
+            self.counts["refused"] += 1
+            log_event(self.live, "refused_by_server", version=int(pointer["version"]), why=why)
+            return None
+        self.previous, self.version = self.version, int(pointer["version"])
+        self.counts["swapped"] += 1
+        log_event(self.live, "swapped", version=self.version, previous=self.previous)
+        return draft
+
+    def observe(self, version: int, accepted: int, rounds: int) -> bool:
+        """A request served by ``version``; True where the served version should be rolled back."""
+        self.tally.add(version, accepted, rounds)
+        if version != self.version or self.previous is None or self.rollback_requests == 0:
+            return False
+        new, n = self.tau(self.version)
+        old, m = self.tau(self.previous)
+        return n >= self.rollback_requests and m > 0 and (new - 1) < (1 - self.rollback_drop) * (old - 1)
+
+    def tau(self, version: int) -> tuple[float, int]:
+        return self.tally.tau(version)
+
+    def roll_back(self) -> Any | None:
+        """Point back to the previous version and serve it (the draft, loaded again), or None."""
+        new, n = self.tau(self.version)
+        old, m = self.tau(self.previous) if self.previous is not None else (1.0, 0)
+        pointer = rollback(self.live, self.version, served_tau=round(new, 4), requests=n,
+                           previous_tau=round(old, 4), previous_requests=m)
+        if pointer is None:
+            return None
+        self.counts["rolled_back"] += 1
+        self._seen = None
+        draft = self.poll()
+        self.previous = None  # the version rolled back is not watched against
+        return draft
+
+
+__all__ = ["DraftFollower", "PromotionError", "VersionTally", "check_files", "checksums", "log_event", "publish",
+           "read_serving", "rollback", "serving_version"]
