@@ -117,10 +117,10 @@ def test_each_request_is_written_once_and_a_restart_goes_on_after_it(tmp_path: P
 
 def test_a_full_folder_pauses_capture_and_a_damaged_request_is_refused(tmp_path: Path) -> None:
     spec = spec_of(make_target(), "bfloat16")
-    writer = CaptureWriter(tmp_path / "c", spec, 40_000)
+    writer = CaptureWriter(tmp_path / "c", spec, 12_000)
     written = [writer.write([1, 2], [3, 4, 5], _states(4, spec), {}) for _ in range(12)]
     assert written[0] and not written[-1] and writer.paused == written.count(False) >= 1
-    assert writer.used_bytes() <= 40_000
+    assert writer.used_bytes() <= 12_000
     item = committed(tmp_path / "c")[0]
     data = bytearray(item.path.read_bytes())
     data[-1] ^= 0xFF
