@@ -140,3 +140,52 @@ class MineConfig:
             raise ConfigError(f"mine.keep_fraction={self.keep_fraction}: must be in (0, 1]")
         if self.wandb_mode not in WANDB_MODES:
             raise ConfigError(f"mine.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(WANDB_MODES)}")
+
+
+@dataclass
+class LiveConfig:
+    """The live trainer (hard_mining.live): the server's captured requests -> continued training ->
+    a judged candidate -> promoted to the server."""
+
+    live: str = ""
+    """The server's ``--live`` folder: its ``capture/`` is read, ``serving.json`` written, ``rounds/`` kept."""
+    draft: str = ""
+    """The draft the server started with (version 0)."""
+    store: str | None = None
+    """The draft's original training store, mixed in so the draft does not forget (optional)."""
+    mix: float = 0.5
+    """With ``store``: its samples' total sampling weight, as a fraction of the captured samples'."""
+    round_requests: int = 24
+    """New captured requests that start a round."""
+    window: int = 512
+    """The most recent captured requests a round trains on (the held-out ones excluded)."""
+    holdout: int = 16
+    """The most recent captured requests, judged on and not trained on this round."""
+    steps: int = 40
+    """Training steps per round, continuing from the draft that serves."""
+    lr: float = 3e-4
+    k: int = 3
+    """The served chain depth the judge scores (the server's ``--k``)."""
+    margin: float = 0.0
+    """A candidate is promoted when its teacher-forced served tau on the held-out requests beats the
+    serving draft's by more than this, with the lower end of the 95% interval of the paired difference
+    above 0."""
+    replay_weight: float = 0.0
+    """Above 0: the tokens the serving draft rejected in the captured rounds get this loss weight
+    (``train.token_weights``; on-policy replay)."""
+    release: bool = True
+    """Delete the captured requests no round can train on any more (older than the window)."""
+    poll_s: float = 2.0
+    idle_exit_s: float = 0.0
+    """Above 0: stop after this long without a new captured request (benchmarks; 0: run until killed)."""
+    max_rounds: int = 0
+    """Stop after this many rounds (0: no limit)."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key, value, low in (("round_requests", self.round_requests, 1), ("window", self.window, 1),
+                                ("holdout", self.holdout, 2), ("steps", self.steps, 1), ("k", self.k, 1)):
+            if value < low:
+                raise ConfigError(f"live.{key}: must be >= {low}, got {value}")
+        if self.mix < 0 or self.margin < 0 or self.replay_weight < 0 or self.lr <= 0:
+            raise ConfigError("live.mix, live.margin and live.replay_weight must be >= 0, live.lr > 0")

@@ -116,7 +116,7 @@ def publish(live: str | Path, source: str | Path, figures: dict[str, Any]) -> in
         tmp.rename(dest)
         history = [*(pointer.get("history", []) if pointer else []),
                    *([_entry(pointer)] if pointer else [{"version": 0}])]
-        new = {"version": version, "path": str(dest.relative_to(live)), "files": files,
+        new = {"version": version, "path": str(dest.relative_to(live)), "files": files, "source": str(source),
                "digest": _digest(files), "history": history[-16:], "rolled_back": (pointer or {}).get(
                    "rolled_back", [])}
         atomic_write_text(live / SERVING, json.dumps(new, indent=2))
@@ -124,23 +124,27 @@ def publish(live: str | Path, source: str | Path, figures: dict[str, Any]) -> in
     return version
 
 
-def rollback(live: str | Path, version: int, **figures: Any) -> dict[str, Any] | None:
-    """Point back to the version served before ``version`` (if ``version`` still serves); the new pointer."""
+def rollback(live: str | Path, version: int, to: int, **figures: Any) -> dict[str, Any] | None:
+    """Point back from ``version`` (if it still serves) to version ``to`` (one it promoted before); the
+    new pointer, or None."""
     live = Path(live)
     with _locked(live):
         pointer = read_serving(live)
-        if not pointer or int(pointer["version"]) != version or not pointer.get("history"):
+        if not pointer or int(pointer["version"]) != version:
             return None
-        previous = pointer["history"][-1]
-        new = {**previous, "history": pointer["history"][:-1],
+        history = pointer.get("history", [])
+        at = next((i for i in range(len(history) - 1, -1, -1) if int(history[i]["version"]) == to), None)
+        if at is None:
+            return None
+        new = {**history[at], "history": history[:at],
                "rolled_back": [*pointer.get("rolled_back", []), version]}
         atomic_write_text(live / SERVING, json.dumps(new, indent=2))
-    log_event(live, "rolled_back", version=version, to=int(previous["version"]), **figures)
+    log_event(live, "rolled_back", version=version, to=to, **figures)
     return new
 
 
 def _entry(pointer: dict[str, Any]) -> dict[str, Any]:
-    return {k: pointer[k] for k in ("version", "path", "files", "digest") if k in pointer}
+    return {k: pointer[k] for k in ("version", "path", "files", "digest", "source") if k in pointer}
 
 
 def _digest(files: dict[str, str]) -> str:
@@ -182,7 +186,7 @@ class DraftFollower:
         self.version, self.previous = 0, None
         self.rollback_requests, self.rollback_drop = rollback_requests, rollback_drop
         self.tally = VersionTally(max(rollback_requests, 1))
-        self.refused: set[str] = set()
+        self.refused: set[int] = set()  # versions never to try again
         self.counts = {"swapped": 0, "refused": 0, "rolled_back": 0}
         self._seen: float | None = None
 
@@ -198,8 +202,7 @@ class DraftFollower:
             return None
         self._seen = stamp
         pointer = read_serving(self.live)
-        digest = pointer.get("digest", "initial") if pointer else "initial"
-        if pointer is None or int(pointer["version"]) == self.version or digest in self.refused:
+        if pointer is None or int(pointer["version"]) == self.version or int(pointer["version"]) in self.refused:
             return None
         folder = self.live / pointer["path"] if "path" in pointer else None  # None: the server's own draft
         why = check_files(folder, pointer["files"]) if folder is not None else None
@@ -210,7 +213,7 @@ class DraftFollower:
             except (Eagle3Error, ValueError, OSError) as err:
                 why = f"{folder}: {err}"
         if draft is None:
-            self.refused.add(digest)
+            self.refused.add(int(pointer["version"]))
             self.counts["refused"] += 1
             log_event(self.live, "refused_by_server", version=int(pointer["version"]), why=why)
             return None
@@ -235,7 +238,9 @@ class DraftFollower:
         """Point back to the previous version and serve it (the draft, loaded again), or None."""
         new, n = self.tau(self.version)
         old, m = self.tau(self.previous) if self.previous is not None else (1.0, 0)
-        pointer = rollback(self.live, self.version, served_tau=round(new, 4), requests=n,
+        if self.previous is None:
+            return None
+        pointer = rollback(self.live, self.version, self.previous, served_tau=round(new, 4), requests=n,
                            previous_tau=round(old, 4), previous_requests=m)
         if pointer is None:
             return None

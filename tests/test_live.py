@@ -1,0 +1,155 @@
+"""Learning from served traffic: captured requests -> a round of continued training -> a judged
+candidate -> promoted, followed by the server between requests, rolled back on a drop."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from data_gen.config import HarvestConfig
+from data_gen.harvest import run as harvest
+from eagle3.config import TargetConfig
+from eagle3.train.config import TrainConfig
+from eagle3.train.loop import train
+from hard_mining.config import LiveConfig
+from hard_mining.live import LiveTrainer, paired, served_taus
+from hard_mining.rounds import load_scoring_draft
+from hard_mining.score import target_head
+from serve_eval.capture import CaptureWriter, committed
+from serve_eval.config import SpecConfig
+from serve_eval.promoted import DraftFollower, publish, read_serving
+from serve_eval.spec_decode import SpeculativeDecoder
+from tests.helpers import TINY_VOCAB, lively_target, record_file
+
+LIVELY = TargetConfig(name_or_path="lively")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A lively target, a draft trained briefly on a small store, and 20 requests it served, captured."""
+    root = tmp_path_factory.mktemp("live")
+    target = lively_target()
+    data = record_file(root / "data.jsonl", range(24))
+    harvest(HarvestConfig(data=str(data), out_dir=str(root / "store"), dtype="float32"), LIVELY, target=target,
+            progress=False)
+    base = TrainConfig(store=str(root / "store"), out_dir=str(root / "train"), steps=8, micro_batch_tokens=256,
+                       lr=1e-2, warmup_steps=1, eval_every=0, save_every=0, draft_vocab_size=64, ttt_steps=3,
+                       wandb_mode="disabled", progress=False)
+    train(base, LIVELY, target=target)
+    draft = root / "train" / "final"
+    decoder = SpeculativeDecoder(target, load_scoring_draft(draft, target), SpecConfig("chain", k=3))
+    from eagle3.target.chat import ChatFormat
+    from serve_eval.capture import serving_spec
+
+    spec = serving_spec(target, "lively", ChatFormat.for_tokenizer(target.tokenizer, None), "float32", 512)
+    writer = CaptureWriter(root / "live" / "capture", spec, 2**30)
+    rng = random.Random(0)
+    served = {}
+    for i in range(20):
+        prompt = [rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(6, 14))]
+        gen = decoder.generate(prompt, 24, capture=True)
+        assert writer.write(prompt, gen.tokens, gen.states, {"draft_version": 0, "rounds": [
+            [c, d, a, a, 0, 0] for c, d, a in zip(gen.stats.contexts, gen.stats.depths, gen.stats.accepted,
+                                                  strict=True)]})
+        served[i] = gen.stats.tau
+    writer.close()
+    return {"root": root, "target": target, "draft": draft, "base": base, "served": served}
+
+
+def _trainer(world: dict, live: Path, **kw) -> LiveTrainer:
+    cfg = LiveConfig(live=str(live), draft=str(world["draft"]), round_requests=8, holdout=6, steps=6, lr=1e-2, k=3,
+                     max_rounds=1, **kw)
+    train_cfg = replace(world["base"], store="", out_dir="", save_every=3)
+    return LiveTrainer(cfg, train_cfg, LIVELY, target=world["target"])
+
+
+def test_the_judge_scores_each_request_as_the_loop_served_it(world: dict) -> None:
+    """Teacher-forced on the captured states, the serving draft's tau per request is the loop's."""
+    from hard_mining.live import link_store
+    from serve_eval.capture import read_spec
+
+    capture = world["root"] / "live" / "capture"
+    items = committed(capture)
+    store = link_store(world["root"] / "judge-store", items, read_spec(capture))
+    taus = served_taus(load_scoring_draft(world["draft"], world["target"]), target_head(world["target"]), store, 3)
+    assert taus == pytest.approx([world["served"][c.seq] for c in items], abs=1e-9)
+
+
+def test_a_round_trains_judges_and_promotes_or_refuses_with_its_figures(world: dict, tmp_path: Path) -> None:
+    live = tmp_path / "live"
+    shutil.copytree(world["root"] / "live", live)
+    (verdict,) = _trainer(world, live, release=False).run()
+    plan = json.loads((live / "rounds" / "r0001" / "plan.json").read_text())
+    assert len(plan["holdout"]) == 6 and len(plan["train"]) == 14 and not set(plan["holdout"]) & set(plan["train"])
+    events = [json.loads(line) for line in (live / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] in ("promoted", "refused") and events[-1]["round"] == 1
+    assert (verdict["promoted"] is not None) == (verdict["difference"] > 0 and verdict["interval"][0] > 0)
+    if verdict["promoted"] is not None:
+        assert read_serving(live)["version"] == verdict["promoted"]
+    # a rerun after a kill: the round has its verdict; nothing is trained or published twice
+    assert _trainer(world, live, release=False).run() == []
+    assert sum(e["event"] == "promoted" for e in map(json.loads, (live / "events.jsonl").read_text().splitlines())) \
+        == (verdict["promoted"] is not None)
+
+
+def test_a_damaged_candidate_is_refused_by_the_judge(world: dict, tmp_path: Path) -> None:
+    """Negative control: the serving draft with its fc scrambled loses on the held-out requests."""
+    from hard_mining.live import link_store
+    from serve_eval.capture import read_spec
+
+    bad = tmp_path / "bad"
+    shutil.copytree(world["draft"], bad)
+    tensors = load_file(bad / "model.safetensors")
+    name = next(k for k in tensors if k.endswith("fc.weight"))
+    tensors[name] = tensors[name][torch.randperm(tensors[name].shape[0], generator=torch.Generator().manual_seed(0))]
+    save_file(tensors, bad / "model.safetensors")
+    capture = world["root"] / "live" / "capture"
+    store = link_store(tmp_path / "held", committed(capture)[-12:], read_spec(capture))
+    head, target = target_head(world["target"]), world["target"]
+    diff = paired(served_taus(load_scoring_draft(bad, target), head, store, 3),
+                  served_taus(load_scoring_draft(world["draft"], target), head, store, 3))
+    assert diff["mean"] < 0 and not diff["low"] > 0
+    same = paired(*[served_taus(load_scoring_draft(world["draft"], target), head, store, 3)] * 2)
+    assert same["mean"] == 0 and not same["low"] > 0  # no better: refused as well
+
+
+def test_the_server_follows_promotions_and_refuses_damaged_or_foreign_drafts(world: dict, tmp_path: Path) -> None:
+    target = world["target"]
+    live = tmp_path / "live"
+    follower = DraftFollower(live, lambda folder: load_scoring_draft(folder or world["draft"], target),
+                             rollback_requests=4, rollback_drop=0.1)
+    assert follower.poll() is None and follower.version == 0
+    v1 = publish(live, world["draft"], {"why": "test"})
+    assert follower.poll() is not None and follower.version == v1 == 1
+    # a promoted folder damaged afterwards: its checksum refuses it
+    v2 = publish(live, world["draft"], {})
+    (live / "drafts" / f"v{v2:04d}" / "config.json").write_text("{}")
+    assert follower.poll() is None and follower.version == 1 and follower.counts["refused"] == 1
+    # a draft of another vocabulary: refused when loaded against the target, the key named
+    foreign = tmp_path / "foreign"
+    shutil.copytree(world["draft"], foreign)
+    config = json.loads((foreign / "config.json").read_text())
+    config["vocab_size"] = TINY_VOCAB + 6
+    (foreign / "config.json").write_text(json.dumps(config))
+    publish(live, foreign, {})
+    assert follower.poll() is None and follower.version == 1
+    refused = [json.loads(line) for line in (live / "events.jsonl").read_text().splitlines()
+               if '"refused_by_server"' in line]
+    assert "sha256" in refused[0]["why"] and ("vocab" in refused[1]["why"] or "t2d" in refused[1]["why"])
+    # a good version, then a drop in its served tau: rolled back to the one before
+    v4 = publish(live, world["draft"], {})
+    assert follower.poll() is not None and follower.version == v4
+    for _ in range(4):
+        assert not follower.observe(1, 8, 4)  # the previous version served tau 3.0
+    drops = [follower.observe(v4, 1, 4) for _ in range(4)]
+    assert drops == [False, False, False, True]
+    assert follower.roll_back() is not None and follower.version == 1
+    assert read_serving(live)["rolled_back"] == [v4]
+    assert follower.poll() is None and follower.version == 1  # and stays there
