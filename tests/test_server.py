@@ -27,7 +27,7 @@ from serve_eval.lookup import SharedLookup
 from serve_eval.server import Engine, TextStream, build_app, main
 from serve_eval.spec_decode import SpeculativeDecoder
 from serve_eval.traffic import TrafficError, TrafficLog, read_traffic
-from tests.helpers import TINY_VOCAB, make_draft, tiny_llama, tiny_tokenizer
+from tests.helpers import TINY_VOCAB, make_draft, randomised, tiny_llama, tiny_tokenizer
 
 MODEL = "tiny"
 KEY = "test-key"
@@ -64,14 +64,31 @@ class Served:
 
 
 def tiny_engine(adaptive: bool = False, max_model_len: int = 256, traffic: TrafficLog | None = None,
-                proposer: str = "draft", shared: SharedLookup | None = None) -> Engine:
+                proposer: str = "draft", shared: SharedLookup | None = None, live: Path | None = None) -> Engine:
     torch.manual_seed(0)
     target = Target(tiny_llama(num_layers=6, vocab=TINY_VOCAB), tiny_tokenizer(), aux_layer_ids=(1, 2, 3))
     decoder = SpeculativeDecoder(target, make_draft(target), SpecConfig("chain", k=3, proposer=proposer))
     chat = ChatFormat.for_tokenizer(target.tokenizer)
     cost = CostModel([0.010, 0.011, 0.012, 0.013], 0.001) if adaptive else None
+    capture = follower = None
+    if live is not None:
+        from serve_eval.capture import CaptureWriter, serving_spec
+        from serve_eval.promoted import DraftFollower
+
+        capture = CaptureWriter(live / "capture", serving_spec(target, MODEL, chat, "float32", max_model_len), 2**30)
+        from eagle3.export import fit_to_target, load_draft
+
+        def load(folder: Path | None) -> object:
+            if folder is None:
+                return make_draft(target)
+            loaded = load_draft(folder)
+            fit_to_target(loaded, target)
+            return loaded.draft.eval()
+
+        follower = DraftFollower(live, load)
     return Engine(decoder, chat, model_name=MODEL, max_model_len=max_model_len, adaptive=adaptive, cost=cost,
-                  prior=[0.9, 0.9, 0.9], recent_requests=8, traffic=traffic, shared=shared)
+                  prior=[0.9, 0.9, 0.9], recent_requests=8, traffic=traffic, shared=shared, capture=capture,
+                  follower=follower)
 
 
 @pytest.fixture(scope="module")
@@ -457,3 +474,41 @@ def test_the_opt_in_traffic_log_holds_what_mining_reads_and_nothing_else(tmp_pat
         read_traffic(log)
     with pytest.raises(TrafficError, match="no such traffic log"):
         read_traffic(tmp_path / "none.jsonl")
+
+
+def test_live_serving_captures_every_request_and_swaps_drafts_between_requests(tmp_path: Path) -> None:
+    """--live: each finished request one captured sample (ids as served, no text), the same outputs and
+    target forwards as without; a promoted draft serves from the next request on, its version counted."""
+    from eagle3.export import export_draft_folder
+    from serve_eval.capture import committed, read_captured, read_spec
+    from serve_eval.promoted import publish
+
+    live = tmp_path / "live"
+    s = Served(tiny_engine(live=live), KEY)
+    plain = Served(tiny_engine(), KEY)
+    try:
+        client, ref = s.client(), plain.client()
+        prompts = [[{"role": "user", "content": f"Count to {i}."}] for i in range(4)]
+        for messages in prompts[:2]:
+            a = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+            b = ref.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+            assert a.choices[0].message.content == b.choices[0].message.content
+        draft = randomised(make_draft(s.engine.decoder.target), seed=3)
+        folder = export_draft_folder(tmp_path / "candidate", draft.state_dict(), draft.config, (1, 2, 3),
+                                     dtype="float32")
+        publish(live, folder, {"why": "test"})
+        for messages in prompts[2:]:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+        metrics = httpx.get(f"{s.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    finally:
+        s.stop()
+        plain.stop()
+    items = committed(live / "capture")
+    assert [c.record["draft_version"] for c in items] == [0, 0, 1, 1]
+    assert s.engine.decoder.draft is not None and s.engine.follower.version == 1
+    spec = read_spec(live / "capture")
+    sample = read_captured(items[0], spec)
+    assert sample.input_ids.tolist()[: int((~sample.loss_mask).sum())] == s.engine.chat.prompt_ids(prompts[0])
+    assert b"Count to" not in items[0].path.read_bytes() and KEY not in items[0].path.with_suffix(".json").read_text()
+    assert "eagle3_draft_version 1.0" in metrics and "eagle3_capture_requests 4.0" in metrics
+    assert 'eagle3_spec_decode_rounds_by_draft_version_total{version="1"}' in metrics
