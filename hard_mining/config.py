@@ -163,13 +163,19 @@ class LiveConfig:
     """The most recent captured requests, judged on and not trained on this round."""
     steps: int = 40
     """Training steps per round, continuing from the draft that serves."""
-    lr: float = 3e-4
+    lr: float = 5e-4
+    """A quarter of the pipeline recipe's (as mining's continued training)."""
     k: int = 3
     """The served chain depth the judge scores (the server's ``--k``)."""
     margin: float = 0.0
     """A candidate is promoted when its teacher-forced served tau on the held-out requests beats the
     serving draft's by more than this, with the lower end of the 95% interval of the paired difference
     above 0."""
+    rollback_requests: int = 16
+    """A promoted version, once it has served this many requests, is compared on those same requests
+    with the version it replaced (its served tau against the older draft's, teacher-forced on the
+    captured states); where it is worse (the 95% interval of the paired difference below 0) the
+    pointer goes back (0: never)."""
     replay_weight: float = 0.0
     """Above 0: the tokens the serving draft rejected in the captured rounds get this loss weight
     (``train.token_weights``; on-policy replay)."""
@@ -187,5 +193,7 @@ class LiveConfig:
                                 ("holdout", self.holdout, 2), ("steps", self.steps, 1), ("k", self.k, 1)):
             if value < low:
                 raise ConfigError(f"live.{key}: must be >= {low}, got {value}")
+        if self.rollback_requests == 1 or self.rollback_requests < 0:
+            raise ConfigError(f"live.rollback_requests: 0 (off) or >= 2, got {self.rollback_requests}")
         if self.mix < 0 or self.margin < 0 or self.replay_weight < 0 or self.lr <= 0:
             raise ConfigError("live.mix, live.margin and live.replay_weight must be >= 0, live.lr > 0")

@@ -177,6 +177,7 @@ class LiveTrainer:
             newest = items[-1].seq if items else -1
             if newest != seen:
                 seen, last_new = newest, time.monotonic()
+            self.watch(items)
             plan = self._plan(r, items)
             if plan is None:
                 if self.cfg.idle_exit_s and time.monotonic() - last_new > self.cfg.idle_exit_s:
@@ -186,6 +187,39 @@ class LiveTrainer:
             verdicts.append(self.round(r, plan))
             r += 1
         return verdicts
+
+    def watch(self, items: Sequence[Captured]) -> dict[str, Any] | None:
+        """The check after a promotion: once the serving version has served ``rollback_requests``
+        requests, its served tau on them against the version it replaced, teacher-forced on the same
+        requests; rolled back where worse at 95%. The verdict (``rounds/watch-v<N>.json``), or None."""
+        from serve_eval.promoted import rollback
+
+        n = self.cfg.rollback_requests
+        pointer = read_serving(self.live)
+        if not n or not pointer or not pointer.get("history"):
+            return None
+        version, before = int(pointer["version"]), pointer["history"][-1]
+        path = self.live / ROUNDS / f"watch-v{version:04d}.json"
+        served = [c for c in items if int(c.record.get("draft_version", -1)) == version][:n]
+        if path.is_file() or len(served) < n:
+            return None
+        live_taus = [1.0 + sum(r[2] for r in c.record["rounds"]) / len(c.record["rounds"]) if c.record.get("rounds")
+                     else float("nan") for c in served]
+        store = link_store(self.live / ROUNDS / f"watch-v{version:04d}", served, self.spec)
+        older = self.live / before["path"] if "path" in before else Path(self.cfg.draft)
+        old_taus = served_taus(self.load(older), self.head, store, self.cfg.k)
+        diff = paired(live_taus, old_taus)
+        figures = {"against": int(before["version"]), "requests": n,
+                   "served_tau": round(_mean(live_taus), 4), "previous_tau": round(_mean(old_taus), 4),
+                   "difference": round(diff["mean"], 4), "interval": [round(diff["low"], 4), round(diff["high"], 4)]}
+        verdict = {"version": version, **figures, "rolled_back": diff["high"] < 0}
+        if verdict["rolled_back"]:
+            rollback(self.live, version, int(before["version"]), **figures)
+        else:
+            log_event(self.live, "kept", version=version, **figures)
+        atomic_write_text(path, json.dumps(verdict, indent=2))
+        shutil.rmtree(self.live / ROUNDS / f"watch-v{version:04d}", ignore_errors=True)
+        return verdict
 
     def _round_dir(self, r: int) -> Path:
         return self.live / ROUNDS / f"r{r:04d}"

@@ -10,9 +10,8 @@ A live folder (``--live DIR``) holds, beside the server's ``capture/``::
 Version 0 is the draft the server started with (``serving.json`` absent). The server checks a new
 version's checksums and its fit to the target before it serves it; a version that fails either is
 never served (an event says why). A request runs on the draft it started with: the server swaps
-between requests only. After a swap the server watches the new version's served tau; where it falls
-short of the previous version's over the same number of requests by more than a margin, the server
-rolls back to it and the trainer goes on from there.
+between requests only. A rollback (:func:`rollback`, the live trainer's, on a drop in served
+acceptance) is a pointer change like a promotion: the server follows it the same way.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -155,40 +153,18 @@ def _known_versions(live: Path) -> list[int]:
     return [int(p.name[1:]) for p in (live / DRAFTS).glob("v[0-9]*") if p.name[1:].isdigit()]
 
 
-@dataclass
-class VersionTally:
-    """Served rounds per draft version: tau = 1 + accepted / rounds over a window of requests."""
-
-    window: int
-    requests: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
-
-    def add(self, version: int, accepted: int, rounds: int) -> None:
-        if rounds:
-            kept = self.requests.setdefault(version, [])
-            kept.append((accepted, rounds))
-            del kept[:-self.window]
-
-    def tau(self, version: int) -> tuple[float, int]:
-        """(tau over the version's latest requests, how many)."""
-        kept = self.requests.get(version, [])
-        rounds = sum(r for _, r in kept)
-        return (1.0 + sum(a for a, _ in kept) / rounds if rounds else 1.0), len(kept)
-
-
 class DraftFollower:
-    """The server's side: between requests, serve the promoted version (checked), and roll back a
-    version whose served tau drops below the one before it."""
+    """The server's side: between requests, serve the version the pointer names (a promotion or a
+    rollback), its files and fit checked first."""
 
-    def __init__(self, live: str | Path, load: Any, *, rollback_requests: int = 16, rollback_drop: float = 0.1) -> None:
+    def __init__(self, live: str | Path, load: Any) -> None:
         """``load(folder)``: the draft of a promoted folder, checked against the target (None: the
         server's own draft, version 0)."""
         self.live, self.load = Path(live), load
-        self.version, self.previous = 0, None
-        self.rollback_requests, self.rollback_drop = rollback_requests, rollback_drop
-        self.tally = VersionTally(max(rollback_requests, 1))
+        self.version = 0
         self.refused: set[int] = set()  # versions never to try again
-        self.counts = {"swapped": 0, "refused": 0, "rolled_back": 0}
-        self._seen: float | None = None
+        self.counts = {"swapped": 0, "refused": 0}
+        self._seen: int | None = None
 
     def poll(self) -> Any | None:
         """The draft to swap in (a version newer than the one served, its files and fit checked),
@@ -217,39 +193,11 @@ class DraftFollower:
             self.counts["refused"] += 1
             log_event(self.live, "refused_by_server", version=int(pointer["version"]), why=why)
             return None
-        self.previous, self.version = self.version, int(pointer["version"])
+        previous, self.version = self.version, int(pointer["version"])
         self.counts["swapped"] += 1
-        log_event(self.live, "swapped", version=self.version, previous=self.previous)
-        return draft
-
-    def observe(self, version: int, accepted: int, rounds: int) -> bool:
-        """A request served by ``version``; True where the served version should be rolled back."""
-        self.tally.add(version, accepted, rounds)
-        if version != self.version or self.previous is None or self.rollback_requests == 0:
-            return False
-        new, n = self.tau(self.version)
-        old, m = self.tau(self.previous)
-        return n >= self.rollback_requests and m > 0 and (new - 1) < (1 - self.rollback_drop) * (old - 1)
-
-    def tau(self, version: int) -> tuple[float, int]:
-        return self.tally.tau(version)
-
-    def roll_back(self) -> Any | None:
-        """Point back to the previous version and serve it (the draft, loaded again), or None."""
-        new, n = self.tau(self.version)
-        old, m = self.tau(self.previous) if self.previous is not None else (1.0, 0)
-        if self.previous is None:
-            return None
-        pointer = rollback(self.live, self.version, self.previous, served_tau=round(new, 4), requests=n,
-                           previous_tau=round(old, 4), previous_requests=m)
-        if pointer is None:
-            return None
-        self.counts["rolled_back"] += 1
-        self._seen = None
-        draft = self.poll()
-        self.previous = None  # the version rolled back is not watched against
+        log_event(self.live, "swapped", version=self.version, previous=previous)
         return draft
 
 
-__all__ = ["DraftFollower", "PromotionError", "VersionTally", "check_files", "checksums", "log_event", "publish",
+__all__ = ["DraftFollower", "PromotionError", "check_files", "checksums", "log_event", "publish",
            "read_serving", "rollback", "serving_version"]

@@ -352,8 +352,6 @@ class Engine:
                 except OSError as err:  # a full disk: the request was served; capture skips it, counted
                     self.capture.paused += 1
                     print(f"capture: {job.request_id} not captured: {err}", file=sys.stderr)
-        if self.follower is not None and self.follower.observe(version, sum(stats.accepted), len(stats.accepted)):
-            self._swap(self.follower.roll_back())
 
 
 # ---------------------------------------------------------------- HTTP
@@ -569,8 +567,7 @@ def live_parts(args: argparse.Namespace, target: Any, chat: ChatFormat, max_mode
         fit_to_target(loaded, target)
         return loaded.draft.to(device=target.device, dtype=target.dtype).eval()
 
-    return capture, DraftFollower(live, load, rollback_requests=args.rollback_requests,
-                                  rollback_drop=args.rollback_drop)
+    return capture, DraftFollower(live, load)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -608,23 +605,14 @@ def _main(argv: Sequence[str] | None) -> int:
                         help="with --live: capture pauses while the captured requests hold this much")
     parser.add_argument("--capture-dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn", "float32"),
                         help="with --live: the captured states' dtype (as harvest.dtype)")
-    parser.add_argument("--rollback-requests", type=int, default=16,
-                        help="with --live: a promoted draft serves this many requests, then its served tau is "
-                             "compared with the previous draft's over as many (0: never roll back)")
-    parser.add_argument("--rollback-drop", type=float, default=0.1,
-                        help="with --live: roll back where the promoted draft's (tau - 1) falls this fraction below "
-                             "the previous draft's")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     for flag, value, low in (("--default-max-tokens", args.default_max_tokens, 1), ("--max-queue", args.max_queue, 1),
                              ("--recent-requests", args.recent_requests, 0),
                              ("--lookup-shared-tokens", args.lookup_shared_tokens, 0),
-                             ("--rollback-requests", args.rollback_requests, 0),
                              ("--threads", args.threads, 1), ("--port", args.port, 0)):
         if value < low:
             parser.error(f"{flag} must be >= {low}, got {value}")
-    if not 0 <= args.rollback_drop < 1:
-        parser.error(f"--rollback-drop must be in [0, 1), got {args.rollback_drop}")
     if args.port > 65535:
         parser.error(f"--port must be <= 65535, got {args.port}")
     if args.max_model_len is not None and args.max_model_len < 2:

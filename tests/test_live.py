@@ -123,8 +123,7 @@ def test_a_damaged_candidate_is_refused_by_the_judge(world: dict, tmp_path: Path
 def test_the_server_follows_promotions_and_refuses_damaged_or_foreign_drafts(world: dict, tmp_path: Path) -> None:
     target = world["target"]
     live = tmp_path / "live"
-    follower = DraftFollower(live, lambda folder: load_scoring_draft(folder or world["draft"], target),
-                             rollback_requests=4, rollback_drop=0.1)
+    follower = DraftFollower(live, lambda folder: load_scoring_draft(folder or world["draft"], target))
     assert follower.poll() is None and follower.version == 0
     v1 = publish(live, world["draft"], {"why": "test"})
     assert follower.poll() is not None and follower.version == v1 == 1
@@ -143,13 +142,28 @@ def test_the_server_follows_promotions_and_refuses_damaged_or_foreign_drafts(wor
     refused = [json.loads(line) for line in (live / "events.jsonl").read_text().splitlines()
                if '"refused_by_server"' in line]
     assert "sha256" in refused[0]["why"] and ("vocab" in refused[1]["why"] or "t2d" in refused[1]["why"])
-    # a good version, then a drop in its served tau: rolled back to the one before
-    v4 = publish(live, world["draft"], {})
-    assert follower.poll() is not None and follower.version == v4
-    for _ in range(4):
-        assert not follower.observe(1, 8, 4)  # the previous version served tau 3.0
-    drops = [follower.observe(v4, 1, 4) for _ in range(4)]
-    assert drops == [False, False, False, True]
-    assert follower.roll_back() is not None and follower.version == 1
-    assert read_serving(live)["rolled_back"] == [v4]
+    # a rollback is a pointer change the follower follows like a promotion
+    from serve_eval.promoted import rollback
+
+    assert rollback(live, 3, to=1) is not None
+    follower.version = 3
+    assert follower.poll() is not None and follower.version == 1
     assert follower.poll() is None and follower.version == 1  # and stays there
+
+
+def test_a_promoted_version_worse_on_the_requests_it_served_is_rolled_back(world: dict, tmp_path: Path) -> None:
+    """The trainer's watch: the requests version 1 served, its served tau against version 0's
+    teacher-forced on the same requests. Served by a damaged draft (its rounds rewritten as all
+    rejected), version 1 goes back; served as version 0 would have, it is kept."""
+    for damaged, expect in ((True, True), (False, False)):
+        live = tmp_path / f"live-{damaged}"
+        shutil.copytree(world["root"] / "live", live)
+        publish(live, world["draft"], {})
+        for c in committed(live / "capture")[-8:]:  # pretend version 1 served the last 8
+            record = {**c.record, "draft_version": 1}
+            if damaged:
+                record["rounds"] = [[r[0], r[1], 0, 0, 0, 0] for r in record["rounds"]]
+            c.path.with_suffix(".json").write_text(json.dumps(record))
+        verdict = _trainer(world, live, rollback_requests=8).watch(committed(live / "capture"))
+        assert verdict["rolled_back"] is expect and verdict["requests"] == 8
+        assert read_serving(live)["version"] == (0 if expect else 1)
