@@ -199,5 +199,28 @@ class DraftFollower:
         return draft
 
 
-__all__ = ["DraftFollower", "PromotionError", "check_files", "checksums", "log_event", "publish",
+def live_parts(live: str | Path, draft: str | None, target_name: str, target: Any, chat: Any, max_model_len: int,
+               capture_bytes: int, capture_dtype: str) -> tuple[Any, DraftFollower | None]:
+    """A server's ``--live DIR``: the capture into ``DIR/capture`` and, where a draft serves, the
+    follower of ``DIR/serving.json`` (its drafts loaded and checked against ``target`` as the
+    server's own ``draft``)."""
+    from serve_eval.capture import CaptureWriter, serving_spec
+
+    live = Path(live)
+    spec = serving_spec(target, target_name, chat, capture_dtype, max_model_len)
+    capture = CaptureWriter(live / "capture", spec, capture_bytes)
+    if draft is None:
+        return capture, None
+
+    def load(folder: Path | None) -> Any:
+        from eagle3.export import fit_to_target, load_draft
+
+        loaded = load_draft(folder if folder is not None else draft)
+        fit_to_target(loaded, target)
+        return loaded.draft.to(device=target.device, dtype=target.dtype).eval()
+
+    return capture, DraftFollower(live, load)
+
+
+__all__ = ["DraftFollower", "live_parts", "PromotionError", "check_files", "checksums", "log_event", "publish",
            "read_serving", "rollback", "serving_version"]

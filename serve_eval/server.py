@@ -53,11 +53,9 @@ from eagle3.errors import ConfigError, run_cli
 from eagle3.store.conversations import ConversationError, check_messages, check_tools
 from eagle3.target.chat import ChatFormat, ChatFormatError
 from serve_eval.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_cost
-from serve_eval.capture import CaptureWriter
 from serve_eval.config import SpecConfig
 from serve_eval.lookup import SharedLookup
 from serve_eval.openai_api import BadRequest, ChatRequest, CompletionRequest, parse_body
-from serve_eval.promoted import DraftFollower
 from serve_eval.server_metrics import Metrics
 from serve_eval.spec_decode import SpeculativeDecoder
 from serve_eval.traffic import TrafficLog, rounds_of
@@ -146,7 +144,7 @@ class Engine:
                  default_max_tokens: int = 1024, adaptive: bool = False, cost: CostModel | None = None,
                  prior: Sequence[float] | None = None, max_queue: int = 256, recent_requests: int = 64,
                  traffic: TrafficLog | None = None, shared: SharedLookup | None = None,
-                 capture: CaptureWriter | None = None, follower: DraftFollower | None = None) -> None:
+                 capture: Any = None, follower: Any = None) -> None:
         self.decoder, self.chat, self.model_name, self.traffic = decoder, chat, model_name, traffic
         self.capture, self.follower = capture, follower
         self.tokenizer = chat.tokenizer
@@ -163,17 +161,7 @@ class Engine:
         # every finished request's rounds become the next request's prior
         self.session = AdaptiveSession(cost, self.k, prior) if adaptive and cost is not None else None
         self.metrics = Metrics(decoder.max_depth, recent_requests, shared)
-        if capture is not None:
-            for name, text, value in (
-                    ("eagle3_capture_requests", "Requests captured as training samples", lambda: capture.written),
-                    ("eagle3_capture_paused", "Requests not captured: the capture folder was full",
-                     lambda: capture.paused),
-                    ("eagle3_capture_max_bytes", "The capture folder's budget", lambda: capture.max_bytes)):
-                self.metrics.watch(name, text, value)
-        if follower is not None:
-            for kind in follower.counts:
-                self.metrics.watch(f"eagle3_draft_{kind}", f"Promoted drafts {kind.replace('_', ' ')} by the server",
-                                   lambda kind=kind: follower.counts[kind])
+        self.metrics.watch_live(capture, follower)
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.ids = itertools.count(1)
         self.worker = threading.Thread(target=self._work, name="eagle3-engine", daemon=True)
@@ -262,6 +250,8 @@ class Engine:
     def close(self) -> None:
         self.jobs.put(None)
         self.worker.join(timeout=30)
+        if self.capture is not None:
+            self.capture.close()
 
     # -- the worker
 
@@ -534,7 +524,12 @@ def build_engine(args: argparse.Namespace) -> Engine:
         decoder.cost_lookup(cost.verify_s)
         print(json.dumps({"server": "cost model", **cost.as_dict(),
                           "lookup_token_cost": round(decoder.lookup_policy.token_cost, 4)}), file=sys.stderr)
-    capture, follower = live_parts(args, target, chat, max_model_len, spec.uses_draft)
+    capture, follower = None, None
+    if args.live is not None:
+        from serve_eval.promoted import live_parts
+
+        capture, follower = live_parts(args.live, args.draft if spec.uses_draft else None, args.target, target, chat,
+                                       max_model_len, int(args.capture_max_mb * 2**20), args.capture_dtype)
     return Engine(decoder, chat, model_name=args.served_model_name or args.target, max_model_len=max_model_len,
                   default_max_tokens=args.default_max_tokens, adaptive=args.adaptive, cost=cost,
                   prior=draft_prior(meta, args.k), max_queue=args.max_queue, recent_requests=args.recent_requests,
@@ -542,32 +537,6 @@ def build_engine(args: argparse.Namespace) -> Engine:
                   else None,
                   shared=SharedLookup(args.lookup_shared_tokens, spec.lookup_min, spec.lookup_max)
                   if args.lookup_shared_tokens else None, capture=capture, follower=follower)
-
-
-def live_parts(args: argparse.Namespace, target: Any, chat: ChatFormat, max_model_len: int,
-               drafts: bool) -> tuple[CaptureWriter | None, DraftFollower | None]:
-    """With ``--live DIR``: the capture into ``DIR/capture`` and, where a draft serves, the follower of
-    ``DIR/serving.json`` (its drafts loaded and checked as the server's own)."""
-    if args.live is None:
-        return None, None
-    from pathlib import Path
-
-    from serve_eval.capture import serving_spec
-
-    live = Path(args.live)
-    spec = serving_spec(target, args.target, chat, args.capture_dtype, max_model_len)
-    capture = CaptureWriter(live / "capture", spec, int(args.capture_max_mb * 2**20))
-    if not drafts:
-        return capture, None
-
-    def load(folder: Any) -> Any:
-        from eagle3.export import fit_to_target, load_draft
-
-        loaded = load_draft(folder if folder is not None else args.draft)
-        fit_to_target(loaded, target)
-        return loaded.draft.to(device=target.device, dtype=target.dtype).eval()
-
-    return capture, DraftFollower(live, load)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

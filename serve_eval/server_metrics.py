@@ -77,6 +77,21 @@ class Metrics:
 
         Gauge(name, text, registry=self.registry).set_function(value)
 
+    def watch_live(self, capture: Any, follower: Any) -> None:
+        """The live loop's gauges: the capture's counts (``serve_eval.capture.CaptureWriter``) and
+        the promoted drafts the server followed or refused (``serve_eval.promoted.DraftFollower``)."""
+        if capture is not None:
+            for name, text, value in (
+                    ("eagle3_capture_requests", "Requests captured as training samples", lambda: capture.written),
+                    ("eagle3_capture_paused", "Requests not captured: the capture folder was full",
+                     lambda: capture.paused),
+                    ("eagle3_capture_max_bytes", "The capture folder's budget", lambda: capture.max_bytes)):
+                self.watch(name, text, value)
+        if follower is not None:
+            for kind in follower.counts:
+                self.watch(f"eagle3_draft_{kind}", f"Promoted drafts {kind} by the server",
+                           lambda kind=kind: follower.counts[kind])
+
     def observe_version(self, version: int, stats: DecodeStats) -> None:
         self.version_rounds.labels(str(version)).inc(len(stats.accepted))
         self.version_accepted.labels(str(version)).inc(sum(stats.accepted))
