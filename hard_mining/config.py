@@ -159,10 +159,12 @@ class LiveConfig:
     """New captured requests that start a round."""
     window: int = 512
     """The most recent captured requests a round trains on (the held-out ones excluded)."""
-    holdout: int = 16
-    """The most recent captured requests, judged on and not trained on this round."""
+    holdout: int = 24
+    """The most recent captured requests, judged on and not trained on this round (trained on by the
+    next)."""
     steps: int = 40
-    """Training steps per round, continuing from the draft that serves."""
+    """Training steps per round, continuing from the previous round's candidate (the serving draft
+    first, and after a rollback)."""
     lr: float = 5e-4
     """A quarter of the pipeline recipe's (as mining's continued training)."""
     k: int = 3
@@ -185,7 +187,7 @@ class LiveConfig:
     idle_exit_s: float = 0.0
     """Above 0: stop after this long without a new captured request (benchmarks; 0: run until killed)."""
     max_rounds: int = 0
-    """Stop after this many rounds (0: no limit)."""
+    """Stop once the live folder has this many rounds (0: no limit)."""
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -8,8 +8,10 @@ and the target states its forwards computed: :mod:`serve_eval.capture`) and serv
     wait     until ``round_requests`` new requests are captured
     plan     the latest ``holdout`` requests are held out; the ``window`` before them are trained on
              (``rounds/r<NNNN>/plan.json``, written first: a round killed and rerun trains the same)
-    train    continued training from the draft that serves now, on the window (mixed with the
-             draft's original store at ``mix`` of its weight, so it does not forget), ``steps`` steps
+    train    continued training, ``steps`` steps, on the window (mixed with the draft's original
+             store at ``mix`` of its weight, so it does not forget), from the previous round's
+             candidate (promoted or not: training accumulates) or, first and after a rollback, from
+             the draft that serves
     judge    both drafts teacher-forced on the held-out requests (their captured states: no target
              forward): the served tau of each request as the loop would serve it greedily at depth
              ``k`` (:func:`hard_mining.replay.served_rounds`); the paired difference per request
@@ -30,10 +32,12 @@ import argparse
 import json
 import math
 import os
+import shlex
 import shutil
+import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -169,7 +173,12 @@ class LiveTrainer:
     # -- rounds
 
     def run(self) -> list[dict[str, Any]]:
-        verdicts, r = [], self._first_open_round()
+        """Every round's verdict, until ``max_rounds`` or ``idle_exit_s`` (never, without either)."""
+        return list(self.rounds())
+
+    def rounds(self) -> Iterator[dict[str, Any]]:
+        """Each round's verdict as it is made."""
+        r = self._first_open_round()
         last_new = time.monotonic()
         seen = -1
         while not self.cfg.max_rounds or r <= self.cfg.max_rounds:
@@ -184,9 +193,8 @@ class LiveTrainer:
                     break
                 time.sleep(self.cfg.poll_s)
                 continue
-            verdicts.append(self.round(r, plan))
+            yield self.round(r, plan)
             r += 1
-        return verdicts
 
     def watch(self, items: Sequence[Captured]) -> dict[str, Any] | None:
         """The check after a promotion: once the serving version has served ``rollback_requests``
@@ -244,9 +252,20 @@ class LiveTrainer:
         train = rest[-self.cfg.window:]
         version, folder = self.serving()
         plan = {"round": r, "newest": items[-1].seq, "train": [c.seq for c in train],
-                "holdout": [c.seq for c in holdout], "serving": version, "serving_path": str(folder)}
+                "holdout": [c.seq for c in holdout], "serving": version, "serving_path": str(folder),
+                "start": str(self._start(r, version) or folder)}
         atomic_write_text(path, json.dumps(plan, indent=2))
         return plan
+
+    def _start(self, r: int, version: int) -> Path | None:
+        """The previous round's candidate, where training goes on from it: it serves now (promoted), or
+        it was refused while the version it was judged against still serves (no rollback since)."""
+        verdict = self._round_dir(r - 1) / "verdict.json"
+        candidate = self._round_dir(r - 1) / "train" / "final"
+        if r == 1 or not verdict.is_file() or not candidate.is_dir():
+            return None
+        judged = json.loads(verdict.read_text(encoding="utf-8"))
+        return candidate if version in (judged["serving"], judged["promoted"]) else None
 
     def round(self, r: int, plan: dict[str, Any]) -> dict[str, Any]:
         from eagle3.train.loop import train
@@ -278,7 +297,7 @@ class LiveTrainer:
         serving = Path(plan["serving_path"])
         train(replace(self.train_cfg, data="offline", store=str(rdir / "train-store"), extra_stores=extra,
                       sample_weights=str(weights_file) if weights_file else None,
-                      token_weights=str(tokens_file) if tokens_file else None, init_draft=str(serving),
+                      token_weights=str(tokens_file) if tokens_file else None, init_draft=plan["start"],
                       steps=cfg.steps, lr=cfg.lr, out_dir=str(rdir / "train"), eval_store=None, eval_fraction=0.0,
                       seed=cfg.seed + r, resume=True, wandb_mode="disabled", progress=self.progress),
               self.target_cfg, target=self.target)
@@ -340,7 +359,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch-tokens", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--serve", action="store_true",
+                        help="one command: start the server (serve_eval.server --live LIVE --draft DRAFT, same target) "
+                             "as a child process first, and stop it when the trainer stops")
+    parser.add_argument("--server-args", default="", help="with --serve: more server flags, one string "
+                        "(e.g. '--port 8000 --k 3 --threads 1')")
     return parser
+
+
+def start_server(cfg: LiveConfig, args: argparse.Namespace) -> subprocess.Popen:
+    """The server of ``--serve``, started and ready to capture (its capture folder written), or an
+    error naming its exit code."""
+    command = [sys.executable, "-m", "serve_eval.server", "--live", cfg.live, "--draft", cfg.draft,
+               "--target", args.target, *shlex.split(args.server_args)]
+    server = subprocess.Popen(command)
+    spec = Path(cfg.live) / CAPTURE / "capture.json"
+    while not spec.is_file():
+        if server.poll() is not None:
+            raise ConfigError(f"--serve: the server exited ({server.returncode}) before it captured anything: "
+                              f"{shlex.join(command)}")
+        time.sleep(0.5)
+    return server
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -359,8 +398,14 @@ def _main(argv: Sequence[str] | None) -> int:
         progress=not args.no_progress, threads=args.threads)
     target_cfg = TargetConfig(name_or_path=args.target, dtype="float32", device=args.device)
     print(json.dumps({"live": "start", **asdict(cfg)}), file=sys.stderr)
-    for verdict in LiveTrainer(cfg, train_cfg, target_cfg, progress=not args.no_progress).run():
-        print(json.dumps({"live": "round", **verdict}))
+    server = start_server(cfg, args) if args.serve else None
+    try:
+        for verdict in LiveTrainer(cfg, train_cfg, target_cfg, progress=not args.no_progress).rounds():
+            print(json.dumps({"live": "round", **verdict}), flush=True)
+    finally:
+        if server is not None and server.poll() is None:
+            server.terminate()
+            server.wait(timeout=60)
     return 0
 
 

@@ -167,3 +167,38 @@ def test_a_promoted_version_worse_on_the_requests_it_served_is_rolled_back(world
         verdict = _trainer(world, live, rollback_requests=8).watch(committed(live / "capture"))
         assert verdict["rolled_back"] is expect and verdict["requests"] == 8
         assert read_serving(live)["version"] == (0 if expect else 1)
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_mid_round_reruns_it_once_and_one_command_serves(world: dict, tmp_path: Path) -> None:
+    """kill -9 during a round's training: the rerun finishes that round from its plan, one verdict,
+    one event; and --serve starts the server beside the trainer and stops it after."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import save_lively
+
+    live = tmp_path / "live"
+    shutil.copytree(world["root"] / "live", live)
+    model = save_lively(tmp_path / "model")
+    command = [sys.executable, "-m", "hard_mining.live", "--live", str(live), "--draft", str(world["draft"]),
+               "--target", str(model), "--device", "cpu", "--round-requests", "8", "--holdout", "6", "--steps", "30",
+               "--lr", "1e-2", "--k", "3", "--max-rounds", "1", "--recipe", "none", "--ttt-steps", "3",
+               "--micro-batch-tokens", "256", "--no-progress"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not list((live / "rounds" / "r0001" / "train").glob("checkpoints/*")) and time.time() < deadline:
+        assert proc.poll() is None, "the trainer ended before it could be killed"
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (live / "rounds" / "r0001" / "verdict.json").exists()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (line,) = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    assert line["round"] == 1 and line["trained_on"] == 14
+    events = [json.loads(x) for x in (live / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events if e.get("round") == 1] in (["promoted"], ["refused"])
