@@ -211,11 +211,16 @@ class LiveTrainer:
         served = [c for c in items if int(c.record.get("draft_version", -1)) == version][:n]
         if path.is_file() or len(served) < n:
             return None
-        live_taus = [1.0 + sum(r[2] for r in c.record["rounds"]) / len(c.record["rounds"]) if c.record.get("rounds")
-                     else float("nan") for c in served]
         store = link_store(self.live / ROUNDS / f"watch-v{version:04d}", served, self.spec)
         older = self.live / before["path"] if "path" in before else Path(self.cfg.draft)
         old_taus = served_taus(self.load(older), self.head, store, self.cfg.k)
+        # greedy requests: the tau the server measured (the teacher-forced one equals it); sampled ones
+        # are judged greedily for both versions, teacher-forced
+        forced = served_taus(self.load(self.live / pointer["path"]), self.head, store, self.cfg.k) \
+            if any(not c.record.get("greedy", True) for c in served) else [math.nan] * len(served)
+        live_taus = [(1.0 + sum(r[2] for r in c.record["rounds"]) / len(c.record["rounds"])
+                      if c.record.get("rounds") else math.nan) if c.record.get("greedy", True) else tau
+                     for c, tau in zip(served, forced, strict=True)]
         diff = paired(live_taus, old_taus)
         figures = {"against": int(before["version"]), "requests": n,
                    "served_tau": round(_mean(live_taus), 4), "previous_tau": round(_mean(old_taus), 4),

@@ -338,7 +338,7 @@ class Engine:
                 try:
                     self.capture.write(job.prompt, gen.tokens, gen.states, {
                         "draft_version": version, "finish_reason": "stop" if stopped else "length",
-                        "k": stats.proposed, "rounds": rounds_of(stats)})
+                        "greedy": job.params.greedy, "k": stats.proposed, "rounds": rounds_of(stats)})
                 except OSError as err:  # a full disk: the request was served; capture skips it, counted
                     self.capture.paused += 1
                     print(f"capture: {job.request_id} not captured: {err}", file=sys.stderr)

@@ -31,6 +31,8 @@ CASES = [
                             "--eval-store", f"{NOWHERE}/e", "--eval-records", f"{NOWHERE}/e.jsonl",
                             "--eval-sets", f"{NOWHERE}/sets", "--pool", f"{NOWHERE}/pool.jsonl", "--out", "{tmp}/m"],
      NOWHERE),
+    ("hard_mining.live", ["--live", f"{NOWHERE}/live", "--draft", f"{NOWHERE}/d"], f"{NOWHERE}/live"),
+    ("hard_mining.live", ["--live", "{tmp}", "--draft", f"{NOWHERE}/d", "--holdout", "1"], "live.holdout"),
     ("data_gen.nvfp4", ["--target", f"{NOWHERE}/model", "--calibration", f"{NOWHERE}/c.jsonl", "--out", "{tmp}/n"],
      NOWHERE),
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -202,3 +203,18 @@ def test_a_trainer_killed_mid_round_reruns_it_once_and_one_command_serves(world:
     assert line["round"] == 1 and line["trained_on"] == 14
     events = [json.loads(x) for x in (live / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events if e.get("round") == 1] in (["promoted"], ["refused"])
+    # one command: --serve starts the server on a fresh folder (the same target and draft) and stops it
+    fresh = tmp_path / "fresh"
+    port = _free_port()
+    served = subprocess.run([*command[:4], str(fresh), *command[5:], "--idle-exit-s", "3", "--serve", "--server-args",
+                             f"--port {port} --device cpu"], capture_output=True, text=True, timeout=600)
+    assert served.returncode == 0, served.stderr[-2000:]
+    assert (fresh / "capture" / "capture.json").is_file() and not list((fresh / "rounds").glob("r*"))
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()  # the server is gone
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
