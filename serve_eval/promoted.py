@@ -96,10 +96,36 @@ def serving_version(live: str | Path) -> int:
     return int(pointer["version"]) if pointer else 0
 
 
+def check_candidate(live: Path, source: Path) -> None:
+    """Refuse a draft folder that cannot serve the target whose requests ``live/capture`` holds:
+    hidden size, vocabulary, aux layer ids or tokenizer, named."""
+    from eagle3.export import check_draft_fits_target, load_draft
+    from serve_eval.capture import read_spec
+
+    try:
+        loaded = load_draft(source)
+    except (Eagle3Error, ValueError, OSError) as err:
+        raise PromotionError(f"{source}: not a draft folder ({err})") from None
+    spec_path = live / "capture"
+    if not (spec_path / "capture.json").is_file():
+        return
+    spec = read_spec(spec_path)
+    try:
+        check_draft_fits_target(loaded, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
+                                aux_layer_ids=spec.aux_layer_ids)
+    except Eagle3Error as err:
+        raise PromotionError(f"not promoted: {err} (the target of {spec_path}/capture.json)") from None
+    trained_with = loaded.meta.get("tokenizer_sha256")
+    if trained_with and trained_with != spec.tokenizer_sha256:
+        raise PromotionError(f"not promoted: {source}: tokenizer_sha256 {trained_with[:12]} differs from the "
+                             f"served target's {spec.tokenizer_sha256[:12]} ({spec_path}/capture.json)")
+
+
 def publish(live: str | Path, source: str | Path, figures: dict[str, Any]) -> int:
-    """Promote draft folder ``source``: copied to ``drafts/v<N>`` (temp name, then rename), then the
-    pointer replaced. Returns the new version."""
+    """Promote draft folder ``source`` (checked against the served target first): copied to
+    ``drafts/v<N>`` (temp name, then rename), then the pointer replaced. Returns the new version."""
     live, source = Path(live), Path(source)
+    check_candidate(live, source)
     files = checksums(source)
     with _locked(live):
         pointer = read_serving(live)

@@ -121,7 +121,7 @@ def test_a_damaged_candidate_is_refused_by_the_judge(world: dict, tmp_path: Path
     assert same["mean"] == 0 and not same["low"] > 0  # no better: refused as well
 
 
-def test_the_server_follows_promotions_and_refuses_damaged_or_foreign_drafts(world: dict, tmp_path: Path) -> None:
+def test_the_server_follows_promotions_and_refuses_damaged_drafts(world: dict, tmp_path: Path) -> None:
     target = world["target"]
     live = tmp_path / "live"
     follower = DraftFollower(live, lambda folder: load_scoring_draft(folder or world["draft"], target))
@@ -132,22 +132,15 @@ def test_the_server_follows_promotions_and_refuses_damaged_or_foreign_drafts(wor
     v2 = publish(live, world["draft"], {})
     (live / "drafts" / f"v{v2:04d}" / "config.json").write_text("{}")
     assert follower.poll() is None and follower.version == 1 and follower.counts["refused"] == 1
-    # a draft of another vocabulary: refused when loaded against the target, the key named
-    foreign = tmp_path / "foreign"
-    shutil.copytree(world["draft"], foreign)
-    config = json.loads((foreign / "config.json").read_text())
-    config["vocab_size"] = TINY_VOCAB + 6
-    (foreign / "config.json").write_text(json.dumps(config))
-    publish(live, foreign, {})
-    assert follower.poll() is None and follower.version == 1
     refused = [json.loads(line) for line in (live / "events.jsonl").read_text().splitlines()
                if '"refused_by_server"' in line]
-    assert "sha256" in refused[0]["why"] and ("vocab" in refused[1]["why"] or "t2d" in refused[1]["why"])
+    assert "sha256" in refused[0]["why"]
+    v3 = publish(live, world["draft"], {})
+    assert follower.poll() is not None and follower.version == v3
     # a rollback is a pointer change the follower follows like a promotion
     from serve_eval.promoted import rollback
 
-    assert rollback(live, 3, to=1) is not None
-    follower.version = 3
+    assert rollback(live, v3, to=1) is not None
     assert follower.poll() is not None and follower.version == 1
     assert follower.poll() is None and follower.version == 1  # and stays there
 
@@ -218,3 +211,24 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_candidate_of_another_target_is_not_promoted_and_the_key_is_named(world: dict, tmp_path: Path) -> None:
+    from serve_eval.promoted import PromotionError
+
+    live = tmp_path / "live"
+    shutil.copytree(world["root"] / "live", live)
+    for key, value, named in (("eagle_aux_hidden_state_layer_ids", [0, 1, 2], "aux layer ids"),
+                              ("vocab_size", TINY_VOCAB + 6, "vocab")):
+        foreign = tmp_path / f"foreign-{key}"
+        shutil.copytree(world["draft"], foreign)
+        config = json.loads((foreign / "config.json").read_text())
+        config[key] = value
+        for section in ("eagle_config", "eagle3_forge"):
+            if key == "eagle_aux_hidden_state_layer_ids" and section in config:
+                config[section]["eagle_aux_hidden_state_layer_ids" if section == "eagle_config" else "aux_layer_ids"] \
+                    = value
+        (foreign / "config.json").write_text(json.dumps(config))
+        with pytest.raises(PromotionError, match=named):
+            publish(live, foreign, {})
+    assert read_serving(live) is None and not (live / "drafts").exists()
