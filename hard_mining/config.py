@@ -159,6 +159,9 @@ class LiveConfig:
     """New captured requests that start a round."""
     window: int = 512
     """The most recent captured requests a round trains on (the held-out ones excluded)."""
+    window_mb: float = 512.0
+    """... and at most this many MB of them; it must leave the server's ``--capture-max-mb`` room for
+    new requests (checked at start)."""
     holdout: int = 24
     """The most recent captured requests, judged on and not trained on this round (trained on by the
     next)."""

@@ -53,8 +53,8 @@ from eagle3.train.config import TrainConfig
 from hard_mining.config import LiveConfig
 from hard_mining.replay import reply_spans, served_rounds
 from hard_mining.score import score_store, target_head
-from serve_eval.capture import Captured, committed, read_spec, release_below
-from serve_eval.promoted import PromotionError, log_event, publish, read_serving
+from serve_eval.capture import Captured, committed, read_spec, release_below, writer_of
+from serve_eval.promoted import PromotionError, log_event, publish, published_from, read_serving
 
 CAPTURE = "capture"
 ROUNDS = "rounds"
@@ -141,6 +141,13 @@ class LiveTrainer:
             raise ConfigError(f"live.live={cfg.live}: no {self.capture}/capture.json (start the server with "
                               f"--live {cfg.live} first)")
         self.spec = read_spec(self.capture)
+        writer = writer_of(self.capture) or {}
+        budget = writer.get("max_bytes")
+        if isinstance(budget, int) and cfg.window_mb * 2**20 > 0.75 * budget:
+            raise ConfigError(f"live.window_mb={cfg.window_mb:g}: the server captures at most {budget / 2**20:g} MB "
+                              f"(--capture-max-mb, {self.capture}/writer.lock); a window over 3/4 of it leaves too "
+                              "little room for new requests (capture would pause before a round): lower --window-mb "
+                              "or raise --capture-max-mb")
         self.original = HarvestStore(Path(cfg.store)) if cfg.store else None
         if self.original is not None and self.original.spec.aux_layer_ids != self.spec.aux_layer_ids:
             raise ConfigError(f"live.store={cfg.store}: aux_layer_ids {list(self.original.spec.aux_layer_ids)}, the "
@@ -214,13 +221,13 @@ class LiveTrainer:
         store = link_store(self.live / ROUNDS / f"watch-v{version:04d}", served, self.spec)
         older = self.live / before["path"] if "path" in before else Path(self.cfg.draft)
         old_taus = served_taus(self.load(older), self.head, store, self.cfg.k)
-        # greedy requests: the tau the server measured (the teacher-forced one equals it); sampled ones
-        # are judged greedily for both versions, teacher-forced
+        # the tau the server measured where it is the one the judge computes (greedy, a chain of k draft
+        # tokens, no lookup: the teacher-forced figure equals it); otherwise both versions teacher-forced
+        same = [self._comparable(c.record) for c in served]
         forced = served_taus(self.load(self.live / pointer["path"]), self.head, store, self.cfg.k) \
-            if any(not c.record.get("greedy", True) for c in served) else [math.nan] * len(served)
-        live_taus = [(1.0 + sum(r[2] for r in c.record["rounds"]) / len(c.record["rounds"])
-                      if c.record.get("rounds") else math.nan) if c.record.get("greedy", True) else tau
-                     for c, tau in zip(served, forced, strict=True)]
+            if not all(same) else [math.nan] * len(served)
+        live_taus = [1.0 + sum(r[2] for r in c.record["rounds"]) / len(c.record["rounds"]) if ok else tau
+                     for c, ok, tau in zip(served, same, forced, strict=True)]
         diff = paired(live_taus, old_taus)
         figures = {"against": int(before["version"]), "requests": n,
                    "served_tau": round(_mean(live_taus), 4), "previous_tau": round(_mean(old_taus), 4),
@@ -233,6 +240,11 @@ class LiveTrainer:
         atomic_write_text(path, json.dumps(verdict, indent=2))
         shutil.rmtree(self.live / ROUNDS / f"watch-v{version:04d}", ignore_errors=True)
         return verdict
+
+    def _comparable(self, record: dict[str, Any]) -> bool:
+        rounds = record.get("rounds") or []
+        return bool(rounds) and record.get("greedy", True) and record.get("k") == self.cfg.k \
+            and all(r[1] == self.cfg.k and not any(r[4:]) for r in rounds)
 
     def _round_dir(self, r: int) -> Path:
         return self.live / ROUNDS / f"r{r:04d}"
@@ -254,7 +266,12 @@ class LiveTrainer:
         if len(fresh) < self.cfg.round_requests or len(items) < self.cfg.holdout + 1:
             return None
         holdout, rest = items[-self.cfg.holdout:], items[:-self.cfg.holdout]
-        train = rest[-self.cfg.window:]
+        train, size = [], 0
+        for item in reversed(rest[-self.cfg.window:]):  # the latest, within window requests and window_mb
+            size += int(item.record["bytes"])
+            if train and size > self.cfg.window_mb * 2**20:
+                break
+            train.insert(0, item)
         version, folder = self.serving()
         plan = {"round": r, "newest": items[-1].seq, "train": [c.seq for c in train],
                 "holdout": [c.seq for c in holdout], "serving": version, "serving_path": str(folder),
@@ -270,12 +287,17 @@ class LiveTrainer:
         if r == 1 or not verdict.is_file() or not candidate.is_dir():
             return None
         judged = json.loads(verdict.read_text(encoding="utf-8"))
-        return candidate if version in (judged["serving"], judged["promoted"]) else None
+        lineage = judged["promoted"] if judged["promoted"] is not None else judged["serving"]
+        return candidate if version == lineage else None  # else rolled back since: from what serves
 
     def round(self, r: int, plan: dict[str, Any]) -> dict[str, Any]:
         from eagle3.train.loop import train
 
         cfg, rdir = self.cfg, self._round_dir(r)
+        version, folder = self.serving()
+        if version != plan["serving"]:  # a round rerun after a promotion or rollback: judged against what serves
+            plan = {**plan, "serving": version, "serving_path": str(folder)}
+            atomic_write_text(rdir / "plan.json", json.dumps(plan, indent=2))
         t0 = time.perf_counter()
         by_seq = {c.seq: c for c in committed(self.capture)}
         stores = []
@@ -328,11 +350,11 @@ class LiveTrainer:
         return verdict
 
     def _publish(self, candidate: Path, figures: dict[str, Any]) -> int | None:
-        """Publish ``candidate`` unless an earlier run of this round already did (after a kill)."""
-        pointer = read_serving(self.live) or {}
-        for entry in [pointer, *pointer.get("history", [])]:
-            if entry.get("source") == str(candidate):
-                return int(entry["version"])
+        """Publish ``candidate`` unless an earlier run of this round already did (after a kill; even
+        where it was rolled back since)."""
+        done = published_from(self.live, candidate)
+        if done is not None:
+            return done
         try:
             return publish(self.live, candidate, figures)
         except PromotionError as err:
@@ -342,15 +364,13 @@ class LiveTrainer:
     def _tidy(self, r: int, plan: dict[str, Any]) -> None:
         """The previous round's folder (its links and checkpoints) and, with ``release``, the captured
         requests older than every later round's window."""
-        old = self._round_dir(r - 1)
-        for part in ("train-store", "holdout-store", "train"):
-            shutil.rmtree(old / part, ignore_errors=True)
-        for part in ("train",):  # this round's checkpoints: its final draft stays until the next round
-            for ckpt in (self._round_dir(r) / part).glob("step-*"):
-                shutil.rmtree(ckpt, ignore_errors=True)
-        if self.cfg.release and plan["train"]:
-            keep_from = plan["newest"] - self.cfg.window - self.cfg.holdout + 1
-            release_below(self.capture, max(keep_from, 0))
+        for old in range(1, r):  # earlier rounds: their links and drafts (a kill may have left some)
+            for part in ("train-store", "holdout-store", "train"):
+                shutil.rmtree(self._round_dir(old) / part, ignore_errors=True)
+        # this round's checkpoints; its final draft stays: the next round may go on from it
+        shutil.rmtree(self._round_dir(r) / "train" / "checkpoints", ignore_errors=True)
+        if self.cfg.release and plan["train"]:  # no later round trains on what came before this window
+            release_below(self.capture, plan["train"][0])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -154,6 +154,14 @@ def release_below(folder: str | Path, seq: int) -> int:
     return gone
 
 
+def writer_of(folder: str | Path) -> dict[str, Any] | None:
+    """What the last server writing ``folder`` said of itself (pid, host, its byte budget), or None."""
+    try:
+        return json.loads((Path(folder) / "writer.lock").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
 class CaptureWriter:
     """The server's side: one sample per finished request, within ``max_bytes`` of committed requests."""
 
@@ -167,12 +175,13 @@ class CaptureWriter:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._lock.seek(0)
-            owner = self._lock.read().strip() or "unknown"
+            owner = writer_of(self.folder) or {}
+            owner = f"pid {owner.get('pid', '?')} on {owner.get('host', '?')}"
             self._lock.close()
             raise CaptureError(f"{self.folder}: another server ({owner}) writes to this capture folder") from None
         self._lock.seek(0)
         self._lock.truncate()
-        self._lock.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        self._lock.write(json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "max_bytes": max_bytes}) + "\n")
         self._lock.flush()
         if (self.folder / SPEC).exists():
             check_spec(self.folder, read_spec(self.folder), spec)
@@ -234,4 +243,4 @@ class CaptureWriter:
 
 
 __all__ = ["CaptureError", "CaptureWriter", "Captured", "check_spec", "committed", "read_captured", "read_spec",
-           "release_below", "sample_id", "serving_spec", "shard_path"]
+           "release_below", "sample_id", "serving_spec", "shard_path", "writer_of"]

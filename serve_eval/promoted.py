@@ -138,6 +138,7 @@ def publish(live: str | Path, source: str | Path, figures: dict[str, Any]) -> in
         if why is not None:
             raise PromotionError(f"copying {source}: {why}")
         tmp.rename(dest)
+        atomic_write_text(dest.with_suffix(".json"), json.dumps({"source": str(source.resolve()), **figures}))
         history = [*(pointer.get("history", []) if pointer else []),
                    *([_entry(pointer)] if pointer else [{"version": 0}])]
         new = {"version": version, "path": str(dest.relative_to(live)), "files": files, "source": str(source),
@@ -146,6 +147,18 @@ def publish(live: str | Path, source: str | Path, figures: dict[str, Any]) -> in
         atomic_write_text(live / SERVING, json.dumps(new, indent=2))
     log_event(live, "promoted", version=version, source=str(source), **figures)
     return version
+
+
+def published_from(live: str | Path, source: str | Path) -> int | None:
+    """The version a draft folder ``source`` was published as (whatever serves now), or None."""
+    wanted = str(Path(source).resolve())
+    for path in sorted((Path(live) / DRAFTS).glob("v[0-9]*.json")):
+        try:
+            if json.loads(path.read_text(encoding="utf-8")).get("source") == wanted:
+                return int(path.stem[1:])
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def rollback(live: str | Path, version: int, to: int, **figures: Any) -> dict[str, Any] | None:
@@ -181,7 +194,8 @@ def _known_versions(live: Path) -> list[int]:
 
 class DraftFollower:
     """The server's side: between requests, serve the version the pointer names (a promotion or a
-    rollback), its files and fit checked first."""
+    rollback), its files and fit checked first. A version that cannot be served is refused and the
+    pointer put back on the version that serves, so the pointer always names what serves."""
 
     def __init__(self, live: str | Path, load: Any) -> None:
         """``load(folder)``: the draft of a promoted folder, checked against the target (None: the
@@ -190,39 +204,43 @@ class DraftFollower:
         self.version = 0
         self.refused: set[int] = set()  # versions never to try again
         self.counts = {"swapped": 0, "refused": 0}
-        self._seen: int | None = None
+        self._seen: tuple[int, int, int] | None = None
 
-    def poll(self) -> Any | None:
-        """The draft to swap in (a version newer than the one served, its files and fit checked),
-        or None. Cheap when nothing changed (one stat)."""
+    def follow(self, swap: Any) -> bool:
+        """Where the pointer names another version: load and check it, then ``swap(draft)``; the
+        version moves only once the swap succeeded. Cheap when nothing changed (one stat). True on a
+        swap."""
         path = self.live / SERVING
         try:
-            stamp = path.stat().st_mtime_ns
+            st = path.stat()
         except FileNotFoundError:
-            return None
+            return False
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)  # replaced atomically: a new inode each time
         if stamp == self._seen:
-            return None
-        self._seen = stamp
+            return False
         pointer = read_serving(self.live)
-        if pointer is None or int(pointer["version"]) == self.version or int(pointer["version"]) in self.refused:
-            return None
+        self._seen = stamp
+        version = int(pointer["version"]) if pointer else 0
+        if pointer is None or version == self.version or version in self.refused:
+            return False
         folder = self.live / pointer["path"] if "path" in pointer else None  # None: the server's own draft
         why = check_files(folder, pointer["files"]) if folder is not None else None
-        draft = None
         if why is None:
             try:
-                draft = self.load(folder)
-            except (Eagle3Error, ValueError, OSError) as err:
-                why = f"{folder}: {err}"
-        if draft is None:
-            self.refused.add(int(pointer["version"]))
+                swap(self.load(folder))
+            except Exception as err:  # a draft that cannot serve: refused, the one serving kept
+                why = f"{folder}: {type(err).__name__}: {err}"
+        if why is not None:
+            self.refused.add(version)
             self.counts["refused"] += 1
-            log_event(self.live, "refused_by_server", version=int(pointer["version"]), why=why)
-            return None
-        previous, self.version = self.version, int(pointer["version"])
+            log_event(self.live, "refused_by_server", version=version, why=why)
+            if rollback(self.live, version, self.version, why="refused by the server") is not None:
+                self._seen = None
+            return False
+        previous, self.version = self.version, version
         self.counts["swapped"] += 1
-        log_event(self.live, "swapped", version=self.version, previous=previous)
-        return draft
+        log_event(self.live, "swapped", version=version, previous=previous)
+        return True
 
 
 def live_parts(live: str | Path, draft: str | None, target_name: str, target: Any, chat: Any, max_model_len: int,
@@ -248,5 +266,5 @@ def live_parts(live: str | Path, draft: str | None, target_name: str, target: An
     return capture, DraftFollower(live, load)
 
 
-__all__ = ["DraftFollower", "live_parts", "PromotionError", "check_files", "checksums", "log_event", "publish",
-           "read_serving", "rollback", "serving_version"]
+__all__ = ["DraftFollower", "PromotionError", "check_files", "checksums", "live_parts", "log_event", "publish",
+           "published_from", "read_serving", "rollback", "serving_version"]

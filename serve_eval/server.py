@@ -265,10 +265,10 @@ class Engine:
                 self.metrics.finish(job.request_id, job.endpoint, "cancelled", len(job.prompt), None,
                                     time.perf_counter() - job.queued_at)
                 continue
+            if self.follower is not None and self.follower.follow(self.decoder.set_draft):  # between requests
+                self.metrics.version.set(self.follower.version)
             self.metrics.running.set(1)
             try:
-                if self.follower is not None:  # between requests: a promoted draft, checked
-                    self._swap(self.follower.poll())
                 self._run(job)
             except Exception as err:  # the request fails, the server goes on
                 try:
@@ -279,11 +279,6 @@ class Engine:
                                     time.perf_counter() - job.queued_at)
             finally:
                 self.metrics.running.set(0)
-
-    def _swap(self, draft: Any) -> None:
-        if draft is not None:
-            self.decoder.set_draft(draft)
-            self.metrics.version.set(self.follower.version if self.follower is not None else 0)
 
     def _run(self, job: Job) -> None:
         text = TextStream(self.tokenizer, job.stops)
@@ -339,7 +334,7 @@ class Engine:
                     self.capture.write(job.prompt, gen.tokens, gen.states, {
                         "draft_version": version, "finish_reason": "stop" if stopped else "length",
                         "greedy": job.params.greedy, "k": stats.proposed, "rounds": rounds_of(stats)})
-                except OSError as err:  # a full disk: the request was served; capture skips it, counted
+                except Exception as err:  # a full disk: the request was served; capture skips it, counted
                     self.capture.paused += 1
                     print(f"capture: {job.request_id} not captured: {err}", file=sys.stderr)
 

@@ -122,27 +122,36 @@ def test_a_damaged_candidate_is_refused_by_the_judge(world: dict, tmp_path: Path
 
 
 def test_the_server_follows_promotions_and_refuses_damaged_drafts(world: dict, tmp_path: Path) -> None:
+    from serve_eval.promoted import rollback
+
     target = world["target"]
     live = tmp_path / "live"
     follower = DraftFollower(live, lambda folder: load_scoring_draft(folder or world["draft"], target))
-    assert follower.poll() is None and follower.version == 0
+    swapped: list = []
+    assert not follower.follow(swapped.append) and follower.version == 0
     v1 = publish(live, world["draft"], {"why": "test"})
-    assert follower.poll() is not None and follower.version == v1 == 1
-    # a promoted folder damaged afterwards: its checksum refuses it
+    assert follower.follow(swapped.append) and follower.version == v1 == 1 and len(swapped) == 1
+    # a promoted folder damaged afterwards: its checksum refuses it, and the pointer goes back
     v2 = publish(live, world["draft"], {})
     (live / "drafts" / f"v{v2:04d}" / "config.json").write_text("{}")
-    assert follower.poll() is None and follower.version == 1 and follower.counts["refused"] == 1
+    assert not follower.follow(swapped.append) and follower.version == 1 and follower.counts["refused"] == 1
+    assert read_serving(live)["version"] == 1 and read_serving(live)["rolled_back"] == [v2]
     refused = [json.loads(line) for line in (live / "events.jsonl").read_text().splitlines()
                if '"refused_by_server"' in line]
     assert "sha256" in refused[0]["why"]
+    # a swap that fails (the decoder refuses the draft): the version does not move, the pointer goes back
     v3 = publish(live, world["draft"], {})
-    assert follower.poll() is not None and follower.version == v3
-    # a rollback is a pointer change the follower follows like a promotion
-    from serve_eval.promoted import rollback
 
-    assert rollback(live, v3, to=1) is not None
-    assert follower.poll() is not None and follower.version == 1
-    assert follower.poll() is None and follower.version == 1  # and stays there
+    def failing(draft: object) -> None:
+        raise ValueError("does not fit")
+
+    assert not follower.follow(failing) and follower.version == 1 and read_serving(live)["version"] == 1
+    v4 = publish(live, world["draft"], {})
+    assert v4 == v3 + 1 and follower.follow(swapped.append) and follower.version == v4
+    # a rollback is a pointer change the follower follows like a promotion
+    assert rollback(live, v4, to=1) is not None
+    assert follower.follow(swapped.append) and follower.version == 1
+    assert not follower.follow(swapped.append) and follower.version == 1  # and stays there
 
 
 def test_a_promoted_version_worse_on_the_requests_it_served_is_rolled_back(world: dict, tmp_path: Path) -> None:
