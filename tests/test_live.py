@@ -56,7 +56,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     for i in range(20):
         prompt = [rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(6, 14))]
         gen = decoder.generate(prompt, 24, capture=True)
-        assert writer.write(prompt, gen.tokens, gen.states, {"draft_version": 0, "rounds": [
+        assert writer.write(prompt, gen.tokens, gen.states, {"draft_version": 0, "k": 3, "greedy": True, "rounds": [
             [c, d, a, a, 0, 0] for c, d, a in zip(gen.stats.contexts, gen.stats.depths, gen.stats.accepted,
                                                   strict=True)]})
         served[i] = gen.stats.tau

@@ -97,7 +97,8 @@ def serve_stream(args: argparse.Namespace, live: Path, stream: list[dict[str, An
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     py = sys.executable
     server = subprocess.Popen([py, "-m", "serve_eval.server", "--draft", args.draft, "--live", str(live), "--k",
-                               str(args.k), "--port", str(port), "--served-model-name", "m", "--threads", "1"],
+                               str(args.k), "--port", str(port), "--served-model-name", "m", "--threads", "1",
+                               "--capture-dtype", args.capture_dtype],
                               cwd=ROOT, env=env, stdout=open(live.parent / "server.log", "w"), stderr=subprocess.STDOUT)
     trainer = None
     try:
@@ -218,6 +219,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--capture-dtype", default="float32",
+                        help="the server's; float32 makes the lossless check exact (bf16 states round logits)")
     parser.add_argument("--trainer", default="", help="more hard_mining.live flags, one string")
     args = parser.parse_args()
     torch.set_num_threads(2)
