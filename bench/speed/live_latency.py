@@ -24,8 +24,30 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench" / "studies"))
-from live_shift import free_port, wait_healthy  # noqa: E402
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited ({proc.returncode}) before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise SystemExit("the server did not become ready")
 
 
 def prompts(pools: Path, n: int, seed: int) -> list[list[dict[str, str]]]:
