@@ -218,7 +218,12 @@ class DraftFollower:
         stamp = (st.st_ino, st.st_mtime_ns, st.st_size)  # replaced atomically: a new inode each time
         if stamp == self._seen:
             return False
-        pointer = read_serving(self.live)
+        try:
+            pointer = read_serving(self.live)
+        except PromotionError as err:  # edited by hand: said once, the draft serving kept
+            self._seen = stamp
+            log_event(self.live, "refused_by_server", why=str(err))
+            return False
         self._seen = stamp
         version = int(pointer["version"]) if pointer else 0
         if pointer is None or version == self.version or version in self.refused:

@@ -152,6 +152,9 @@ def test_the_server_follows_promotions_and_refuses_damaged_drafts(world: dict, t
     assert rollback(live, v4, to=1) is not None
     assert follower.follow(swapped.append) and follower.version == 1
     assert not follower.follow(swapped.append) and follower.version == 1  # and stays there
+    (live / "serving.json").write_text("{not json")  # a hand edit gone wrong: said, serving goes on
+    assert not follower.follow(swapped.append) and follower.version == 1
+    assert "serving.json" in (live / "events.jsonl").read_text().splitlines()[-1]
 
 
 def test_a_promoted_version_worse_on_the_requests_it_served_is_rolled_back(world: dict, tmp_path: Path) -> None:
