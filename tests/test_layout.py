@@ -34,38 +34,28 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for n in ast.walk(node))
-    return skip
+def module_edges(source: str, name: str, modules: dict[str, Path], filename: str = "<source>") -> dict[str, int]:
+    """{imported project module: line} of one module's source: function-local imports and those under
+    ``if TYPE_CHECKING`` included (a type names a dependency all the same)."""
+    edges: dict[str, int] = {}
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and target.split(".")[0] in CHAIN:
+                edges.setdefault(target, node.lineno)
+    return edges
 
 
 def import_graph() -> dict[str, dict[str, int]]:
-    """module -> {imported project module: line}, function-local imports included (they are
-    dependencies all the same), ``if TYPE_CHECKING`` blocks left out."""
+    """module -> {imported project module: line} (:func:`module_edges`)."""
     modules = _modules()
-    graph: dict[str, dict[str, int]] = {}
-    for name, path in modules.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
-        skip = _type_checking_nodes(tree)
-        edges: dict[str, int] = {}
-        for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
-            for target in targets:
-                while target and target not in modules:
-                    target = target.rpartition(".")[0]
-                if target and target != name and target.split(".")[0] in CHAIN:
-                    edges.setdefault(target, node.lineno)
-        graph[name] = edges
-    return graph
+    return {name: module_edges(path.read_text(), name, modules, str(path)) for name, path in modules.items()}
 
 
 def part_of(module: str) -> str | None:
@@ -176,6 +166,13 @@ def test_the_checks_catch_what_they_are_for() -> None:
     assert cycles({"a.x": {"a.y": 1}, "a.y": {}}) == []
     bad = chain_violations(graph)
     assert len(bad) == 2, bad
+    # an import for types only is a dependency too: the draft layer naming the trainer's settings
+    modules = _modules()
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from eagle3.train.config import TrainConfig\n"
+    edges = module_edges(typed, "eagle3.draft.families.base", modules)
+    assert edges == {"eagle3.train.config": 3}
+    (only,) = chain_violations({"eagle3.draft.families.base": edges})
+    assert "part train comes after draft" in only
     assert "eagle3.draft.model imports serve_eval.verify (package serve_eval comes after eagle3" in bad[0]
     assert "eagle3.target.model imports eagle3.store.shards (part store comes after target" in bad[1]
     assert [part_of(m) for m in ("eagle3.errors", "eagle3.export", "eagle3.draft.families.base", "data_gen.x")] == [

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -35,7 +35,28 @@ if TYPE_CHECKING:
     from eagle3.config import SamplingConfig
     from eagle3.draft.model import DraftConfig, DraftHead
     from eagle3.draft.ttt import TTTOutput
-    from eagle3.train.config import TrainConfig
+
+
+class TrainSettings(Protocol):
+    """What a family reads of a training run's settings (the trainer's ``TrainConfig`` has these):
+    the draft layer names the fields it needs, not the trainer's whole settings."""
+
+    @property
+    def draft_family(self) -> str: ...
+    @property
+    def draft_variant(self) -> str: ...
+    @property
+    def init_draft(self) -> str | None: ...
+    @property
+    def mask_token_id(self) -> int | None: ...
+    @property
+    def ttt_steps(self) -> int: ...
+    @property
+    def context_parallel(self) -> int: ...
+    @property
+    def gradient_checkpointing(self) -> bool: ...
+    @property
+    def layer_init(self) -> str: ...
 
 
 @dataclass
@@ -144,14 +165,14 @@ class DraftFamily:
 
     # -- settings
 
-    def check_train(self, train: TrainConfig) -> None:
+    def check_train(self, train: TrainSettings) -> None:
         """Refuse training settings this family cannot honour (a ConfigError naming the key)."""
         if train.mask_token_id is not None and not self.reads_mask_token:
             readers = [name for name, family in _FAMILIES.items() if family.reads_mask_token]
             raise ConfigError(f"train.mask_token_id={train.mask_token_id}: only a {' or '.join(readers)} draft reads a "
                              "mask token")
 
-    def shape(self, train: TrainConfig) -> dict[str, Any]:
+    def shape(self, train: TrainSettings) -> dict[str, Any]:
         """Draft-config fields this family sets from the training settings (beyond the common shape)."""
         return {}
 
@@ -160,7 +181,7 @@ class DraftFamily:
     def check_config(self, config: DraftConfig) -> None:
         """Refuse a draft config this family cannot build (a ConfigError naming the field)."""
 
-    def config_fields(self, mask_token_id: int | None, train: TrainConfig) -> dict[str, Any]:
+    def config_fields(self, mask_token_id: int | None, train: TrainSettings) -> dict[str, Any]:
         """The family's own draft-config fields: its name and mask token (None when it reads none)."""
         return {"family": self.name, "mask_token_id": mask_token_id if self.reads_mask_token else None,
                 **self.shape(train)}
@@ -172,7 +193,7 @@ class DraftFamily:
         """Trainable parameters in closed form (the planner checks it against a model on the meta device)."""
         raise NotImplementedError
 
-    def adopt(self, draft: DraftHead, train: TrainConfig, mask_token_id: int | None) -> DraftHead:
+    def adopt(self, draft: DraftHead, train: TrainSettings, mask_token_id: int | None) -> DraftHead:
         """``train.init_draft``'s draft as this family's starting point (the same draft by default);
         a draft of another family is refused naming ``train.draft_family``."""
         if draft.config.family != self.name:
@@ -284,5 +305,5 @@ def parameter_count(config: DraftConfig) -> int:
     return family_of(config).parameter_count(config)
 
 
-__all__ = ["ENTRY_POINTS", "DraftFamily", "Proposal", "Proposer", "family_names", "family_of", "family_reading",
-           "get_family", "parameter_count", "register"]
+__all__ = ["ENTRY_POINTS", "DraftFamily", "Proposal", "Proposer", "TrainSettings", "family_names", "family_of",
+           "family_reading", "get_family", "parameter_count", "register"]

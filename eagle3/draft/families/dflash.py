@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from eagle3.device import sdpa
-from eagle3.draft.families.base import DraftFamily, Proposal, Proposer, register
+from eagle3.draft.families.base import DraftFamily, Proposal, Proposer, TrainSettings, register
 from eagle3.draft.formats import (
     DFLASH_ARCHITECTURE,
     MARKER,
@@ -76,7 +76,6 @@ from eagle3.errors import ConfigError, TrainError
 
 if TYPE_CHECKING:
     from eagle3.config import SamplingConfig
-    from eagle3.train.config import TrainConfig
 
 
 class DFlashAttention(nn.Module):
@@ -269,7 +268,7 @@ class DFlashFamily(DraftFamily):
     reads_mask_token = True
     architectures = (DFLASH_ARCHITECTURE,)
 
-    def check_train(self, train: TrainConfig) -> None:
+    def check_train(self, train: TrainSettings) -> None:
         super().check_train(train)
         if train.gradient_checkpointing:
             raise ConfigError("train.gradient_checkpointing=true: a dflash draft runs one block, not an unroll to "
@@ -288,7 +287,7 @@ class DFlashFamily(DraftFamily):
             raise ConfigError(f"draft.sliding_window={config.sliding_window}: a DFlash draft's block attends over the "
                              "whole context; sliding windows are for eagle3 and peagle drafts")
 
-    def shape(self, train: TrainConfig) -> dict[str, Any]:
+    def shape(self, train: TrainSettings) -> dict[str, Any]:
         return {"block_size": train.ttt_steps + 1}  # a block of ttt_steps + 1; EAGLE-3's layer variants do not apply
 
     def build(self, config: DraftConfig, embed_tokens_weight: Tensor | None = None) -> DFlashDraft:
@@ -301,7 +300,7 @@ class DFlashFamily(DraftFamily):
         return (config.num_aux_layers * config.target_hidden_size * h + h + config.num_layers * per_layer
                 + h + config.draft_vocab_size * h)  # fc, hidden_norm, the layers, the final norm, lm_head
 
-    def adopt(self, draft: DraftHead, train: TrainConfig, mask_token_id: int | None) -> DraftHead:
+    def adopt(self, draft: DraftHead, train: TrainSettings, mask_token_id: int | None) -> DraftHead:
         draft = super().adopt(draft, train, mask_token_id)
         if draft.config.block_size - 1 < train.ttt_steps:
             raise TrainError(f"train.ttt_steps={train.ttt_steps}: the init_draft's DFlash block proposes "

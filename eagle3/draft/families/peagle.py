@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from eagle3.distributed import print0
-from eagle3.draft.families.base import Proposal, Proposer, register
+from eagle3.draft.families.base import Proposal, Proposer, TrainSettings, register
 from eagle3.draft.families.eagle3 import Eagle3Family
 from eagle3.draft.formats import vllm_config
 from eagle3.draft.model import DraftConfig, DraftHead, Eagle3Draft
@@ -21,7 +21,6 @@ from eagle3.errors import ConfigError, TrainError
 
 if TYPE_CHECKING:
     from eagle3.config import SamplingConfig
-    from eagle3.train.config import TrainConfig
 
 
 def mask_feed(draft: Eagle3Draft):
@@ -36,7 +35,7 @@ class PEagleFamily(Eagle3Family):
     reads_mask_token = True
     replays_steps = False  # one forward proposes the round
 
-    def adopt(self, draft: DraftHead, train: TrainConfig, mask_token_id: int | None) -> DraftHead:
+    def adopt(self, draft: DraftHead, train: TrainSettings, mask_token_id: int | None) -> DraftHead:
         """An eagle3 ``init_draft`` becomes a P-EAGLE draft: the same weights, a fresh mask state."""
         if draft.config.family == "eagle3":
             out = Eagle3Draft(replace(draft.config, family=self.name, mask_token_id=mask_token_id))
