@@ -87,7 +87,8 @@ def print0(*args: Any, **kwargs: Any) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's pick)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -115,7 +116,7 @@ def init_runtime(device: str = "auto", timeout_s: float = 600.0) -> Runtime:
         alone = "RANK" not in os.environ
         if alone:  # no launcher: a group of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
+                              MASTER_PORT=str(free_port()))
         rank, world, local = (int(os.environ.get(k, "0")) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     if use_cuda:
         index = int(device.split(":")[1]) if ":" in device else local
@@ -182,5 +183,5 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-__all__ = ["ContextGroup", "PeerLost", "Runtime", "all_reduce_sum", "barrier", "context_group", "init_runtime",
-           "lost_peer", "per_rank"]
+__all__ = ["ContextGroup", "PeerLost", "Runtime", "all_reduce_sum", "barrier", "context_group", "free_port",
+           "init_runtime", "lost_peer", "per_rank"]

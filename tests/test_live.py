@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
 from eagle3.config import TargetConfig
+from eagle3.distributed import free_port
 from eagle3.train.config import TrainConfig
 from eagle3.train.loop import train
 from hard_mining.config import LiveConfig
@@ -210,19 +211,13 @@ def test_a_trainer_killed_mid_round_reruns_it_once_and_one_command_serves(world:
     assert [e["event"] for e in events if e.get("round") == 1] in (["promoted"], ["refused"])
     # one command: --serve starts the server on a fresh folder (the same target and draft) and stops it
     fresh = tmp_path / "fresh"
-    port = _free_port()
+    port = free_port()
     served = subprocess.run([*command[:4], str(fresh), *command[5:], "--idle-exit-s", "3", "--serve", "--server-args",
                              f"--port {port} --device cpu"], capture_output=True, text=True, timeout=600)
     assert served.returncode == 0, served.stderr[-2000:]
     assert (fresh / "capture" / "capture.json").is_file() and not list((fresh / "rounds").glob("r*"))
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()  # the server is gone
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_candidate_of_another_target_is_not_promoted_and_the_key_is_named(world: dict, tmp_path: Path) -> None:

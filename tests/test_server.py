@@ -8,7 +8,6 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ import openai
 import pytest
 import torch
 
+from eagle3.distributed import free_port
 from eagle3.target.chat import ChatFormat
 from eagle3.target.model import Target
 from serve_eval.adaptive import CostModel
@@ -33,17 +33,13 @@ MODEL = "tiny"
 KEY = "test-key"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Served:
     def __init__(self, engine: Engine, api_key: str | None) -> None:
         import uvicorn
 
-        self.engine, self.port = engine, _free_port()
+        self.engine, self.port = engine, free_port()
         config = uvicorn.Config(build_app(engine, api_key), host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

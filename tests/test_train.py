@@ -9,7 +9,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
 from eagle3.atomic import atomic_dir, remove_leftovers
 from eagle3.config import TargetConfig
+from eagle3.distributed import free_port
 from eagle3.draft.families import get_family
 from eagle3.draft.metrics import AcceptanceTally
 from eagle3.draft.model import DraftConfig, Eagle3Draft
@@ -74,10 +74,6 @@ def _env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -898,7 +894,7 @@ def test_leftovers_of_a_kill_are_removed_and_a_half_replaced_folder_gets_its_old
 
 
 def _two_processes(tiny: dict, out: Path, *extra: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "eagle3.train", *_cli(tiny, out, "--steps", "6", "--eval-every", "3", *extra)]
     done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -946,7 +942,7 @@ def test_a_row_split_over_two_ranks_trains_the_one_rank_draft(tiny: dict, tmp_pa
     assert len(reference) > 6 * 10
     for name, zero in (("cp", "0"), ("cp-zero2", "2")):  # ZeRO 2 shards gradients over both ranks of the group
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), "-m", "eagle3.train",
+               str(free_port()), "-m", "eagle3.train",
                *_cli(tiny, tmp_path / name, "--steps", "6", "--eval-every", "3", "--save-every", "0", "--ttt-steps",
                      "4", "--gradient-checkpointing", "--context-parallel", "2", "--zero-stage", zero)]
         done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -47,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 from gpu_speed import EVAL_SETS, check_graphs, check_profile, check_speculators, check_train_phases  # noqa: E402
 
 from eagle3.device import resolve_device, sdpa_backends, synchronize  # noqa: E402
+from eagle3.distributed import free_port  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
@@ -354,16 +354,12 @@ def check_families(cfg: Any, target: Path, pools: Path, device: str, size: dict[
             emit(f"family.{family}", False, error=f"{type(err).__name__}: {err}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def check_server(draft: Path, target: Path, device: str) -> None:
     import httpx
 
-    port = _free_port()
+    port = free_port()
     log = open(os.devnull, "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "serve_eval.server", "--draft", str(draft), "--target", str(target),
                              "--device", device, "--port", str(port), "--served-model-name", "check"],

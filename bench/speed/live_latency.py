@@ -23,15 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eagle3.distributed import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:

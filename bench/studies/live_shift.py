@@ -32,7 +32,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,13 +40,11 @@ from typing import Any
 
 import torch
 
+from eagle3.distributed import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pick_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
