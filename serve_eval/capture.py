@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -41,7 +42,7 @@ import torch
 
 from eagle3.atomic import atomic_write_bytes, atomic_write_text
 from eagle3.errors import Eagle3Error
-from eagle3.store.shards import HarvestSpec, Sample, StoreError, encode_shard, read_shard, shard_entry
+from eagle3.store.shards import HarvestSpec, Sample, StoreError, encode_shard, read_shard
 
 FORMAT = "eagle3-capture-1"
 SPEC = "capture.json"
@@ -229,7 +230,8 @@ class CaptureWriter:
                 return False
             path = shard_path(self.folder, seq)
             atomic_write_bytes(path, data)
-            entry = shard_entry(path, 1, n, int(mask.sum()))
+            entry = {"file": path.name, "samples": 1, "tokens": n, "loss_tokens": int(mask.sum()),
+                     "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}  # as shard_entry, not read back
             atomic_write_text(path.with_suffix(".json"), json.dumps({**entry, "seq": seq, **meta}))
             self.next_seq += 1
             self.written += 1
