@@ -252,11 +252,11 @@ def test_a_silent_rank_fails_the_collective_after_the_timeout_and_is_named_lost(
     import subprocess
     import sys
 
-    from eagle3.distributed import _free_port
+    from eagle3.distributed import free_port
 
     script = tmp_path / "silent.py"
     script.write_text(SILENT_PEER)
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "OMP_NUM_THREADS": "1"}
     root = Path(__file__).parents[1]
     procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE,
