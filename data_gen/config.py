@@ -223,7 +223,7 @@ class HarvestConfig:
     """hf, or vllm (run from the venv of scripts/setup_vllm_env.sh)."""
     threads: int = 1
     spool_budget_mb: float = 1024.0
-    """Online training (train.data=online): out_dir is the spool producers fill, at most this many MiB
+    """Online training (train.data.mode=online): out_dir is the spool producers fill, at most this many MiB
     (plus the one shard the trainer waits for)."""
     fused: str = "auto"
     """Read the states the regeneration kept (``regenerate.capture``, its ``states/`` beside ``data``)

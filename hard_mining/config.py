@@ -23,7 +23,7 @@ class MineConfig:
     draft: str = ""
     """The draft of round 0 (a trained draft folder)."""
     store: str = ""
-    """Its training store; rounds append stores next to it (``train.extra_stores``)."""
+    """Its training store; rounds append stores next to it (``train.data.extra_stores``)."""
     records: list[str] = field(default_factory=list)
     """Regenerated conversations behind ``store`` (their ids, domains and languages)."""
     eval_store: str = ""
@@ -67,7 +67,7 @@ class MineConfig:
     replay_prompts: int = 16
     """replay: pool prompts per round (balanced over domains) the draft is run against; with them,
     every conversation the round adds is replayed: the tokens its served rounds rejected are weighted
-    ``replay_weight`` in training (``train.token_weights``; earlier rounds' carried)."""
+    ``replay_weight`` in training (``train.loss.token_weights``; earlier rounds' carried)."""
     replay_weight: float = 3.0
     """replay: the loss weight of a rejected token (every TTT step whose target it is)."""
     traffic: str = ""
@@ -79,17 +79,17 @@ class MineConfig:
     """traffic: lowest_tau (the requests the served draft accepted least on first: its errors on real
     traffic) or random (the log's uniform mixture)."""
     sample_weights: str | None = None
-    """Per-sample weights of the base store (``train.sample_weights``' JSON: sample id -> weight >= 0,
+    """Per-sample weights of the base store (``train.data.sample_weights``' JSON: sample id -> weight >= 0,
     absent ids 1) kept in every round's training, e.g. 0 for what the deployment must not train on;
-    reweight's domain weights multiply them. The pipeline passes ``train.sample_weights``."""
+    reweight's domain weights multiply them. The pipeline passes ``train.data.sample_weights``."""
     weight_power: float = 4.0
     """reweight: domain weight (tau_best / tau_domain) ** power, clipped to [0.25, 4]."""
     steps: int = 60
     """Training steps per round (continuing from the previous round's draft, vocab frozen)."""
     lr: float | None = None
-    """Peak learning rate of each round's training; None: a quarter of train.lr. The draft a round
+    """Peak learning rate of each round's training; None: a quarter of train.optim.lr. The draft a round
     starts from has decayed its rate already: in the quickstart, 40 more steps on the same data
-    re-warmed to the full train.lr raised the held-out loss (21.38 -> 22.04), at a quarter they
+    re-warmed to the full train.optim.lr raised the held-out loss (21.38 -> 22.04), at a quarter they
     lowered it (21.22)."""
     max_new_tokens: int = 160
     """Regeneration length of the mined prompts."""
@@ -135,7 +135,7 @@ class MineConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"mine.{name}={getattr(self, name)}: must be >= 0")
         if self.lr is not None and self.lr <= 0:
-            raise ConfigError(f"mine.lr={self.lr}: must be > 0 (or null: a quarter of train.lr)")
+            raise ConfigError(f"mine.lr={self.lr}: must be > 0 (or null: a quarter of train.optim.lr)")
         if not 0.0 < self.keep_fraction <= 1.0:
             raise ConfigError(f"mine.keep_fraction={self.keep_fraction}: must be in (0, 1]")
         if self.wandb_mode not in WANDB_MODES:
@@ -183,7 +183,7 @@ class LiveConfig:
     pointer goes back (0: never)."""
     replay_weight: float = 0.0
     """Above 0: the tokens the serving draft rejected in the captured rounds get this loss weight
-    (``train.token_weights``; on-policy replay)."""
+    (``train.loss.token_weights``; on-policy replay)."""
     release: bool = True
     """Delete the captured requests no round can train on any more (older than the window)."""
     poll_s: float = 2.0

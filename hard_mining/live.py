@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import TargetConfig, add_target_arguments
 from eagle3.errors import ConfigError, run_cli
 from eagle3.store.shards import HarvestSpec, HarvestStore, shard_entry, shard_name, write_manifest
-from eagle3.train.config import TrainConfig
+from eagle3.train.config import TrainConfig, updated
 from hard_mining.config import LiveConfig
 from hard_mining.replay import reply_spans, served_rounds
 from hard_mining.score import score_store, target_head
@@ -322,12 +322,13 @@ class LiveTrainer:
             items = [by_seq[s] for s in plan["train"] if s in by_seq]
             atomic_write_text(tokens_file, json.dumps(replay_token_weights(items, cfg.replay_weight)))
         serving = Path(plan["serving_path"])
-        train(replace(self.train_cfg, data="offline", store=str(rdir / "train-store"), extra_stores=extra,
-                      sample_weights=str(weights_file) if weights_file else None,
-                      token_weights=str(tokens_file) if tokens_file else None, init_draft=plan["start"],
-                      steps=cfg.steps, lr=cfg.lr, out_dir=str(rdir / "train"), eval_store=None, eval_fraction=0.0,
-                      seed=cfg.seed + r, resume=True, wandb_mode="disabled", progress=self.progress),
-              self.target_cfg, target=self.target)
+        train(updated(self.train_cfg, {
+            "data.mode": "offline", "data.store": str(rdir / "train-store"), "data.extra_stores": extra,
+            "data.sample_weights": str(weights_file) if weights_file else None,
+            "loss.token_weights": str(tokens_file) if tokens_file else None, "init.draft": plan["start"],
+            "steps": cfg.steps, "optim.lr": cfg.lr, "out_dir": str(rdir / "train"), "data.eval_store": None,
+            "data.eval_fraction": 0.0, "seed": cfg.seed + r, "resume": True, "log.wandb_mode": "disabled",
+            "log.progress": self.progress}), self.target_cfg, target=self.target)
         t_train = time.perf_counter() - t0
         candidate = rdir / "train" / "final"
         cand = served_taus(self.load(candidate), self.head, held, cfg.k)
@@ -417,10 +418,11 @@ def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = dataclass_from_args(LiveConfig, args)
-    train_cfg = continued_training(
-        args.recipe, ttt_steps=args.ttt_steps, loss_positions=args.loss_positions, warmup_steps=max(1, cfg.steps // 20),
-        micro_batch_tokens=args.micro_batch_tokens, batching="buckets", eval_every=0, save_every=max(cfg.steps // 2, 1),
-        progress=not args.no_progress, threads=args.threads)
+    train_cfg = continued_training(args.recipe, **{
+        "ttt_steps": args.ttt_steps, "loss.positions": args.loss_positions,
+        "optim.warmup_steps": max(1, cfg.steps // 20), "data.micro_batch_tokens": args.micro_batch_tokens,
+        "data.batching": "buckets", "eval_every": 0, "save_every": max(cfg.steps // 2, 1),
+        "log.progress": not args.no_progress, "threads": args.threads})
     target_cfg = TargetConfig(name_or_path=args.target, dtype="float32", device=args.device)
     print(json.dumps({"live": "start", **asdict(cfg)}), file=sys.stderr)
     server = start_server(cfg, args) if args.serve else None

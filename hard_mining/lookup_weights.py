@@ -1,4 +1,4 @@
-"""Loss weights away from what the lookup proposes (``train.token_weights``).
+"""Loss weights away from what the lookup proposes (``train.loss.token_weights``).
 
 Served beside the lookup (``--proposer hybrid``), a draft need not learn the tokens the lookup
 already gets right: a reply token that continues an earlier match of the context is proposed by
@@ -41,7 +41,7 @@ def lookup_tokens(ids: Sequence[int], mask: Sequence[bool], min_match: int = 2, 
 
 def lookup_weights(store: object, weight: float, min_match: int, max_match: int = 8,
                    ) -> tuple[dict[str, list[list[int | float]]], dict[str, int]]:
-    """``train.token_weights`` entries for every sample of ``store`` (a harvest store) and counts."""
+    """``train.loss.token_weights`` entries for every sample of ``store`` (a harvest store) and counts."""
     out: dict[str, list[list[int | float]]] = {}
     replies = listed = 0
     for i, sample_id in enumerate(store.sample_ids):
@@ -64,7 +64,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m hard_mining.lookup_weights", description=__doc__.splitlines()[0])
     parser.add_argument("--store", nargs="+", required=True, help="harvest store folder(s), as training reads them")
-    parser.add_argument("--out", required=True, help="the token weights file (train.token_weights)")
+    parser.add_argument("--out", required=True, help="the token weights file (train.loss.token_weights)")
     parser.add_argument("--weight", type=float, default=0.25, help="the weight of a token the lookup proposes")
     parser.add_argument("--min-match", type=int, default=2, help="the shortest match that counts")
     parser.add_argument("--max-match", type=int, default=8, help="the longest n-gram indexed")

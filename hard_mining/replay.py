@@ -1,5 +1,5 @@
 """Error replay: the rounds the draft serves on a conversation, the tokens it failed to propose, and
-the loss weights that replay them (``train.token_weights``).
+the loss weights that replay them (``train.loss.token_weights``).
 
 Greedy speculative decoding is lossless, so the reply the loop serves is the target's greedy reply,
 token for token, and the draft's proposal in every round depends only on that reply's prefix. The
@@ -52,7 +52,7 @@ def served_rounds(score: SampleScore, spans: Sequence[tuple[int, int]], depth: i
 
 
 def replay_weights(rounds: dict[str, list[tuple[int, int, int]]], weight: float) -> dict[str, list[list[int | float]]]:
-    """``train.token_weights`` entries: per sample (its :func:`served_rounds`), the tokens its rounds
+    """``train.loss.token_weights`` entries: per sample (its :func:`served_rounds`), the tokens its rounds
     rejected, at ``weight``."""
     out: dict[str, list[list[int | float]]] = {}
     for sample_id, served in rounds.items():

@@ -21,7 +21,7 @@ Each round (``OUT/round-<r>/``):
    prompts are deduplicated against every eval set, the held-out conversations and everything
    harvested so far;
 3. regenerate the new prompts fully and harvest them into a store of the round; with ``replay``,
-   weigh up the tokens the draft's served rounds rejected in them (``train.token_weights``);
+   weigh up the tokens the draft's served rounds rejected in them (``train.loss.token_weights``);
 4. continue training from the current draft (its draft vocab frozen) on the base store plus every
    appended store, with the weights, for ``mine.steps`` steps; score the held-out store again
    (``after``).
@@ -40,7 +40,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,7 @@ from eagle3.config import TargetConfig, add_target_arguments
 from eagle3.errors import Eagle3Error, run_cli
 from eagle3.store.conversations import iter_jsonl, take_in_turn
 from eagle3.store.shards import HarvestStore, open_stores
-from eagle3.train.config import TrainConfig
+from eagle3.train.config import LossSpec, TrainConfig, updated
 from hard_mining.config import MineConfig
 from hard_mining.replay import replay_weights, reply_spans, served_rounds
 from hard_mining.score import (
@@ -292,13 +292,12 @@ def _run_rounds(cfg: MineConfig, train_cfg: TrainConfig, target_cfg: TargetConfi
         round_stores, added_records, token_weights = _harvest_mined(rd, new_records, stores, added, token_weights)
         records += read_records(added_records)
 
-        summary = train(replace(train_cfg, data="offline", store=cfg.store, extra_stores=round_stores,
-                                sample_weights=weights_file, token_weights=token_weights,
-                                init_draft=str(draft_dir), steps=cfg.steps,
-                                lr=cfg.lr if cfg.lr is not None else train_cfg.lr / 4,
-                                out_dir=str(rdir / "train"), eval_store=cfg.eval_store, eval_fraction=0.0,
-                                seed=train_cfg.seed + r, resume=True, wandb_mode="disabled"),
-                        target_cfg, target=target)
+        summary = train(updated(train_cfg, {
+            "data.mode": "offline", "data.store": cfg.store, "data.extra_stores": round_stores,
+            "data.sample_weights": weights_file, "loss.token_weights": token_weights, "init.draft": str(draft_dir),
+            "steps": cfg.steps, "optim.lr": cfg.lr if cfg.lr is not None else train_cfg.optim.lr / 4,
+            "out_dir": str(rdir / "train"), "data.eval_store": cfg.eval_store, "data.eval_fraction": 0.0,
+            "seed": train_cfg.seed + r, "resume": True, "log.wandb_mode": "disabled"}), target_cfg, target=target)
         new_draft = rdir / "train" / "final"
         after = score_store(load_scoring_draft(new_draft, target), head, eval_store, meta,
                             ttt_steps=train_cfg.ttt_steps, progress=progress)
@@ -511,10 +510,11 @@ def _log_round(run: Any, entry: dict[str, Any], records: dict[str, dict[str, Any
 
 def continued_training(recipe: str, **settings: Any) -> TrainConfig:
     """The train settings of the rounds' continued training outside the pipeline: a draft recipe
-    (:func:`eagle3.train.config.draft_recipe`, ``none`` for the library's defaults), then ``settings``."""
-    from eagle3.train.config import draft_recipe
+    (:func:`eagle3.train.config.draft_recipe`, ``none`` for the library's defaults), then ``settings``
+    (dotted keys: ``**{"optim.lr": 1e-3}``)."""
+    from eagle3.train.config import draft_recipe, train_config
 
-    return TrainConfig(**{**draft_recipe(recipe), **settings})
+    return train_config({**draft_recipe(recipe), **settings})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -528,7 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="recipes/draft/NAME.yaml (optimizer, step weights, lr...; default the pipeline's), "
                              "or none for the library's defaults")
     parser.add_argument("--ttt-steps", type=int, default=TrainConfig.ttt_steps)
-    parser.add_argument("--loss-positions", default=TrainConfig.loss_positions, help="assistant or all")
+    parser.add_argument("--loss-positions", default=LossSpec.positions, help="assistant or all")
     parser.add_argument("--micro-batch-tokens", type=int, default=2048)
     parser.add_argument("--precision", default="auto", help="fp32, bf16 or auto (bf16 where it is the faster)")
     parser.add_argument("--threads", type=int, default=1)
@@ -544,11 +544,11 @@ def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = dataclass_from_args(MineConfig, args)
-    train_cfg = continued_training(
-        args.recipe, store=args.store, out_dir=args.out_dir, ttt_steps=args.ttt_steps,
-        loss_positions=args.loss_positions, warmup_steps=max(1, args.steps // 20),
-        micro_batch_tokens=args.micro_batch_tokens, batching="buckets", precision=args.precision, eval_every=0,
-        save_every=0, progress=not args.no_progress, threads=args.threads)
+    train_cfg = continued_training(args.recipe, **{
+        "data.store": args.store, "out_dir": args.out_dir, "ttt_steps": args.ttt_steps,
+        "loss.positions": args.loss_positions, "optim.warmup_steps": max(1, args.steps // 20),
+        "data.micro_batch_tokens": args.micro_batch_tokens, "data.batching": "buckets", "precision": args.precision,
+        "eval_every": 0, "save_every": 0, "log.progress": not args.no_progress, "threads": args.threads})
     target_cfg = TargetConfig(name_or_path=args.target, dtype=args.target_dtype, device=args.device)
     manifest = run_rounds(cfg, train_cfg, target_cfg, progress=not args.no_progress)
     for entry in manifest["rounds"]:

@@ -44,7 +44,7 @@ def domain_weights(groups: dict[str, GroupScore], power: float = 4.0, low: float
 
 
 def sample_weights(scores: Sequence[SampleScore], weights: dict[str, float]) -> dict[str, float]:
-    """Per sample id: its domain's weight (for ``train.sample_weights``)."""
+    """Per sample id: its domain's weight (for ``train.data.sample_weights``)."""
     return {s.sample_id: round(weights.get(s.domain, 1.0), 6) for s in scores}
 
 

@@ -102,11 +102,13 @@ class PipelineConfig:
             if old in self.stages:
                 print(f"stages: {old!r} is now called {new!r}; running {new}", file=sys.stderr)
                 self.stages = [new if s == old else s for s in self.stages]
-        if self.train.data in ("online", "colocated") and "mine" in self.stages:
-            raise ConfigError(f"train.data={self.train.data} keeps no store for the mine stage to score and extend: "
-                              "run without it (stages=[...] without mine), or train with train.data=hybrid or offline")
-        if self.train.data != "offline" and self.train.store != self.harvest.out_dir:
-            raise ConfigError(f"train.data={self.train.data}: train.store={self.train.store!r} must be the spool the "
+        if self.train.data.mode in ("online", "colocated") and "mine" in self.stages:
+            raise ConfigError(f"train.data.mode={self.train.data.mode} keeps no store for the mine stage to score and "
+                              "extend: run without it (stages=[...] without mine), or train with "
+                              "train.data.mode=hybrid or offline")
+        if self.train.data.mode != "offline" and self.train.data.store != self.harvest.out_dir:
+            raise ConfigError(f"train.data.mode={self.train.data.mode}: train.data.store={self.train.data.store!r} "
+                              "must be the spool the "
                               f"producers fill, harvest.out_dir={self.harvest.out_dir!r}")
         if self.threads < 1:
             raise ConfigError(f"threads={self.threads}: must be >= 1")

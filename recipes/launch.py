@@ -10,7 +10,7 @@
                     rank, first hostname; the port from the job id)   after every shard succeeded
     job "finish"    one task: mine, eval, report                       after "train" succeeded
 
-With ``train.data=online`` there is no harvest array: job "produce", an array of
+With ``train.data.mode=online`` there is no harvest array: job "produce", an array of
 ``launcher.harvest_shards`` producers (``data_gen.produce``, worker i of n), starts with the
 training job (both after "prepare"); the trainer waits for the first shard, and the producers stop
 when it writes ``done``.
@@ -60,7 +60,7 @@ def harvest_shard(cfg: PipelineConfig, shard: int, shards: int) -> dict[str, Any
     from data_gen.harvest import run
     from eagle3.store.shards import verify_store
 
-    if cfg.train.data == "colocated":  # the plan and the tokens only: the trainer computes the states
+    if cfg.train.data.mode == "colocated":  # the plan and the tokens only: the trainer computes the states
         from recipes.pipeline import plan_only
 
         return plan_only(cfg)
@@ -171,8 +171,8 @@ def train_task(cfg: PipelineConfig, token: str | None = None) -> dict[str, Any]:
 
     rank = os.environ.get("SLURM_PROCID", "0")
     try:
-        if cfg.train.data in ("online", "hybrid"):
-            check_shared(cfg.train.store, token, "the trainer")
+        if cfg.train.data.mode in ("online", "hybrid"):
+            check_shared(cfg.train.data.store, token, "the trainer")
         os.environ.update(rendezvous_from_job(port=cfg.launcher.port))
         if cfg.launcher.interface:
             os.environ.update(GLOO_SOCKET_IFNAME=cfg.launcher.interface, NCCL_SOCKET_IFNAME=cfg.launcher.interface)
@@ -319,7 +319,7 @@ def _submit(cfg: PipelineConfig, launcher: LauncherConfig, wait: bool | None) ->
         from recipes.pipeline import on_quantized_target
 
         cfg = on_quantized_target(cfg)
-    online = cfg.train.data in ("online", "hybrid") and "train" in cfg.stages
+    online = cfg.train.data.mode in ("online", "hybrid") and "train" in cfg.stages
     if "harvest" in cfg.stages and not online:
         jobs["harvest"] = _array(launcher, "harvest", harvest_shard, cfg, previous)
         settle(jobs["harvest"])

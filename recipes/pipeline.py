@@ -149,14 +149,14 @@ def stage_regenerate(cfg: PipelineConfig) -> dict[str, Any]:
 
 def stage_harvest(cfg: PipelineConfig) -> dict[str, Any]:
     """Hidden states of the regenerated conversations into a shard store (resumable, verified);
-    with ``train.data=online`` (or hybrid) nothing: the train stage's producers make the states;
+    with ``train.data.mode=online`` (or hybrid) nothing: the train stage's producers make the states;
     colocated, only the plan and the tokens."""
     from eagle3.store.shards import verify_store
 
-    if cfg.train.data == "colocated":
+    if cfg.train.data.mode == "colocated":
         return plan_only(cfg)
-    if cfg.train.data != "offline":
-        return {"skipped": f"train.data={cfg.train.data}: the train stage's producers fill the spool "
+    if cfg.train.data.mode != "offline":
+        return {"skipped": f"train.data.mode={cfg.train.data.mode}: the train stage's producers fill the spool "
                            "harvest.out_dir"}
 
     summary = _harvest(cfg, cfg.harvest, "harvest")
@@ -166,7 +166,7 @@ def stage_harvest(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def plan_only(cfg: PipelineConfig) -> dict[str, Any]:
-    """``train.data=colocated``: the harvest's plan and every sample's tokens in harvest.out_dir, no
+    """``train.data.mode=colocated``: the harvest's plan and every sample's tokens in harvest.out_dir, no
     state (the trainer's own target computes them)."""
     from data_gen.produce import produce
 
@@ -195,7 +195,7 @@ def stage_train(cfg: PipelineConfig) -> dict[str, Any]:
     with ``launcher.harvest_shards`` producer processes filling the spool beside it."""
     from eagle3.train.loop import train
 
-    if cfg.train.data in ("offline", "colocated"):
+    if cfg.train.data.mode in ("offline", "colocated"):
         return train(cfg.train, cfg.target)
     with producers(cfg, cfg.launcher.harvest_shards):
         return train(cfg.train, cfg.target)
@@ -203,7 +203,7 @@ def stage_train(cfg: PipelineConfig) -> dict[str, Any]:
 
 def producer_epochs(cfg: PipelineConfig) -> int | None:
     """How many epochs the producers make: hybrid training reads only the first from them."""
-    return 1 if cfg.train.data == "hybrid" else None
+    return 1 if cfg.train.data.mode == "hybrid" else None
 
 
 @contextlib.contextmanager

@@ -93,8 +93,8 @@ def stop_producers(cfg: PipelineConfig, err: BaseException) -> None:
     this ignores it; a rerun trainer clears it."""
     from eagle3.store.spool import mark_done
 
-    if cfg.train.data in ("online", "hybrid") and Path(cfg.train.store).is_dir():  # any rank: the same file
-        mark_done(cfg.train.store, f"the trainer failed: {type(err).__name__}: {err}"[:300])
+    if cfg.train.data.mode in ("online", "hybrid") and Path(cfg.train.data.store).is_dir():  # any rank: the same file
+        mark_done(cfg.train.data.store, f"the trainer failed: {type(err).__name__}: {err}"[:300])
 
 
 __all__ = ["FAILED", "clear_record", "crashed_rank", "record_crash", "requeue", "stop_producers"]

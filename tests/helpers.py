@@ -372,7 +372,7 @@ def tiny_pipeline(root: Path, kind: str = "local") -> Any:
     """A harvest + two-rank training pipeline on a lively target, launched locally or on Slurm."""
     from data_gen.config import HarvestConfig
     from eagle3.config import TargetConfig
-    from eagle3.train.config import TrainConfig
+    from eagle3.train.config import train_config
     from recipes.config import LauncherConfig, PipelineConfig
 
     model = save_lively(root / "model")
@@ -380,9 +380,10 @@ def tiny_pipeline(root: Path, kind: str = "local") -> Any:
     return PipelineConfig(
         target=TargetConfig(name_or_path=str(model), dtype="float32", device="cpu"),
         harvest=HarvestConfig(data=str(data), out_dir=str(root / "harvest"), dtype="float32", max_shard_mb=0.02),
-        train=TrainConfig(store=str(root / "harvest"), out_dir=str(root / "train"), steps=2, micro_batch_tokens=256,
-                          batching="buckets", draft_vocab_size=64, eval_fraction=0.2, eval_every=0, save_every=0,
-                          warmup_steps=1, lr=1e-3, wandb_mode="disabled", progress=False),
+        train=train_config(**{"data.store": str(root / "harvest"), "data.micro_batch_tokens": 256,
+                              "data.batching": "buckets", "draft.vocab_size": 64, "data.eval_fraction": 0.2,
+                              "optim.warmup_steps": 1, "optim.lr": 1e-3, "log.wandb_mode": "disabled",
+                              "log.progress": False}, out_dir=str(root / "train"), steps=2, eval_every=0, save_every=0),
         stages=["harvest", "train"], out_dir=str(root),
         launcher=LauncherConfig(kind=kind, folder=str(root / "submitit"), harvest_shards=2, tasks_per_node=2,
                                 timeout_min=10),

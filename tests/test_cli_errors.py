@@ -22,7 +22,7 @@ CASES = [
     ("data_gen.regenerate", ["--pool", f"{NOWHERE}/a.jsonl", "--out", "{tmp}/r"], f"{NOWHERE}/a.jsonl"),
     ("data_gen.harvest", ["--data", f"{NOWHERE}/a.jsonl", "--out", "{tmp}/h"], f"{NOWHERE}/a.jsonl"),
     ("data_gen.harvest", ["verify", f"{NOWHERE}/store"], f"{NOWHERE}/store"),
-    ("eagle3.train", ["--store", f"{NOWHERE}/store", "--out", "{tmp}/t"], "train.store"),
+    ("eagle3.train", ["--store", f"{NOWHERE}/store", "--out", "{tmp}/t"], "train.data.store"),
     ("eagle3.export", ["--draft", f"{NOWHERE}/draft", "--out", "{tmp}/e"], f"{NOWHERE}/draft"),
     ("serve_eval.evaluate", ["--draft", f"{NOWHERE}/draft", "--out", "{tmp}/v"], f"{NOWHERE}/draft"),
     ("serve_eval.server", ["--draft", f"{NOWHERE}/draft"], f"{NOWHERE}/draft"),
@@ -119,8 +119,8 @@ def test_run_cli_prints_a_project_error_as_one_line_and_lets_a_bug_through(capsy
         return 0
 
     assert run_cli("stage", body, None) == 0
-    assert run_cli("stage", body, ConfigError("train.lr=0: must be > 0")) == 2
-    assert capsys.readouterr().err == "stage: error: train.lr=0: must be > 0\n"
+    assert run_cli("stage", body, ConfigError("train.optim.lr=0: must be > 0")) == 2
+    assert capsys.readouterr().err == "stage: error: train.optim.lr=0: must be > 0\n"
     for bug in (ValueError("boom"), KeyError("k"), OSError("no file named")):
         with pytest.raises(type(bug)):
             run_cli("stage", body, bug)
@@ -162,13 +162,25 @@ def test_the_training_and_mining_clis_reach_every_setting_with_its_docstring() -
     from hard_mining.config import MineConfig
     from hard_mining.rounds import build_parser as mining_parser
 
+    def settings(cls: type, prefix: str = "") -> list[tuple[str, type, str]]:  # (flag dest, owner, field)
+        out = []
+        for f in fields(cls):
+            kind = cls.__dataclass_fields__[f.name].default_factory
+            if isinstance(kind, type) and hasattr(kind, "__dataclass_fields__"):  # a section: --section.field
+                out += settings(kind, f"{prefix}{f.name}.")
+            else:
+                out.append((prefix + f.name, cls, f.name))
+        return out
+
     for cls, parser in ((TrainConfig, train_parser()), (MineConfig, mining_parser())):
         actions = {a.dest: a for a in parser._actions}
-        for f in fields(cls):
-            assert f.name in actions, f"{cls.__name__}.{f.name} has no flag"
-            doc = field_docs(cls).get(f.name)
+        listed = settings(cls)
+        assert len(listed) >= len(fields(cls))
+        for dest, owner, name in listed:
+            assert dest in actions, f"{cls.__name__}.{dest} has no flag"
+            doc = field_docs(owner).get(name)
             if doc:
-                assert doc.split(".")[0] in " ".join(actions[f.name].help.split()), f.name
+                assert doc.split(".")[0] in " ".join(actions[dest].help.split()), dest
     args = mining_parser().parse_args(["--draft", "d", "--store", "s", "--records", "r", "--eval-store", "e",
                                        "--eval-records", "er", "--eval-sets", "es", "--out", "o",
                                        "--max-new-tokens", "7", "--variations", "2", "--no-progress"])
@@ -176,3 +188,40 @@ def test_the_training_and_mining_clis_reach_every_setting_with_its_docstring() -
 
     mine = dataclass_from_args(MineConfig, args)
     assert (mine.out_dir, mine.max_new_tokens, mine.variations, mine.records) == ("o", 7, 2, ["r"])
+
+
+def test_a_flat_train_key_of_an_earlier_version_is_refused_naming_its_place(capsys) -> None:
+    """Settings live in sections now: ``train.draft_layers=2`` / ``--lr`` name ``train.draft.layers`` /
+    ``--optim.lr`` in one line, in a recipe override, a recipe file, the trainer's flags and in code."""
+    from eagle3.train.config import train_config
+    from eagle3.train.loop import main
+    from recipes.run import moved_train_keys
+
+    assert moved_train_keys(["train.draft_layers=2", "train.lr=1e-3", "train.data=online", "train.optim.lr=1e-3",
+                             "train.data.mode=online", "train.steps=3"]) == [
+        "train.draft_layers is now train.draft.layers", "train.lr is now train.optim.lr",
+        "train.data is now train.data.mode"]
+    with pytest.raises(SystemExit):
+        main(["--store", "s", "--out", "o", "--lr", "1e-3"])
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("error: --lr is now --optim.lr")
+    with pytest.raises(SystemExit):
+        main(["--store", "s", "--out", "o", "--no-progress"])
+    assert "--progress is now --log.progress" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^train\.num_layers is now train\.draft\.layers$"):
+        train_config(num_layers=2)
+    with pytest.raises(ValueError, match=r"train\.loss is a section now; the setting is train\.loss\.kind"):
+        train_config(loss="tv")
+
+
+def test_eagle3_run_names_the_new_place_of_a_flat_key(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("defaults:\n  - pipeline\n  - _self_\ntrain:\n  lr: 1e-3\n  optim:\n    warmup_steps: 2\n")
+    for args, line in ((["stages=[size]", "train.draft_layers=2"], "train.draft_layers is now train.draft.layers"),
+                       (["--config-path", str(tmp_path), "--config-name", "mine", "stages=[size]"],
+                        f"{recipe}: train.lr is now train.optim.lr")):
+        done = subprocess.run([sys.executable, "-m", "recipes.run", *args], capture_output=True, text=True,
+                              cwd=Path(__file__).parents[1])
+        assert done.returncode != 0 and done.stderr.strip() == f"eagle3-run: error: {line}", done.stderr

@@ -206,7 +206,7 @@ def test_a_full_vocab_draft_is_written_without_the_mapping(fmt: str, tmp_path: P
 
 @pytest.mark.filterwarnings("ignore:aux layer ids")
 def test_a_draft_folder_in_any_format_gives_its_vocab(tmp_path: Path) -> None:
-    """``train.draft_vocab`` may name an exported draft: a full-vocab one has no d2t to read."""
+    """``train.draft.vocab`` may name an exported draft: a full-vocab one has no d2t to read."""
     for size in (32, 128):
         draft = random_draft(draft_vocab_size=size)
         for fmt in ("vllm", "speculators", "sglang"):

@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent('''
     from data_gen.regenerate import run as regenerate
     from data_gen.config import HarvestConfig, RegenerateConfig
     from eagle3.config import TargetConfig
-    from eagle3.train.config import TrainConfig
+    from eagle3.train.config import train_config
     from eagle3.train.loop import train
     from tests.helpers import lively_target, regenerated_data
 
@@ -41,9 +41,10 @@ SCRIPT = textwrap.dedent('''
                                 max_new_tokens=8, batch_size=4), lively, target=target, progress=False)
     harvest(HarvestConfig(data=str(out / "regen" / "dataset" / "regenerated.jsonl"), out_dir=str(out / "store"),
                           dtype="float32"), lively, target=target, progress=False)
-    summary = train(TrainConfig(store=str(out / "store"), out_dir=str(out / "train"), steps=2,
-                                micro_batch_tokens=256, draft_vocab_size=64, eval_fraction=0.0, eval_every=0,
-                                save_every=0, wandb_mode="disabled", progress=False, device="cpu"), target=target)
+    summary = train(train_config(dict(data=dict(store=str(out / "store"), micro_batch_tokens=256, eval_fraction=0.0),
+                                      draft=dict(vocab_size=64), log=dict(wandb_mode="disabled", progress=False),
+                                      out_dir=str(out / "train"), steps=2, eval_every=0, save_every=0, device="cpu")),
+                    target=target)
     assert summary["steps"] == 2 and (out / "train" / "final" / "model.safetensors").is_file()
     loaded = sorted(m for m in sys.modules if m.split(".")[0] in HIDDEN)
     assert not loaded, loaded

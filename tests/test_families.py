@@ -23,7 +23,7 @@ from eagle3.draft.losses import SOFT_CE
 from eagle3.draft.model import DraftConfig, DraftHead, gather_rows
 from eagle3.draft.ttt import StepTally, checked_weights, layout_of, step_input_ids, step_loss
 from eagle3.export import load_draft
-from eagle3.train.config import TrainConfig
+from eagle3.train.config import train_config
 from eagle3.train.log import read_metrics
 from eagle3.train.loop import train
 from eagle3.train.size import count_on_meta
@@ -124,10 +124,11 @@ def test_a_family_written_outside_the_library_trains_exports_and_serves(toy: Toy
     harvest(HarvestConfig(data=str(data), out_dir=str(tmp_path / "store"), dtype="float32"),
             TargetConfig(name_or_path="lively"), target=target, progress=False)
     out = tmp_path / "run"
-    summary = train(TrainConfig(store=str(tmp_path / "store"), out_dir=str(out), steps=24, micro_batch_tokens=256,
-                                lr=1e-2, warmup_steps=2, eval_fraction=0.2, eval_every=24, save_every=12,
-                                draft_vocab_size=64, wandb_mode="disabled", progress=False, device="cpu",
-                                draft_family="toy", ttt_steps=3), target=target)
+    summary = train(train_config(**{"data.store": str(tmp_path / "store"), "data.micro_batch_tokens": 256,
+                                    "optim.lr": 1e-2, "optim.warmup_steps": 2, "data.eval_fraction": 0.2,
+                                    "draft.vocab_size": 64, "log.wandb_mode": "disabled", "log.progress": False,
+                                    "draft.family": "toy"}, out_dir=str(out), steps=24, eval_every=24, save_every=12,
+                                    device="cpu", ttt_steps=3), target=target)
     # it learned: the loss fell and held-out acceptance rose
     losses = [r["train/loss"] for r in read_metrics(out) if "train/loss" in r]
     assert len(losses) == 24 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4
@@ -158,10 +159,10 @@ def test_a_family_written_outside_the_library_trains_exports_and_serves(toy: Toy
 
 def test_the_registry_names_the_families_and_refuses_unknown_ones(toy: ToyFamily) -> None:
     assert family_names() == ["eagle3", "peagle", "dflash", "toy"] and get_family("toy") is toy
-    with pytest.raises(ValueError, match="train.draft_family='medusa': expected one of eagle3, peagle, dflash, toy"):
-        TrainConfig(draft_family="medusa")
-    with pytest.raises(ValueError, match="train.mask_token_id=3: only a peagle or dflash draft"):
-        TrainConfig(draft_family="toy", mask_token_id=3)
+    with pytest.raises(ValueError, match="train.draft.family='medusa': expected one of eagle3, peagle, dflash, toy"):
+        train_config(**{"draft.family": "medusa"})
+    with pytest.raises(ValueError, match="train.draft.mask_token_id=3: only a peagle or dflash draft"):
+        train_config(**{"draft.family": "toy", "draft.mask_token_id": 3})
 
 
 def test_a_config_saved_before_configs_named_their_family_reads_as_before() -> None:
@@ -177,7 +178,7 @@ def test_a_config_saved_before_configs_named_their_family_reads_as_before() -> N
 def test_an_installed_package_adds_a_family_through_its_entry_point(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A distribution on the path whose ``eagle3_forge.draft_families`` entry names a module that
-    registers a family: the name resolves when first asked for, as ``train.draft_family`` would."""
+    registers a family: the name resolves when first asked for, as ``train.draft.family`` would."""
     (tmp_path / "toy_plugin.py").write_text(
         "from eagle3.draft.families import register\n"
         "from tests.test_families import ToyFamily\n"
@@ -190,5 +191,5 @@ def test_an_installed_package_adds_a_family_through_its_entry_point(tmp_path: Pa
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(families, "_FAMILIES", dict(families._FAMILIES))  # the registration stays in this test
     monkeypatch.delitem(__import__("sys").modules, "toy_plugin", raising=False)
-    assert TrainConfig(draft_family="toy-plugin").draft_family == "toy-plugin"
+    assert train_config(**{"draft.family": "toy-plugin"}).draft.family == "toy-plugin"
     assert get_family("toy-plugin").name == "toy-plugin"

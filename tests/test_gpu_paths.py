@@ -24,7 +24,7 @@ from eagle3.device import CUDNN_SDPA_ENV, allow_cudnn_sdpa, cudnn_sdpa_allowed, 
 from eagle3.draft.ttt import BLOCKED_ATTENTION_MIN_LEN
 from eagle3.store.batches import BatchLoader, load_batch
 from eagle3.store.shards import HarvestStore, StoreUnion
-from eagle3.train.config import TrainConfig
+from eagle3.train.config import train_config
 from eagle3.train.log import read_metrics
 from eagle3.train.loop import train
 from eagle3.train.step import PhaseClock
@@ -144,21 +144,21 @@ def test_stored_dtype_and_reading_ahead_train_the_same_draft_and_the_clock_logs_
         store: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run reading fp32 in line against one reading the bf16 store's own dtype, ahead on a thread,
     with the phase clock on: the same weights and held-out figures, bit for bit."""
-    cfg = dict(store=str(store["store"]), steps=4, micro_batch_tokens=128, gradient_accumulation=2,
-               warmup_steps=1, eval_fraction=0.25, eval_every=2, save_every=0, draft_vocab_size=64,
-               wandb_mode="disabled", progress=False, device="cpu")
+    cfg = {"data.store": str(store["store"]), "steps": 4, "data.micro_batch_tokens": 128, "gradient_accumulation": 2,
+           "optim.warmup_steps": 1, "data.eval_fraction": 0.25, "eval_every": 2, "save_every": 0,
+           "draft.vocab_size": 64, "log.wandb_mode": "disabled", "log.progress": False, "device": "cpu"}
     real = eagle3.store.batches.load_batch
     with monkeypatch.context() as m:  # the reading before: fp32 on the host, in line
         m.setattr(eagle3.store.batches, "load_batch", lambda st, idx, b, stored=False: real(st, idx, b))
         m.setattr(eagle3.train.loop, "load_batch", lambda st, idx, b, stored=False: real(st, idx, b))
-        train(TrainConfig(out_dir=str(tmp_path / "inline"), **cfg), target=store["target"])
+        train(train_config(cfg, out_dir=str(tmp_path / "inline")), target=store["target"])
 
     class Ahead(BatchLoader):
         def __init__(self, *args, **kw) -> None:
             super().__init__(*args, **kw, ahead=True)
 
     monkeypatch.setattr(eagle3.train.loop, "BatchLoader", Ahead)
-    train(TrainConfig(out_dir=str(tmp_path / "ahead"), phase_times=True, **cfg), target=store["target"])
+    train(train_config(out_dir=str(tmp_path / "ahead"), **{"log.phase_times": True}, **cfg), target=store["target"])
     a, b = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("inline", "ahead"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     evals = [[r for r in read_metrics(tmp_path / d) if "eval/loss" in r] for d in ("inline", "ahead")]

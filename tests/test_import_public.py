@@ -89,7 +89,7 @@ def _headless(path: Path, draft) -> Path:
 
 def test_a_draft_without_its_own_lm_head_serves_with_the_targets(tmp_path: Path) -> None:
     """vLLM gives such a draft the target's lm_head; so do fit_to_target, continued training
-    (train.init_draft) and the conversion CLI, which writes it without one again."""
+    (train.init.draft) and the conversion CLI, which writes it without one again."""
     draft = random_draft(seed=3, draft_vocab_size=128, target_hidden_size=64)  # the whole vocabulary
     assert draft.config.draft_vocab_size == draft.config.vocab_size
     target_head = draft.lm_head.weight.detach().clone()  # the target's lm_head the draft was trained with

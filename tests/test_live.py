@@ -7,7 +7,6 @@ import json
 import random
 import shutil
 import socket
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
 from eagle3.config import TargetConfig
 from eagle3.distributed import free_port
-from eagle3.train.config import TrainConfig
+from eagle3.train.config import train_config, updated
 from eagle3.train.loop import train
 from hard_mining.config import LiveConfig
 from hard_mining.live import LiveTrainer, paired, served_taus
@@ -41,9 +40,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     data = record_file(root / "data.jsonl", range(24))
     harvest(HarvestConfig(data=str(data), out_dir=str(root / "store"), dtype="float32"), LIVELY, target=target,
             progress=False)
-    base = TrainConfig(store=str(root / "store"), out_dir=str(root / "train"), steps=8, micro_batch_tokens=256,
-                       lr=1e-2, warmup_steps=1, eval_every=0, save_every=0, draft_vocab_size=64, ttt_steps=3,
-                       wandb_mode="disabled", progress=False)
+    base = train_config(**{"data.store": str(root / "store"), "data.micro_batch_tokens": 256, "optim.lr": 1e-2,
+                           "optim.warmup_steps": 1, "draft.vocab_size": 64, "log.wandb_mode": "disabled",
+                           "log.progress": False}, out_dir=str(root / "train"), steps=8, eval_every=0, save_every=0,
+                           ttt_steps=3)
     train(base, LIVELY, target=target)
     draft = root / "train" / "final"
     decoder = SpeculativeDecoder(target, load_scoring_draft(draft, target), SpecConfig("chain", k=3))
@@ -68,7 +68,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def _trainer(world: dict, live: Path, **kw) -> LiveTrainer:
     cfg = LiveConfig(live=str(live), draft=str(world["draft"]), round_requests=8, holdout=6, steps=6, lr=1e-2, k=3,
                      max_rounds=1, **kw)
-    train_cfg = replace(world["base"], store="", out_dir="", save_every=3)
+    train_cfg = updated(world["base"], {"data.store": "", "out_dir": "", "save_every": 3})
     return LiveTrainer(cfg, train_cfg, LIVELY, target=world["target"])
 
 

@@ -1,5 +1,5 @@
 """Loss weights away from what the lookup proposes: the reply tokens a match of the context continues,
-written as train.token_weights entries the trainer reads."""
+written as train.loss.token_weights entries the trainer reads."""
 
 from __future__ import annotations
 

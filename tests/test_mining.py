@@ -12,7 +12,7 @@ from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
 from eagle3.config import TargetConfig
 from eagle3.store.shards import HarvestStore
-from eagle3.train.config import TrainConfig
+from eagle3.train.config import train_config, updated
 from eagle3.train.log import read_metrics
 from eagle3.train.loop import train
 from hard_mining.config import MineConfig
@@ -59,9 +59,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
             progress=False)
     harvest(HarvestConfig(data=str(val), out_dir=str(root / "val"), dtype="float32"), lively, target=target,
             progress=False)
-    base = TrainConfig(store=str(root / "store"), out_dir=str(root / "train"), steps=8, micro_batch_tokens=256, lr=1e-2,
-                       warmup_steps=1, eval_store=str(root / "val"), eval_every=8, save_every=0, draft_vocab_size=64,
-                       ttt_steps=3, wandb_mode="disabled", progress=False)
+    base = train_config(**{"data.store": str(root / "store"), "data.micro_batch_tokens": 256, "optim.lr": 1e-2,
+                           "optim.warmup_steps": 1, "data.eval_store": str(root / "val"), "draft.vocab_size": 64,
+                           "log.wandb_mode": "disabled", "log.progress": False}, out_dir=str(root / "train"), steps=8,
+                           eval_every=8, save_every=0,
+                       ttt_steps=3)
     summary = train(base, lively, target=target)
     return {"root": root, "target": target, "data": data, "val": val, "train": base, "summary": summary}
 
@@ -258,7 +260,7 @@ def test_one_mining_round_end_to_end(world: dict, tmp_path: Path) -> None:
     assert set(entry["before"]["domain"]) == set(DOMAINS) and entry["after"]["all"]["all"]["positions"] > 0
     assert entry["train"]["steps"] == 2 and (Path(entry["draft"]) / "model.safetensors").is_file()
     lrs = [r["train/lr"] for r in read_metrics(tmp_path / "mine" / "round-1" / "train") if "train/lr" in r]
-    assert max(lrs) == pytest.approx(world["train"].lr / 4)  # mine.lr=None: a quarter of the draft's own run
+    assert max(lrs) == pytest.approx(world["train"].optim.lr / 4)  # mine.lr=None: a quarter of the draft's own run
     weights = json.loads(Path(entry["sample_weights"]).read_text())
     assert len(weights) == 32
     assert list((tmp_path / "mine" / "wandb").glob("offline-run-*")), "no offline wandb run"
@@ -322,9 +324,9 @@ def test_the_cli_continues_with_the_pipelines_draft_recipe(monkeypatch: pytest.M
     assert rounds.main([*base, "--eval-sets", "sets"]) == 0
     assert rounds.main([*base, "--eval-sets", "sets", "--recipe", "eagle3", "--lr", "0.01"]) == 0
     (mine, train), (mine_paper, train_paper) = seen
-    assert (train.optimizer, train.step_decay, train.draft_variant, train.lr, mine.lr) == \
-        ("muon", 1.0, "speculators", 2e-3, None)  # None: a quarter of train.lr, as the pipeline's mine.lr
-    assert (train_paper.optimizer, train_paper.step_decay, mine_paper.lr) == ("adamw", 0.8, 0.01)
+    assert (train.optim.name, train.loss.step_decay, train.draft.variant, train.optim.lr, mine.lr) == \
+        ("muon", 1.0, "speculators", 2e-3, None)  # None: a quarter of train.optim.lr, as the pipeline's mine.lr
+    assert (train_paper.optim.name, train_paper.loss.step_decay, mine_paper.lr) == ("adamw", 0.8, 0.01)
     assert rounds.main([*base, "--eval-sets", "sets", "--recipe", "nope"]) == 2
     assert "draft recipe 'nope'" in capsys.readouterr().err
 
@@ -333,13 +335,12 @@ def test_the_cli_continues_with_the_pipelines_draft_recipe(monkeypatch: pytest.M
 def test_mining_scores_and_retrains_each_parallel_family(world: dict, tmp_path: Path, family: str) -> None:
     """A P-EAGLE or DFlash draft: mining's score equals the trainer's eval, and a round (reweight
     only, no generation) continues training the same family."""
-    from dataclasses import replace as with_
 
     from eagle3.export import load_draft
     from hard_mining.rounds import load_scoring_draft
 
     root, target = world["root"], world["target"]
-    base = with_(world["train"], out_dir=str(tmp_path / "train"), draft_family=family)
+    base = updated(world["train"], {"out_dir": str(tmp_path / "train"), "draft.family": family})
     summary = train(base, TargetConfig(name_or_path="lively"), target=target)
     draft = load_scoring_draft(tmp_path / "train" / "final", target)
     assert draft.config.family == family

@@ -172,8 +172,8 @@ def test_a_crashed_rank_is_told_from_a_lost_node_and_never_requeued(
 
     from recipes import rank_failure
 
-    cfg = SimpleNamespace(train=SimpleNamespace(out_dir=str(tmp_path / "train"), data="online",
-                                                store=str(tmp_path / "spool")))
+    cfg = SimpleNamespace(train=SimpleNamespace(out_dir=str(tmp_path / "train"), data=SimpleNamespace(
+        mode="online", store=str(tmp_path / "spool"))))
     assert rank_failure.crashed_rank(cfg, wait_s=0.0) is None  # nothing recorded: a lost node
     rank_failure.record_crash(cfg, "1", ValueError("the disk is full\nmore"))
     assert rank_failure.crashed_rank(cfg, wait_s=0.0) == f"rank 1 on {socket.gethostname()} failed: ValueError: " \
@@ -209,8 +209,8 @@ def test_a_failed_trainer_stops_the_producers_but_not_one_started_after(tmp_path
     from recipes import rank_failure
 
     (tmp_path / "spool").mkdir()
-    cfg = SimpleNamespace(train=SimpleNamespace(out_dir=str(tmp_path / "train"), data="online",
-                                                store=str(tmp_path / "spool")))
+    cfg = SimpleNamespace(train=SimpleNamespace(out_dir=str(tmp_path / "train"), data=SimpleNamespace(
+        mode="online", store=str(tmp_path / "spool"))))
     spool = Spool.__new__(Spool)  # done() reads only its folder
     spool.root = tmp_path / "spool"
     assert not spool.done()

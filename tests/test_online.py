@@ -17,7 +17,7 @@ from eagle3.errors import TrainError
 from eagle3.store.planned import plan_digest
 from eagle3.store.shards import HarvestStore, StoreError
 from eagle3.store.spool import Spool
-from eagle3.train.config import TrainConfig
+from eagle3.train.config import TrainConfig, train_config
 from eagle3.train.loop import train
 from tests.helpers import lively_target, regenerated_data
 
@@ -35,10 +35,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def _train_cfg(store: Path, out: Path, **kw) -> TrainConfig:
-    base = dict(store=str(store), out_dir=str(out), steps=8, micro_batch_tokens=128, lr=3e-3, warmup_steps=2,
-                eval_fraction=0.0, eval_every=0, save_every=3, draft_vocab_size=64, shard_window=1,
-                wandb_mode="disabled", progress=False, device="cpu")
-    return TrainConfig(**{**base, **kw})
+    base = {"data.store": str(store), "out_dir": str(out), "steps": 8, "data.micro_batch_tokens": 128,
+            "optim.lr": 3e-3, "optim.warmup_steps": 2, "data.eval_fraction": 0.0, "eval_every": 0, "save_every": 3,
+            "draft.vocab_size": 64, "data.shard_window": 1, "log.wandb_mode": "disabled", "log.progress": False,
+            "device": "cpu"}
+    return train_config({**base, **kw})
 
 
 def _producers(setup: dict, spool: Path, workers: int, budget_mb: float,
@@ -56,7 +57,7 @@ def _producers(setup: dict, spool: Path, workers: int, budget_mb: float,
     return threads
 
 
-FITTED = {"lm_head_init": "target", "head_scale_init": "fit", "aux_scale_init": "unit"}
+FITTED = {"init.lm_head": "target", "init.head_scale": "fit", "init.aux_scale": "unit"}
 
 
 @pytest.mark.parametrize(("workers", "start"), [(1, {}), (2, FITTED)], ids=["1-worker", "2-workers-fitted-start"])
@@ -66,7 +67,7 @@ def test_online_equals_offline_bit_for_bit(setup: dict, tmp_path: Path, workers:
     spool = tmp_path / "spool"
     shard_bytes = max(e["bytes"] for e in HarvestStore(setup["root"] / "store").manifest["shards"])
     producers = _producers(setup, spool, workers, budget_mb=2.5 * shard_bytes / 2**20)
-    online = train(_train_cfg(spool, tmp_path / "online", data="online", spool_wait_s=60, **start),
+    online = train(_train_cfg(spool, tmp_path / "online", **{"data.mode": "online", "data.spool_wait_s": 60}, **start),
                    target=setup["target"])
     assert online["start"] == offline["start"] and (online["start"] is not None) == bool(start)
     for t in producers:
@@ -79,7 +80,7 @@ def test_online_equals_offline_bit_for_bit(setup: dict, tmp_path: Path, workers:
 
 
 def test_hybrid_trains_as_offline_and_leaves_the_offline_harvest_store(setup: dict, tmp_path: Path) -> None:
-    """train.data=hybrid: the producers make one epoch; the trainer keeps its shards as a store and
+    """train.data.mode=hybrid: the producers make one epoch; the trainer keeps its shards as a store and
     reads it for the later epochs. The draft equals the offline run's, and the store the offline
     harvest's (manifest and every shard's bytes), which `harvest verify` accepts."""
     from data_gen.harvest import main as harvest_main
@@ -89,7 +90,8 @@ def test_hybrid_trains_as_offline_and_leaves_the_offline_harvest_store(setup: di
     spool = tmp_path / "spool"
     shard_bytes = max(e["bytes"] for e in HarvestStore(setup["root"] / "store").manifest["shards"])
     producers = _producers(setup, spool, 2, budget_mb=2.5 * shard_bytes / 2**20, max_epochs=1)
-    hybrid = train(_train_cfg(spool, tmp_path / "hybrid", data="hybrid", steps=steps, spool_wait_s=60),
+    hybrid = train(_train_cfg(spool, tmp_path / "hybrid", **{"data.mode": "hybrid", "data.spool_wait_s": 60},
+                              steps=steps),
                    target=setup["target"])
     for t in producers:
         t.join(timeout=60)
@@ -118,17 +120,18 @@ def test_a_producer_that_stopped_and_one_of_another_target_are_named(setup: dict
     producers = _producers(setup, spool, 2, budget_mb=2.5 * shard_bytes / 2**20, max_epochs=1)
     with pytest.raises(StoreError, match=r"e0001-shard-\d+: not produced: producer \d/2 \(pid \d+ on .*\) stopped: "
                                          r"1 epochs made .*restart it"):
-        train(_train_cfg(spool, tmp_path / "online", data="online", steps=30, spool_wait_s=60), target=setup["target"])
+        train(_train_cfg(spool, tmp_path / "online", **{"data.mode": "online", "data.spool_wait_s": 60}, steps=30),
+              target=setup["target"])
     for t in producers:
         t.join(timeout=60)
         assert not t.is_alive()  # they made their epoch and stopped
     with pytest.raises(StoreError, match=r"plan.json: harvested with num_layers=8, but the target has 12"):
-        train(_train_cfg(spool, tmp_path / "other", data="online", spool_wait_s=60),
+        train(_train_cfg(spool, tmp_path / "other", **{"data.mode": "online", "data.spool_wait_s": 60}),
               target=lively_target(num_layers=12))
 
 
 def test_colocated_training_captures_with_its_own_target(setup: dict, tmp_path: Path) -> None:
-    """train.data=colocated: a plan without states (produce --max-epochs 0), each micro-batch's
+    """train.data.mode=colocated: a plan without states (produce --max-epochs 0), each micro-batch's
     states computed by the trainer's own target. Its states equal the offline store's up to batch
     composition (how far, measured here), and so does the run."""
     import torch
@@ -148,25 +151,25 @@ def test_colocated_training_captures_with_its_own_target(setup: dict, tmp_path: 
     assert all(torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
                for a, b in zip(got, offline_store, strict=True))
     offline = train(_train_cfg(setup["root"] / "store", tmp_path / "offline"), target=setup["target"])
-    colocated = train(_train_cfg(plan, tmp_path / "colocated", data="colocated"), target=setup["target"])
+    colocated = train(_train_cfg(plan, tmp_path / "colocated", **{"data.mode": "colocated"}), target=setup["target"])
     assert abs(colocated["last_loss"] - offline["last_loss"]) <= 1e-3 * abs(offline["last_loss"])
     assert colocated["capture_seconds"] > 0
-    with pytest.raises(TrainError, match=r"train.store: .*plan.json: missing; plan the data first"):
-        train(_train_cfg(tmp_path / "none", tmp_path / "o", data="colocated"), target=setup["target"])
+    with pytest.raises(TrainError, match=r"train.data.store: .*plan.json: missing; plan the data first"):
+        train(_train_cfg(tmp_path / "none", tmp_path / "o", **{"data.mode": "colocated"}), target=setup["target"])
 
 
 def test_online_settings_that_cannot_work_are_named(setup: dict, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="train.data=online .* needs train.shard_window >= 1"):
-        _train_cfg(tmp_path / "spool", tmp_path / "o", data="online", shard_window=0)
+    with pytest.raises(ValueError, match="train.data.mode=online .* needs train.data.shard_window >= 1"):
+        _train_cfg(tmp_path / "spool", tmp_path / "o", **{"data.mode": "online", "data.shard_window": 0})
     from recipes.config import PipelineConfig
 
-    online = _train_cfg(tmp_path / "spool", tmp_path / "o", data="online")
-    with pytest.raises(ValueError, match="train.data=online keeps no store for the mine stage"):
+    online = _train_cfg(tmp_path / "spool", tmp_path / "o", **{"data.mode": "online"})
+    with pytest.raises(ValueError, match="train.data.mode=online keeps no store for the mine stage"):
         PipelineConfig(train=online, harvest=HarvestConfig(out_dir=str(tmp_path / "spool")))
-    with pytest.raises(ValueError, match="train.store=.* must be the spool the producers fill, harvest.out_dir="):
+    with pytest.raises(ValueError, match="train.data.store=.* must be the spool the producers fill, harvest.out_dir="):
         PipelineConfig(train=online, harvest=HarvestConfig(out_dir=str(tmp_path / "other")), stages=["train"])
-    with pytest.raises(TrainError, match=r"train.store: .*spool.json: no producer has started on this spool"):
-        train(_train_cfg(tmp_path / "nothing", tmp_path / "o", data="online", spool_wait_s=0.0),
+    with pytest.raises(TrainError, match=r"train.data.store: .*spool.json: no producer has started on this spool"):
+        train(_train_cfg(tmp_path / "nothing", tmp_path / "o", **{"data.mode": "online", "data.spool_wait_s": 0.0}),
               target=setup["target"])
 
 
@@ -192,7 +195,8 @@ def test_the_spool_stays_within_its_budget_the_trainer_saving_early_to_release(s
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    online = train(_train_cfg(spool, tmp_path / "online", data="online", save_every=0, spool_wait_s=60),
+    online = train(_train_cfg(spool, tmp_path / "online", **{"data.mode": "online", "data.spool_wait_s": 60},
+                              save_every=0),
                    target=setup["target"])
     stop.set()
     for t in [*producers, watcher]:
@@ -201,15 +205,16 @@ def test_the_spool_stays_within_its_budget_the_trainer_saving_early_to_release(s
     assert online["last_loss"] == offline["last_loss"]  # the early saves change nothing trained
     assert len(list((tmp_path / "online" / "checkpoints").glob("step-*"))) >= 1  # saved to release shards
     assert peak[0] <= budget + shard_bytes  # never more than one shard over the budget
-    with pytest.raises(TrainError, match=r"budget_bytes=\d+ holds fewer than train.shard_window \+ 1 = 4 shards"):
-        train(_train_cfg(spool, tmp_path / "wide", data="online", shard_window=3), target=setup["target"])
+    with pytest.raises(TrainError, match=r"budget_bytes=\d+ holds fewer than train.data.shard_window \+ 1 = 4 shards"):
+        train(_train_cfg(spool, tmp_path / "wide", **{"data.mode": "online", "data.shard_window": 3}),
+              target=setup["target"])
 
 
 @pytest.mark.parametrize(("launcher", "mode"), [("none", "online"),
                                                pytest.param("local", "online", marks=pytest.mark.slow),
                                                ("none", "colocated")])
 def test_the_pipeline_trains_online_with_producer_processes(tmp_path: Path, launcher: str, mode: str) -> None:
-    """The pipeline's train stage with train.data=online: producer processes (launcher none: beside
+    """The pipeline's train stage with train.data.mode=online: producer processes (launcher none: beside
     the in-process trainer; local: a submitit array beside a 2-rank training job) fill the spool, and
     the draft equals the offline pipeline's (launched alike). Co-located: the harvest stage writes only the plan, the
     trainer captures, and the run ends where the offline one does."""
@@ -227,8 +232,8 @@ def test_the_pipeline_trains_online_with_producer_processes(tmp_path: Path, laun
             target=TargetConfig(name_or_path=str(model), dtype="float32", device="cpu"),
             harvest=HarvestConfig(data=str(data), out_dir=str(out / "harvest"), dtype="float32", max_shard_mb=0.03,
                                   spool_budget_mb=0.5),
-            train=_train_cfg(out / "harvest", out / "train", data=online or "offline", steps=6,
-                             spool_wait_s=120),
+            train=_train_cfg(out / "harvest", out / "train", **{"data.mode": online or "offline",
+                                                                "data.spool_wait_s": 120}, steps=6),
             stages=["harvest", "train"], out_dir=str(out),
             launcher=LauncherConfig(kind=launcher, folder=str(out / "submitit"), harvest_shards=2, timeout_min=10,
                                     tasks_per_node=2 if launcher == "local" else 1))
@@ -287,12 +292,13 @@ def test_producer_and_trainer_killed_at_random_moments_resume_to_the_same_draft(
                                 cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def trainer(spool: Path, out: Path) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "eagle3.train", "--data", "online", "--store", str(spool),
+        return subprocess.Popen([sys.executable, "-m", "eagle3.train", "--data.mode", "online", "--store", str(spool),
                                  "--target", str(model), "--out", str(out), "--steps", "40", "--save-every", "2",
-                                 "--eval-every", "0", "--shard-window", "1", "--eval-fraction", "0",
-                                 "--micro-batch-tokens", "128", "--draft-vocab-size", "64", "--lr", "3e-3",
-                                 "--warmup-steps", "2", "--wandb-mode", "disabled", "--no-progress", "--device", "cpu",
-                                 "--spool-wait-s", "120"], cwd=repo, env=env, stdout=subprocess.DEVNULL,
+                                 "--eval-every", "0", "--data.shard-window", "1", "--data.eval-fraction", "0",
+                                 "--data.micro-batch-tokens", "128", "--draft.vocab-size", "64", "--optim.lr", "3e-3",
+                                 "--optim.warmup-steps", "2", "--log.wandb-mode", "disabled", "--no-log.progress",
+                                 "--device", "cpu",
+                                 "--data.spool-wait-s", "120"], cwd=repo, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
 
     straight = tmp_path / "straight"

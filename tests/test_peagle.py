@@ -165,8 +165,9 @@ def test_sampled_generation_matches_the_target_distribution() -> None:
 def test_the_default_mask_token() -> None:
     from types import SimpleNamespace
 
+    from eagle3.draft.spec import DraftSpec
     from eagle3.errors import TrainError
-    from eagle3.train.config import TrainConfig
+    from eagle3.train.config import train_config
     from eagle3.train.start import mask_token_for
 
     class Tok(SimpleNamespace):
@@ -178,18 +179,18 @@ def test_the_default_mask_token() -> None:
         config = SimpleNamespace(eos_token_id=[2, 7])  # Llama-3's configs list several
         return SimpleNamespace(vocab_size=vocab, tokenizer=Tok(**{**fields, **tok}), config=config)
 
-    peagle = TrainConfig(draft_family="peagle")
+    peagle = DraftSpec(family="peagle")
     assert mask_token_for(peagle, target(mask_token_id=9, pad_token_id=5)) == 9  # the tokenizer's own mask
     assert mask_token_for(peagle, target(vocab=128, pad_token_id=5)) == 100  # the first row no token uses
     assert mask_token_for(peagle, target(pad_token_id=2, unk_token_id=0)) == 0  # pad is the eos: unk (SmolLM2)
     assert mask_token_for(peagle, target(pad_token_id=2)) == 99  # nothing else: the last id
     assert mask_token_for(peagle, target(pad_token_id=7, unk_token_id=3)) == 3  # the config's other eos
-    assert mask_token_for(TrainConfig(draft_family="dflash", mask_token_id=7), target()) == 7
+    assert mask_token_for(DraftSpec(family="dflash", mask_token_id=7), target()) == 7
     with pytest.raises(TrainError, match="mask_token_id=100"):
-        mask_token_for(TrainConfig(draft_family="peagle", mask_token_id=100), target())
-    with pytest.raises(ValueError, match="train.mask_token_id=3: only a peagle or dflash"):
-        TrainConfig(mask_token_id=3)
+        mask_token_for(DraftSpec(family="peagle", mask_token_id=100), target())
+    with pytest.raises(ValueError, match="train.draft.mask_token_id=3: only a peagle or dflash"):
+        train_config(**{"draft.mask_token_id": 3})
     with pytest.raises(ValueError, match="train.gradient_checkpointing=true: a dflash draft"):
-        TrainConfig(draft_family="dflash", gradient_checkpointing=True)
-    with pytest.raises(ValueError, match="train.draft_family='medusa'"):
-        TrainConfig(draft_family="medusa")
+        train_config(**{"draft.family": "dflash"}, gradient_checkpointing=True)
+    with pytest.raises(ValueError, match="train.draft.family='medusa'"):
+        train_config(**{"draft.family": "medusa"})

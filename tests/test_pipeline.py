@@ -12,7 +12,7 @@ import pytest
 
 from data_gen.config import HarvestConfig, RegenerateConfig, SelectConfig, UserFileConfig
 from eagle3.config import TargetConfig
-from eagle3.train.config import TrainConfig
+from eagle3.train.config import train_config
 from recipes.config import PipelineConfig
 from recipes.pipeline import PipelineError, run_pipeline
 from serve_eval.config import EvalConfig
@@ -36,10 +36,11 @@ def _config(root: Path, **changes: object) -> PipelineConfig:
         harvest=HarvestConfig(data=str(root / "run" / "regenerate" / "dataset" / "regenerated.jsonl"),
                               out_dir=str(root / "run" / "harvest"), dtype="float32"),
         val=SelectConfig(num_prompts=4, split="val"),
-        train=TrainConfig(store=str(root / "run" / "harvest"), out_dir=str(root / "run" / "train"),
-                          eval_store=str(root / "run" / "val" / "harvest"), eval_fraction=0.0, steps=2,
-                          micro_batch_tokens=256, draft_vocab_size=64, eval_every=0, save_every=0, warmup_steps=1,
-                          wandb_mode="disabled", progress=False),
+        train=train_config(**{"data.store": str(root / "run" / "harvest"),
+                              "data.eval_store": str(root / "run" / "val" / "harvest"), "data.eval_fraction": 0.0,
+                              "data.micro_batch_tokens": 256, "draft.vocab_size": 64, "optim.warmup_steps": 1,
+                              "log.wandb_mode": "disabled", "log.progress": False},
+                              out_dir=str(root / "run" / "train"), steps=2, eval_every=0, save_every=0),
         eval=EvalConfig(sets=["mtbench"], per_set=2, max_new_tokens=6, out_dir=str(root / "run" / "eval"),
                         wandb_mode="disabled"),
         stages=["regenerate", "harvest", "val", "train", "eval", "report"], out_dir=str(root / "run"),

@@ -14,7 +14,7 @@ from omegaconf.errors import ConfigKeyError
 
 import recipes.run  # noqa: F401  (registers the schema)
 from eagle3.config import TargetConfig
-from eagle3.train.config import TrainConfig
+from eagle3.train.config import TrainConfig, updated
 from recipes.config import PipelineConfig
 
 RECIPES = Path(recipes.run.__file__).parent
@@ -36,11 +36,11 @@ def test_default_recipe_is_the_embedded_target() -> None:
     assert config.target.name_or_path == "smollm2-135m"
     assert config.stages == ["target", "pools", "regenerate", "harvest", "val", "train", "mine", "eval", "report"]
     assert config.select.num_prompts >= 200 and config.eval.per_set >= 10 and config.mine.rounds >= 1
-    assert config.mine.store == config.train.store == config.harvest.out_dir
-    assert config.train.eval_store == config.mine.eval_store == "runs/quickstart/val/harvest"
+    assert config.mine.store == config.train.data.store == config.harvest.out_dir
+    assert config.train.data.eval_store == config.mine.eval_store == "runs/quickstart/val/harvest"
     assert config.mine.records == [config.harvest.data] and config.mine.draft == "runs/quickstart/train/final"
-    assert config.train.store == "runs/quickstart/harvest" and config.train.out_dir == "runs/quickstart/train"
-    assert isinstance(config.train, TrainConfig) and config.train.eval_fraction == 0  # a separate eval store
+    assert config.train.data.store == "runs/quickstart/harvest" and config.train.out_dir == "runs/quickstart/train"
+    assert isinstance(config.train, TrainConfig) and config.train.data.eval_fraction == 0  # a separate eval store
     assert config.harvest.data == "runs/quickstart/regenerate/dataset/regenerated.jsonl"
     assert config.regenerate.pool == "runs/quickstart/prompts.jsonl"
     assert config.pools.out_dir == "runs/quickstart/pools"
@@ -124,7 +124,8 @@ def test_big_target_recipes_size_their_draft_on_meta(name: str) -> None:
         assert plan["trainable_parameters"] == by_hand == 985_427_968
         assert plan["frozen_embedding_parameters"] == 163840 * h
         # the recipe's long-row setting (its header): a 32k row over 4 ranks, each reading its share and K + 1 more
-        long = size_draft(config.target, replace(config.train, micro_batch_tokens=32768, context_parallel=4))
+        long = size_draft(config.target, updated(config.train, {"data.micro_batch_tokens": 32768,
+                                                                "context_parallel": 4}))
         assert long["row"] == {"micro_batch_tokens": 32768, "context_parallel": 4,
                                "rank_rows": 8192 + config.train.ttt_steps + 1}
     with torch.device("meta"):  # the frozen embedding is not trainable
@@ -172,7 +173,7 @@ def test_every_top_level_recipe_composes(name: str) -> None:
         config = OmegaConf.to_object(compose(config_name=name))
     assert isinstance(config, PipelineConfig) and config.stages
     if "mine" in config.stages:
-        assert config.mine.store == config.train.store and config.mine.eval_store == config.train.eval_store
+        assert config.mine.store == config.train.data.store and config.mine.eval_store == config.train.data.eval_store
 
 
 def test_draft_and_serve_groups_set_their_fields() -> None:
@@ -182,17 +183,18 @@ def test_draft_and_serve_groups_set_their_fields() -> None:
         paper = OmegaConf.to_object(compose(config_name="pipeline", overrides=["draft=eagle3"]))
         big = OmegaConf.to_object(compose(config_name="llama-3.1-8b"))
     # the default is the target-head recipe (docs/training.md, "Draft recipes")
-    assert (default.train.draft_variant, default.train.lm_head_init, default.train.freeze_lm_head,
-            default.train.optimizer, default.train.lr, default.eval.mode) == \
+    assert (default.train.draft.variant, default.train.init.lm_head, default.train.init.freeze_lm_head,
+            default.train.optim.name, default.train.optim.lr, default.eval.mode) == \
         ("speculators", "target", False, "muon", 2e-3, "chain")
-    assert (frozen.train.draft_variant, frozen.train.lm_head_init, frozen.train.freeze_lm_head,
-            frozen.train.step_decay) == ("speculators", "target", True, 1.0)
+    assert (frozen.train.draft.variant, frozen.train.init.lm_head, frozen.train.init.freeze_lm_head,
+            frozen.train.loss.step_decay) == ("speculators", "target", True, 1.0)
     assert (frozen.eval.mode, frozen.eval.k, frozen.eval.budget) == ("tree", 4, 16)
-    assert (paper.train.draft_variant, paper.train.lm_head_init, paper.train.step_decay, paper.train.optimizer,
-            paper.train.lr, frozen.train.optimizer, frozen.train.lr) == ("eagle3", "random", 0.8, "adamw", 2e-3,
+    assert (paper.train.draft.variant, paper.train.init.lm_head, paper.train.loss.step_decay, paper.train.optim.name,
+            paper.train.optim.lr, frozen.train.optim.name, frozen.train.optim.lr) == ("eagle3", "random", 0.8,
+                                                                                      "adamw", 2e-3,
                                                                          "muon", 1e-3)
     # the GPU recipes keep the paper's recipe with their own learning rate
-    assert (big.train.draft_variant, big.train.optimizer, big.train.lr) == ("eagle3", "adamw", 1e-4)
+    assert (big.train.draft.variant, big.train.optim.name, big.train.optim.lr) == ("eagle3", "adamw", 1e-4)
     assert frozen.train.steps == default.train.steps == paper.train.steps  # a group touches only its own fields
 
 
@@ -201,8 +203,8 @@ def test_the_race_passes_a_draft_recipe_as_the_pipeline_applies_it(name: str) ->
     """bench/studies/race_speculators.py turns recipes/draft/<name>.yaml into eagle3.train.loop flags: they must
     parse to the train fields the pipeline's ``draft=<name>`` sets."""
     import importlib.util
-    from dataclasses import fields
 
+    from eagle3.train.config import draft_recipe, setting_keys, settings_of
     from eagle3.train.loop import build_parser
 
     spec = importlib.util.spec_from_file_location("race", RECIPES.parent / "bench" / "studies" / "race_speculators.py")
@@ -211,10 +213,12 @@ def test_the_race_passes_a_draft_recipe_as_the_pipeline_applies_it(name: str) ->
     with initialize_config_module(config_module="recipes", version_base="1.3"):
         pipeline = OmegaConf.to_object(compose(config_name="pipeline", overrides=[f"draft={name}"])).train
     parsed = vars(build_parser().parse_args(["--store", "s", "--out", "o", *race.recipe_flags(name)]))
-    keys = OmegaConf.load(RECIPES / "draft" / f"{name}.yaml").keys()
-    assert keys and {k: parsed[k] for k in keys} == {k: getattr(pipeline, k) for k in keys}
-    unset = {f.name for f in fields(TrainConfig)} - set(keys) - {"store", "out_dir"}
-    assert all(parsed[k] == getattr(TrainConfig(), k) for k in unset)  # nothing else moves
+    keys = draft_recipe(name).keys()  # dotted: optim.lr
+    applied = settings_of(pipeline)
+    assert keys and {k: parsed[k] for k in keys} == {k: applied[k] for k in keys}
+    unset = setting_keys() - set(keys) - {"data.store", "out_dir"}
+    defaults = settings_of(TrainConfig())
+    assert all(parsed[k] == defaults[k] for k in unset)  # nothing else moves
     assert race.recipe_flags("none") == []
 
 
@@ -222,13 +226,16 @@ def test_a_draft_recipe_with_a_key_that_is_no_train_setting_is_named(tmp_path: P
     from eagle3.train import config
 
     monkeypatch.setattr(config, "DRAFT_RECIPES", tmp_path)
-    (tmp_path / "typo.yaml").write_text("lr: 1e-3\nstep_decy: 1.0\n")
-    (tmp_path / "unset.yaml").write_text("lr: null\n")
-    with pytest.raises(ValueError, match=r"typo\.yaml: 'step_decy' is not a train setting"):
+    (tmp_path / "typo.yaml").write_text("optim:\n  lr: 1e-3\nloss:\n  step_decy: 1.0\n")
+    (tmp_path / "unset.yaml").write_text("optim:\n  lr: null\n")
+    (tmp_path / "flat.yaml").write_text("step_decay: 1.0\n")  # a key of an earlier version: its new place named
+    with pytest.raises(ValueError, match=r"typo\.yaml: 'loss\.step_decy' is not a train setting"):
         config.draft_recipe("typo")
-    with pytest.raises(ValueError, match=r"unset\.yaml: lr=None: a draft recipe sets single values"):
+    with pytest.raises(ValueError, match=r"unset\.yaml: optim\.lr=None: a draft recipe sets single values"):
         config.draft_recipe("unset")
-    with pytest.raises(ValueError, match=r"draft recipe 'gone'.*known: typo, unset, none"):
+    with pytest.raises(ValueError, match=r"flat\.yaml: train\.step_decay is now train\.loss\.step_decay$"):
+        config.draft_recipe("flat")
+    with pytest.raises(ValueError, match=r"draft recipe 'gone'.*known: flat, typo, unset, none"):
         config.draft_recipe("gone")
 
 
@@ -241,11 +248,11 @@ def test_the_parallel_family_recipes_plan_their_draft(family: str) -> None:
 
     with initialize_config_module(config_module="recipes", version_base="1.3"):
         config = OmegaConf.to_object(compose(config_name="llama-3.1-8b", overrides=[f"draft={family}"]))
-    assert config.train.draft_family == family
-    assert config.train.num_layers == (5 if family == "dflash" else 1)  # DFlash: five, as speculators' and its authors'
-    train = replace(config.train, num_layers=1)  # the arithmetic below is per layer
+    assert config.train.draft.family == family
+    assert config.train.draft.layers == (5 if family == "dflash" else 1)  # DFlash: five, as speculators'
+    train = updated(config.train, {"draft.layers": 1})  # the arithmetic below is per layer
     plan = size_draft(config.target, train)
-    eagle3 = size_draft(config.target, replace(train, draft_family="eagle3", draft_variant="speculators"))
+    eagle3 = size_draft(config.target, updated(train, {"draft.family": "eagle3", "draft.variant": "speculators"}))
     assert plan["family"] == family
     h, q, kv = 4096, 4096, 1024
     if family == "peagle":

@@ -16,7 +16,7 @@ from eagle3.draft.model import DraftConfig
 from eagle3.errors import TrainError
 from eagle3.store.shards import HarvestStore
 from eagle3.target.model import Target
-from eagle3.train.config import TrainConfig, draft_recipe
+from eagle3.train.config import draft_recipe, train_config
 from eagle3.train.loop import train
 from tests.helpers import (
     TARGET_HIDDEN,
@@ -112,23 +112,24 @@ def test_the_default_recipe_learns_on_a_gemma_like_target_from_the_fitted_start(
     aux = torch.cat([HarvestStore(store)[i].aux for i in range(4)])  # [T, A, H]
     energy = aux.pow(2).mean(0)  # [A, H]
     assert float((energy.topk(2, dim=-1).values.sum(-1) / energy.sum(-1)).min()) > 0.9  # massive channels
-    base = {**draft_recipe("target-head"), **dict(
-        store=str(store), steps=40, micro_batch_tokens=256, warmup_steps=2, eval_fraction=0.2, eval_every=40,
-        save_every=20, draft_vocab_size=64, wandb_mode="disabled", progress=False, device="cpu")}
+    base = {**draft_recipe("target-head"), **{"data.store": str(store), "steps": 40, "data.micro_batch_tokens": 256,
+                                              "optim.warmup_steps": 2, "data.eval_fraction": 0.2, "eval_every": 40,
+                                              "save_every": 20, "draft.vocab_size": 64, "log.wandb_mode": "disabled",
+                                              "log.progress": False, "device": "cpu"}}
 
     def run(out: str, **start: str) -> dict:
-        return train(TrainConfig(**{**base, "out_dir": str(tmp_path / out), **start}), target=target)
+        return train(train_config({**base, "out_dir": str(tmp_path / out), **start}), target=target)
 
-    copied = run("copied", aux_scale_init="none", head_scale_init="one")
-    fitted = run("fitted", aux_scale_init="auto", head_scale_init="auto")  # the recipe's setting
+    copied = run("copied", **{"init.aux_scale": "none", "init.head_scale": "one"})
+    fitted = run("fitted", **{"init.aux_scale": "auto", "init.head_scale": "auto"})  # the recipe's setting
     assert copied["eval_last"]["eval/tau_sim"] < 1.1
     assert fitted["eval_last"]["eval/tau_sim"] > 1.5
     assert fitted["start"]["logit_std"]["refit"] is True  # the copied head far sharper than the target's
     assert fitted["start"]["head_scale"] < 0.1 and fitted["start"]["aux_scale"]["max"] > 10
     assert fitted["first_loss"] < copied["first_loss"] / 5
     base["steps"] = 60
-    with pytest.raises(TrainError, match="train.head_scale_init"):
-        run("fitted", aux_scale_init="auto", head_scale_init="one")
+    with pytest.raises(TrainError, match="train.init.head_scale"):
+        run("fitted", **{"init.aux_scale": "auto", "init.head_scale": "one"})
 
 
 def test_auto_keeps_a_copied_start_that_is_not_too_sharp(tmp_path: Path) -> None:
@@ -138,13 +139,14 @@ def test_auto_keeps_a_copied_start_that_is_not_too_sharp(tmp_path: Path) -> None
     store = tmp_path / "store"
     harvest(HarvestConfig(data=str(regenerated_data(tmp_path / "data.jsonl", 12, turns=2)), out_dir=str(store),
                           dtype="float32"), TargetConfig(name_or_path="lively"), target=target, progress=False)
-    base = {**draft_recipe("target-head"), **dict(
-        store=str(store), steps=4, micro_batch_tokens=256, warmup_steps=2, eval_fraction=0.0, eval_every=0,
-        save_every=0, draft_vocab_size=64, wandb_mode="disabled", progress=False, device="cpu")}
+    base = {**draft_recipe("target-head"), **{"data.store": str(store), "steps": 4, "data.micro_batch_tokens": 256,
+                                              "optim.warmup_steps": 2, "data.eval_fraction": 0.0, "eval_every": 0,
+                                              "save_every": 0, "draft.vocab_size": 64, "log.wandb_mode": "disabled",
+                                              "log.progress": False, "device": "cpu"}}
     runs = {}
     for name, start in {"copied": ("none", "one"), "auto": ("auto", "auto")}.items():
-        runs[name] = train(TrainConfig(**{**base, "out_dir": str(tmp_path / name), "aux_scale_init": start[0],
-                                          "head_scale_init": start[1]}), target=target)
+        runs[name] = train(train_config({**base, "out_dir": str(tmp_path / name), "init.aux_scale": start[0],
+                                          "init.head_scale": start[1]}), target=target)
     assert runs["auto"]["start"]["logit_std"]["refit"] is False and "head_scale" not in runs["auto"]["start"]
     assert ((tmp_path / "auto" / "final" / "model.safetensors").read_bytes()
             == (tmp_path / "copied" / "final" / "model.safetensors").read_bytes())

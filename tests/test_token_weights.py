@@ -1,4 +1,4 @@
-"""Loss weights per position (train.hard_tokens, train.token_weights): the weighted unroll against the
+"""Loss weights per position (train.loss.hard_tokens, train.loss.token_weights): the weighted unroll against the
 unweighted one with masks, the mapping of listed tokens into packed and bucketed batches, the hard-token
 schedule, bad files, and a training run that pins its weights."""
 

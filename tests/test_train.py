@@ -24,7 +24,6 @@ from data_gen.harvest import run as harvest
 from eagle3.atomic import atomic_dir, remove_leftovers
 from eagle3.config import TargetConfig
 from eagle3.distributed import free_port
-from eagle3.draft.families import get_family
 from eagle3.draft.metrics import AcceptanceTally
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.draft.target_head import TargetHead
@@ -44,7 +43,7 @@ from eagle3.store.batches import (
 from eagle3.store.shards import HarvestStore, verify_store
 from eagle3.target.model import Target
 from eagle3.train.checkpoint import LATEST, CheckpointError, check_pinned, load_exported_draft, tag_of
-from eagle3.train.config import TrainConfig
+from eagle3.train.config import TrainConfig, train_config
 from eagle3.train.log import read_metrics
 from eagle3.train.loop import TrainError, main, train
 from eagle3.train.optim import muon_ns_in_fp32_where_bf16_is_slow, muon_ns_method, resolve_precision, warmup_decay
@@ -94,16 +93,22 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
 # These tests compare runs bit for bit (resume, two ranks against one), which CUDA kernels do not
 # promise: they run on the CPU on every machine. On a GPU, tools/gpu_check.py trains on the device.
 def _cfg(tiny: dict, out: Path, **kw) -> TrainConfig:
-    base = dict(store=str(tiny["store"]), out_dir=str(out), steps=12, micro_batch_tokens=256, lr=3e-3,
-                warmup_steps=2, eval_fraction=0.2, eval_every=4, save_every=4, draft_vocab_size=64,
-                wandb_mode="disabled", progress=False, device="cpu")
-    return TrainConfig(**{**base, **kw})
+    base = {"data.store": str(tiny["store"]), "out_dir": str(out), "steps": 12, "data.micro_batch_tokens": 256,
+            "optim.lr": 3e-3, "optim.warmup_steps": 2, "data.eval_fraction": 0.2, "eval_every": 4, "save_every": 4,
+            "draft.vocab_size": 64, "log.wandb_mode": "disabled", "log.progress": False, "device": "cpu"}
+    return train_config({**base, **kw})
+
+
+def _precision(cfg: TrainConfig, device: torch.device) -> str:
+    return resolve_precision(cfg.precision, cfg.optim, cfg.zero_stage, device)
 
 
 def _cli(tiny: dict, out: Path, *extra: str) -> list[str]:
     return ["--store", str(tiny["store"]), "--target", str(tiny["model"]), "--out", str(out),
-            "--micro-batch-tokens", "256", "--draft-vocab-size", "64", "--lr", "3e-3", "--warmup-steps", "2",
-            "--eval-fraction", "0.2", "--wandb-mode", "disabled", "--no-progress", "--device", "cpu", *extra]
+            "--data.micro-batch-tokens", "256", "--draft.vocab-size", "64", "--optim.lr", "3e-3",
+            "--optim.warmup-steps", "2",
+            "--data.eval-fraction", "0.2", "--log.wandb-mode", "disabled", "--no-log.progress", "--device", "cpu",
+            *extra]
 
 
 def _losses(out: Path) -> list[tuple[int, str, float]]:
@@ -132,9 +137,9 @@ def test_a_draft_vocab_that_cannot_be_read_names_the_key(tmp_path: Path) -> None
                         (tmp_path / "mask.safetensors", "t2d does not mark exactly"),
                         (tmp_path / "range.safetensors", "d2t does not map to valid target ids"),
                         (tmp_path / "cut.safetensors", "not a readable safetensors file")):
-        cfg = TrainConfig(store="s", out_dir="o", draft_vocab=str(where))
-        with pytest.raises(TrainError, match=f"train.draft_vocab: .*{says}"):
-            choose_draft_vocab(cfg, None, [], 262, [])
+        cfg = train_config(**{"data.store": "s", "draft.vocab": str(where)}, out_dir="o")
+        with pytest.raises(TrainError, match=f"train.draft.vocab: .*{says}"):
+            choose_draft_vocab(cfg.draft, None, [], 262, [])
 
 
 def test_warmup_then_decay() -> None:
@@ -245,19 +250,22 @@ def test_tally_equals_the_ttt_metrics() -> None:
 
 def test_config_errors_name_the_key(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     for kw, key in [({"steps": 0}, "train.steps=0"), ({"zero_stage": 4}, "train.zero_stage=4"),
-                    ({"precision": "fp16"}, "train.precision='fp16'"), ({"batching": "rows"}, "train.batching='rows'"),
-                    ({"eval_fraction": 1.0}, "train.eval_fraction=1.0"), ({"step_decay": 0.0}, "train.step_decay=0.0"),
-                    ({"eval_store": "x", "eval_fraction": 0.1}, "train.eval_fraction=0.1"),
-                    ({"wandb_mode": "cloud"}, "train.wandb_mode='cloud'"), ({"device": "tpu"}, "train.device='tpu'"),
-                    ({"layer_init": "target"}, "train.layer_init='target'"),
-                    ({"draft_sliding_window": 3, "ttt_steps": 3}, "train.draft_sliding_window=3: must exceed"),
-                    ({"draft_full_attention_layers": [0]}, "train.draft_full_attention_layers=\\[0\\]: set"),
-                    ({"draft_sliding_window": 9, "draft_full_attention_layers": [1]},
-                     "train.draft_full_attention_layers: \\[1\\] not among")]:
+                    ({"precision": "fp16"}, "train.precision='fp16'"), ({"data.batching": "rows"},
+                                                                        "train.data.batching='rows'"),
+                    ({"data.eval_fraction": 1.0}, "train.data.eval_fraction=1.0"), ({"loss.step_decay": 0.0},
+                                                                                    "train.loss.step_decay=0.0"),
+                    ({"data.eval_store": "x", "data.eval_fraction": 0.1}, "train.data.eval_fraction=0.1"),
+                    ({"log.wandb_mode": "cloud"}, "train.log.wandb_mode='cloud'"), ({"device": "tpu"},
+                                                                                    "train.device='tpu'"),
+                    ({"init.layers": "target"}, "train.init.layers='target'"),
+                    ({"draft.sliding_window": 3, "ttt_steps": 3}, "train.draft.sliding_window=3: must exceed"),
+                    ({"draft.full_attention_layers": [0]}, "train.draft.full_attention_layers=\\[0\\]: set"),
+                    ({"draft.sliding_window": 9, "draft.full_attention_layers": [1]},
+                     "train.draft.full_attention_layers: \\[1\\] not among")]:
         with pytest.raises(ValueError, match=key.replace("(", r"\(").replace(".", r"\.")):
-            TrainConfig(**kw)
-    with pytest.raises(ValueError, match="freeze_lm_head=true needs train.lm_head_init=target"):
-        TrainConfig(freeze_lm_head=True)
+            train_config(kw)
+    with pytest.raises(ValueError, match="freeze_lm_head=true needs train.init.lm_head=target"):
+        train_config(**{"init.freeze_lm_head": True})
     with pytest.raises(SystemExit):
         main(["--store", "s", "--out", str(tmp_path), "--zero-stage", "5"])
     assert "train.zero_stage=5: expected 0, 1, 2 or 3" in capsys.readouterr().err
@@ -268,7 +276,7 @@ def test_config_errors_name_the_key(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 def test_a_few_steps_reduce_the_loss_and_export_the_draft(tiny: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    summary = train(_cfg(tiny, out, steps=24, eval_every=8, lr=1e-2), target=tiny["target"])
+    summary = train(_cfg(tiny, out, steps=24, eval_every=8, **{"optim.lr": 1e-2}), target=tiny["target"])
     # The random target's own entropy (~3.9 nats per step of a uniform 64-token draft vocab) is
     # most of the loss, so the learnable part is small: ask for 0.5 nats (weighted over 7 steps).
     losses = [r["train/loss"] for r in read_metrics(out) if "train/loss" in r]
@@ -292,12 +300,13 @@ def test_a_few_steps_reduce_the_loss_and_export_the_draft(tiny: dict, tmp_path: 
 
 def test_a_sliding_window_draft_trains_and_exports_its_window(tiny: dict, tmp_path: Path) -> None:
     longest = max(HarvestStore(tiny["store"]).lengths)
-    with pytest.raises(TrainError, match=f"draft_sliding_window={longest}: not shorter than the store's longest row "
+    with pytest.raises(TrainError,
+                       match=f"train.draft.sliding_window={longest}: not shorter than the store's longest row "
                                          f"\\({longest} tokens\\)"):
-        train(_cfg(tiny, tmp_path / "long", draft_sliding_window=longest), target=tiny["target"])
+        train(_cfg(tiny, tmp_path / "long", **{"draft.sliding_window": longest}), target=tiny["target"])
     assert not (tmp_path / "long").exists()  # refused before anything is written
     out = tmp_path / "run"
-    train(_cfg(tiny, out, steps=4, eval_every=0, save_every=0, draft_sliding_window=12), target=tiny["target"])
+    train(_cfg(tiny, out, steps=4, eval_every=0, save_every=0, **{"draft.sliding_window": 12}), target=tiny["target"])
     draft, _ = load_exported_draft(out / "final")
     assert draft.config.sliding_window == 12 and draft.config.full_attention_layers == []
     assert json.loads((out / "final" / "config.json").read_text())["layer_types"] == ["sliding_attention"]
@@ -313,22 +322,22 @@ def _assert_it_learned(out: Path) -> None:
 
 @pytest.mark.parametrize("loss", ["tv", "lk_hybrid"])
 def test_the_acceptance_losses_train_the_draft_too(tiny: dict, tmp_path: Path, loss: str) -> None:
-    """train.loss=tv / lk_hybrid: the objective falls and held-out acceptance rises, as with soft CE."""
+    """train.loss.kind=tv / lk_hybrid: the objective falls and held-out acceptance rises, as with soft CE."""
     out = tmp_path / loss
-    train(_cfg(tiny, out, steps=24, eval_every=24, lr=1e-2, loss=loss), target=tiny["target"])
+    train(_cfg(tiny, out, steps=24, eval_every=24, **{"optim.lr": 1e-2, "loss.kind": loss}), target=tiny["target"])
     _assert_it_learned(out)
 
 
 @pytest.mark.parametrize("family", ["peagle", "dflash"])
 def test_the_parallel_families_train_export_and_serve_losslessly(tiny: dict, tmp_path: Path, family: str) -> None:
-    """train.draft_family=peagle / dflash through the trainer: the loss falls, held-out acceptance
+    """train.draft.family=peagle / dflash through the trainer: the loss falls, held-out acceptance
     rises, the export reads back as that family and serves greedy output equal to plain decoding."""
     from eagle3.export import load_draft
     from serve_eval.config import SpecConfig
     from serve_eval.spec_decode import SpeculativeDecoder
 
     out = tmp_path / family
-    train(_cfg(tiny, out, steps=24, eval_every=24, lr=1e-2, draft_family=family), target=tiny["target"])
+    train(_cfg(tiny, out, steps=24, eval_every=24, **{"optim.lr": 1e-2, "draft.family": family}), target=tiny["target"])
     _assert_it_learned(out)
     target = tiny["target"]
     loaded = load_draft(out / "final", embed_tokens_weight=target.embed_tokens.weight.detach())
@@ -341,7 +350,8 @@ def test_the_parallel_families_train_export_and_serve_losslessly(tiny: dict, tmp
 def test_eval_keeps_the_best_tau_and_a_vocab_is_reused(tiny: dict, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
-    train(_cfg(tiny, out, steps=12, eval_every=2, lr=2e-2, batching="buckets", save_every=0), target=tiny["target"])
+    train(_cfg(tiny, out, steps=12, eval_every=2, **{"optim.lr": 2e-2, "data.batching": "buckets"}, save_every=0),
+          target=tiny["target"])
     taus = [(r["eval/tau_sim"], r["step"]) for r in read_metrics(out) if "eval/tau_sim" in r and r["step"] > 0]
     assert len(taus) == 6 and len({t for t, _ in taus}) > 1
     best_tau = max(t for t, _ in taus)
@@ -352,10 +362,11 @@ def test_eval_keeps_the_best_tau_and_a_vocab_is_reused(tiny: dict, tmp_path: Pat
 
     # Another run reuses the vocab of the exported draft, whatever its own draft_vocab_size.
     again = tmp_path / "again"
-    summary = train(_cfg(tiny, again, steps=1, draft_vocab=str(out / "best"), draft_vocab_size=32, save_every=0),
+    summary = train(_cfg(tiny, again, steps=1, **{"draft.vocab": str(out / "best"), "draft.vocab_size": 32},
+                         save_every=0),
                     target=tiny["target"])
     assert summary["draft_vocab_size"] == 64
-    assert "holds 64 tokens; they replace train.draft_vocab_size=32" in capsys.readouterr().out
+    assert "holds 64 tokens; they replace train.draft.vocab_size=32" in capsys.readouterr().out
     assert (again / "draft_vocab.safetensors").read_bytes() == (out / "draft_vocab.safetensors").read_bytes()
 
 
@@ -369,16 +380,17 @@ def test_rerun_resumes_and_other_settings_fail_naming_the_key(tiny: dict, tmp_pa
     assert again == json.loads((out / "summary.json").read_text()) and again["eval_last"] is not None
     assert (out / "final" / "model.safetensors").read_bytes() == final
     assert json.loads((out / "final" / "draft.json").read_text())["eval"]["eval/tau_sim"] >= 1.0
-    with pytest.raises(TrainError, match="trained with train.micro_batch_tokens=256, this run has 128"):
-        train(_cfg(tiny, out, steps=4, micro_batch_tokens=128), target=tiny["target"])
+    with pytest.raises(TrainError, match="trained with train.data.micro_batch_tokens=256, this run has 128"):
+        train(_cfg(tiny, out, steps=4, **{"data.micro_batch_tokens": 128}), target=tiny["target"])
     # the checkpoint restores the optimizer's own lr: a changed one would only have been logged
-    with pytest.raises(TrainError, match="trained with train.lr=0.003, this run has 0.03"):
-        train(_cfg(tiny, out, steps=4, eval_every=1, lr=3e-2), target=tiny["target"])
+    with pytest.raises(TrainError, match="trained with train.optim.lr=0.003, this run has 0.03"):
+        train(_cfg(tiny, out, steps=4, eval_every=1, **{"optim.lr": 3e-2}), target=tiny["target"])
     # the best draft was picked on the held-out samples: another held-out set cannot continue that choice
     with pytest.raises(TrainError, match="trained with eval_store.shards=None"):
-        train(_cfg(tiny, out, steps=4, eval_every=1, eval_fraction=0.0, eval_store=str(tiny["topk"])),
+        train(_cfg(tiny, out, steps=4, eval_every=1, **{"data.eval_fraction": 0.0,
+                                                        "data.eval_store": str(tiny["topk"])}),
               target=tiny["target"])
-    assert train(_cfg(tiny, out, steps=1, micro_batch_tokens=128, resume=False),
+    assert train(_cfg(tiny, out, steps=1, **{"data.micro_batch_tokens": 128}, resume=False),
                  target=tiny["target"])["resumed_from_step"] is None
 
 
@@ -390,8 +402,8 @@ def test_a_run_in_shard_windows_resumes_bit_for_bit(tiny: dict, tmp_path: Path) 
     assert max(HarvestStore(store).shard_of) >= 3  # several shards
 
     def run(out: Path, **kw) -> dict:
-        return train(_cfg(tiny, out, **{"store": str(store), "steps": 6, "shard_window": 1, "eval_every": 0,
-                                 "save_every": 3, "micro_batch_tokens": 128, **kw}), target=tiny["target"])
+        return train(_cfg(tiny, out, **{"data.store": str(store), "steps": 6, "data.shard_window": 1, "eval_every": 0,
+                                 "save_every": 3, "data.micro_batch_tokens": 128, **kw}), target=tiny["target"])
 
     whole = run(tmp_path / "whole")
     cut = tmp_path / "cut"  # the same run stopped after its step-3 checkpoint
@@ -404,22 +416,23 @@ def test_a_run_in_shard_windows_resumes_bit_for_bit(tiny: dict, tmp_path: Path) 
     assert resumed["resumed_from_step"] == 3 and resumed["last_loss"] == whole["last_loss"]
     assert (cut / "final" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "final" /
                                                                   "model.safetensors").read_bytes()
-    with pytest.raises(TrainError, match="trained with train.shard_window=1, this run has 0"):
-        run(cut, shard_window=0)
-    assert run(tmp_path / "global", shard_window=0)["last_loss"] != whole["last_loss"]  # the order is another
+    with pytest.raises(TrainError, match="trained with train.data.shard_window=1, this run has 0"):
+        run(cut, **{"data.shard_window": 0})
+    assert run(tmp_path / "global",
+               **{"data.shard_window": 0})["last_loss"] != whole["last_loss"]  # the order is another
 
 
 def test_settings_pinned_by_one_version_only_are_not_compared(tmp_path: Path) -> None:
-    check_pinned({"train.seed": 0}, {"train.seed": 0, "train.draft_vocab_size": 64}, tmp_path)  # an earlier run's
+    check_pinned({"train.seed": 0}, {"train.seed": 0, "train.draft.vocab_size": 64}, tmp_path)  # an earlier run's
     with pytest.raises(TrainError, match="train.seed=0, this run has 1"):
-        check_pinned({"train.seed": 0}, {"train.seed": 1, "train.draft_vocab_size": 64}, tmp_path)
+        check_pinned({"train.seed": 0}, {"train.seed": 1, "train.draft.vocab_size": 64}, tmp_path)
 
 
 def test_inputs_that_do_not_fit_the_run_fail_naming_the_key_or_file(tiny: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
     train(_cfg(tiny, out, steps=2, eval_every=0, save_every=2), target=tiny["target"])
-    with pytest.raises(TrainError, match="trained with train.draft_vocab_size=64, this run has 32"):
-        train(_cfg(tiny, out, steps=4, draft_vocab_size=32), target=tiny["target"])
+    with pytest.raises(TrainError, match="trained with train.draft.vocab_size=64, this run has 32"):
+        train(_cfg(tiny, out, steps=4, **{"draft.vocab_size": 32}), target=tiny["target"])
     saved = out / "checkpoints" / "step-00000002"
     listed = json.loads((saved / "trainer.json").read_text())["files"]
     assert "rng-rank00000.pt" in listed and any(name.endswith("model_states.pt") for name in listed)
@@ -437,18 +450,20 @@ def test_inputs_that_do_not_fit_the_run_fail_naming_the_key_or_file(tiny: dict, 
     weights = tmp_path / "weights.json"
     weights.write_text('{"nosuchid": 2.0}')
     with pytest.raises(TrainError, match="sample_weights=.*none of its ids"):
-        train(_cfg(tiny, tmp_path / "w", sample_weights=str(weights)), target=tiny["target"])
+        train(_cfg(tiny, tmp_path / "w", **{"data.sample_weights": str(weights)}), target=tiny["target"])
     with pytest.raises(TrainError, match="named twice"):
-        train(_cfg(tiny, tmp_path / "twice", extra_stores=[str(tiny["store"]) + "/"]), target=tiny["target"])
-    with pytest.raises(TrainError, match="train.store: .*nowhere: no such store"):
-        train(_cfg(tiny, tmp_path / "none", store=str(tmp_path / "nowhere")), target=tiny["target"])
+        train(_cfg(tiny, tmp_path / "twice", **{"data.extra_stores": [str(tiny["store"]) + "/"]}),
+              target=tiny["target"])
+    with pytest.raises(TrainError, match="train.data.store: .*nowhere: no such store"):
+        train(_cfg(tiny, tmp_path / "none", **{"data.store": str(tmp_path / "nowhere")}), target=tiny["target"])
 
     # a sibling checkpoint (same tokenizer and shapes, other weights) is not the target the store came from
     model, sibling = tiny["model"], save_lively(tmp_path / "sibling", seed=1)
     store = tmp_path / "from-folder"
     harvest(HarvestConfig(data=str(regenerated_data(tmp_path / "d.jsonl", 4)), out_dir=str(store), dtype="float32"),
             TargetConfig(name_or_path=str(model)), progress=False)
-    cfg = _cfg(tiny, tmp_path / "sib", store=str(store), steps=1, eval_fraction=0.0, eval_every=0, save_every=0)
+    cfg = _cfg(tiny, tmp_path / "sib", **{"data.store": str(store), "data.eval_fraction": 0.0}, steps=1, eval_every=0,
+               save_every=0)
     with pytest.raises(TrainError, match="not the weights the store was harvested from"):
         train(cfg, TargetConfig(name_or_path=str(sibling)))
     assert train(cfg, TargetConfig(name_or_path=str(model)))["steps"] == 1
@@ -470,7 +485,7 @@ def test_a_store_that_verify_rejects_is_not_trained_on(tiny: dict, tmp_path: Pat
         f.seek(len(good) - 100)
         f.write(bytes([byte[0] ^ 255]))
     with pytest.raises(TrainError, match=f"{shard}: sha256 differs from the manifest .*nothing was trained"):
-        train(_cfg(tiny, out, store=str(store), steps=1), target=tiny["target"])
+        train(_cfg(tiny, out, **{"data.store": str(store)}, steps=1), target=tiny["target"])
     assert not (out / "final").exists() and not (out / "checkpoints").exists()
     cli = _cli(tiny, tmp_path / "cli")
     cli[cli.index("--store") + 1] = str(store)
@@ -483,11 +498,12 @@ def test_a_store_that_verify_rejects_is_not_trained_on(tiny: dict, tmp_path: Pat
     manifest["shards"][-1]["sha256"] = "0" * 64
     (store / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(TrainError, match="sha256 differs from the manifest"):
-        train(_cfg(tiny, out, store=str(store), steps=1), target=tiny["target"])
+        train(_cfg(tiny, out, **{"data.store": str(store)}, steps=1), target=tiny["target"])
 
     shutil.rmtree(store)
     shutil.copytree(tiny["store"], store)
-    assert train(_cfg(tiny, out, store=str(store), steps=2, save_every=1), target=tiny["target"])["steps"] == 2
+    assert train(_cfg(tiny, out, **{"data.store": str(store)}, steps=2, save_every=1),
+                 target=tiny["target"])["steps"] == 2
     record = json.loads((out / "verified_stores.json").read_text())
     assert set(record) == {os.path.realpath(store)}
     hashed = []
@@ -497,13 +513,14 @@ def test_a_store_that_verify_rejects_is_not_trained_on(tiny: dict, tmp_path: Pat
         return verify_store(root, part)
 
     monkeypatch.setattr("eagle3.train.data.verify_store", counting)
-    assert train(_cfg(tiny, out, store=str(store), steps=3, save_every=1), target=tiny["target"])["steps"] == 3
+    assert train(_cfg(tiny, out, **{"data.store": str(store)}, steps=3, save_every=1),
+                 target=tiny["target"])["steps"] == 3
     assert hashed == []  # resumed: verified by this run already, unchanged
     with open(shard, "r+b") as f:  # changed since: hashed again, and refused
         f.seek(len(good) - 100)
         f.write(bytes([good[-100] ^ 1]))
     with pytest.raises(TrainError, match="sha256 differs"):
-        train(_cfg(tiny, out, store=str(store), steps=4, save_every=1), target=tiny["target"])
+        train(_cfg(tiny, out, **{"data.store": str(store)}, steps=4, save_every=1), target=tiny["target"])
     assert hashed == [str(store)]
 
 
@@ -521,23 +538,24 @@ def test_bf16_and_gradient_checkpointing_track_fp32(tiny: dict, tmp_path: Path) 
 def test_auto_precision_is_bf16_only_where_bf16_is_faster(tiny: dict, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     auto = _cfg(tiny, tmp_path / "a", precision="auto")
-    assert resolve_precision(auto, torch.device("cuda")) == "bf16"
-    assert resolve_precision(_cfg(tiny, tmp_path / "a", precision="fp32"), torch.device("cuda")) == "fp32"
-    muon0 = _cfg(tiny, tmp_path / "a", precision="auto", optimizer="muon", zero_stage=0)
-    assert resolve_precision(muon0, torch.device("cuda")) == "fp32"  # DeepSpeed's Muon needs ZeRO for bf16
+    assert _precision(auto, torch.device("cuda")) == "bf16"
+    assert _precision(_cfg(tiny, tmp_path / "a", precision="fp32"), torch.device("cuda")) == "fp32"
+    muon0 = _cfg(tiny, tmp_path / "a", precision="auto", **{"optim.name": "muon"}, zero_stage=0)
+    assert _precision(muon0, torch.device("cuda")) == "fp32"  # DeepSpeed's Muon needs ZeRO for bf16
     monkeypatch.setattr("eagle3.train.optim.bf16_matmul_speedup", lambda device_type: 0.01)  # an AVX2-only CPU
-    assert resolve_precision(auto, torch.device("cpu")) == "fp32"
-    assert resolve_precision(_cfg(tiny, tmp_path / "a", precision="bf16"), torch.device("cpu")) == "bf16"
+    assert _precision(auto, torch.device("cpu")) == "fp32"
+    assert _precision(_cfg(tiny, tmp_path / "a", precision="bf16"), torch.device("cpu")) == "bf16"
     summary = train(_cfg(tiny, tmp_path / "run", precision="auto", steps=2, eval_every=0, save_every=0),
                     target=tiny["target"])
     assert summary["precision"] == "fp32"
     monkeypatch.setattr("eagle3.train.optim.bf16_matmul_speedup", lambda device_type: 3.0)  # a CPU with AMX
-    assert resolve_precision(auto, torch.device("cpu")) == "bf16"
+    assert _precision(auto, torch.device("cpu")) == "bf16"
 
 
 def test_muon_orthogonalises_the_hidden_matrices_and_learns(tiny: dict, tmp_path: Path) -> None:
     def first_step(name: str, lr: float, **kw) -> dict[str, torch.Tensor]:
-        train(_cfg(tiny, tmp_path / name, steps=1, eval_every=0, save_every=0, lr=lr, **kw), target=tiny["target"])
+        train(_cfg(tiny, tmp_path / name, steps=1, eval_every=0, save_every=0, **{"optim.lr": lr}, **kw),
+              target=tiny["target"])
         return load_file(str(tmp_path / name / "final" / "model.safetensors"))
 
     def spread(delta: torch.Tensor) -> float:  # ratio of the largest to the smallest singular value
@@ -546,7 +564,8 @@ def test_muon_orthogonalises_the_hidden_matrices_and_learns(tiny: dict, tmp_path
 
     # two first steps at lr and 2 lr from the same init: their difference is lr x the update direction
     # muon: on CPU "auto" picks the original bf16 Newton-Schulz; muon-gram: DeepSpeed's Gram variant
-    for opt, kw in (("muon", {"optimizer": "muon"}), ("muon-gram", {"optimizer": "muon", "muon_ns_method": "gram"}),
+    for opt, kw in (("muon", {"optim.name": "muon"}), ("muon-gram", {"optim.name": "muon",
+                                                                     "optim.muon_ns_method": "gram"}),
                     ("adamw", {})):
         a, b = first_step(f"{opt}-a", 1e-3, **kw), first_step(f"{opt}-b", 2e-3, **kw)
         fc, q = spread(b["fc.weight"] - a["fc.weight"]), spread(b["midlayer.self_attn.q_proj.weight"] -
@@ -560,19 +579,20 @@ def test_muon_orthogonalises_the_hidden_matrices_and_learns(tiny: dict, tmp_path
         assert moved.max() == pytest.approx(0.5e-3, rel=0.05)  # warmup step 1 of 2: half the lr
 
     out = tmp_path / "muon-bf16"
-    train(_cfg(tiny, out, steps=24, eval_every=0, save_every=0, lr=1e-2, optimizer="muon", precision="bf16",
-               zero_stage=1, lr_schedule="linear"), target=tiny["target"])
+    train(_cfg(tiny, out, steps=24, eval_every=0, save_every=0, **{"optim.lr": 1e-2, "optim.name": "muon",
+                                                                   "optim.schedule": "linear"}, precision="bf16",
+               zero_stage=1), target=tiny["target"])
     losses = [r["train/loss"] for r in read_metrics(out) if "train/loss" in r]
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5
     lrs = [r["train/lr"] for r in read_metrics(out) if "train/lr" in r]  # after warmup: equal linear steps down
     drops = {round(a - b, 12) for a, b in zip(lrs[2:], lrs[3:], strict=False)}
     assert len(lrs) == 24 and lrs[2] == 1e-2 and drops == {round(1e-2 / 22, 12)}, (lrs, drops)
-    with pytest.raises(ValueError, match="lr_schedule"):
-        _cfg(tiny, out, lr_schedule="step")
+    with pytest.raises(ValueError, match="optim.schedule"):
+        _cfg(tiny, out, **{"optim.schedule": "step"})
     with pytest.raises(ValueError, match="zero_stage >= 1"):
-        _cfg(tiny, out, optimizer="muon", precision="bf16")
+        _cfg(tiny, out, **{"optim.name": "muon"}, precision="bf16")
     with pytest.raises(ValueError, match="muon_ns_method"):
-        _cfg(tiny, out, optimizer="muon", muon_ns_method="fast")
+        _cfg(tiny, out, **{"optim.name": "muon", "optim.muon_ns_method": "fast"})
     assert muon_ns_method("auto", "cpu") == "standard" and muon_ns_method("auto", "cuda:0") == "gram"
     assert muon_ns_method("gram", "cpu") == "gram"
 
@@ -643,37 +663,45 @@ def test_extra_stores_and_sample_weights(tiny: dict, tmp_path: Path) -> None:
     weights.write_text(json.dumps({sid: 3.0 for sid in single.sample_ids[:5]}))
     copy = shutil.copytree(tiny["store"], tmp_path / "copy")  # the same store twice in the trainer is refused
     summary = train(_cfg(tiny, tmp_path / "run", steps=3, eval_every=0, save_every=0,
-                         extra_stores=[str(copy)], sample_weights=str(weights)), target=tiny["target"])
+                         **{"data.extra_stores": [str(copy)], "data.sample_weights": str(weights)}),
+                         target=tiny["target"])
     assert summary["train_samples"] + summary["eval_samples"] == 2 * len(single)
     weights.write_text("[1, 2]")
     with pytest.raises(TrainError, match="sample id -> finite weight"):
-        train(_cfg(tiny, tmp_path / "bad", steps=1, sample_weights=str(weights)), target=tiny["target"])
+        train(_cfg(tiny, tmp_path / "bad", steps=1, **{"data.sample_weights": str(weights)}), target=tiny["target"])
 
 
 def test_token_weights_and_hard_tokens_train_and_are_pinned(tiny: dict, tmp_path: Path) -> None:
     store = HarvestStore(tiny["store"])
     listed = tmp_path / "tokens.json"
     listed.write_text(json.dumps({sid: [[j, 4.0] for j in range(2, 40, 3)] for sid in store.sample_ids}))
-    base = dict(steps=4, eval_every=0, save_every=2, eval_fraction=0.0)
+    base = {"steps": 4, "eval_every": 0, "save_every": 2, "data.eval_fraction": 0.0}
     plain = train(_cfg(tiny, tmp_path / "plain", **base), target=tiny["target"])
-    weighted = train(_cfg(tiny, tmp_path / "w", **base, token_weights=str(listed), hard_tokens="downweight",
-                          hard_token_entropy=0.5, hard_token_weight=0.1), target=tiny["target"])
+    weighted = train(_cfg(tiny, tmp_path / "w", **base, **{"loss.token_weights": str(listed),
+                                                           "loss.hard_tokens": "downweight",
+                                                           "loss.hard_token_entropy": 0.5,
+                                                           "loss.hard_token_weight": 0.1}), target=tiny["target"])
     assert weighted["last_loss"] != plain["last_loss"]  # the weights reached the loss
     listed.write_text(json.dumps({sid: [[5, 2.0]] for sid in store.sample_ids[:10]}))
     with pytest.raises(TrainError, match="token_weights="):  # another file: a resume refuses it
-        train(_cfg(tiny, tmp_path / "w", **{**base, "steps": 6}, token_weights=str(listed), hard_tokens="downweight",
-                   hard_token_entropy=0.5, hard_token_weight=0.1), target=tiny["target"])
+        train(_cfg(tiny, tmp_path / "w", **{**base, "steps": 6}, **{"loss.token_weights": str(listed),
+                                                                    "loss.hard_tokens": "downweight",
+                                                                    "loss.hard_token_entropy": 0.5,
+                                                                    "loss.hard_token_weight": 0.1}),
+                                                                    target=tiny["target"])
     listed.write_text(json.dumps({sid: [[j, 4.0] for j in range(2, 40, 3)] for sid in store.sample_ids}))
-    with pytest.raises(TrainError, match="was trained with train.hard_token"):  # the same file, no filter
-        train(_cfg(tiny, tmp_path / "w", **{**base, "steps": 6}, token_weights=str(listed)), target=tiny["target"])
-    with pytest.raises(ConfigError, match="train.hard_tokens='drop'"):
-        TrainConfig(hard_tokens="drop")
+    with pytest.raises(TrainError, match="was trained with train.loss.hard_token"):  # the same file, no filter
+        train(_cfg(tiny, tmp_path / "w", **{**base, "steps": 6}, **{"loss.token_weights": str(listed)}),
+              target=tiny["target"])
+    with pytest.raises(ConfigError, match="train.loss.hard_tokens='drop'"):
+        train_config(**{"loss.hard_tokens": "drop"})
 
 
 def test_a_frozen_target_lm_head_stays_the_targets(tiny: dict, tmp_path: Path) -> None:
     out = tmp_path / "frozen"
-    summary = train(_cfg(tiny, out, steps=3, eval_every=0, save_every=0, lm_head_init="target",
-                         freeze_lm_head=True), target=tiny["target"])
+    summary = train(_cfg(tiny, out, steps=3, eval_every=0, save_every=0, **{"init.lm_head": "target",
+                                                                            "init.freeze_lm_head": True}),
+                                                                            target=tiny["target"])
     final = load_file(str(out / "final" / "model.safetensors"))
     rows = tiny["target"].lm_head.weight.detach()[torch.arange(64) + final["d2t"]]
     assert torch.equal(final["lm_head.weight"], rows)
@@ -724,7 +752,8 @@ def test_readout_init_is_what_training_starts_from(tiny: dict, tmp_path: Path) -
     aux state through and the layer's output projections are still ~zero (the random init's are not)."""
     for init in ("random", "readout"):
         out = tmp_path / init
-        train(_cfg(tiny, out, steps=1, lr=1e-7, eval_every=0, save_every=0, lm_head_init="target", layer_init=init),
+        train(_cfg(tiny, out, steps=1, **{"optim.lr": 1e-7, "init.lm_head": "target", "init.layers": init},
+                   eval_every=0, save_every=0),
               target=tiny["target"])
         final = load_file(str(out / "final" / "model.safetensors"))
         passes = torch.cat([torch.zeros(64, 128), torch.eye(64)], dim=1)
@@ -739,11 +768,11 @@ def test_muon_under_zero_steps_as_at_zero_0_unclipped(tiny: dict, tmp_path: Path
     step as ZeRO 0 does without clipping (ZeRO 0 itself clips the gradients, so differs). ZeRO 3
     also needs reduce_scatter off, which DeepSpeed's Muon refuses."""
     losses = {}
-    for name, kw in {"zero0": {"zero_stage": 0, "max_grad_norm": 0.0}, "zero0_clip": {"zero_stage": 0},
+    for name, kw in {"zero0": {"zero_stage": 0, "optim.max_grad_norm": 0.0}, "zero0_clip": {"zero_stage": 0},
                      "zero1": {"zero_stage": 1}, "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3}}.items():
         out = tmp_path / name
-        train(_cfg(tiny, out, **{"steps": 4, "eval_every": 0, "save_every": 0, "optimizer": "muon",
-                                 "max_grad_norm": 0.5, **kw}), target=tiny["target"])
+        train(_cfg(tiny, out, **{"steps": 4, "eval_every": 0, "save_every": 0, "optim.name": "muon",
+                                 "optim.max_grad_norm": 0.5, **kw}), target=tiny["target"])
         losses[name] = [json.loads(line)["train/loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
                         if "train/loss" in line]
     for name in ("zero1", "zero2", "zero3"):
@@ -755,7 +784,8 @@ def test_a_diverged_run_stops_before_saving_a_non_finite_draft(tiny: dict, tmp_p
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "diverged"
     with pytest.raises(TrainError, match=r"step \d+: the loss is (nan|inf)"):
-        train(_cfg(tiny, out, steps=6, lr=1e30, warmup_steps=0, eval_every=0, save_every=1), target=tiny["target"])
+        train(_cfg(tiny, out, steps=6, **{"optim.lr": 1e30, "optim.warmup_steps": 0}, eval_every=0, save_every=1),
+              target=tiny["target"])
     assert not (out / "final").exists() and not (out / "summary.json").exists()
     # weights gone non-finite in the step just taken (the loss before it was finite): caught before the
     # export of that step's eval
@@ -776,8 +806,9 @@ def test_a_diverged_run_stops_before_saving_a_non_finite_draft(tiny: dict, tmp_p
 
 
 def test_topk_store_and_a_held_out_store(tiny: dict, tmp_path: Path) -> None:
-    summary = train(_cfg(tiny, tmp_path / "topk", store=str(tiny["topk"]), eval_fraction=0.0,
-                         eval_store=str(tiny["store"]), steps=3, eval_every=0, lm_head_init="target"),
+    summary = train(_cfg(tiny, tmp_path / "topk", **{"data.store": str(tiny["topk"]), "data.eval_fraction": 0.0,
+                                                     "data.eval_store": str(tiny["store"]), "init.lm_head": "target"},
+                                                     steps=3, eval_every=0),
                     target=tiny["target"])
     # the eval store's conversations that the topk store also holds are not held out: they are left out
     train_rows = {tuple(HarvestStore(tiny["topk"]).token_columns(i)[0].tolist()) for i in range(12)}
@@ -786,8 +817,8 @@ def test_topk_store_and_a_held_out_store(tiny: dict, tmp_path: Path) -> None:
     assert 0 < unseen < len(held) == 40
     assert summary["eval_samples"] == unseen and summary["eval_last"]["eval/tau_sim"] >= 1.0
     with pytest.raises(TrainError, match="every one of its 12 samples is also a training sample"):
-        train(_cfg(tiny, tmp_path / "same", store=str(tiny["topk"]), eval_fraction=0.0,
-                   eval_store=str(tiny["topk"]), steps=1), target=tiny["target"])
+        train(_cfg(tiny, tmp_path / "same", **{"data.store": str(tiny["topk"]), "data.eval_fraction": 0.0,
+                                               "data.eval_store": str(tiny["topk"])}, steps=1), target=tiny["target"])
 
 
 # ---------------------------------------------------------------- subprocesses: kill -9, two processes
@@ -962,10 +993,12 @@ def test_a_row_split_over_two_ranks_trains_the_one_rank_draft(tiny: dict, tmp_pa
 def test_a_context_parallel_size_that_does_not_fit_is_named(tiny: dict, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="train.context_parallel=2 does not divide the world size"):
         train(_cfg(tiny, tmp_path / "odd", context_parallel=2), target=tiny["target"])
-    with pytest.raises(ConfigError, match="train.context_parallel=2: must be >= 1, and 1 unless train.data=offline"):
-        _cfg(tiny, tmp_path / "online", context_parallel=2, data="online", eval_fraction=0.0, shard_window=2)
+    with pytest.raises(ConfigError,
+                       match="train.context_parallel=2: must be >= 1, and 1 unless train.data.mode=offline"):
+        _cfg(tiny, tmp_path / "online", context_parallel=2, **{"data.mode": "online", "data.eval_fraction": 0.0,
+                                                               "data.shard_window": 2})
     with pytest.raises(ConfigError, match="train.context_parallel=2: a dflash draft"):
-        get_family("dflash").check_train(_cfg(tiny, tmp_path / "dflash", context_parallel=2, layer_init="random"))
+        _cfg(tiny, tmp_path / "dflash", context_parallel=2, **{"draft.family": "dflash"})
 
 
 def test_training_continues_from_an_exported_draft_in_another_format(tiny: dict, tmp_path: Path) -> None:
@@ -973,13 +1006,17 @@ def test_training_continues_from_an_exported_draft_in_another_format(tiny: dict,
     from eagle3.export import main as export_main
 
     first = tmp_path / "first"
-    train(_cfg(tiny, first, steps=12, eval_every=0, save_every=0, lr=1e-2), target=tiny["target"])
+    train(_cfg(tiny, first, steps=12, eval_every=0, save_every=0, **{"optim.lr": 1e-2}), target=tiny["target"])
     assert export_main(["--draft", str(first / "final"), "--out", str(tmp_path / "spec"), "--format", "speculators",
                         "--dtype", "float32"]) == 0
     again = tmp_path / "again"
-    summary = train(_cfg(tiny, again, steps=2, eval_every=0, save_every=0, lr=1e-9, warmup_steps=0,
-                         init_draft=str(tmp_path / "spec"), draft_vocab_size=32), target=tiny["target"])
-    fresh = train(_cfg(tiny, tmp_path / "fresh", steps=2, eval_every=0, save_every=0, lr=1e-9, warmup_steps=0),
+    summary = train(_cfg(tiny, again, steps=2, eval_every=0, save_every=0, **{"optim.lr": 1e-9,
+                                                                              "optim.warmup_steps": 0,
+                                                                              "init.draft": str(tmp_path / "spec"),
+                                                                              "draft.vocab_size": 32}),
+                                                                              target=tiny["target"])
+    fresh = train(_cfg(tiny, tmp_path / "fresh", steps=2, eval_every=0, save_every=0, **{"optim.lr": 1e-9,
+                                                                                         "optim.warmup_steps": 0}),
                   target=tiny["target"])
     # the continued run starts from the trained weights (and keeps their 64-token vocab)
     assert summary["draft_vocab_size"] == 64 and summary["first_loss"] < fresh["first_loss"] - 0.3
@@ -989,7 +1026,7 @@ def test_training_continues_from_an_exported_draft_in_another_format(tiny: dict,
     loaded = load_draft(first / "final")  # the same draft, said to read other layers
     bad = export_draft_folder(tmp_path / "bad", loaded.draft.state_dict(), loaded.draft.config, (1, 3, 5))
     with pytest.raises(TrainError, match="aux layer ids"):
-        train(_cfg(tiny, tmp_path / "x", steps=1, init_draft=str(bad)), target=tiny["target"])
+        train(_cfg(tiny, tmp_path / "x", steps=1, **{"init.draft": str(bad)}), target=tiny["target"])
     from dataclasses import replace
 
     from eagle3.draft.model import Eagle3Draft
@@ -997,8 +1034,8 @@ def test_training_continues_from_an_exported_draft_in_another_format(tiny: dict,
     c = loaded.draft.config  # a draft of another width: it cannot take the target's embedding
     narrow = Eagle3Draft(replace(c, hidden_size=c.hidden_size // 2, head_dim=c.head_dim // 2))
     folder = export_draft_folder(tmp_path / "narrow", narrow.state_dict(), narrow.config, loaded.aux_layer_ids)
-    with pytest.raises(TrainError, match=f"train.init_draft: {folder}: hidden_size={c.hidden_size // 2} cannot take"):
-        train(_cfg(tiny, tmp_path / "y", steps=1, init_draft=str(folder)), target=tiny["target"])
+    with pytest.raises(TrainError, match=f"train.init.draft: {folder}: hidden_size={c.hidden_size // 2} cannot take"):
+        train(_cfg(tiny, tmp_path / "y", steps=1, **{"init.draft": str(folder)}), target=tiny["target"])
     assert not (tmp_path / "y" / "final").exists()
 
 
@@ -1019,7 +1056,7 @@ def test_a_draft_with_its_own_embedding_trains_with_the_targets_and_says_so(tiny
         save_file({**tensors, "embed_tokens.weight": weight.to(tensors["fc.weight"].dtype).contiguous()},
                   str(folder / "model.safetensors"))
         capsys.readouterr()
-        train(_cfg(tiny, tmp_path / f"run-{name}", steps=1, eval_every=0, save_every=0, init_draft=str(folder)),
+        train(_cfg(tiny, tmp_path / f"run-{name}", steps=1, eval_every=0, save_every=0, **{"init.draft": str(folder)}),
               target=tiny["target"])
         assert ("carries its own embedding, which differs from the target's" in capsys.readouterr().out) == noted
 
@@ -1030,7 +1067,7 @@ def test_a_draft_without_lm_head_continues_from_the_targets(tiny: dict, tmp_path
     training from the target's lm_head, as it is served."""
     target = tiny["target"]
     first = tmp_path / "first"
-    train(_cfg(tiny, first, steps=2, eval_every=0, save_every=0, draft_vocab_size=target.vocab_size),
+    train(_cfg(tiny, first, steps=2, eval_every=0, save_every=0, **{"draft.vocab_size": target.vocab_size}),
           target=target)
     folder = tmp_path / "headless"
     folder.mkdir()
@@ -1039,8 +1076,10 @@ def test_a_draft_without_lm_head_continues_from_the_targets(tiny: dict, tmp_path
     save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text((first / "final" / "config.json").read_text())
     capsys.readouterr()
-    train(_cfg(tiny, tmp_path / "again", steps=1, eval_every=0, save_every=0, lr=1e-12, warmup_steps=0,
-               init_draft=str(folder)), target=target)
+    train(_cfg(tiny, tmp_path / "again", steps=1, eval_every=0, save_every=0, **{"optim.lr": 1e-12,
+                                                                                 "optim.warmup_steps": 0,
+                                                                                 "init.draft": str(folder)}),
+                                                                                 target=target)
     assert "has no lm_head; it starts from the target's" in capsys.readouterr().out
     continued = load_file(str(tmp_path / "again" / "final" / "model.safetensors"))
     served = target.lm_head.weight.detach().float().to(continued["lm_head.weight"].dtype)
@@ -1103,8 +1142,8 @@ def test_a_multimodal_target_harvests_and_trains_from_its_head(tmp_path: Path) -
     assert (spec.num_layers, spec.hidden_size, spec.aux_layer_ids) == (8, 64, (2, 4, 5))
     out = tmp_path / "run"
     main(["--store", str(store), "--target", str(folder), "--out", str(out), "--steps", "3",
-          "--micro-batch-tokens", "256", "--draft-vocab-size", "64", "--eval-fraction", "0",
-          "--wandb-mode", "disabled", "--no-progress", "--lm-head-init", "target"])
+          "--data.micro-batch-tokens", "256", "--draft.vocab-size", "64", "--data.eval-fraction", "0",
+          "--log.wandb-mode", "disabled", "--no-log.progress", "--init.lm-head", "target"])
     draft, meta = load_exported_draft(out / "final")
     assert meta["step"] == 3 and meta["aux_layer_ids"] == [2, 4, 5] and draft.config.hidden_size == 64
 
@@ -1135,7 +1174,7 @@ def test_feature_noise_scales_with_each_state_and_only_trains() -> None:
 def test_gate_steps_reaches_the_loss_not_the_metrics(tiny: dict, tmp_path: Path) -> None:
     runs = {}
     for gate in (False, True):
-        train(_cfg(tiny, tmp_path / str(gate), steps=1, eval_every=1, save_every=0, gate_steps=gate),
+        train(_cfg(tiny, tmp_path / str(gate), steps=1, eval_every=1, save_every=0, **{"loss.gate_steps": gate}),
               target=tiny["target"])
         runs[gate] = next(r for r in read_metrics(tmp_path / str(gate)) if "train/loss" in r)
     # the same first batch and draft: equal step-0 matches, a smaller loss once later steps only
@@ -1147,7 +1186,7 @@ def test_gate_steps_reaches_the_loss_not_the_metrics(tiny: dict, tmp_path: Path)
 def test_loss_positions_all_trains_on_prompts_too_and_still_evaluates_replies(tiny: dict, tmp_path: Path) -> None:
     runs = {}
     for where in ("assistant", "all"):
-        train(_cfg(tiny, tmp_path / where, steps=2, eval_every=1, save_every=0, loss_positions=where),
+        train(_cfg(tiny, tmp_path / where, steps=2, eval_every=1, save_every=0, **{"loss.positions": where}),
               target=tiny["target"])
         runs[where] = read_metrics(tmp_path / where)
     first = {where: next(r for r in rows if "train/positions" in r) for where, rows in runs.items()}
@@ -1155,5 +1194,5 @@ def test_loss_positions_all_trains_on_prompts_too_and_still_evaluates_replies(ti
     evals = {where: [r["eval/positions"] for r in rows if "eval/positions" in r] for where, rows in runs.items()}
     assert evals["all"] == evals["assistant"] and len(evals["all"]) == 3  # before step 1, after 1 and 2
     assert runs["all"][0]["eval/tau_sim"] == runs["assistant"][0]["eval/tau_sim"]  # the same untrained draft
-    with pytest.raises(ValueError, match="train.loss_positions='prompt'"):
-        TrainConfig(loss_positions="prompt")
+    with pytest.raises(ValueError, match="train.loss.positions='prompt'"):
+        train_config(**{"loss.positions": "prompt"})

@@ -47,6 +47,7 @@ from gpu_speed import EVAL_SETS, check_graphs, check_profile, check_speculators,
 
 from eagle3.device import resolve_device, sdpa_backends, synchronize  # noqa: E402
 from eagle3.distributed import free_port  # noqa: E402
+from eagle3.train.config import updated  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
@@ -165,7 +166,7 @@ def write_pools(folder: Path) -> None:
 def pipeline_config(out: Path, target: Path, size: dict[str, Any], device: str) -> Any:
     from data_gen.config import HarvestConfig, RegenerateConfig, SelectConfig
     from eagle3.config import TargetConfig
-    from eagle3.train.config import TrainConfig
+    from eagle3.train.config import train_config
     from hard_mining.config import MineConfig
     from recipes.config import PipelineConfig
     from serve_eval.config import EvalConfig
@@ -179,11 +180,12 @@ def pipeline_config(out: Path, target: Path, size: dict[str, Any], device: str) 
         harvest=HarvestConfig(data=str(run / "regenerate" / "dataset" / "regenerated.jsonl"),
                               out_dir=str(run / "harvest"), dtype="bfloat16"),
         val=SelectConfig(num_prompts=8, split="val"),
-        train=TrainConfig(store=str(run / "harvest"), out_dir=str(run / "train"),
-                          eval_store=str(run / "val" / "harvest"), eval_fraction=0.0, steps=size["steps"],
-                          micro_batch_tokens=size["micro_batch_tokens"], draft_vocab_size=size["draft_vocab"],
-                          eval_every=0, save_every=0, warmup_steps=2, device=device, wandb_mode="disabled",
-                          progress=False, precision="auto"),
+        train=train_config(**{"data.store": str(run / "harvest"), "data.eval_store": str(run / "val" / "harvest"),
+                              "data.eval_fraction": 0.0, "data.micro_batch_tokens": size["micro_batch_tokens"],
+                              "draft.vocab_size": size["draft_vocab"], "optim.warmup_steps": 2,
+                              "log.wandb_mode": "disabled", "log.progress": False}, out_dir=str(run / "train"),
+                              steps=size["steps"],
+                          eval_every=0, save_every=0, device=device, precision="auto"),
         mine=MineConfig(draft=str(run / "train" / "final"), store=str(run / "harvest"),
                         records=[str(run / "regenerate" / "dataset" / "regenerated.jsonl")],
                         eval_store=str(run / "val" / "harvest"),
@@ -319,7 +321,6 @@ def check_loop(draft: Path, target: Path, pools: Path, device: str, size: dict[s
 def check_families(cfg: Any, target: Path, pools: Path, device: str, size: dict[str, Any]) -> None:
     """P-EAGLE and DFlash on the device: a short training run from the harvest (block 4 / 3 mask steps),
     the export read back, then the chain loop greedy (equal to plain decoding) and sampled."""
-    from dataclasses import replace
 
     from eagle3.config import SamplingConfig
     from eagle3.target.chat import ChatFormat
@@ -334,8 +335,8 @@ def check_families(cfg: Any, target: Path, pools: Path, device: str, size: dict[
         try:
             dev = resolve_device(device)
             reset_peak(dev)
-            summary = train(replace(cfg.train, out_dir=str(folder), draft_family=family, ttt_steps=3, resume=False),
-                            cfg.target)
+            summary = train(updated(cfg.train, {"out_dir": str(folder), "draft.family": family, "ttt_steps": 3,
+                                                "resume": False}), cfg.target)
             model, drafter = load_pair(str(folder / "final"), str(target), "float32", device)
             chat = ChatFormat.for_tokenizer(model.tokenizer, model.model.generation_config)
             prompts = [p for name in EVAL_SETS for p in read_prompts(pools, name, 1, chat)][:n]
@@ -395,9 +396,9 @@ def check_two_processes(cfg: Any) -> None:
     """Training in two processes over nccl (only where two GPUs exist)."""
     out = Path(cfg.out_dir) / "train-2gpu"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-           "eagle3.train.loop", "--store", cfg.train.store, "--target", cfg.target.name_or_path, "--out", str(out),
-           "--steps", "6", "--micro-batch-tokens", str(cfg.train.micro_batch_tokens), "--draft-vocab-size",
-           str(cfg.train.draft_vocab_size), "--eval-fraction", "0", "--eval-every", "0", "--save-every", "3",
+           "eagle3.train.loop", "--store", cfg.train.data.store, "--target", cfg.target.name_or_path, "--out", str(out),
+           "--steps", "6", "--micro-batch-tokens", str(cfg.train.data.micro_batch_tokens), "--draft-vocab-size",
+           str(cfg.train.draft.vocab_size), "--eval-fraction", "0", "--eval-every", "0", "--save-every", "3",
            "--device", "cuda", "--wandb-mode", "disabled", "--no-progress"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     summary = {}

@@ -20,6 +20,7 @@ from unittest import mock
 import torch
 
 from eagle3.device import allow_cudnn_sdpa, resolve_device, synchronize
+from eagle3.train.config import updated
 
 ROOT = Path(__file__).resolve().parent.parent
 EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "multilingual")
@@ -228,11 +229,12 @@ def check_speculators(emit: Emit, cfg: Any, target: Path, out: Path, device: str
     try:
         ours = json.loads((train_dir / "summary.json").read_text())
         shutil.rmtree(data, ignore_errors=True)
-        steps = [[sys.executable, "bench/studies/speculators_data.py", "--store", cfg.train.store, "--out", str(data),
+        steps = [[sys.executable, "bench/studies/speculators_data.py", "--store", cfg.train.data.store, "--out",
+                  str(data),
                   "--draft-vocab", str(train_dir / "draft_vocab.safetensors"), "--eval-fraction", "0"],
                  [python, "bench/studies/speculators_train.py", "--data", str(data), "--target", str(target),
                   "--out", str(spec_out), "--steps", str(cfg.train.steps), "--ttt-steps", str(cfg.train.ttt_steps),
-                  "--seq-len", str(cfg.train.micro_batch_tokens), "--optimizer", "adamw", "--overwrite",
+                  "--seq-len", str(cfg.train.data.micro_batch_tokens), "--optimizer", "adamw", "--overwrite",
                   "--train-data-ratio", "0.9",  # it needs held-out rows; tokens/s is what is compared
                   "--dtype", "bfloat16" if dev.type == "cuda" else "float32"]]
         # one process of its own: not the distributed settings our trainer left in this one's environment
@@ -250,13 +252,13 @@ def check_speculators(emit: Emit, cfg: Any, target: Path, out: Path, device: str
              ours_over_speculators=round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3),
              ours_peak_gib=ours.get("peak_gpu_gib"), ours_last_loss=ours.get("last_loss"),
              speculators_loss_last=theirs.get("loss_last"), steps=cfg.train.steps, ttt_steps=cfg.train.ttt_steps,
-             seq_len=cfg.train.micro_batch_tokens)
+             seq_len=cfg.train.data.micro_batch_tokens)
     except Exception as err:  # noqa: BLE001 - reported; the other checks still run
         emit("race.train", False, error=f"{type(err).__name__}: {err}")
 
 
 def check_train_phases(emit: Emit, cfg: Any, steps: int = 12) -> None:
-    """Where a training step's time goes (``train.phase_times``: each phase closed by a device
+    """Where a training step's time goes (``train.log.phase_times``: each phase closed by a device
     sync), the first two steps apart, and the same with torch free to pick cuDNN's attention, which
     builds a graph for every new row length (``EAGLE3_CUDNN_SDPA=1``)."""
     import dataclasses
@@ -267,9 +269,9 @@ def check_train_phases(emit: Emit, cfg: Any, steps: int = 12) -> None:
     def run(name: str) -> dict[str, Any]:
         out = Path(cfg.train.out_dir).with_name(f"train-phases-{name}")
         shutil.rmtree(out, ignore_errors=True)
-        STAGES["train"](dataclasses.replace(cfg, train=dataclasses.replace(
-            cfg.train, out_dir=str(out), steps=steps, eval_store=None, eval_every=0, save_every=0, log_every=1,
-            phase_times=True)))
+        STAGES["train"](dataclasses.replace(cfg, train=updated(cfg.train, {
+            "out_dir": str(out), "steps": steps, "data.eval_store": None, "eval_every": 0, "save_every": 0,
+            "log.every": 1, "log.phase_times": True})))
         rows = [r for r in read_metrics(out) if "train/loss" in r]
         later = rows[2:]
 

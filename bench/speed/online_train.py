@@ -30,7 +30,7 @@ from data_gen.config import HarvestConfig
 from data_gen.harvest import run as harvest
 from eagle3.config import DEFAULT_TARGET, TargetConfig
 from eagle3.target.model import load_target
-from eagle3.train.config import TrainConfig
+from eagle3.train.config import TrainConfig, train_config
 from eagle3.train.loop import train
 
 
@@ -81,11 +81,12 @@ def main() -> None:
                              f"sample); the spool needs at least {2 * largest / 2**20:.1f}")
 
         def train_cfg(store: Path, out: str, data: str) -> TrainConfig:
-            return TrainConfig(store=str(store), out_dir=str(root / out), data=data, steps=args.steps,
-                               batching="buckets", micro_batch_tokens=1024, draft_vocab_size=4096,
-                               loss_positions="all", warmup_steps=5, eval_fraction=0.0, eval_every=0,
-                               save_every=50, shard_window=1, seed=args.seed, wandb_mode="disabled",
-                               progress=False, device="cpu", spool_wait_s=600)
+            return train_config(**{"data.store": str(store), "data.mode": data, "data.batching": "buckets",
+                                   "data.micro_batch_tokens": 1024, "draft.vocab_size": 4096, "loss.positions": "all",
+                                   "optim.warmup_steps": 5, "data.eval_fraction": 0.0, "data.shard_window": 1,
+                                   "log.wandb_mode": "disabled", "log.progress": False, "data.spool_wait_s": 600},
+                                   out_dir=str(root / out), steps=args.steps, eval_every=0,
+                               save_every=50, seed=args.seed, device="cpu")
 
         offline = train(train_cfg(root / "store", "offline", "offline"), target_cfg, target=target)
         store_bytes = folder_bytes(root / "store")

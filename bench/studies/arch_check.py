@@ -264,7 +264,7 @@ def check(arch: str, out: Path, steps: int, vllm: bool, per_set: int, max_new_to
     run([sys.executable, "-m", "recipes.run", f"target.name_or_path={target.resolve()}", f"out_dir={work}",
          f"pools.out_dir={out / 'pools'}", f"target.aux_layer_ids=[{','.join(map(str, AUX_IDS))}]",
          "stages=[target,pools,regenerate,harvest,val,train,eval]", f"train.steps={steps}",
-         f"train.draft_vocab_size={DRAFT_VOCAB.get(arch, 200)}", f"eval.per_set={per_set}",
+         f"train.draft.vocab_size={DRAFT_VOCAB.get(arch, 200)}", f"eval.per_set={per_set}",
          f"eval.max_new_tokens={max_new_tokens}"],
         work / "pipeline.log")
     ours = json.loads((work / "eval.json").read_text())["overall"]

@@ -1,6 +1,6 @@
 """Where a draft starts on real targets of two families: the default recipe with the copied head and
-raw aux states (``copied``), refitted on the first micro-batch (``fitted``: ``train.head_scale_init=fit``,
-``train.aux_scale_init=unit``), or as the recipe decides (``auto``: refitted where the copied head is far
+raw aux states (``copied``), refitted on the first micro-batch (``fitted``: ``train.init.head_scale=fit``,
+``train.init.aux_scale=unit``), or as the recipe decides (``auto``: refitted where the copied head is far
 sharper than the target's), on the embedded SmolLM2-135M-Instruct and Gemma-3-270M (a base model,
 262k vocabulary, tied and scaled embeddings; four PyPI wheels, fetched on first use).
 
@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from arch_check import MODEL_IMPL  # noqa: E402  (this folder is on sys.path when run as a script)
 
-STARTS = {"copied": ["train.head_scale_init=one", "train.aux_scale_init=none"],
-          "fitted": ["train.head_scale_init=fit", "train.aux_scale_init=unit"],
-          "auto": ["train.head_scale_init=auto", "train.aux_scale_init=auto"]}  # the recipe's
+STARTS = {"copied": ["train.init.head_scale=one", "train.init.aux_scale=none"],
+          "fitted": ["train.init.head_scale=fit", "train.init.aux_scale=unit"],
+          "auto": ["train.init.head_scale=auto", "train.init.aux_scale=auto"]}  # the recipe's
 DATA = ["select.num_prompts=24", "regenerate.max_new_tokens=48", "val.num_prompts=24"]
 
 

@@ -75,7 +75,7 @@ def main() -> None:
     from eagle3.config import TargetConfig
     from eagle3.store.shards import HarvestStore
     from eagle3.target.model import Target
-    from eagle3.train.config import TrainConfig, draft_recipe
+    from eagle3.train.config import draft_recipe, train_config
     from eagle3.train.log import read_metrics
     from eagle3.train.loop import train
     from tests.helpers import regenerated_data as _data
@@ -98,10 +98,15 @@ def main() -> None:
                 if init == "raw":  # as before: the stored weight, whatever the convention
                     Target.final_norm_scale = lambda self: self.norm.weight.detach().float().cpu()
                 try:
-                    cfg = TrainConfig(**{**draft_recipe("target-head"), **dict(
-                        store=str(store_dir), out_dir=str(run), steps=args.steps, micro_batch_tokens=512,
-                        warmup_steps=2, eval_fraction=0.2, eval_every=0, save_every=0, draft_vocab_size=200,
-                        wandb_mode="disabled", progress=False, device="cpu", resume=False, precision="fp32")})
+                    cfg = train_config({**draft_recipe("target-head"), **{"data.store": str(store_dir),
+                                                                          "out_dir": str(run), "steps": args.steps,
+                                                                          "data.micro_batch_tokens": 512,
+                                                                          "optim.warmup_steps": 2,
+                                                                          "data.eval_fraction": 0.2, "eval_every": 0,
+                                                                          "save_every": 0, "draft.vocab_size": 200,
+                                                                          "log.wandb_mode": "disabled",
+                                                                          "log.progress": False, "device": "cpu",
+                                                                          "resume": False, "precision": "fp32"}})
                     summary = train(cfg, target=target)
                 finally:
                     Target.final_norm_scale = original

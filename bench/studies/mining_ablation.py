@@ -14,7 +14,7 @@ weighs their tokens (:data:`ARMS`): ``uniform`` random pool prompts (the control
 ``excess``, ``learnable`` the top quarter of 4x as many candidates by raw loss, by the loss above the
 target's entropy, by confident misses (``mine.rank``); ``replay`` random prompts whose rejected tokens
 are weighted up (error replay); ``hard-tokens`` uniform prompts with high-entropy positions
-down-weighted in the loss (``train.hard_tokens``); ``learnable-replay`` and ``all`` combine them;
+down-weighted in the loss (``train.loss.hard_tokens``); ``learnable-replay`` and ``all`` combine them;
 ``mined`` the old default (reweight + hardest by loss + synthesize; it adds its own count, so it
 gets its own matched uniform control, ``uniform-matched``). Every (arm, seed) is a separate
 ``hard_mining.rounds`` run (resumable).
@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from eagle3.config import DEFAULT_TARGET
+from eagle3.train.config import updated
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,7 +90,8 @@ def arm_settings(arm: str, added: int, matched: int | None, hard_entropy: float,
                  replay_weight: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """(mine settings, continued-training settings) of an arm adding ``added`` prompts."""
     hardest = {"candidates": 4 * added, "keep_fraction": 0.25}
-    hard_tokens = {"hard_tokens": "downweight", "hard_token_entropy": hard_entropy, "hard_token_weight": 0.0}
+    hard_tokens = {"loss.hard_tokens": "downweight", "loss.hard_token_entropy": hard_entropy,
+                   "loss.hard_token_weight": 0.0}
     arms: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         "uniform": ({"strategies": ["uniform"], "uniform": added}, {}),
         "weak": ({"strategies": ["weak"], "weak": added}, {}),
@@ -201,9 +203,11 @@ def main(argv: list[str] | None = None) -> None:
 
     target = load_target(args.target, dtype="float32", device="cpu",
                          aux_layer_ids=HarvestStore(Path(args.store)).spec.aux_layer_ids)
-    train_cfg = continued_training(args.recipe, store=args.store, out_dir=str(out), ttt_steps=args.ttt_steps,
-                                   lr=args.lr, warmup_steps=max(1, args.steps // 20), micro_batch_tokens=2048,
-                                   batching="buckets", precision="auto", eval_every=0, save_every=0, progress=False)
+    train_cfg = continued_training(args.recipe, **{"data.store": args.store, "optim.lr": args.lr,
+                                                   "optim.warmup_steps": max(1, args.steps // 20),
+                                                   "data.micro_batch_tokens": 2048, "data.batching": "buckets",
+                                                   "log.progress": False}, out_dir=str(out), ttt_steps=args.ttt_steps,
+                                                   precision="auto", eval_every=0, save_every=0)
     common = dict(draft=args.draft, store=args.store, records=args.records, eval_store=args.eval_store,
                   eval_records=args.eval_records, pool=args.pool, eval_sets=args.eval_sets, rounds=1,
                   steps=args.steps, wandb_mode="offline")
@@ -216,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         for arm in args.arms:
             mine, train_kw = arm_settings(arm, args.added, matched, args.hard_token_entropy, args.replay_weight)
             manifest = run_rounds(MineConfig(**common, **mine, out_dir=str(out / f"{arm}-{seed}"), seed=seed),
-                                  replace(tcfg, **train_kw), target_cfg, target=target, progress=False)
+                                  updated(tcfg, train_kw), target_cfg, target=target, progress=False)
             entry = manifest["rounds"][0]
             if arm == "mined":
                 matched = len(entry["added_ids"])

@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="a held-out store: its samples become speculators' validation rows")
     p.add_argument("--eval-fraction", type=float, default=0.1,
                    help="without --eval-store: hold out this fraction by sample-id hash, as our trainer's "
-                        "train.eval_fraction does (default 0.1, the quickstart's)")
+                        "train.data.eval_fraction does (default 0.1, the quickstart's)")
     p.add_argument("--draft-vocab", type=Path, default=None,
                    help="our draft_vocab.safetensors (d2t int64 offsets, t2d bool) or an exported draft folder")
     p.add_argument("--loss-mask", choices=("native", "predicted"), default="native",

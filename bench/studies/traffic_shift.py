@@ -9,7 +9,7 @@ by the server; then one round of mining from the traffic against uniform data, a
 
 1. **The shifted draft**: the race's recipe (``target-head``, 3 TTT steps, 2048 tokens a step,
    ``--base-steps``) on the training store with every sample of ``--domain`` weighted 0
-   (``train.sample_weights``).
+   (``train.data.sample_weights``).
 2. **Traffic**: ``--requests`` pool prompts of that domain (not harvested, not in an eval set) sent
    to the OpenAI-compatible server (``serve_eval.server``, in this process, over HTTP) serving that
    draft with ``--traffic-log``; greedy, ``--max-tokens`` each.
@@ -61,11 +61,15 @@ def shifted_draft(args: argparse.Namespace, out: Path) -> Path:
     if not weights:
         raise SystemExit(f"--domain {args.domain}: no sample of the store has it")
     (out / "weights.json").write_text(json.dumps(weights))
-    cfg = continued_training("target-head", store=args.store, out_dir=str(out / "base"), steps=args.base_steps,
-                             ttt_steps=3, micro_batch_tokens=2048, batching="buckets", precision="auto",
-                             warmup_steps=max(1, args.base_steps // 50), draft_vocab_size=8192, eval_every=0,
-                             save_every=0, sample_weights=str(out / "weights.json"), wandb_mode="disabled",
-                             progress=False)
+    cfg = continued_training("target-head", **{"data.store": args.store, "data.micro_batch_tokens": 2048,
+                                               "data.batching": "buckets",
+                                               "optim.warmup_steps": max(1, args.base_steps // 50),
+                                               "draft.vocab_size": 8192,
+                                               "data.sample_weights": str(out / "weights.json"),
+                                               "log.wandb_mode": "disabled", "log.progress": False},
+                                               out_dir=str(out / "base"), steps=args.base_steps,
+                             ttt_steps=3, precision="auto", eval_every=0,
+                             save_every=0)
     train(cfg, TargetConfig(name_or_path=args.target))
     return out / "base" / "final"
 
@@ -144,9 +148,11 @@ def main(argv: list[str] | None = None) -> None:
 
     target = load_target(args.target, dtype="float32", device="cpu",
                          aux_layer_ids=HarvestStore(Path(args.store)).spec.aux_layer_ids)
-    train_cfg = continued_training("none", store=args.store, out_dir=str(out), ttt_steps=3, lr=1e-3,
-                                   warmup_steps=max(1, args.steps // 20), micro_batch_tokens=2048, batching="buckets",
-                                   precision="auto", eval_every=0, save_every=0, progress=False)
+    train_cfg = continued_training("none", **{"data.store": args.store, "optim.lr": 1e-3,
+                                              "optim.warmup_steps": max(1, args.steps // 20),
+                                              "data.micro_batch_tokens": 2048, "data.batching": "buckets",
+                                              "log.progress": False}, out_dir=str(out), ttt_steps=3,
+                                   precision="auto", eval_every=0, save_every=0)
     common = dict(draft=str(draft), store=args.store, records=args.records, eval_store=args.eval_store,
                   eval_records=args.eval_records, pool=args.pool, eval_sets=args.eval_sets, rounds=1,
                   steps=args.steps, traffic=str(log), traffic_prompts=args.added, uniform=args.added,

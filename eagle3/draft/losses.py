@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 LOSSES = ("soft_ce", "tv", "nla", "lk_hybrid")
-"""The objectives ``train.loss`` names."""
+"""The objectives ``train.loss.kind`` names."""
 ALPHA_FLOOR = 1e-5
 
 

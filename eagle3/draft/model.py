@@ -197,7 +197,7 @@ class DraftConfig:
         except ValueError as err:  # __post_init__'s RoPE checks (type, keys): the key is the target's
             if "rope_scaling" not in str(err):
                 raise
-            raise ConfigError(f"the target's rope_scaling / rope_parameters: {err}; set train.draft_rope=plain for "
+            raise ConfigError(f"the target's rope_scaling / rope_parameters: {err}; set train.draft.rope=plain for "
                              "plain RoPE") from None
 
 

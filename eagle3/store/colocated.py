@@ -2,7 +2,7 @@
 before the draft trains on it; nothing but the plan and the samples' tokens is on disk.
 
 The folder is a plan without states (:mod:`eagle3.store.planned`: ``python -m data_gen.produce
---max-epochs 0`` writes it, or the pipeline's harvest stage with ``train.data=colocated``). The
+--max-epochs 0`` writes it, or the pipeline's harvest stage with ``train.data.mode=colocated``). The
 states go through the capture the harvest uses (:class:`eagle3.store.capture.HFCapture`) and are
 rounded through the plan's store dtype, so the draft sees what an offline store of the same plan
 would hold, up to batch composition: the harvest captures a shard's samples in batches sorted by

@@ -437,9 +437,10 @@ class SpoolStore(PlannedSamples):
         largest = max((sum(self.lengths[a:b]) for a, b in self.plan), default=0) * per_token
         if self.spool.budget_bytes < (window + 1) * largest:
             raise StoreError(f"{self.root / HEADER}: budget_bytes={self.spool.budget_bytes} holds fewer than "
-                             f"train.shard_window + 1 = {window + 1} shards of up to {largest:.0f} bytes; give the "
+                             f"train.data.shard_window + 1 = {window + 1} shards of up to {largest:.0f} bytes; "
+                             "give the "
                              "producers a larger --spool-budget-mb (harvest.spool_budget_mb in a recipe) or train "
-                             "with a smaller train.shard_window")
+                             "with a smaller train.data.shard_window")
 
     def unreleased_bytes(self) -> int:
         """Bytes of the committed shards this trainer has read and not yet released (a checkpoint
@@ -523,7 +524,7 @@ class SpoolStore(PlannedSamples):
                 if not wait:
                     return None
                 raise StoreError(f"{path}: missing; the first epoch's shard {k} is neither kept nor in the spool "
-                                 "(train.data=hybrid keeps every shard the first epoch reads)")
+                                 "(train.data.mode=hybrid keeps every shard the first epoch reads)")
         entries = []
         for k, (a, b) in enumerate(self.plan):
             path = self.root / shard_name(k)

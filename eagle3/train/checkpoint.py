@@ -39,7 +39,7 @@ from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.errors import Eagle3Error, TrainError
 from eagle3.export import export_draft_folder, load_draft
 from eagle3.store.shards import HarvestStore, StoreUnion
-from eagle3.train.config import TrainConfig
+from eagle3.train.config import TrainConfig, settings_of
 
 LATEST = "latest"
 EXPORT_FORMAT = "eagle3-draft-2"
@@ -245,25 +245,27 @@ __all__ = [
 ]
 
 
+PINNED = ("data.batching", "data.shard_window", "data.micro_batch_tokens", "gradient_accumulation", "seed",
+          "data.eval_fraction", "ttt_steps", "init.draft", "draft.layers", "draft.intermediate_size",
+          "draft.num_attention_heads", "draft.num_key_value_heads", "draft.head_dim", "draft.rope", "draft.variant",
+          "draft.family", "draft.sliding_window", "draft.full_attention_layers", "draft.mask_token_id", "zero_stage",
+          "context_parallel", "precision", "init.freeze_lm_head", "optim.name", "optim.muon_momentum",
+          "init.lm_head", "init.layers", "init.head_scale", "init.aux_scale", "loss.step_decay", "draft.vocab_size",
+          "draft.vocab", "loss.kind", "loss.lk_eta", "loss.hard_tokens", "loss.hard_token_entropy",
+          "loss.hard_token_weight",
+          # a checkpoint restores the optimizer's own lr, decay, betas and eps: a change would only be logged
+          "optim.lr", "optim.weight_decay", "optim.adam_beta1", "optim.adam_beta2", "optim.adam_eps")
+"""The settings a resumed run must share with the run that saved the checkpoint (``train.<key>``)."""
+
+
 def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore | StoreUnion,
                     eval_store: HarvestStore | None = None) -> dict[str, Any]:
     """What a resumed run must share with the run that saved the checkpoint: the settings that
     decide the data order, the model and how DeepSpeed sharded its states."""
-    keys = ("batching", "shard_window", "micro_batch_tokens", "gradient_accumulation", "seed", "eval_fraction",
-            "ttt_steps",
-            "init_draft", "num_layers", "draft_intermediate_size", "draft_num_attention_heads",
-            "draft_num_key_value_heads", "draft_head_dim", "draft_rope", "draft_variant", "draft_family",
-            "draft_sliding_window", "draft_full_attention_layers",
-            "mask_token_id", "zero_stage", "context_parallel", "precision",
-            "freeze_lm_head", "optimizer", "muon_momentum", "lm_head_init", "layer_init", "head_scale_init",
-            "aux_scale_init", "step_decay",
-            "draft_vocab_size", "draft_vocab", "loss", "lk_eta", "hard_tokens", "hard_token_entropy",
-            "hard_token_weight",
-            # a checkpoint restores the optimizer's own lr, decay, betas and eps: a change would only be logged
-            "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
-    pinned = {f"train.{k}": getattr(cfg, k) for k in keys}
-    weights = sha256_file(Path(cfg.sample_weights)) if cfg.sample_weights else None
-    token_weights = sha256_file(Path(cfg.token_weights)) if cfg.token_weights else None
+    flat = settings_of(cfg)
+    pinned = {f"train.{k}": flat[k] for k in PINNED}
+    weights = sha256_file(Path(cfg.data.sample_weights)) if cfg.data.sample_weights else None
+    token_weights = sha256_file(Path(cfg.loss.token_weights)) if cfg.loss.token_weights else None
     held_out = (eval_store.identity()  # the best draft is picked on it
                 if eval_store is not None and eval_store is not store else None)
     return {**pinned, "world_size": world_size, "store.samples": len(store),

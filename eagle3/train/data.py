@@ -19,12 +19,12 @@ from eagle3.errors import TrainError
 from eagle3.store.batches import epoch_batches, split_by_id, weighted_indices
 from eagle3.store.colocated import ColocatedStore
 from eagle3.store.shards import HarvestStore, StoreError, StoreUnion, open_stores, store_state, verify_store
+from eagle3.store.spec import StoreSpec
 from eagle3.store.spool import SpoolStore
 from eagle3.target.model import Target, load_target, load_target_head
-from eagle3.train.config import TrainConfig
 
 
-def read_sample_weights(path: str | None, key: str = "train.sample_weights",
+def read_sample_weights(path: str | None, key: str = "train.data.sample_weights",
                         error: type[Exception] = TrainError) -> dict[str, float]:
     """A sample-weights file (JSON: sample id -> finite weight >= 0; none: {}) read and checked; a bad
     one raises ``error`` naming ``key``."""
@@ -76,91 +76,98 @@ def verify_stores(roots: Sequence[str], record: Path, rt: Runtime) -> list[str]:
     return todo
 
 
-def open_train_store(cfg: TrainConfig, rank: int = 0) -> HarvestStore | StoreUnion | SpoolStore | ColocatedStore:
-    """The training store (with ``train.extra_stores``), each named by its key when it cannot be read;
+def open_train_store(data: StoreSpec, seed: int,
+                     rank: int = 0) -> HarvestStore | StoreUnion | SpoolStore | ColocatedStore:
+    """The training store (with ``train.data.extra_stores``), each named by its key when it cannot be read;
     online, the spool (this rank its reader); co-located, the plan (its states captured by the trainer)."""
-    if cfg.data == "colocated":
+    if data.mode == "colocated":
         try:
-            return ColocatedStore(cfg.store)
+            return ColocatedStore(data.store)
         except StoreError as err:
-            raise TrainError(f"train.store: {err}") from None
-    if cfg.data in ("online", "hybrid"):
+            raise TrainError(f"train.data.store: {err}") from None
+    if data.mode in ("online", "hybrid"):
         try:
-            store = SpoolStore(cfg.store, seed=cfg.seed, reader=rank, wait_s=cfg.spool_wait_s,
-                               keep_first_epoch=cfg.data == "hybrid", stale_s=cfg.producer_stale_s,
-                               grace_s=cfg.producer_grace_s)
-            store.check_budget(cfg.shard_window)
+            store = SpoolStore(data.store, seed=seed, reader=rank, wait_s=data.spool_wait_s,
+                               keep_first_epoch=data.mode == "hybrid", stale_s=data.producer_stale_s,
+                               grace_s=data.producer_grace_s)
+            store.check_budget(data.shard_window)
             return store
         except StoreError as err:
-            raise TrainError(f"train.store: {err}") from None
+            raise TrainError(f"train.data.store: {err}") from None
     try:
-        store = open_stores([cfg.store, *cfg.extra_stores])
+        store = open_stores([data.store, *data.extra_stores])
     except StoreError as err:
-        base_ok = (Path(cfg.store) / "manifest.json").is_file()
-        key = "train.extra_stores" if cfg.extra_stores and base_ok else "train.store"
+        base_ok = (Path(data.store) / "manifest.json").is_file()
+        key = "train.data.extra_stores" if data.extra_stores and base_ok else "train.data.store"
         raise TrainError(f"{key}: {err}") from None
-    if len(set(map(os.path.realpath, [cfg.store, *cfg.extra_stores]))) <= len(cfg.extra_stores):
-        raise TrainError(f"train.extra_stores={list(cfg.extra_stores)}: a store is named twice (train.store="
-                         f"{cfg.store}); its samples would count double")
+    if len(set(map(os.path.realpath, [data.store, *data.extra_stores]))) <= len(data.extra_stores):
+        raise TrainError(f"train.data.extra_stores={list(data.extra_stores)}: a store is named twice (train.data.store="
+                         f"{data.store}); its samples would count double")
     return store
 
 
-def sample_weights(cfg: TrainConfig, store: HarvestStore | StoreUnion) -> dict[str, float]:
-    """``train.sample_weights`` read and checked against the store's sample ids."""
-    weights_by_id = read_sample_weights(cfg.sample_weights)
+def sample_weights(data: StoreSpec, store: HarvestStore | StoreUnion) -> dict[str, float]:
+    """``train.data.sample_weights`` read and checked against the store's sample ids."""
+    weights_by_id = read_sample_weights(data.sample_weights)
     sample_ids = set(store.sample_ids)
     if weights_by_id and not set(weights_by_id) & sample_ids:
-        raise TrainError(f"train.sample_weights={cfg.sample_weights}: none of its ids is a sample of the training "
+        raise TrainError(f"train.data.sample_weights={data.sample_weights}: none of its ids is a sample of the "
+                         "training "
                          f"store (e.g. {next(iter(weights_by_id))!r}; the store's: {store.sample_ids[:1]})")
     if weights_by_id and not any(weights_by_id.get(i, 1.0) > 0 for i in sample_ids):  # unlisted: 1
-        raise TrainError(f"train.sample_weights={cfg.sample_weights}: every sample's weight is 0; nothing to train on")
+        raise TrainError(f"train.data.sample_weights={data.sample_weights}: every sample's weight is 0; nothing to "
+                         "train on")
     if unknown := len(set(weights_by_id) - sample_ids):
-        print0(f"train.sample_weights: {unknown} of {len(weights_by_id)} ids are not samples of the training store")
+        print0(f"train.data.sample_weights: {unknown} of {len(weights_by_id)} ids are not samples of the training "
+               "store")
     return weights_by_id
 
 
-def eval_split(cfg: TrainConfig, store: HarvestStore | StoreUnion,
-                target: Target) -> tuple[HarvestStore | StoreUnion | None, list[int], list[int]]:
-    """(eval store, training indices, eval indices): ``train.eval_store`` less the conversations it
+def eval_split(data: StoreSpec, store: HarvestStore | StoreUnion,
+               target: Target) -> tuple[HarvestStore | StoreUnion | None, list[int], list[int]]:
+    """(eval store, training indices, eval indices): ``train.data.eval_store`` less the conversations it
     shares with the training store, or an id-hash split of the training store."""
-    if cfg.eval_store:
+    if data.eval_store:
         try:
-            eval_store: HarvestStore | StoreUnion | None = HarvestStore(Path(cfg.eval_store))
+            eval_store: HarvestStore | StoreUnion | None = HarvestStore(Path(data.eval_store))
         except StoreError as err:
-            raise TrainError(f"train.eval_store: {err}") from None
+            raise TrainError(f"train.data.eval_store: {err}") from None
         assert eval_store is not None
         if not len(eval_store):
-            raise TrainError(f"train.eval_store={cfg.eval_store}: holds no sample; nothing to evaluate on")
+            raise TrainError(f"train.data.eval_store={data.eval_store}: holds no sample; nothing to evaluate on")
         eval_store.check_target(target)
         if eval_store.spec.aux_layer_ids != store.spec.aux_layer_ids:
-            raise TrainError(f"train.eval_store={cfg.eval_store}: aux_layer_ids {list(eval_store.spec.aux_layer_ids)}"
+            raise TrainError(f"train.data.eval_store={data.eval_store}: aux_layer_ids "
+                             f"{list(eval_store.spec.aux_layer_ids)}"
                              f" differ from the training store's {list(store.spec.aux_layer_ids)}")
         seen = set(store.token_digests())
         shared = [d in seen for d in eval_store.token_digests()]  # the same conversation (tokens) in both
         if all(shared):
-            raise TrainError(f"train.eval_store={cfg.eval_store}: every one of its {len(eval_store)} samples is also "
+            raise TrainError(f"train.data.eval_store={data.eval_store}: every one of its {len(eval_store)} samples is "
+                             "also "
                              "a training sample (same tokens): its figures and the best/ draft would be measured on "
                              "training data; evaluate on a store of other conversations")
         train_idx, eval_idx = list(range(len(store))), [i for i, dup in enumerate(shared) if not dup]
         if len(eval_idx) < len(eval_store):
-            print0(f"train.eval_store: {len(eval_store) - len(eval_idx)} of its {len(eval_store)} samples are also "
+            print0(f"train.data.eval_store: {len(eval_store) - len(eval_idx)} of its {len(eval_store)} samples are "
+                   "also "
                    f"training samples (same tokens); evaluating on the other {len(eval_idx)}")
     else:
-        train_idx, eval_idx = split_by_id(store.sample_ids, cfg.eval_fraction)
+        train_idx, eval_idx = split_by_id(store.sample_ids, data.eval_fraction)
         eval_store = store if eval_idx else None
-    if not train_idx or (cfg.eval_fraction > 0 and not eval_idx):
-        raise TrainError(f"train.eval_fraction={cfg.eval_fraction} leaves {len(train_idx)} training and "
-                         f"{len(eval_idx)} eval samples of {len(store)} in {cfg.store}")
+    if not train_idx or (data.eval_fraction > 0 and not eval_idx):
+        raise TrainError(f"train.data.eval_fraction={data.eval_fraction} leaves {len(train_idx)} training and "
+                         f"{len(eval_idx)} eval samples of {len(store)} in {data.store}")
     return eval_store, train_idx, eval_idx
 
 
-def epoch_plan(cfg: TrainConfig, store: Any, train_idx: Sequence[int], weights_by_id: dict[str, float],
+def epoch_plan(data: StoreSpec, seed: int, store: Any, train_idx: Sequence[int], weights_by_id: dict[str, float],
                epoch: int) -> list[list[int]]:
     """Epoch ``epoch``'s micro-batches (store indices), every rank's, in the order they are dealt."""
-    idx = (weighted_indices(train_idx, store.sample_ids, weights_by_id, cfg.seed, epoch) if weights_by_id
+    idx = (weighted_indices(train_idx, store.sample_ids, weights_by_id, seed, epoch) if weights_by_id
            else train_idx)
-    return epoch_batches(store.lengths, idx, cfg.batching, cfg.micro_batch_tokens, cfg.seed, epoch,
-                         shard_of=store.shard_of if cfg.shard_window else None, window=cfg.shard_window)
+    return epoch_batches(store.lengths, idx, data.batching, data.micro_batch_tokens, seed, epoch,
+                         shard_of=store.shard_of if data.shard_window else None, window=data.shard_window)
 
 
 def load_target_for(target_cfg: TargetConfig, aux_layer_ids: Sequence[int], full: bool = False) -> Target:

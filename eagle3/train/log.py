@@ -5,10 +5,40 @@ from __future__ import annotations
 
 import json
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eagle3.atomic import atomic_write_text
+from eagle3.errors import ConfigError
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class LogSpec:
+    """What the run reports, and where (``train.log.*``)."""
+
+    every: int = 1
+    """Write metrics every N optimizer steps."""
+    wandb_mode: str = "offline"
+    """offline (synced later with ``wandb sync``), online, or disabled."""
+    wandb_project: str = "eagle3"
+    """The wandb project the run is logged under."""
+    wandb_run_name: str | None = None
+    """None: the name of ``train.out_dir``."""
+    progress: bool = True
+    """A tqdm progress bar on rank 0."""
+    phase_times: bool = False
+    """Log where each step's time goes (``time/<phase>_ms``: load, forward, backward, optimizer,
+    metrics), each phase closed by a device sync: the syncs take away the overlap they measure, so
+    the run's tokens/s is then not its speed."""
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ConfigError(f"train.log.every={self.every}: must be >= 1")
+        if self.wandb_mode not in WANDB_MODES:
+            raise ConfigError(f"train.log.wandb_mode={self.wandb_mode!r}: expected one of {', '.join(WANDB_MODES)}")
 
 
 class NullSink:
@@ -28,8 +58,8 @@ class RunSink(NullSink):
     uninterrupted run; the wandb run continues under the id kept in ``wandb_run_id``.
     """
 
-    def __init__(self, out_dir: str | Path, *, wandb_mode: str, project: str, run_name: str | None,
-                 config: dict[str, Any], resume_step: int | None) -> None:
+    def __init__(self, out_dir: str | Path, log: LogSpec, *, config: dict[str, Any], resume_step: int | None) -> None:
+        wandb_mode = log.wandb_mode
         self.out_dir = Path(out_dir)
         self.path = self.out_dir / "metrics.jsonl"
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -49,8 +79,8 @@ class RunSink(NullSink):
             run_id = run_id or secrets.token_hex(4)
             atomic_write_text(id_file, run_id + "\n")
             (self.out_dir / "wandb").mkdir(exist_ok=True)
-            self.run = wandb.init(project=project, name=run_name or self.out_dir.name, id=run_id, resume="allow",
-                                  dir=str(self.out_dir), mode=wandb_mode, config=config,
+            self.run = wandb.init(project=log.wandb_project, name=log.wandb_run_name or self.out_dir.name, id=run_id,
+                                  resume="allow", dir=str(self.out_dir), mode=wandb_mode, config=config,
                                   settings=wandb.Settings(console="off", silent=True))
             from eagle3.dashboards import define_metrics
 
@@ -76,4 +106,4 @@ def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-__all__ = ["NullSink", "RunSink", "read_metrics"]
+__all__ = ["WANDB_MODES", "LogSpec", "NullSink", "RunSink", "read_metrics"]

@@ -53,7 +53,7 @@ import torch
 from torch import Tensor, nn
 
 from eagle3.atomic import remove_leftovers
-from eagle3.cli import add_dataclass_arguments
+from eagle3.cli import add_dataclass_arguments, parse_moved
 from eagle3.config import TargetConfig
 from eagle3.distributed import (
     ContextGroup,
@@ -95,7 +95,7 @@ from eagle3.train.checkpoint import (
     remove_partial,
     save_checkpoint,
 )
-from eagle3.train.config import TrainConfig
+from eagle3.train.config import MOVED, TrainConfig, train_config
 from eagle3.train.data import (
     VERIFIED,
     check_weights,
@@ -141,7 +141,7 @@ def _stop_if_not_finite(weights: dict[str, Tensor], step: int) -> None:
     """Refuse to export a draft whose weights went NaN/Inf (the update after the last finite loss)."""
     if bad := nonfinite_tensors(weights):
         raise TrainError(f"step {step}: NaN/Inf in {', '.join(bad[:4])}; stopping before a non-finite draft is "
-                         "exported (check the store's states, train.init_draft and train.lr)")
+                         "exported (check the store's states, train.init.draft and train.optim.lr)")
 
 
 def _grad_norm(engine: Any, params: Sequence[nn.Parameter]) -> float | None:
@@ -201,8 +201,9 @@ def _start_over_or_resume(cfg: TrainConfig, engine: Any, rt: Runtime, state: Run
         state.restore(saved)
         print0(f"train: resumed from {ckpt_root / resume_tag} (step {state.step})")
     # after any resume: DeepSpeed restores the clip a checkpoint saved
-    if cfg.optimizer == "muon" and unclip_muon_updates_under_zero(engine) and cfg.max_grad_norm:
-        print0(f"train.max_grad_norm={cfg.max_grad_norm} is not applied: DeepSpeed's ZeRO optimizer would clip "
+    if cfg.optim.name == "muon" and unclip_muon_updates_under_zero(engine) and cfg.optim.max_grad_norm:
+        print0(f"train.optim.max_grad_norm={cfg.optim.max_grad_norm} is not applied: DeepSpeed's ZeRO optimizer "
+               "would clip "
                "Muon's orthogonalised updates instead of the gradients (train.zero_stage=0, or bf16 at stage 1, "
                "clips the gradients)")
 
@@ -235,19 +236,21 @@ class _Loop:
         self.eval_store, eval_idx = evals
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-        self.weights = step_weights(cfg.ttt_steps, cfg.step_decay)
-        self.schedule = warmup_decay(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio, cfg.lr_schedule)
-        self.eval_batches_all = (epoch_batches(self.eval_store.lengths, eval_idx, cfg.batching, cfg.micro_batch_tokens,
+        self.weights = step_weights(cfg.ttt_steps, cfg.loss.step_decay)
+        self.schedule = warmup_decay(cfg.optim.warmup_steps, cfg.steps, cfg.optim.min_lr_ratio, cfg.optim.schedule)
+        self.eval_batches_all = (epoch_batches(self.eval_store.lengths, eval_idx, cfg.data.batching,
+                                               cfg.data.micro_batch_tokens,
                                         cfg.seed, 0) if self.eval_store is not None else [])
         self.context = context  # the ranks sharing a row; the data-parallel batch streams
         self.per_step = self.context.data_world * cfg.gradient_accumulation
         self.plan_epoch, self.plan = -1, []
         self.tokens_total, self.train_seconds, self.last_loss = 0, 0.0, None
         self.window = {"tokens": 0, "seconds": 0.0}
-        self.loader = BatchLoader(self.store, cfg.batching, rt.device)
-        self.clock = PhaseClock(rt.device, cfg.phase_times)
-        self.token_weights = TokenWeights(read_token_weights(cfg.token_weights, self.store.sample_ids),
-                                          cfg.hard_tokens, cfg.hard_token_entropy, cfg.hard_token_weight, cfg.steps)
+        self.loader = BatchLoader(self.store, cfg.data.batching, rt.device)
+        self.clock = PhaseClock(rt.device, cfg.log.phase_times)
+        self.token_weights = TokenWeights(read_token_weights(cfg.loss.token_weights, self.store.sample_ids),
+                                          cfg.loss.hard_tokens, cfg.loss.hard_token_entropy,
+                                          cfg.loss.hard_token_weight, cfg.steps)
 
     def evaluate(self) -> dict[str, float]:
         cfg, rt = self.cfg, self.rt
@@ -255,7 +258,7 @@ class _Loop:
         self.engine.eval()
         with torch.no_grad():
             for idx in eval_batches_for_rank(self.eval_batches_all, self.context.data_rank, self.context.data_world):
-                batch = load_batch(self.eval_store, idx or self.eval_batches_all[0], cfg.batching, stored=True)
+                batch = load_batch(self.eval_store, idx or self.eval_batches_all[0], cfg.data.batching, stored=True)
                 out = run_batch(self.engine, self.head, batch, self.t2d, self.dtype, rt.device, self.context)
                 if idx is not None:  # a pad forward keeps ZeRO-3's collectives in step; not counted
                     tally.add(out)
@@ -305,12 +308,12 @@ class _Loop:
         """Where this step is in its epoch's plan (planning a new epoch when one starts); None at its end."""
         cfg, state = self.cfg, self.state
         if self.plan_epoch != state.epoch:
-            self.plan = epoch_plan(cfg, self.store, self.train_idx, self.weights_by_id, state.epoch)
+            self.plan = epoch_plan(cfg.data, cfg.seed, self.store, self.train_idx, self.weights_by_id, state.epoch)
             self.plan_epoch = state.epoch
             self.store.begin_epoch(state.epoch)
             if steps_per_epoch(len(self.plan), self.context.data_world, cfg.gradient_accumulation) == 0:
-                raise TrainError(f"{cfg.store}: {len(self.plan)} micro-batches of train.micro_batch_tokens="
-                                 f"{cfg.micro_batch_tokens} per epoch, fewer than world_size / context_parallel x "
+                raise TrainError(f"{cfg.data.store}: {len(self.plan)} micro-batches of train.data.micro_batch_tokens="
+                                 f"{cfg.data.micro_batch_tokens} per epoch, fewer than world_size / context_parallel x "
                                  f"gradient_accumulation = {self.per_step}")
         step_in_epoch = state.batch_index // self.per_step
         if step_in_epoch >= steps_per_epoch(len(self.plan), self.context.data_world, cfg.gradient_accumulation):
@@ -320,7 +323,7 @@ class _Loop:
     def step(self, step_in_epoch: int) -> tuple[float, dict[str, Any], int]:
         """One optimizer step (its micro-batches on this rank): (loss, metrics, tokens over the ranks)."""
         cfg, rt, engine = self.cfg, self.rt, self.engine
-        lr = cfg.lr * self.schedule(self.state.step)  # the AdamW lr; Muon matrices follow the same factor
+        lr = cfg.optim.lr * self.schedule(self.state.step)  # the AdamW lr; Muon matrices follow the same factor
         clock = self.clock
         clock.start()
         tally = AcceptanceTally(cfg.ttt_steps, rt.device)
@@ -331,10 +334,10 @@ class _Loop:
             batch = self.loader.get(idx, then)
             weigh = None
             if self.token_weights.active:
-                batch = self.token_weights.attach(batch, [self.store.sample_ids[i] for i in idx], cfg.batching)
+                batch = self.token_weights.attach(batch, [self.store.sample_ids[i] for i in idx], cfg.data.batching)
                 weigh = functools.partial(self.token_weights, step=self.state.step)
             clock.mark("load")
-            out, sums_now = train_forward(engine, self.head, batch, self.t2d, self.dtype, rt.device, cfg.loss_positions,
+            out, sums_now = train_forward(engine, self.head, batch, self.t2d, self.dtype, rt.device, cfg.loss.positions,
                                           self.context, weigh)
             clock.mark("forward")
             # a context group's losses add up to its row's; DeepSpeed averages gradients over every rank
@@ -351,7 +354,7 @@ class _Loop:
         loss = float(sums[0]) / self.per_step
         if not math.isfinite(loss):  # every rank sees the same reduced loss
             raise TrainError(f"step {self.state.step + 1}: the loss is {loss}; stopping before a non-finite draft "
-                             "is saved or exported (check the store's states, train.init_draft and train.lr)")
+                             "is saved or exported (check the store's states, train.init.draft and train.optim.lr)")
         grad_norm = grad_norm if grad_norm is not None else _grad_norm(engine, self.params)
         metrics |= {"train/loss": loss, "train/lr": lr, "train/tokens": int(sums[1]),
                     "train/epoch": self.state.epoch}
@@ -379,7 +382,7 @@ class _Loop:
         if state.step == 0 and cfg.eval_at_start:
             self.maybe_eval()
         bar = tqdm(total=cfg.steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not (cfg.progress and self.rt.rank == 0), file=sys.stderr)
+                   disable=not (cfg.log.progress and self.rt.rank == 0), file=sys.stderr)
         with bar, contextlib.closing(self.loader):
             while state.step < cfg.steps:
                 step_in_epoch = self._step_in_epoch()
@@ -400,7 +403,7 @@ class _Loop:
                 self.train_seconds += seconds
                 self.window["tokens"] += tokens
                 self.window["seconds"] += seconds
-                if state.step % cfg.log_every == 0 or state.step == cfg.steps:
+                if state.step % cfg.log.every == 0 or state.step == cfg.steps:
                     metrics["train/tokens_per_s"] = self.window["tokens"] / max(self.window["seconds"], 1e-9)
                     self.window = {"tokens": 0, "seconds": 0.0}
                     self.sink.log(metrics, state.step)
@@ -418,12 +421,12 @@ class _Loop:
 
 def check_window(cfg: TrainConfig, store: Any) -> None:
     """A sliding window no shorter than the store's longest row never acts in training: refused."""
-    if cfg.draft_sliding_window is None:
+    if cfg.draft.sliding_window is None:
         return
     lengths = getattr(store, "lengths", None)
     longest, what = (max(lengths), "longest row") if lengths else (store.spec.max_seq_len, "max_seq_len")
-    if cfg.draft_sliding_window >= longest:
-        raise TrainError(f"train.draft_sliding_window={cfg.draft_sliding_window}: not shorter than the store's "
+    if cfg.draft.sliding_window >= longest:
+        raise TrainError(f"train.draft.sliding_window={cfg.draft.sliding_window}: not shorter than the store's "
                           f"{what} ({longest} tokens), so the draft would never train with its window; harvest "
                           "longer rows or set a smaller window")
 
@@ -431,8 +434,8 @@ def check_window(cfg: TrainConfig, store: Any) -> None:
 def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: Target | None = None) -> dict[str, Any]:
     """Train (or resume) a draft head; returns a summary. Every rank calls this."""
     target_cfg = target_cfg or TargetConfig()
-    if not cfg.store or not cfg.out_dir:
-        raise TrainError("train.store and train.out_dir must be set")
+    if not cfg.data.store or not cfg.out_dir:
+        raise TrainError("train.data.store and train.out_dir must be set")
     started = time.perf_counter()
     rt = init_runtime(cfg.device, cfg.collective_timeout_s)  # train.device=cuda without CUDA: a ConfigError, named
     try:
@@ -448,19 +451,19 @@ def _train(cfg: TrainConfig, target_cfg: TargetConfig, target: Target | None, rt
     context = context_group(rt, cfg.context_parallel)  # a size that does not divide the world: named
     if rt.device.type == "cpu":
         torch.set_num_threads(cfg.threads)
-    cfg = replace(cfg, precision=resolve_precision(cfg, rt.device))
+    cfg = replace(cfg, precision=resolve_precision(cfg.precision, cfg.optim, cfg.zero_stage, rt.device))
     ckpt_root = (out_dir := Path(cfg.out_dir)) / "checkpoints"
 
     # -- data, checked against the target before anything is read for training
     store, target = _data_and_target(cfg, target_cfg, target, rt)
     spec = store.spec
     check_window(cfg, store)
-    weights_by_id = sample_weights(cfg, store)
-    eval_store, train_idx, eval_idx = eval_split(cfg, store, target)
-    offline = [cfg.store, *cfg.extra_stores] if cfg.data == "offline" else []  # a spool's shards: checked as read
-    verify_stores([*offline, *([cfg.eval_store] if cfg.eval_store else [])], out_dir / VERIFIED, rt)
+    weights_by_id = sample_weights(cfg.data, store)
+    eval_store, train_idx, eval_idx = eval_split(cfg.data, store, target)
+    offline = [cfg.data.store, *cfg.data.extra_stores] if cfg.data.mode == "offline" else []  # a spool's: as read
+    verify_stores([*offline, *([cfg.data.eval_store] if cfg.data.eval_store else [])], out_dir / VERIFIED, rt)
     embedding = target.embed_tokens.weight.detach().float().cpu()
-    initial = initial_draft(cfg.init_draft, spec, target, embedding) if cfg.init_draft else None
+    initial = initial_draft(cfg.init.draft, spec, target, embedding) if cfg.init.draft else None
 
     # -- draft vocab: chosen once, frozen for the run
     resume_tag = latest_tag(ckpt_root) if cfg.resume and ckpt_root.is_dir() else None
@@ -470,7 +473,8 @@ def _train(cfg: TrainConfig, target_cfg: TargetConfig, target: Target | None, rt
         vocab = read_draft_vocab(out_dir / DRAFT_VOCAB, target.vocab_size)
     else:
         eos = target.tokenizer.eos_token_id
-        vocab = choose_draft_vocab(cfg, store, train_idx, target.vocab_size, [] if eos is None else [eos], initial)
+        vocab = choose_draft_vocab(cfg.draft, store, train_idx, target.vocab_size, [] if eos is None else [eos],
+                                   initial)
         if rt.rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
             write_draft_vocab(out_dir / DRAFT_VOCAB, vocab)
@@ -478,13 +482,16 @@ def _train(cfg: TrainConfig, target_cfg: TargetConfig, target: Target | None, rt
 
     # -- the draft, the target's head (the target itself is not needed after), the engine
     draft = new_draft(cfg, target, len(spec.aux_layer_ids), vocab, initial, embedding, rt.device)
-    head = TargetHead.of_target(target, cfg.target_temperature).to(rt.device)
+    head = TargetHead.of_target(target, cfg.loss.target_temperature).to(rt.device)
     del target
-    model = TTTModel(draft, cfg.ttt_steps, cfg.step_decay, cfg.gradient_checkpointing, cfg.loss_on_oov,
-                     cfg.feature_noise, cfg.gate_steps, Objective(cfg.loss, cfg.lk_eta)).to(rt.device)
-    first = (lambda: first_micro_batch(cfg, store, train_idx, weights_by_id)) if resume_tag is None else None
-    start = fit_start(cfg, model, head, first, vocab.t2d.to(rt.device), rt.device)
-    engine = build_engine(cfg, model, rt)
+    loss = cfg.loss
+    model = TTTModel(draft, cfg.ttt_steps, loss.step_decay, cfg.gradient_checkpointing, loss.on_oov,
+                     loss.feature_noise, loss.gate_steps, Objective(loss.kind, loss.lk_eta)).to(rt.device)
+    first = (lambda: first_micro_batch(cfg.data, cfg.seed, store, train_idx,
+                                       weights_by_id)) if resume_tag is None else None
+    start = fit_start(cfg.init, cfg.loss.positions, model, head, first, vocab.t2d.to(rt.device), rt.device)
+    engine = build_engine(cfg.optim, cfg.steps, model, rt, precision=cfg.precision, zero_stage=cfg.zero_stage,
+                          gradient_accumulation=cfg.gradient_accumulation)
 
     # -- resume, or start over
     state = RunState(pinned=pinned)
@@ -495,9 +502,8 @@ def _train(cfg: TrainConfig, target_cfg: TargetConfig, target: Target | None, rt
             store.finish()  # nothing to read (online: the producers stop)
         return done
 
-    sink = (RunSink(out_dir, wandb_mode=cfg.wandb_mode, project=cfg.wandb_project, run_name=cfg.wandb_run_name,
-                    config={"train": asdict(cfg), "target": asdict(target_cfg), "draft": asdict(draft.config)},
-                    resume_step=resumed_step)
+    sink = (RunSink(out_dir, cfg.log, config={"train": asdict(cfg), "target": asdict(target_cfg),
+                                              "draft": asdict(draft.config)}, resume_step=resumed_step)
             if rt.rank == 0 else NullSink())
     info = {"target": spec.target, "aux_layer_ids": list(spec.aux_layer_ids), "tokenizer_sha256": spec.tokenizer_sha256}
     loop = _Loop(cfg, rt, engine, model, head, vocab.t2d.to(rt.device), (store, train_idx, weights_by_id),
@@ -520,7 +526,7 @@ def _train(cfg: TrainConfig, target_cfg: TargetConfig, target: Target | None, rt
         "precision": cfg.precision,
         "device": str(rt.device), "train_samples": len(train_idx), "eval_samples": len(eval_idx),
         "draft_vocab_size": vocab.size, "trainable_parameters": parameter_count(draft.config)
-        - (draft.config.draft_vocab_size * draft.config.hidden_size if cfg.freeze_lm_head else 0),
+        - (draft.config.draft_vocab_size * draft.config.hidden_size if cfg.init.freeze_lm_head else 0),
         "first_loss": state.first_loss, "last_loss": loop.last_loss, "tokens": state.tokens,
         "tokens_per_s": round(loop.tokens_total / loop.train_seconds, 1) if loop.train_seconds else None,
         "context_parallel": cfg.context_parallel,
@@ -543,9 +549,9 @@ def _train(cfg: TrainConfig, target_cfg: TargetConfig, target: Target | None, rt
 
 def _data_and_target(cfg: TrainConfig, target_cfg: TargetConfig, target: Target | None, rt: Any) -> tuple[Any, Target]:
     """The training store and the target (its head, or all of it co-located), checked together."""
-    store = open_train_store(cfg, rt.rank)
+    store = open_train_store(cfg.data, cfg.seed, rt.rank)
     if target is None:
-        colocated = cfg.data == "colocated"  # the whole target, on this rank's device
+        colocated = cfg.data.mode == "colocated"  # the whole target, on this rank's device
         target = load_target_for(replace(target_cfg, device=str(rt.device)) if colocated else target_cfg,
                                  store.spec.aux_layer_ids, full=colocated)
     check_weights(target, store.spec)
@@ -559,11 +565,13 @@ def _data_and_target(cfg: TrainConfig, target_cfg: TargetConfig, target: Target 
 
 def build_parser() -> argparse.ArgumentParser:
     """Every TrainConfig field a flag (its docstring the help), and the target's name and dtype."""
-    parser = argparse.ArgumentParser(prog="python -m eagle3.train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m eagle3.train", description=__doc__.splitlines()[0],
+                                     allow_abbrev=False)
     parser.add_argument("--target", default=TargetConfig.name_or_path, help="target name or path (default %(default)s)")
     parser.add_argument("--target-dtype", default=TargetConfig.dtype, help="dtype the target's head runs in")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    add_dataclass_arguments(parser, TrainConfig, required=("store", "out_dir"), aliases={"out_dir": "--out"})
+    add_dataclass_arguments(parser, TrainConfig, required=("data.store", "out_dir"),
+                            aliases={"out_dir": "--out", "data.store": "--store"})
     return parser
 
 
@@ -573,11 +581,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = vars(parser.parse_args(argv))
+    args = vars(parse_moved(parser, argv, MOVED))
     target_cfg_args = {"name_or_path": args.pop("target"), "dtype": args.pop("target_dtype")}
     args.pop("local_rank")
     try:
-        cfg = TrainConfig(**args)
+        cfg = train_config(**args)
         target_cfg = TargetConfig(**target_cfg_args)
     except ValueError as err:
         parser.error(str(err))

@@ -57,9 +57,9 @@ def size_draft(target: TargetConfig, train: TrainConfig) -> dict[str, Any]:
               file=sys.stderr)
     n = int(arch["num_hidden_layers"])
     ids = sorted(target.aux_layer_ids) if target.aux_layer_ids is not None else [2, n // 2, n - 3]
-    vocab = min(train.draft_vocab_size, int(arch["vocab_size"]))
+    vocab = min(train.draft.vocab_size, int(arch["vocab_size"]))
     # a parallel family's mask token is chosen when training starts (it needs the tokenizer); any id counts alike
-    mask_id = train.mask_token_id or 0 if get_family(train.draft_family).reads_mask_token else None
+    mask_id = train.draft.mask_token_id or 0 if get_family(train.draft.family).reads_mask_token else None
     config = DraftConfig.from_target_config(arch, draft_vocab_size=vocab, num_aux_layers=len(ids),
                                             **train.draft_overrides(mask_id))
     counted = count_on_meta(config)
@@ -76,8 +76,8 @@ def row_plan(train: TrainConfig) -> dict[str, int]:
     """A training row's tokens and, split over ``train.context_parallel`` ranks, the most rows one
     rank's unroll reads (its equal share of a row of even work, and the K + 1 after it)."""
     n = train.context_parallel
-    share = -(-train.micro_batch_tokens // n) + (train.ttt_steps + 1 if n > 1 else 0)
-    return {"micro_batch_tokens": train.micro_batch_tokens, "context_parallel": n, "rank_rows": share}
+    share = -(-train.data.micro_batch_tokens // n) + (train.ttt_steps + 1 if n > 1 else 0)
+    return {"micro_batch_tokens": train.data.micro_batch_tokens, "context_parallel": n, "rank_rows": share}
 
 
 __all__ = ["count_on_meta", "row_plan", "size_draft", "target_architecture", "text_architecture"]

@@ -83,7 +83,7 @@ def run_batch(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: Tens
         cost = 1 + model.num_steps * read_mask(batch["loss_mask"], batch["document_ids"], model.num_steps).long()
         if batch["document_ids"].shape[1] < context.size:
             raise TrainError(f"train.context_parallel={context.size}: a batch row of {batch['document_ids'].shape[1]} "
-                             "tokens cannot be split over that many ranks (raise train.micro_batch_tokens)")
+                             "tokens cannot be split over that many ranks (raise train.data.micro_batch_tokens)")
         batch, shard = split_batch(batch, context.rank, context.size, model.num_steps + 1, context.group, cost)
     layout = layout_rows(batch["loss_mask"], batch["document_ids"], model.num_steps, own=shard and shard.own)
     rows = needed_rows(batch["loss_mask"], batch["document_ids"]) if "last" in batch else None
@@ -119,7 +119,7 @@ def train_forward(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: 
 class PhaseClock:
     """Where a training step's time goes: milliseconds per phase (reading the batch, forward,
     backward, optimizer, metrics), each phase closed by a device sync so that its own queued work
-    is counted in it. On with ``train.phase_times`` only: the syncs take away the overlap of host
+    is counted in it. On with ``train.log.phase_times`` only: the syncs take away the overlap of host
     and device work that they measure, so a run's tokens/s with it is not the run's speed."""
 
     def __init__(self, device: torch.device, enabled: bool) -> None:

@@ -1,4 +1,4 @@
-"""Which tokens the training loss weighs, and how much (``train.hard_tokens``, ``train.token_weights``).
+"""Which tokens the training loss weighs, and how much (``train.loss.hard_tokens``, ``train.loss.token_weights``).
 
 Two sources multiply into one loss weight per position, :attr:`eagle3.draft.targets.TTTTargets.weight`
 ([B, S]: the weight of learning p[t], the target's distribution over x[t+1], at every TTT step that
@@ -37,11 +37,11 @@ def target_entropy(probs: Tensor) -> Tensor:
 
 
 def read_token_weights(path: str | None, sample_ids: Sequence[str]) -> dict[str, list[tuple[int, float]]]:
-    """``train.token_weights`` read and checked: sample id -> [(token index, weight)], weights finite
+    """``train.loss.token_weights`` read and checked: sample id -> [(token index, weight)], weights finite
     and >= 0; none of its ids in the store is refused (the wrong file)."""
     if not path:
         return {}
-    key = f"train.token_weights={path}"
+    key = f"train.loss.token_weights={path}"
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:

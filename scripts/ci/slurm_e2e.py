@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from eagle3.store.shards import HarvestStore, verify_store  # noqa: E402
+from eagle3.train.config import updated  # noqa: E402
 from recipes.launch import LaunchError, submit  # noqa: E402
 from tests.helpers import tiny_pipeline  # noqa: E402
 
@@ -170,8 +171,8 @@ def node_lost(work: Path, cluster: Cluster) -> bool:
 
 def online_cfg(work: Path, producer: str, trainer: str) -> Any:
     cfg = tiny_pipeline(work, kind="slurm")
-    train = replace(cfg.train, data="online", shard_window=1, eval_fraction=0.0, steps=4, spool_wait_s=600,
-                    producer_stale_s=5, producer_grace_s=180)
+    train = updated(cfg.train, {"data.mode": "online", "data.shard_window": 1, "data.eval_fraction": 0.0, "steps": 4,
+                                "data.spool_wait_s": 600, "data.producer_stale_s": 5, "data.producer_grace_s": 180})
     return replace(cfg, train=train, harvest=replace(cfg.harvest, spool_budget_mb=0.2),
                    launcher=replace(cfg.launcher, cpus_per_task=1, timeout_min=20, tasks_per_node=1, harvest_shards=1,
                                     per_job={"produce": {"nodelist": producer}, "train": {"nodelist": trainer}}))
@@ -182,8 +183,8 @@ def offline_draft(cfg: Any) -> bytes:
     from recipes.pipeline import run_pipeline
 
     here = Path(cfg.out_dir) / "offline"
-    run_pipeline(replace(cfg, train=replace(cfg.train, data="offline", store=str(here / "harvest"),
-                                            out_dir=str(here / "train")),
+    run_pipeline(replace(cfg, train=updated(cfg.train, {"data.mode": "offline", "data.store": str(here / "harvest"),
+                                                        "out_dir": str(here / "train")}),
                          harvest=replace(cfg.harvest, out_dir=str(here / "harvest")),
                          launcher=replace(cfg.launcher, kind="none")))
     return final(here / "train")
@@ -267,7 +268,7 @@ def bad_input(work: Path, cluster: Cluster) -> bool:
     private = cluster.folder / "private"  # a tmpfs of its own on every node
     spool = online_cfg(work / "unshared", producer="n1", trainer="n2")
     spool = replace(spool, harvest=replace(spool.harvest, out_dir=str(private / "spool")),
-                    train=replace(spool.train, store=str(private / "spool")))
+                    train=updated(spool.train, {"data.store": str(private / "spool")}))
     ok &= refused("a spool the producer's host does not see", spool, "does not see the submitter's")
     trained = any((work / "unshared" / "train").rglob("*.safetensors"))
     say(check="bad input: nothing trained", ok=not trained)

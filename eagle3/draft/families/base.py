@@ -2,10 +2,10 @@
 interface and the registry; :mod:`eagle3.draft.families` registers the built-in families).
 
 A family is what differs between EAGLE-3, P-EAGLE and DFlash drafts, and only that: how its draft
-is built and shaped from the training settings, its training forward, the serving proposer that
-drafts each round, and the engine config it is exported with. The trainer, the serving loop, the
+is built and shaped from its spec (:class:`eagle3.draft.spec.DraftSpec`), its training forward, the serving
+proposer that drafts each round, and the engine config it is exported with. The trainer, the serving loop, the
 exporter and the planner ask :func:`family_of` (a draft config's family) or :func:`get_family`
-(a name from ``train.draft_family``) instead of branching on names.
+(a name from ``train.draft.family``) instead of branching on names.
 
 Adding a family is one new module that subclasses :class:`DraftFamily` and calls :func:`register`,
 plus its recipe and tests (``docs/families.md`` shows the diff for a fourth); a package outside this
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -34,29 +34,8 @@ from eagle3.errors import ConfigError, TrainError
 if TYPE_CHECKING:
     from eagle3.config import SamplingConfig
     from eagle3.draft.model import DraftConfig, DraftHead
+    from eagle3.draft.spec import DraftSpec
     from eagle3.draft.ttt import TTTOutput
-
-
-class TrainSettings(Protocol):
-    """What a family reads of a training run's settings (the trainer's ``TrainConfig`` has these):
-    the draft layer names the fields it needs, not the trainer's whole settings."""
-
-    @property
-    def draft_family(self) -> str: ...
-    @property
-    def draft_variant(self) -> str: ...
-    @property
-    def init_draft(self) -> str | None: ...
-    @property
-    def mask_token_id(self) -> int | None: ...
-    @property
-    def ttt_steps(self) -> int: ...
-    @property
-    def context_parallel(self) -> int: ...
-    @property
-    def gradient_checkpointing(self) -> bool: ...
-    @property
-    def layer_init(self) -> str: ...
 
 
 @dataclass
@@ -156,7 +135,7 @@ class DraftFamily:
 
     name: ClassVar[str]
     reads_mask_token: ClassVar[bool] = False
-    """Trains and serves with a mask token (``train.mask_token_id``, chosen from the tokenizer if unset)."""
+    """Trains and serves with a mask token (``train.draft.mask_token_id``, chosen from the tokenizer if unset)."""
     replays_steps: ClassVar[bool] = False
     """Its serving steps replay over a static draft cache under CUDA graphs (``target_cache=graphs``)."""
     architectures: ClassVar[tuple[str, ...]] = ()
@@ -165,15 +144,23 @@ class DraftFamily:
 
     # -- settings
 
-    def check_train(self, train: TrainSettings) -> None:
-        """Refuse training settings this family cannot honour (a ConfigError naming the key)."""
-        if train.mask_token_id is not None and not self.reads_mask_token:
-            readers = [name for name, family in _FAMILIES.items() if family.reads_mask_token]
-            raise ConfigError(f"train.mask_token_id={train.mask_token_id}: only a {' or '.join(readers)} draft reads a "
-                             "mask token")
+    splits_rows: ClassVar[bool] = True
+    """Trains a row split over ranks (``train.context_parallel`` > 1)."""
+    recomputes_steps: ClassVar[bool] = True
+    """Its training unroll can recompute step by step in backward (``train.gradient_checkpointing``)."""
+    starts_from_readout: ClassVar[bool] = True
+    """Its layers can start as the target's readout (``train.init.layers=readout``)."""
 
-    def shape(self, train: TrainSettings) -> dict[str, Any]:
-        """Draft-config fields this family sets from the training settings (beyond the common shape)."""
+    def check_spec(self, spec: DraftSpec) -> None:
+        """Refuse a draft spec this family cannot honour (a ConfigError naming the key)."""
+        if spec.mask_token_id is not None and not self.reads_mask_token:
+            readers = [name for name, family in _FAMILIES.items() if family.reads_mask_token]
+            raise ConfigError(f"train.draft.mask_token_id={spec.mask_token_id}: only a {' or '.join(readers)} draft "
+                             "reads a mask token")
+
+    def shape(self, spec: DraftSpec, steps: int) -> dict[str, Any]:
+        """Draft-config fields this family sets from the spec and the tokens a round drafts (beyond the
+        common shape)."""
         return {}
 
     # -- the draft
@@ -181,10 +168,10 @@ class DraftFamily:
     def check_config(self, config: DraftConfig) -> None:
         """Refuse a draft config this family cannot build (a ConfigError naming the field)."""
 
-    def config_fields(self, mask_token_id: int | None, train: TrainSettings) -> dict[str, Any]:
+    def config_fields(self, mask_token_id: int | None, spec: DraftSpec, steps: int) -> dict[str, Any]:
         """The family's own draft-config fields: its name and mask token (None when it reads none)."""
         return {"family": self.name, "mask_token_id": mask_token_id if self.reads_mask_token else None,
-                **self.shape(train)}
+                **self.shape(spec, steps)}
 
     def build(self, config: DraftConfig, embed_tokens_weight: Tensor | None = None) -> DraftHead:
         raise NotImplementedError
@@ -193,12 +180,13 @@ class DraftFamily:
         """Trainable parameters in closed form (the planner checks it against a model on the meta device)."""
         raise NotImplementedError
 
-    def adopt(self, draft: DraftHead, train: TrainSettings, mask_token_id: int | None) -> DraftHead:
-        """``train.init_draft``'s draft as this family's starting point (the same draft by default);
-        a draft of another family is refused naming ``train.draft_family``."""
+    def adopt(self, draft: DraftHead, source: str, mask_token_id: int | None, steps: int) -> DraftHead:
+        """The draft of ``source`` (``train.init.draft``) as this family's starting point, drafting ``steps``
+        tokens a round (the same draft by default); a draft of another family is refused naming
+        ``train.draft.family``."""
         if draft.config.family != self.name:
-            raise TrainError(f"train.init_draft: {train.init_draft} is a {draft.config.family} draft; set "
-                             f"train.draft_family={draft.config.family}")
+            raise TrainError(f"train.init.draft: {source} is a {draft.config.family} draft; set "
+                             f"train.draft.family={draft.config.family}")
         return draft
 
     # -- training and serving
@@ -305,5 +293,5 @@ def parameter_count(config: DraftConfig) -> int:
     return family_of(config).parameter_count(config)
 
 
-__all__ = ["ENTRY_POINTS", "DraftFamily", "Proposal", "Proposer", "TrainSettings", "family_names", "family_of",
+__all__ = ["ENTRY_POINTS", "DraftFamily", "Proposal", "Proposer", "family_names", "family_of",
            "family_reading", "get_family", "parameter_count", "register"]

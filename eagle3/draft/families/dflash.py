@@ -22,7 +22,7 @@ its own cache, block by block, as vLLM serves it.
 
 Differences from speculators' DFlash trainer (which samples up to 512 anchors per sequence and
 weights slots by D-PACE or exp(-(k-1)/gamma)): every counted row is an anchor and the slots are
-weighted ``train.step_decay**(k-1)``.
+weighted ``train.loss.step_decay**(k-1)``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from eagle3.device import sdpa
-from eagle3.draft.families.base import DraftFamily, Proposal, Proposer, TrainSettings, register
+from eagle3.draft.families.base import DraftFamily, Proposal, Proposer, register
 from eagle3.draft.formats import (
     DFLASH_ARCHITECTURE,
     MARKER,
@@ -76,6 +76,7 @@ from eagle3.errors import ConfigError, TrainError
 
 if TYPE_CHECKING:
     from eagle3.config import SamplingConfig
+    from eagle3.draft.spec import DraftSpec
 
 
 class DFlashAttention(nn.Module):
@@ -268,16 +269,9 @@ class DFlashFamily(DraftFamily):
     reads_mask_token = True
     architectures = (DFLASH_ARCHITECTURE,)
 
-    def check_train(self, train: TrainSettings) -> None:
-        super().check_train(train)
-        if train.gradient_checkpointing:
-            raise ConfigError("train.gradient_checkpointing=true: a dflash draft runs one block, not an unroll to "
-                             "recompute step by step; it is not supported there")
-        if train.context_parallel > 1:
-            raise ConfigError(f"train.context_parallel={train.context_parallel}: a dflash draft trains a row on one "
-                             "rank (its blocks attend to the context in its own way; not split)")
-        if train.layer_init != "random":
-            raise ConfigError(f"train.layer_init={train.layer_init}: a dflash draft starts from random layers")
+    splits_rows = False  # its blocks attend to the context in their own way: a row trains on one rank
+    recomputes_steps = False  # one block, not an unroll to recompute step by step
+    starts_from_readout = False  # random layers
 
     def check_config(self, config: DraftConfig) -> None:
         if config.block_size is None or config.block_size < 2 or config.mask_token_id is None:
@@ -287,8 +281,8 @@ class DFlashFamily(DraftFamily):
             raise ConfigError(f"draft.sliding_window={config.sliding_window}: a DFlash draft's block attends over the "
                              "whole context; sliding windows are for eagle3 and peagle drafts")
 
-    def shape(self, train: TrainSettings) -> dict[str, Any]:
-        return {"block_size": train.ttt_steps + 1}  # a block of ttt_steps + 1; EAGLE-3's layer variants do not apply
+    def shape(self, spec: DraftSpec, steps: int) -> dict[str, Any]:
+        return {"block_size": steps + 1}  # a block of ttt_steps + 1; EAGLE-3's layer variants do not apply
 
     def build(self, config: DraftConfig, embed_tokens_weight: Tensor | None = None) -> DFlashDraft:
         return DFlashDraft(config, embed_tokens_weight)
@@ -300,10 +294,10 @@ class DFlashFamily(DraftFamily):
         return (config.num_aux_layers * config.target_hidden_size * h + h + config.num_layers * per_layer
                 + h + config.draft_vocab_size * h)  # fc, hidden_norm, the layers, the final norm, lm_head
 
-    def adopt(self, draft: DraftHead, train: TrainSettings, mask_token_id: int | None) -> DraftHead:
-        draft = super().adopt(draft, train, mask_token_id)
-        if draft.config.block_size - 1 < train.ttt_steps:
-            raise TrainError(f"train.ttt_steps={train.ttt_steps}: the init_draft's DFlash block proposes "
+    def adopt(self, draft: DraftHead, source: str, mask_token_id: int | None, steps: int) -> DraftHead:
+        draft = super().adopt(draft, source, mask_token_id, steps)
+        if draft.config.block_size - 1 < steps:
+            raise TrainError(f"train.ttt_steps={steps}: the init draft's DFlash block proposes "
                              f"{draft.config.block_size - 1} tokens")
         return draft
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from eagle3.draft.families.base import DraftFamily, Proposal, Proposer, TrainSettings, register
+from eagle3.draft.families.base import DraftFamily, Proposal, Proposer, register
 from eagle3.draft.formats import DraftFormatError, sglang_config, speculators_config, vllm_config
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.draft.ttt import TTTOutput, ttt_forward
@@ -18,11 +18,12 @@ from eagle3.errors import ConfigError
 
 if TYPE_CHECKING:
     from eagle3.config import SamplingConfig
+    from eagle3.draft.spec import DraftSpec
 
 LAYER_VARIANTS = {"eagle3": {}, "speculators": {"norm_before_residual": True, "norm_before_fc": True,
                                                 "norm_output": True},
                   "eagle3.1": {"fc_norm": True, "norm_output": True}}
-"""``train.draft_variant`` -> the layer's flags (EAGLE-3's own layer, speculators 0.9.0's, EAGLE-3.1's)."""
+"""``train.draft.variant`` -> the layer's flags (EAGLE-3's own layer, speculators 0.9.0's, EAGLE-3.1's)."""
 
 
 def eagle3_parameter_count(config: DraftConfig) -> int:
@@ -50,8 +51,8 @@ class Eagle3Family(DraftFamily):
                              f"{config.mask_token_id} do not fit it (eagle3: neither; peagle: a mask token; "
                              "dflash: both)")
 
-    def shape(self, train: TrainSettings) -> dict[str, Any]:
-        return dict(LAYER_VARIANTS[train.draft_variant])
+    def shape(self, spec: DraftSpec, steps: int) -> dict[str, Any]:
+        return dict(LAYER_VARIANTS[spec.variant])
 
     def build(self, config: DraftConfig, embed_tokens_weight: Tensor | None = None) -> Eagle3Draft:
         return Eagle3Draft(config, embed_tokens_weight)

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from eagle3.distributed import print0
-from eagle3.draft.families.base import Proposal, Proposer, TrainSettings, register
+from eagle3.draft.families.base import Proposal, Proposer, register
 from eagle3.draft.families.eagle3 import Eagle3Family
 from eagle3.draft.formats import vllm_config
 from eagle3.draft.model import DraftConfig, DraftHead, Eagle3Draft
@@ -35,18 +35,18 @@ class PEagleFamily(Eagle3Family):
     reads_mask_token = True
     replays_steps = False  # one forward proposes the round
 
-    def adopt(self, draft: DraftHead, train: TrainSettings, mask_token_id: int | None) -> DraftHead:
+    def adopt(self, draft: DraftHead, source: str, mask_token_id: int | None, steps: int) -> DraftHead:
         """An eagle3 ``init_draft`` becomes a P-EAGLE draft: the same weights, a fresh mask state."""
         if draft.config.family == "eagle3":
             out = Eagle3Draft(replace(draft.config, family=self.name, mask_token_id=mask_token_id))
             missing, unexpected = out.load_state_dict(draft.state_dict(), strict=False)
             assert missing == ["mask_hidden"] and not unexpected, (missing, unexpected)
-            print0(f"train.init_draft: the eagle3 draft becomes a P-EAGLE draft (mask token {mask_token_id}, fresh "
+            print0(f"train.init.draft: the eagle3 draft becomes a P-EAGLE draft (mask token {mask_token_id}, fresh "
                    "mask state)")
             return out
         if draft.config.family != self.name:
-            raise TrainError(f"train.init_draft: {train.init_draft} is a {draft.config.family} draft; set "
-                             f"train.draft_family={draft.config.family}")
+            raise TrainError(f"train.init.draft: {source} is a {draft.config.family} draft; set "
+                             f"train.draft.family={draft.config.family}")
         return draft
 
     def forward(self, draft: Any, *args: Any, **kwargs: Any) -> TTTOutput:
