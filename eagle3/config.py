@@ -41,7 +41,7 @@ class TargetConfig:
     planned without the weights (``stages=[size]``: draft shape and parameter count). Once the
     model is loaded, every value given here is checked against its config."""
     nvfp4_mode: str = "auto"
-    """For an NVFP4 checkpoint (``python -m eagle3.target.nvfp4 convert``), run emulated: auto (as the
+    """For an NVFP4 checkpoint (``python -m data_gen.nvfp4 --out DIR``), run emulated: auto (as the
     checkpoint says: W4A4 when it has activation scales), w4a4, or w4a16 (weights only)."""
 
     def __post_init__(self) -> None:

@@ -95,6 +95,12 @@ def workspace(entity: str, project: str, name: str = "eagle3 acceptance") -> Any
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from eagle3.errors import run_cli
+
+    return run_cli("eagle3.dashboards", _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle3.dashboards", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the layout as JSON here")
     parser.add_argument("--push", action="store_true", help="save the workspace to W&B (online, wandb-workspaces)")
@@ -110,8 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(layout)
     if args.push:
         if not args.entity:
-            print("eagle3.dashboards: --push needs --entity", file=sys.stderr)
-            return 2
+            from eagle3.errors import ConfigError
+
+            raise ConfigError("--push needs --entity")
         view = workspace(args.entity, args.project)
         view.save()
         print(f"saved {view.url}", file=sys.stderr)

@@ -4,7 +4,7 @@
 # (.gpu/wheels), transformers at this venv's version (.gpu/tf: older 5.x lacks StaticLayer.crop only,
 # which the static cache works around, but the check should run what CI runs), speculators 0.9.0 for
 # the trainer's race, and the embedded target's tokenizer (.gpu/tokenizer). .gpu/ is git-ignored:
-# carry it with the call, then run `bash scripts/gpu_session.sh` there.
+# carry it with the call, then run `bash scripts/gpu_offline.sh` there.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

@@ -134,3 +134,47 @@ def test_every_documented_command_names_flags_its_entry_point_has(where: str, co
     assert "usage:" in text, f"{where}: {name} --help printed no usage"
     missing = [f for f in flags(args) if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text)]
     assert not missing, f"{where}: {name} has no {', '.join(missing)}"
+
+
+SOURCE_DIRS = ("eagle3", "data_gen", "hard_mining", "serve_eval", "recipes", "tools", "bench", "scripts", "tests",
+               "docs")
+"""Where a path a page names may be relative to (a package's own files are named from inside it)."""
+
+
+def named_paths(text: str) -> list[str]:
+    """The repository files a page names in backticks (``eagle3/train/size.py``, ``scripts/test.sh``,
+    ``families/dflash.py``): a token with a known extension and no placeholder, output folder or URL."""
+    out = []
+    for token in re.findall(r"`([^`\s]+)`", text):
+        token = token.split(":")[0].split("#")[0].rstrip(".,;)")
+        if (re.fullmatch(r"[\w./-]+\.(py|sh|yaml|md|toml|lock|j2)", token) and "/" in token
+                and not token.startswith(("runs/", "/", "~", ".venv", "http", "..", "$")) and "NAME" not in token
+                and "<" not in token):
+            out.append(token)
+    return out
+
+
+def missing_paths(text: str, folder: Path) -> list[str]:
+    """The files ``text`` (a page in ``folder``) names that exist nowhere they could be relative to."""
+    bases = (REPO, folder, *(REPO / d for d in SOURCE_DIRS), REPO / "eagle3" / "draft", REPO / "eagle3" / "store")
+    ours = [p for p in named_paths(text)  # in a folder of ours (not a run's output, not another project's file)
+            if any((base / p.split("/")[0]).is_dir() for base in bases)]
+    return [p for p in ours if not any((base / p).exists() for base in bases)]
+
+
+HISTORY = ("experiments.md", "benchmarks.md")
+"""The dated logs: they name the files of their day."""
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name not in HISTORY],
+                         ids=[p.name for p in PAGES if p.name not in HISTORY])
+def test_every_file_a_page_names_exists(page: Path) -> None:
+    missing = missing_paths(page.read_text(encoding="utf-8"), page.parent)
+    assert not missing, f"{page.name} names files that do not exist: {missing}"
+
+
+def test_the_path_check_catches_a_file_that_does_not_exist() -> None:
+    """The negative control: a page naming a moved file fails the check above; outputs are not files of ours."""
+    text = ("`train/plan.py`, `eagle3/train/size.py`, `families/dflash.py`, `runs/x/y.py`, `scripts/gone.sh`, "
+            "`eval/report.md`, `vllm/config/speculative.py`")
+    assert missing_paths(text, REPO / "docs") == ["train/plan.py", "scripts/gone.sh"]

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import threading
 import time
 from dataclasses import replace
@@ -38,9 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mining_ablation import HeldOut, add_data_arguments, bootstrap, paired_diff, pooled_tau  # noqa: E402
+from mining_ablation import HeldOut, add_data_arguments, bootstrap, paired_diff, pooled_tau  # this folder, as a script
 
 ARMS = {"traffic-worst": {"strategies": ["traffic"], "traffic_pick": "lowest_tau"},
         "traffic-random": {"strategies": ["traffic"], "traffic_pick": "random"},

@@ -190,7 +190,7 @@ SHARP = 4.0
 """``auto`` refits a copied start when the untrained draft's logits spread (std over the draft vocab)
 more than this many times the target's on the first micro-batch: measured 22x on Gemma-3-270M, whose
 copied start does not learn, and 1.2-1.3x on SmolLM2-135M, whose copied start beats a refitted one at the
-quickstart's scale (docs/experiments.md, 2026-11-28, issue 52)."""
+quickstart's scale (docs/experiments.md, 2026-11-28)."""
 
 
 def _logit_spreads(model: Any, head: Any, batch: dict[str, Tensor], t2d: Tensor, device: torch.device,
