@@ -193,3 +193,20 @@ def test_an_installed_package_adds_a_family_through_its_entry_point(tmp_path: Pa
     monkeypatch.delitem(__import__("sys").modules, "toy_plugin", raising=False)
     assert train_config(**{"draft.family": "toy-plugin"}).draft.family == "toy-plugin"
     assert get_family("toy-plugin").name == "toy-plugin"
+
+
+def test_vllm_serves_each_family_from_its_own_speculative_config() -> None:
+    """The vLLM judge asks the family of a folder's config.json for its speculative_config (no if-chain
+    on names): EAGLE-3 at k, P-EAGLE with parallel drafting, DFlash at its trained block whatever k."""
+    from eagle3.draft.families import vllm_speculative_config
+
+    assert vllm_speculative_config({"architectures": ["LlamaForCausalLMEagle3"]}, 3) == {
+        "method": "eagle3", "num_speculative_tokens": 3}
+    assert vllm_speculative_config({"architectures": ["LlamaForCausalLMEagle3"], "parallel_drafting": True}, 4) == {
+        "method": "eagle3", "parallel_drafting": True, "num_speculative_tokens": 4}
+    assert vllm_speculative_config({"architectures": ["DFlashDraftModel"], "block_size": 8}, 3) == {
+        "method": "dflash", "num_speculative_tokens": 7}
+    peagle = {"speculators_model_type": "peagle",
+              "speculators_config": {"proposal_methods": [{"speculative_tokens": 5}]}}
+    assert vllm_speculative_config(peagle, 3)["num_speculative_tokens"] == 5
+    assert vllm_speculative_config({"speculators_model_type": "dflash", "block_size": 4}, 9)["method"] == "dflash"

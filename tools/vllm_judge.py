@@ -102,8 +102,7 @@ def run_engine(job: dict[str, Any]) -> dict[str, Any]:
         settings["speculative_config"] = {"method": "ngram", "num_speculative_tokens": job["k"],
                                           "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     elif job.get("draft"):
-        settings["speculative_config"] = {"model": job["draft"], "method": "eagle3",
-                                          "num_speculative_tokens": job["k"], **draft_family(job["draft"])}
+        settings["speculative_config"] = {"model": job["draft"], **draft_family(job["draft"], job["k"])}
     llm = LLM(**settings)
     params = SamplingParams(max_tokens=job["max_new_tokens"], temperature=0.0, stop_token_ids=job["stop_ids"],
                             detokenize=False)
@@ -162,22 +161,13 @@ def by_context(got: dict[str, Any]) -> dict[str, dict[str, Any]]:
             for bucket, c in got["by_context"].items() if c["drafts"]}
 
 
-def draft_family(folder: str) -> dict[str, Any]:
-    """The speculative_config keys a draft folder's family needs beyond eagle3's: P-EAGLE drafts
-    (config.json ``parallel_drafting``) are served with ``parallel_drafting``, DFlash drafts
-    (``DFlashDraftModel``) with ``method=dflash`` and K = block_size - 1 (vLLM runs a block of 1 + K,
-    and a block other than the trained one is another model: its attention goes both ways).
-    speculators' own format (``speculators_model_type``, bench/studies/speculators_train.py) is read as vLLM
-    reads it when served alone: ``dflash`` as DFlash, ``peagle`` with ``parallel_drafting`` and K = its
-    ``speculative_tokens`` (the depths it trained)."""
-    cfg = json.loads((Path(folder) / "config.json").read_text())
-    kind = cfg.get("speculators_model_type")
-    if kind == "dflash" or "DFlashDraftModel" in (cfg.get("architectures") or []):
-        return {"method": "dflash", "num_speculative_tokens": int(cfg["block_size"]) - 1}  # serve the trained block
-    if kind == "peagle":
-        methods = cfg["speculators_config"]["proposal_methods"]
-        return {"parallel_drafting": True, "num_speculative_tokens": int(methods[0]["speculative_tokens"])}
-    return {"parallel_drafting": True} if cfg.get("parallel_drafting") else {}
+def draft_family(folder: str, k: int) -> dict[str, Any]:
+    """The speculative_config keys (beyond ``model``) a draft folder is served with at ``k`` tokens a
+    round: its family's (:func:`eagle3.draft.families.base.vllm_speculative_config`, from its config.json,
+    ours or speculators'; a DFlash draft keeps its trained block, a speculators P-EAGLE its depth)."""
+    from eagle3.draft.families import vllm_speculative_config
+
+    return vllm_speculative_config(json.loads((Path(folder) / "config.json").read_text()), k)
 
 
 def in_child(job: dict[str, Any]) -> dict[str, Any]:
@@ -255,7 +245,7 @@ def judge(target_folder: str, drafts: dict[str, Path | None], prompts: dict[str,
     plain = in_child(job)
     lines = []
     for name, folder in drafts.items():
-        served_k = k if folder is None else draft_family(str(folder)).get("num_speculative_tokens", k)
+        served_k = k if folder is None else draft_family(str(folder), k)["num_speculative_tokens"]
         spec = in_child({**job, "method": "ngram"} if folder is None else {**job, "draft": str(folder)})
         for set_name, got in spec.items():
             base = plain[set_name]

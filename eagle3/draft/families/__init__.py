@@ -19,7 +19,8 @@ from eagle3.draft.families.base import (
     get_family,
     parameter_count,
     register,
+    vllm_speculative_config,
 )
 
 __all__ = ["ENTRY_POINTS", "DraftFamily", "Proposal", "Proposer", "family_names", "family_of", "family_reading",
-           "get_family", "parameter_count", "register"]
+           "get_family", "parameter_count", "register", "vllm_speculative_config"]

@@ -231,6 +231,12 @@ class DraftFamily:
         """config.json of the draft in engine format ``fmt`` (vllm, sglang, speculators)."""
         raise NotImplementedError
 
+    def vllm_speculative_config(self, engine_cfg: dict[str, Any], k: int) -> dict[str, Any] | None:
+        """vLLM's ``speculative_config`` keys (beyond ``model``) that serve a draft folder of this family
+        (``engine_cfg``: its config.json, ours or speculators') at ``k`` draft tokens a round; None: not a
+        folder of this family."""
+        return None
+
     def vllm_only(self, config: DraftConfig, fmt: str) -> None:
         """Refuse an engine format other than vLLM's, for a family only vLLM serves."""
         if fmt != "vllm":
@@ -281,6 +287,15 @@ def family_reading(architectures: list[str]) -> DraftFamily | None:
     return next((f for f in _FAMILIES.values() if set(f.architectures) & set(architectures)), None)
 
 
+def vllm_speculative_config(engine_cfg: dict[str, Any], k: int) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` keys for a draft folder's config.json, from the family that reads
+    it (eagle3, the plain layout, last)."""
+    for family in sorted(_FAMILIES.values(), key=lambda f: f.name == "eagle3"):
+        if (keys := family.vllm_speculative_config(engine_cfg, k)) is not None:
+            return keys
+    raise ConfigError(f"no draft family serves a folder with architectures={engine_cfg.get('architectures')} in vLLM")
+
+
 def family_of(config: DraftConfig) -> DraftFamily:
     """The family of a draft config (``config.family``), which checks the config fits it."""
     family = get_family(config.family)
@@ -294,4 +309,4 @@ def parameter_count(config: DraftConfig) -> int:
 
 
 __all__ = ["ENTRY_POINTS", "DraftFamily", "Proposal", "Proposer", "family_names", "family_of",
-           "family_reading", "get_family", "parameter_count", "register"]
+           "family_reading", "get_family", "parameter_count", "register", "vllm_speculative_config"]

@@ -311,6 +311,14 @@ class DFlashFamily(DraftFamily):
             raise ConfigError(f"k={spec.k}: the DFlash draft's block proposes at most {draft.block_size - 1} tokens")
         return BlockProposer(draft, cache, spec)
 
+    def vllm_speculative_config(self, engine_cfg: dict[str, Any], k: int) -> dict[str, Any] | None:
+        """Always the trained block, whatever ``k``: vLLM runs a block of 1 + K, and another block is
+        another model (its attention goes both ways)."""
+        if (engine_cfg.get("speculators_model_type") == "dflash"
+                or DFLASH_ARCHITECTURE in (engine_cfg.get("architectures") or [])):
+            return {"method": "dflash", "num_speculative_tokens": int(engine_cfg["block_size"]) - 1}
+        return None
+
     def engine_config(self, config: DraftConfig, aux_layer_ids: Any, fmt: str, dtype: str,
                       **speculators: Any) -> dict[str, Any]:
         self.vllm_only(config, fmt)

@@ -66,6 +66,9 @@ class Eagle3Family(DraftFamily):
     def proposer(self, draft: Any, cache: Any, spec: Any) -> Proposer:
         return StepProposer(draft, cache, spec)
 
+    def vllm_speculative_config(self, engine_cfg: dict[str, Any], k: int) -> dict[str, Any] | None:
+        return {"method": "eagle3", "num_speculative_tokens": k}  # any EAGLE-3 layout: vLLM reads the folder
+
     def engine_config(self, config: DraftConfig, aux_layer_ids: Any, fmt: str, dtype: str,
                       **speculators: Any) -> dict[str, Any]:
         if fmt == "vllm":

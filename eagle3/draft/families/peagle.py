@@ -57,6 +57,17 @@ class PEagleFamily(Eagle3Family):
             raise ConfigError(f"a {self.name} draft proposes a chain in one forward: mode=tree is not supported")
         return MaskRowsProposer(draft, cache, spec)
 
+    def vllm_speculative_config(self, engine_cfg: dict[str, Any], k: int) -> dict[str, Any] | None:
+        """Ours (``parallel_drafting`` in config.json) at ``k``; speculators' (``speculators_model_type``
+        peagle) at the depth it trained, as vLLM serves it alone."""
+        if engine_cfg.get("speculators_model_type") == "peagle":
+            methods = engine_cfg["speculators_config"]["proposal_methods"]
+            return {"method": "eagle3", "parallel_drafting": True,
+                    "num_speculative_tokens": int(methods[0]["speculative_tokens"])}
+        if engine_cfg.get("parallel_drafting"):
+            return {"method": "eagle3", "parallel_drafting": True, "num_speculative_tokens": k}
+        return None
+
     def engine_config(self, config: DraftConfig, aux_layer_ids: Any, fmt: str, dtype: str,
                       **speculators: Any) -> dict[str, Any]:
         """vLLM's EAGLE-3 config with the top-level ``mask_token_id`` it reads and ``parallel_drafting``
