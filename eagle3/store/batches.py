@@ -156,9 +156,7 @@ def load_batch(store: HarvestStore, indices: Sequence[int], batching: str,
     get_many = getattr(store, "get_many", None)
     if get_many is not None:
         return collate(get_many(indices), batching)
-    if stored and hasattr(store, "read"):
-        return collate([store.read(i, stored=True) for i in indices], batching)
-    return collate([store[i] for i in indices], batching)
+    return collate([store.read(i, stored=stored) for i in indices], batching)
 
 
 class BatchLoader:

@@ -26,6 +26,7 @@ class ColocatedStore(PlannedSamples):
     """A store whose ``store[i]`` (and ``get_many``) runs the attached target on the samples asked for."""
 
     reads_ahead = False  # its reads run the target, on the trainer's device
+    computes_states = True
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         super().__init__(root)

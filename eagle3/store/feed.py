@@ -7,8 +7,9 @@ trainer and where the hidden states come from.
     co-located  the trainer's own target computes each micro-batch's states (``eagle3.store.colocated``)
 
 Every store offers the samples (``len``, ``lengths``, ``sample_ids``, ``shard_of``, ``spec``,
-``store[i]``) and the hooks below, whose defaults are an offline store's: the trainer calls them at
-the same points for every mode and never asks which mode it reads."""
+``read``, ``token_digests``, ``check_target``: declared below) and the hooks below, whose defaults
+are an offline store's: the trainer calls them at the same points for every mode and never asks
+which mode it reads."""
 
 from __future__ import annotations
 
@@ -17,7 +18,45 @@ from typing import Any, ClassVar
 
 
 class StoreFeed:
-    """The trainer's hooks into a store (defaults: a finished store on disk, which needs none)."""
+    """The samples a store offers the trainer, and the trainer's hooks into it (defaults: a finished
+    store on disk, which needs none)."""
+
+    spec: Any
+    """What harvested the samples (:class:`eagle3.store.shards.HarvestSpec`: target, aux layers, ..)."""
+    lengths: Sequence[int]
+    """Each sample's tokens, by index."""
+    sample_ids: Sequence[str]
+    """Each sample's id, by index."""
+    shard_of: Sequence[int]
+    """Each sample's shard, by index (the order shard windows read in)."""
+    computes_states: ClassVar[bool] = False
+    """The store computes each micro-batch's states with the run's own target (which it needs whole, on
+    the rank's device; :meth:`attach`), instead of reading them."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __getitem__(self, i: int) -> Any:
+        """Sample ``i`` (:class:`eagle3.store.shards.Sample`), its states in fp32."""
+        raise NotImplementedError
+
+    def read(self, i: int, stored: bool = False) -> Any:
+        """Sample ``i``; ``stored``: its states in the dtype the store keeps them in, where it keeps
+        another (by default the same as ``store[i]``)."""
+        return self[i]
+
+    def token_digests(self) -> list[bytes]:
+        """One digest of each sample's tokens (a held-out store less the conversations both hold)."""
+        raise NotImplementedError
+
+    def check_target(self, target: Any) -> None:
+        """Refuse a target other than the one that harvested the samples, naming the key."""
+        raise NotImplementedError
+
+    def verified_files(self) -> list[str]:
+        """The store folders whose files are checked against their checksums before training (a store
+        read as it is written checks each shard as it reads it: none)."""
+        return []
 
     reads_ahead: ClassVar[bool] = True
     """Batches may be read ahead on a thread (a store of files; not one that streams or computes its states)."""

@@ -394,6 +394,9 @@ class HarvestStore(StoreFeed):
     def __getitem__(self, i: int) -> Sample:
         return self.read(i)
 
+    def verified_files(self) -> list[str]:
+        return [str(self.root)]
+
     def read(self, i: int, stored: bool = False) -> Sample:
         """Sample i; ``stored``: its states in the store's float dtype rather than fp32 (:func:`_read_sample`)."""
         k, j = self._index[i]
@@ -456,6 +459,9 @@ class StoreUnion(StoreFeed):
 
     def token_digests(self) -> list[bytes]:
         return [d for st in self.stores for d in st.token_digests()]
+
+    def verified_files(self) -> list[str]:
+        return [str(st.root) for st in self.stores]
 
     def check_target(self, target: Any) -> None:
         for st in self.stores:

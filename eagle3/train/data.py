@@ -18,6 +18,7 @@ from eagle3.distributed import Runtime, all_reduce_sum, print0
 from eagle3.errors import TrainError
 from eagle3.store.batches import epoch_batches, split_by_id, weighted_indices
 from eagle3.store.colocated import ColocatedStore
+from eagle3.store.feed import StoreFeed
 from eagle3.store.shards import HarvestStore, StoreError, StoreUnion, open_stores, store_state, verify_store
 from eagle3.store.spec import StoreSpec
 from eagle3.store.spool import SpoolStore
@@ -76,8 +77,7 @@ def verify_stores(roots: Sequence[str], record: Path, rt: Runtime) -> list[str]:
     return todo
 
 
-def open_train_store(data: StoreSpec, seed: int,
-                     rank: int = 0) -> HarvestStore | StoreUnion | SpoolStore | ColocatedStore:
+def open_train_store(data: StoreSpec, seed: int, rank: int = 0) -> StoreFeed:
     """The training store (with ``train.data.extra_stores``), each named by its key when it cannot be read;
     online, the spool (this rank its reader); co-located, the plan (its states captured by the trainer)."""
     if data.mode == "colocated":

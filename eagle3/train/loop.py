@@ -460,8 +460,8 @@ def _train(cfg: TrainConfig, target_cfg: TargetConfig, target: Target | None, rt
     check_window(cfg, store)
     weights_by_id = sample_weights(cfg.data, store)
     eval_store, train_idx, eval_idx = eval_split(cfg.data, store, target)
-    offline = [cfg.data.store, *cfg.data.extra_stores] if cfg.data.mode == "offline" else []  # a spool's: as read
-    verify_stores([*offline, *([cfg.data.eval_store] if cfg.data.eval_store else [])], out_dir / VERIFIED, rt)
+    verify_stores([*store.verified_files(), *([cfg.data.eval_store] if cfg.data.eval_store else [])],
+                  out_dir / VERIFIED, rt)
     embedding = target.embed_tokens.weight.detach().float().cpu()
     initial = initial_draft(cfg.init.draft, spec, target, embedding) if cfg.init.draft else None
 
@@ -551,7 +551,7 @@ def _data_and_target(cfg: TrainConfig, target_cfg: TargetConfig, target: Target 
     """The training store and the target (its head, or all of it co-located), checked together."""
     store = open_train_store(cfg.data, cfg.seed, rt.rank)
     if target is None:
-        colocated = cfg.data.mode == "colocated"  # the whole target, on this rank's device
+        colocated = store.computes_states  # the whole target, on this rank's device
         target = load_target_for(replace(target_cfg, device=str(rt.device)) if colocated else target_cfg,
                                  store.spec.aux_layer_ids, full=colocated)
     check_weights(target, store.spec)
