@@ -165,7 +165,7 @@ def train_task(cfg: PipelineConfig, token: str | None = None) -> dict[str, Any]:
     whose collective lost another rank, and finds no such record, calls the other's node lost and,
     with ``launcher.requeue``, requeues the job (Slurm restarts it when nodes are free; it resumes).
     A trainer that fails for good stops an online run's producers."""
-    from eagle3.distributed import PeerLost
+    from eagle3.distributed import PeerLost, shutdown
     from eagle3.train.loop import train
     from recipes import rank_failure
 
@@ -192,6 +192,7 @@ def train_task(cfg: PipelineConfig, token: str | None = None) -> dict[str, Any]:
             rank_failure.record_crash(cfg, rank, err)
             rank_failure.stop_producers(cfg, err)
         raise
+    shutdown()  # the process groups go while the interpreter is whole (eagle3.distributed.shutdown)
     if rank == "0":
         _record(cfg, "train", summary)
     return summary

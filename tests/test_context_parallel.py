@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import eagle3.draft.ttt as ttt
-from eagle3.distributed import ContextGroup
+from eagle3.distributed import ContextGroup, shutdown
 from eagle3.draft.context import balanced_bounds, split_batch
 from eagle3.draft.families import family_of
 from eagle3.errors import TrainError
@@ -47,7 +47,7 @@ def _worker(rank: int, size: int, store: str, num_steps: int) -> None:
         for case in CASES:
             _check(CASES[case], rank, size, num_steps)
     finally:
-        dist.destroy_process_group()
+        shutdown()  # the graphs that hold the group collected before it goes
 
 
 def _check(spec: dict, rank: int, size: int, num_steps: int) -> None:

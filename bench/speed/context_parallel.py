@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[2]
 
+from eagle3.distributed import shutdown  # noqa: E402
 from eagle3.draft.context import split_batch  # noqa: E402
 from eagle3.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3.draft.targets import TTTTargets  # noqa: E402
@@ -118,7 +119,7 @@ def _worker(rank: int, size: int, store: str, args: argparse.Namespace, out: str
             "rank": rank, "rss_gib": round(_rss_gib() - before, 3), "inputs_gib": round(before, 3),
             "seconds": round(seconds, 2), "loss": round(float(loss), 6)}
     Path(f"{out}.{rank}").write_text(json.dumps(line))
-    dist.destroy_process_group()
+    shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,6 +65,7 @@ from eagle3.distributed import (
     lost_peer,
     per_rank,
     print0,
+    shutdown,
 )
 from eagle3.draft.families import parameter_count
 from eagle3.draft.formats import nonfinite_tensors
@@ -460,8 +461,7 @@ def _train(cfg: TrainConfig, target_cfg: TargetConfig, target: Target | None, rt
     check_window(cfg, store)
     weights_by_id = sample_weights(cfg.data, store)
     eval_store, train_idx, eval_idx = eval_split(cfg.data, store, target)
-    verify_stores([*store.verified_files(), *([cfg.data.eval_store] if cfg.data.eval_store else [])],
-                  out_dir / VERIFIED, rt)
+    verify_stores([*store.verified_files(), *filter(None, [cfg.data.eval_store])], out_dir / VERIFIED, rt)
     embedding = target.embed_tokens.weight.detach().float().cpu()
     initial = initial_draft(cfg.init.draft, spec, target, embedding) if cfg.init.draft else None
 
@@ -576,7 +576,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli("train", _main, argv)
+    try:
+        return run_cli("train", _main, argv)
+    finally:
+        shutdown()  # the process groups go before the interpreter does
 
 
 def _main(argv: Sequence[str] | None) -> int:
