@@ -23,7 +23,7 @@ class UserFileConfig:
     """ISO 639-1 code; detected per prompt when unset."""
 
     def __post_init__(self) -> None:
-        from eagle3.store.conversations import DOMAINS
+        from eagle3.conversations import DOMAINS
 
         if self.domain not in DOMAINS:
             raise ConfigError(f"pools.user_files.domain={self.domain!r}: expected one of {', '.join(DOMAINS)}")
@@ -105,7 +105,7 @@ class SelectConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        from eagle3.store.conversations import DOMAINS
+        from eagle3.conversations import DOMAINS
 
         unknown = [d for d in self.domains if d not in DOMAINS]
         if unknown or not self.domains:

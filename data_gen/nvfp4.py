@@ -34,9 +34,9 @@ from data_gen.config import QuantizeConfig
 from eagle3.atomic import atomic_dir, check_replaceable
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import DEFAULT_TARGET
+from eagle3.conversations import iter_user_conversations
 from eagle3.device import resolve_dtype
 from eagle3.errors import run_cli
-from eagle3.store.conversations import iter_user_conversations
 from eagle3.target import nvfp4
 from eagle3.target.chat import ChatFormat
 from eagle3.target.model import TargetLoadError, from_pretrained_complete

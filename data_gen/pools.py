@@ -33,8 +33,7 @@ from data_gen.config import PoolsConfig, UserFileConfig
 from data_gen.language import detect_language
 from data_gen.sources import SOURCES, Prompt, read_source, wheel_of
 from eagle3.atomic import atomic_dir, check_replaceable, holds_only, sha256_file
-from eagle3.errors import MissingInputError, run_cli
-from eagle3.store.conversations import (
+from eagle3.conversations import (
     ConversationError,
     LoadReport,
     iter_user_conversations,
@@ -43,6 +42,7 @@ from eagle3.store.conversations import (
     take_in_turn,
     user_turns,
 )
+from eagle3.errors import MissingInputError, run_cli
 
 EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "math", "multilingual", "alpaca", "tool_use", "agent")
 

@@ -50,8 +50,8 @@ from data_gen.config import HarvestConfig, RegenerateConfig
 from eagle3.atomic import atomic_write_text, output_dir
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import TargetConfig, add_target_arguments
+from eagle3.conversations import iter_jsonl, take_in_turn
 from eagle3.errors import Eagle3Error, run_cli
-from eagle3.store.conversations import iter_jsonl, take_in_turn
 from eagle3.store.shards import HarvestStore, open_stores
 from eagle3.train.config import LossSpec, TrainConfig, updated
 from hard_mining.config import MineConfig

@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 
+from eagle3.conversations import ConversationError, iter_jsonl
 from eagle3.draft.families import family_of
 from eagle3.draft.metrics import accepted_runs, step_hits
 from eagle3.draft.model import DraftHead
 from eagle3.draft.ttt import shift_left, step_weights
 from eagle3.store.batches import load_batch
-from eagle3.store.conversations import ConversationError, iter_jsonl
 from eagle3.store.shards import HarvestStore
 from eagle3.train.token_weights import target_entropy
 from hard_mining.config import RANKS

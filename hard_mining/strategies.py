@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from eagle3.store.conversations import normalize_text, prompt_key, record_id
+from eagle3.conversations import normalize_text, prompt_key, record_id
 from hard_mining.score import GroupScore, SampleScore, rank_key, record_of
 
 # ---------------------------------------------------------------- (a) reweight weak domains

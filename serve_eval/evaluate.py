@@ -78,7 +78,7 @@ def read_prompts(pools: Path, name: str, per_set: int, chat: Any) -> list[list[i
     language after another) is taken round-robin over its languages in file order, so that its
     first prompts span them all instead of being the first language's.
     """
-    from eagle3.store.conversations import ConversationError, check_messages, check_tools, iter_jsonl, take_in_turn
+    from eagle3.conversations import ConversationError, check_messages, check_tools, iter_jsonl, take_in_turn
 
     path = pools / "eval" / f"{name}.jsonl"
     if not path.is_file():

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from eagle3.store.conversations import TEXT_PART_SEPARATOR
+from eagle3.conversations import TEXT_PART_SEPARATOR
 
 
 class BadRequest(Exception):

@@ -49,8 +49,8 @@ except ImportError as err:  # the core install trains and harvests; serving is a
 
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import SamplingConfig, add_target_arguments
+from eagle3.conversations import ConversationError, check_messages, check_tools
 from eagle3.errors import ConfigError, run_cli
-from eagle3.store.conversations import ConversationError, check_messages, check_tools
 from eagle3.target.chat import ChatFormat, ChatFormatError
 from serve_eval.adaptive import AdaptiveDepth, AdaptiveSession, CostModel, measure_cost
 from serve_eval.config import SpecConfig

@@ -21,8 +21,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from eagle3.conversations import ConversationError, check_messages, check_tools, prompt_key, record_id
 from eagle3.errors import Eagle3Error
-from eagle3.store.conversations import ConversationError, check_messages, check_tools, prompt_key, record_id
 from serve_eval.spec_decode import DecodeStats
 
 TRAFFIC_DOMAIN = "traffic"

@@ -14,12 +14,12 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from eagle3.conversations import DOMAINS
 from eagle3.draft.families import Proposal, family_of
 from eagle3.draft.families.dflash import DFlashDraft
 from eagle3.draft.metrics import accepted_runs, step_hits, upto_before
 from eagle3.draft.model import DraftConfig, Eagle3Draft, KVCache
 from eagle3.draft.vocab import DraftVocab, count_loss_tokens, select_draft_vocab
-from eagle3.store.conversations import DOMAINS
 from eagle3.store.shards import read_manifest
 from eagle3.target.model import Target
 from serve_eval.config import SpecConfig

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.store.conversations import (
+from eagle3.conversations import (
     ConversationError,
     LoadReport,
     check_messages,

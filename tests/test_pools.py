@@ -165,7 +165,7 @@ def test_user_files_join_the_pool(tmp_path: Path, fake: None) -> None:
 def test_an_empty_user_file_is_named_in_strict_mode_and_counted_otherwise(tmp_path: Path, fake: None,
                                                                         capsys: pytest.CaptureFixture) -> None:
     from data_gen.config import UserFileConfig
-    from eagle3.store.conversations import ConversationError
+    from eagle3.conversations import ConversationError
 
     for text in ("", "\n  \n\n"):
         blank = tmp_path / "blank.jsonl"

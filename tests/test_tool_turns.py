@@ -22,8 +22,8 @@ from data_gen.generate import Reply, regenerate_conversations, reply_slots
 from data_gen.harvest import HarvestError, tokenize_records
 from data_gen.regenerate import output_record, read_pool, run
 from eagle3.config import SamplingConfig, TargetConfig
+from eagle3.conversations import ConversationError, check_tools
 from eagle3.home import eagle3_home
-from eagle3.store.conversations import ConversationError, check_tools
 from eagle3.target.chat import TOOLS_IN_SYSTEM, ChatFormat, ChatFormatError
 from eagle3.target.wheels import extract_member, fetch_wheel
 from tests.helpers import STRICT_ROLES_TEMPLATE, TOOL_TEMPLATE, lively_target, tiny_tokenizer

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
 
     from eagle3.config import TargetConfig
-    from eagle3.store.conversations import prompt_key
+    from eagle3.conversations import prompt_key
     from eagle3.store.shards import HarvestStore
     from eagle3.target.model import load_target
     from hard_mining.config import MineConfig

@@ -161,7 +161,7 @@ class ChatFormat:
 
     def with_tools(self, tools: Sequence[Mapping[str, Any]] | None) -> ChatFormat:
         """This format with the conversation's function schemas (OpenAI's form, as
-        :func:`eagle3.store.conversations.check_tools` gives them) passed on every render: as the
+        :func:`eagle3.conversations.check_tools` gives them) passed on every render: as the
         template's ``tools`` where it reads them, else in the system prompt (:data:`TOOLS_IN_SYSTEM`)."""
         return replace(self, tools_json=json.dumps(list(tools), ensure_ascii=False) if tools else "")
 
