@@ -22,54 +22,24 @@ from eagle3.draft.model import DraftConfig, Eagle3Draft, KVCache
 from eagle3.draft.vocab import DraftVocab, count_loss_tokens, select_draft_vocab
 from eagle3.store.shards import read_manifest
 from eagle3.target.model import Target
+from eagle3.tiny import (  # noqa: F401  (the tests import them from here too)
+    CHAT_TEMPLATE,
+    TINY_VOCAB,
+    conversation,
+    lively_llama,
+    regenerated_data,
+    save_lively,
+    sharpen,
+    tiny_llama,
+    tiny_tokenizer,
+)
+from recipes.tiny import tiny_pipeline  # noqa: F401
 from serve_eval.config import SpecConfig
 from serve_eval.spec_decode import SpeculativeDecoder
 from serve_eval.verify import SamplingConfig, target_probs
 
 VOCAB, DRAFT_VOCAB, TARGET_HIDDEN = 128, 32, 48
 """The TTT tests' tiny sizes: target vocabulary, draft vocabulary, target hidden size."""
-
-
-def tiny_llama(num_layers: int = 8, hidden: int = 64, vocab: int = 128, seed: int = 0):
-    """A random Llama small enough for unit tests (fp32, eager-free sdpa)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-def tiny_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
-    """A byte-level tokenizer (no merges): 6 special tokens + 256 bytes = 262 ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {t: i for i, t in enumerate(specials + alphabet)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(specials)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        additional_special_tokens=specials[3:],
-    )
-    tok.chat_template = chat_template
-    return tok
-
-
-TINY_VOCAB = 262
 
 
 PROMPTS = [[1, 17, 40, 9, 3], [1, 5, 5, 5, 5, 5, 5, 90, 4, 33, 12]]
@@ -90,21 +60,6 @@ def make_draft(target: Target, draft_vocab: int | None = None) -> Eagle3Draft:
         vocab = DraftVocab.from_target_ids(torch.arange(0, target.vocab_size, 2)[:draft_vocab], target.vocab_size)
         draft.set_draft_vocab(vocab.d2t, vocab.t2d)
     return draft.eval()
-
-
-def conversation(i: int, turns: int = 1) -> list[dict[str, str]]:
-    messages = [{"role": "system", "content": "Be brief."}] if i % 3 == 0 else []
-    for t in range(turns):
-        messages += [{"role": "user", "content": f"question {i}.{t} " + "x" * (i % 7)},
-                     {"role": "assistant", "content": f"answer {i}.{t} " + "y" * (i * 3 % 11)}]
-    return messages
-
-
-def regenerated_data(path: Path, n: int, turns: int = 1) -> Path:
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"id": f"r{i}", "messages": conversation(i, 1 + (i % turns))}) + "\n")
-    return path
 
 
 def small_config(**kw) -> DraftConfig:
@@ -342,52 +297,9 @@ SYSTEM_IN_LAST_USER = (
 )
 
 
-def sharpen(model: torch.nn.Module, factor: float = 8.0) -> torch.nn.Module:
-    """Scale a random model's weights (norms and MoE router gates aside) by ``factor``: sharper,
-    more varied next-token choices than the init's near-uniform ones."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name and not name.endswith("mlp.gate.weight") and ".router." not in name:
-                param.mul_(factor)
-    return model
-
-
-def lively_llama(num_layers: int = 8, seed: int = 0):
-    """tiny_llama with its weights (norms aside) scaled by 8: sharper, more varied next-token choices."""
-    return sharpen(tiny_llama(num_layers=num_layers, vocab=TINY_VOCAB, seed=seed))
-
-
 def lively_target(chat_template: str | None = None, **kwargs) -> Target:
     tokenizer = tiny_tokenizer() if chat_template is None else tiny_tokenizer(chat_template)
     return Target(lively_llama(**kwargs), tokenizer, name="lively")
-
-
-def save_lively(folder: Path, **kwargs) -> Path:
-    lively_llama(**kwargs).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
-
-
-def tiny_pipeline(root: Path, kind: str = "local") -> Any:
-    """A harvest + two-rank training pipeline on a lively target, launched locally or on Slurm."""
-    from data_gen.config import HarvestConfig
-    from eagle3.config import TargetConfig
-    from eagle3.train.config import train_config
-    from recipes.config import LauncherConfig, PipelineConfig
-
-    model = save_lively(root / "model")
-    data = regenerated_data(root / "data.jsonl", 24, turns=2)
-    return PipelineConfig(
-        target=TargetConfig(name_or_path=str(model), dtype="float32", device="cpu"),
-        harvest=HarvestConfig(data=str(data), out_dir=str(root / "harvest"), dtype="float32", max_shard_mb=0.02),
-        train=train_config(**{"data.store": str(root / "harvest"), "data.micro_batch_tokens": 256,
-                              "data.batching": "buckets", "draft.vocab_size": 64, "data.eval_fraction": 0.2,
-                              "optim.warmup_steps": 1, "optim.lr": 1e-3, "log.wandb_mode": "disabled",
-                              "log.progress": False}, out_dir=str(root / "train"), steps=2, eval_every=0, save_every=0),
-        stages=["harvest", "train"], out_dir=str(root),
-        launcher=LauncherConfig(kind=kind, folder=str(root / "submitit"), harvest_shards=2, tasks_per_node=2,
-                                timeout_min=10),
-    )
 
 
 # ---------------------------------------------------------------- serving-loop builders

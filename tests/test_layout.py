@@ -190,3 +190,29 @@ def test_tests_share_builders_through_the_helpers_module_only() -> None:
                 if node.module not in allowed:
                     bad.append(f"tests/{path.name}:{node.lineno}: from {node.module} import ...")
     assert not bad, "\n".join(bad)
+
+
+def borrowed_imports(source: str) -> list[str]:
+    """What a tool, benchmark or script takes from outside the product: an import of the tests or a
+    path put on ``sys.path`` (each a line)."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "tests":
+            out.append(f"from {node.module} import ...")
+        elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == "tests" for a in node.names):
+            out.append("import tests")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("insert", "append") and ast.unparse(node.func.value) == "sys.path"):
+            out.append(ast.unparse(node))
+    return out
+
+
+def test_tools_benchmarks_and_scripts_import_the_product_only() -> None:
+    found = {str(p.relative_to(ROOT)): borrowed_imports(p.read_text(encoding="utf-8"))
+             for folder in ("bench", "scripts", "tools") for p in sorted((ROOT / folder).rglob("*.py"))}
+    assert not {k: v for k, v in found.items() if v}
+    # the negative control: each kind is caught
+    bad = "import sys\nsys.path.insert(0, 'x')\nfrom tests.helpers import a\nimport tests\n"
+    assert sorted(borrowed_imports(bad)) == ["from tests.helpers import ...", "import tests", "sys.path.insert(0, 'x')"]

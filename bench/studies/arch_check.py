@@ -84,7 +84,7 @@ through its Transformers modeling backend, which has it."""
 
 
 def _common() -> dict[str, Any]:
-    from tests.helpers import TINY_VOCAB
+    from eagle3.tiny import TINY_VOCAB
 
     return dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096, pad_token_id=0,
@@ -247,7 +247,7 @@ def build_target(arch: str, folder: Path) -> Path:
     import torch
 
     from eagle3.atomic import atomic_dir
-    from tests.helpers import sharpen, tiny_tokenizer
+    from eagle3.tiny import sharpen, tiny_tokenizer
 
     torch.manual_seed(0)
     model = sharpen(BUILDERS[arch]().eval())

@@ -33,7 +33,7 @@ def make_target(arch: str, scales: torch.Tensor | None) -> Any:
     """A random ``arch`` target (the tests' byte-level tokenizer, weights sharpened as arch_check's);
     with ``scales``, its final norm computes ``x / rms(x) * scales`` in the family's convention."""
     from eagle3.target.model import Target
-    from tests.helpers import sharpen, tiny_tokenizer
+    from eagle3.tiny import sharpen, tiny_tokenizer
 
     torch.manual_seed(0)
     model = sharpen(BUILDERS[arch]().eval())
@@ -75,10 +75,10 @@ def main() -> None:
     from eagle3.config import TargetConfig
     from eagle3.store.shards import HarvestStore
     from eagle3.target.model import Target
+    from eagle3.tiny import regenerated_data as _data
     from eagle3.train.config import draft_recipe, train_config
     from eagle3.train.log import read_metrics
     from eagle3.train.loop import train
-    from tests.helpers import regenerated_data as _data
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -26,13 +26,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from eagle3.store.shards import HarvestStore, verify_store
+from eagle3.train.config import updated
+from recipes.launch import LaunchError, submit
+from recipes.tiny import tiny_pipeline
 
-from eagle3.store.shards import HarvestStore, verify_store  # noqa: E402
-from eagle3.train.config import updated  # noqa: E402
-from recipes.launch import LaunchError, submit  # noqa: E402
-from tests.helpers import tiny_pipeline  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 STEPS, SAVE_EVERY = 60, 5  # long enough for a node to be killed between two checkpoints
 NODE = ROOT / "scripts" / "ci" / "slurm_node.sh"
