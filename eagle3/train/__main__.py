@@ -2,6 +2,11 @@
 
 import sys
 
+from eagle3.distributed import shutdown
 from eagle3.train.loop import main
 
-sys.exit(main())
+try:
+    code = main()
+finally:
+    shutdown()  # the process groups go before the interpreter does (eagle3.distributed.shutdown)
+sys.exit(code)

@@ -65,7 +65,6 @@ from eagle3.distributed import (
     lost_peer,
     per_rank,
     print0,
-    shutdown,
 )
 from eagle3.draft.families import parameter_count
 from eagle3.draft.formats import nonfinite_tensors
@@ -576,10 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        return run_cli("train", _main, argv)
-    finally:
-        shutdown()  # the process groups go before the interpreter does
+    return run_cli("train", _main, argv)
 
 
 def _main(argv: Sequence[str] | None) -> int:
