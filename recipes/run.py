@@ -47,7 +47,8 @@ def moved_train_keys(argv: list[str]) -> list[str]:
 def run() -> None:
     """The ``eagle3-run`` entry point: moved keys named first, then hydra."""
     if moved := moved_train_keys(sys.argv[1:]):
-        sys.exit("\n".join(f"eagle3-run: error: {line}" for line in moved))
+        print("\n".join(f"eagle3-run: error: {line}" for line in moved), file=sys.stderr)
+        sys.exit(2)  # bad input, as every entry point says it
     main()
 
 
