@@ -225,3 +225,15 @@ def test_eagle3_run_names_the_new_place_of_a_flat_key(tmp_path: Path) -> None:
         done = subprocess.run([sys.executable, "-m", "recipes.run", *args], capture_output=True, text=True,
                               cwd=Path(__file__).parents[1])
         assert done.returncode != 0 and done.stderr.strip() == f"eagle3-run: error: {line}", done.stderr
+
+
+def test_a_checkpoint_of_the_flat_keys_is_compared_under_their_place_now(tmp_path: Path) -> None:
+    """A run saved before the settings had sections pinned ``train.lr``: resuming it with another
+    ``train.optim.lr`` is refused, not let through because the key's name changed."""
+    from eagle3.errors import TrainError
+    from eagle3.train.checkpoint import check_pinned
+
+    now = {"train.optim.lr": 0.002, "train.data.mode": "offline", "train.draft.layers": 1}
+    check_pinned({"train.lr": 0.002, "train.data": "offline", "train.num_layers": 1}, now, tmp_path)
+    with pytest.raises(TrainError, match=r"trained with train\.draft\.layers=2, this run has 1"):
+        check_pinned({"train.lr": 0.002, "train.num_layers": 2}, now, tmp_path)

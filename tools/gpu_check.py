@@ -396,10 +396,10 @@ def check_two_processes(cfg: Any) -> None:
     """Training in two processes over nccl (only where two GPUs exist)."""
     out = Path(cfg.out_dir) / "train-2gpu"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-           "eagle3.train.loop", "--store", cfg.train.data.store, "--target", cfg.target.name_or_path, "--out", str(out),
-           "--steps", "6", "--micro-batch-tokens", str(cfg.train.data.micro_batch_tokens), "--draft-vocab-size",
-           str(cfg.train.draft.vocab_size), "--eval-fraction", "0", "--eval-every", "0", "--save-every", "3",
-           "--device", "cuda", "--wandb-mode", "disabled", "--no-progress"]
+           "eagle3.train", "--store", cfg.train.data.store, "--target", cfg.target.name_or_path, "--out", str(out),
+           "--steps", "6", "--data.micro-batch-tokens", str(cfg.train.data.micro_batch_tokens), "--draft.vocab-size",
+           str(cfg.train.draft.vocab_size), "--data.eval-fraction", "0", "--eval-every", "0", "--save-every", "3",
+           "--device", "cuda", "--log.wandb-mode", "disabled", "--no-log.progress"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     summary = {}
     if done.returncode == 0 and done.stdout.strip():

@@ -2,7 +2,7 @@
 judged by real vLLM in one run.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/studies/race_speculators.py --store runs/race/harvest \\
-        --pools runs/race/pools --out runs/race/bench --steps 180 [--variant "all=--loss-positions all"] \\
+        --pools runs/race/pools --out runs/race/bench --steps 180 [--variant "all=--loss.positions all"] \\
         [--extra fp8=runs/race/harvest-fp8] [--extra ids=runs/race/harvest-ids] \\
         [--speculators-family eagle3|peagle|dflash]
 
@@ -102,17 +102,17 @@ def train_ours(name: str, store: str, args: argparse.Namespace) -> dict[str, Any
     out = Path(args.out) / name
     cmd = [str(ROOT / ".venv/bin/python"), "-m", "eagle3.train", "--store", store, "--target", args.target,
            "--out", str(out), "--steps", str(args.steps), "--ttt-steps", str(args.ttt_steps),
-           "--micro-batch-tokens", str(args.seq_len), "--batching", "buckets", "--precision", "auto",
-           "--zero-stage", "1", "--warmup-steps", str(max(1, args.steps // 50)),
-           "--eval-fraction", str(args.eval_fraction), "--eval-every", "0", "--no-eval-at-start",
-           "--save-every", "0", "--wandb-mode", "disabled", "--no-progress", "--no-resume"]
+           "--data.micro-batch-tokens", str(args.seq_len), "--data.batching", "buckets", "--precision", "auto",
+           "--zero-stage", "1", "--optim.warmup-steps", str(max(1, args.steps // 50)),
+           "--data.eval-fraction", str(args.eval_fraction), "--eval-every", "0", "--no-eval-at-start",
+           "--save-every", "0", "--log.wandb-mode", "disabled", "--no-log.progress", "--no-resume"]
     if args.draft_vocab:
-        cmd += ["--draft-vocab", args.draft_vocab]
+        cmd += ["--draft.vocab", args.draft_vocab]
     else:
-        cmd += ["--draft-vocab-size", str(args.draft_vocab_size)]
+        cmd += ["--draft.vocab-size", str(args.draft_vocab_size)]
     cmd += recipe_flags(args.ours_recipe)
     if args.lr is not None:
-        cmd += ["--lr", str(args.lr)]
+        cmd += ["--optim.lr", str(args.lr)]
     cmd += shlex.split(args.ours_args)
     return reused(out / "summary.json", cmd, args) or ran(out, cmd, Path(args.out) / f"{name}.log")
 
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME=ARGS: also train ours on --store with these eagle3.train.loop arguments in place of "
                              "--ours-args (same recipe, vocab, steps and lr) and judge it, e.g. "
-                             "'all=--loss-positions all' or an ablation of one setting")
+                             "'all=--loss.positions all' or an ablation of one setting")
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--pools", default="runs/pools")
     parser.add_argument("--out", default="runs/race/bench")
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--fresh", action="store_true")
     parser.add_argument("--ours-args", default="", help="more eagle3.train.loop arguments for our runs, after the "
-                        "recipe's, e.g. '--loss-positions all'")
+                        "recipe's, e.g. '--loss.positions all'")
     args = parser.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
 

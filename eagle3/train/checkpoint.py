@@ -39,7 +39,7 @@ from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.errors import Eagle3Error, TrainError
 from eagle3.export import export_draft_folder, load_draft
 from eagle3.store.shards import HarvestStore, StoreUnion
-from eagle3.train.config import TrainConfig, settings_of
+from eagle3.train.config import MOVED, TrainConfig, settings_of
 
 LATEST = "latest"
 EXPORT_FORMAT = "eagle3-draft-2"
@@ -274,7 +274,9 @@ def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore | Sto
 
 
 def check_pinned(saved: dict[str, Any], now: dict[str, Any], out_dir: Path) -> None:
-    """Keys one side lacks (pinned by an earlier or later version) are not compared."""
+    """A checkpoint's flat keys of an earlier version (``train.lr``) are compared under their place now
+    (``train.optim.lr``); keys one side lacks (pinned by an earlier or later version) are not compared."""
+    saved = {(f"train.{MOVED[k[6:]]}" if k.startswith("train.") and k[6:] in MOVED else k): v for k, v in saved.items()}
     for key in sorted(set(saved) & set(now)):
         if saved.get(key) != now.get(key):
             shown = (lambda v: f"{str(v)[:60]}...") if key.endswith(".shards") else repr

@@ -1,8 +1,8 @@
 """The trainer: an EAGLE-3 draft head on a harvest store, with the DeepSpeed engine.
 
     python -m eagle3.train --store runs/harvest --target smollm2-135m --out runs/train \\
-        [--eval-store DIR | --eval-fraction 0.1] [--steps N] [--zero-stage 0..3] [--precision fp32|bf16|auto] ...
-    torchrun --nproc_per_node 2 -m eagle3.train ...          # or: deepspeed --num_gpus 2 eagle3/train/loop.py ...
+        [--data.eval-store DIR | --data.eval-fraction 0.1] [--steps N] [--zero-stage 0..3] [--optim.lr LR] ...
+    torchrun --nproc_per_node 2 -m eagle3.train ...          # or: deepspeed --num_gpus 2 --module eagle3.train ...
 
 What it wraps around the library (the draft and TTT code know nothing of this):
 
@@ -65,6 +65,7 @@ from eagle3.distributed import (
     lost_peer,
     per_rank,
     print0,
+    shutdown,
 )
 from eagle3.draft.families import parameter_count
 from eagle3.draft.formats import nonfinite_tensors
@@ -593,4 +594,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    finally:
+        shutdown()  # the process groups go before the interpreter does

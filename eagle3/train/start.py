@@ -219,13 +219,13 @@ def fit_start(init: InitSpec, positions: str, model: Any, head: Any,
 
     - ``train.init.aux_scale=unit``: each channel of what ``fc`` reads at unit RMS over the batch's
       tokens (:meth:`DraftHead.scale_aux_inputs`);
-    - ``train.init.head_scale=fit`` (with ``lm_head_init=target``): the copied head rows times the
+    - ``train.init.head_scale=fit`` (with ``init.lm_head=target``): the copied head rows times the
       factor of :data:`HEAD_SCALES` whose untrained draft has the lowest loss on the batch (the
       loss is convex in that factor, so the search stops once it rises). A head copied from the
       target is as sharp as the target's on the target's own states; on an untrained draft's
       states it can be far sharper (Gemma-3's final norm scales some channels by 300), and a start
       that confident and wrong learns slowly;
-    - ``auto`` (either key, with ``lm_head_init=target``): ``unit`` / ``fit`` when the copied start's
+    - ``auto`` (either key, with ``init.lm_head=target``): ``unit`` / ``fit`` when the copied start's
       logits spread more than :data:`SHARP` times the target's, else ``none`` / ``one``.
 
     Returns what was probed and set, for the run's summary. ``model`` is the :class:`TTTModel`

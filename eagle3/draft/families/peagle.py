@@ -36,7 +36,7 @@ class PEagleFamily(Eagle3Family):
     replays_steps = False  # one forward proposes the round
 
     def adopt(self, draft: DraftHead, source: str, mask_token_id: int | None, steps: int) -> DraftHead:
-        """An eagle3 ``init_draft`` becomes a P-EAGLE draft: the same weights, a fresh mask state."""
+        """An eagle3 ``train.init.draft`` becomes a P-EAGLE draft: the same weights, a fresh mask state."""
         if draft.config.family == "eagle3":
             out = Eagle3Draft(replace(draft.config, family=self.name, mask_token_id=mask_token_id))
             missing, unexpected = out.load_state_dict(draft.state_dict(), strict=False)
