@@ -260,9 +260,9 @@ class TrainConfig:
         return {**self.draft.config_overrides(), **family.config_fields(mask_token_id, self.draft, self.ttt_steps)}
 
 
-SECTIONS: dict[str, type] = {"data": StoreSpec, "draft": DraftSpec, "init": InitSpec, "loss": LossSpec,
-                             "optim": OptimSpec, "log": LogSpec}
-"""TrainConfig's sections, by key."""
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(TrainConfig)  # type: ignore[misc]
+                             if isinstance(f.default_factory, type) and is_dataclass(f.default_factory)}
+"""TrainConfig's sections, by key (its fields that are settings classes)."""
 
 MOVED: dict[str, str] = {
     **{name: f"data.{name}" for name in ("store", "extra_stores", "sample_weights", "eval_store", "eval_fraction",
