@@ -4,10 +4,12 @@ rank lost mid-run (its host died, its process was killed, the network between th
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +77,18 @@ def lost_peer(err: BaseException, rt: Runtime) -> PeerLost | None:
     who = "lost " + " / ".join(named) if named else "lost another rank (the error does not say which)"
     first = text.strip().splitlines()[0][:300] if text.strip() else type(err).__name__
     return PeerLost(f"rank {rt.rank} on {here}: a collective failed: {who}; ranks {ranks}: {first}")
+
+
+@contextlib.contextmanager
+def peers_named(rt: Runtime) -> Iterator[None]:
+    """Inside: a collective that failed because a peer was lost (its node died) raises a
+    :class:`PeerLost` naming it, not a bare gloo/nccl trace; anything else passes through."""
+    try:
+        yield
+    except RuntimeError as err:
+        if isinstance(err, Eagle3Error) or (lost := lost_peer(err, rt)) is None:
+            raise
+        raise lost from err
 
 
 def is_rank0() -> bool:
@@ -176,6 +190,11 @@ def all_reduce_sum(x: Tensor) -> Tensor:
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(x)
     return x
+
+
+def any_rank(rt: Runtime, flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank (a collective: every rank calls it)."""
+    return bool(all_reduce_sum(torch.tensor([float(flag)], device=rt.device)).item())
 
 
 def barrier() -> None:

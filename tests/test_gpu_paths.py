@@ -25,9 +25,8 @@ from eagle3.draft.ttt import BLOCKED_ATTENTION_MIN_LEN
 from eagle3.store.batches import BatchLoader, load_batch
 from eagle3.store.shards import HarvestStore, StoreUnion
 from eagle3.train.config import train_config
-from eagle3.train.log import read_metrics
+from eagle3.train.log import PhaseClock, read_metrics
 from eagle3.train.loop import train
-from eagle3.train.step import PhaseClock
 from tests.helpers import lively_target, packed_batch, regenerated_data, tiny_draft, train_briefly
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -512,7 +512,7 @@ def test_a_store_that_verify_rejects_is_not_trained_on(tiny: dict, tmp_path: Pat
         hashed.append(str(root))
         return verify_store(root, part)
 
-    monkeypatch.setattr("eagle3.train.data.verify_store", counting)
+    monkeypatch.setattr("eagle3.store.shards.verify_store", counting)
     assert train(_cfg(tiny, out, **{"data.store": str(store)}, steps=3, save_every=1),
                  target=tiny["target"])["steps"] == 3
     assert hashed == []  # resumed: verified by this run already, unchanged
@@ -789,16 +789,16 @@ def test_a_diverged_run_stops_before_saving_a_non_finite_draft(tiny: dict, tmp_p
     assert not (out / "final").exists() and not (out / "summary.json").exists()
     # weights gone non-finite in the step just taken (the loss before it was finite): caught before the
     # export of that step's eval
-    import eagle3.train.loop as train_module
+    import eagle3.train.checkpoint as checkpoint_module
 
-    real = train_module._draft_state
+    real = checkpoint_module.draft_weights
 
     def poisoned(draft, zero_stage):
         state = real(draft, zero_stage)
         state["fc.weight"][0, 0] = float("inf")
         return state
 
-    monkeypatch.setattr(train_module, "_draft_state", poisoned)
+    monkeypatch.setattr(checkpoint_module, "draft_weights", poisoned)
     with pytest.raises(TrainError, match=r"step 1: NaN/Inf in fc.weight"):
         train(_cfg(tiny, tmp_path / "at-eval", steps=6, eval_every=1, save_every=0, eval_at_start=False),
               target=tiny["target"])

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from eagle3.store.shards import HarvestStore, Sample
+from eagle3.store.spec import StoreSpec
 
 
 def held_out(sample_id: str, fraction: float) -> bool:
@@ -210,8 +211,9 @@ def loss_token_counts(store: HarvestStore, indices: Sequence[int], vocab_size: i
 
 
 __all__ = [
-    "BatchLoader", "collate", "epoch_batches", "eval_batches_for_rank", "held_out", "load_batch", "loss_token_counts",
-    "rank_batch_index", "shard_sequence", "split_by_id", "steps_per_epoch", "weighted_indices",
+    "BatchLoader", "collate", "epoch_batches", "epoch_plan", "eval_batches_for_rank", "first_micro_batch", "held_out",
+    "load_batch", "loss_token_counts", "rank_batch_index", "shard_sequence", "split_by_id", "steps_per_epoch",
+    "weighted_indices",
 ]
 
 
@@ -278,3 +280,20 @@ def pack(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
         cat["topk_ids"] = torch.cat([s.topk_ids for s in samples])
         cat["topk_logprobs"] = torch.cat([s.topk_logprobs for s in samples])
     return cat
+
+
+def epoch_plan(data: StoreSpec, seed: int, store: Any, train_idx: Sequence[int], weights_by_id: dict[str, float],
+               epoch: int) -> list[list[int]]:
+    """Epoch ``epoch``'s micro-batches (store indices), every rank's, in the order they are dealt."""
+    idx = (weighted_indices(train_idx, store.sample_ids, weights_by_id, seed, epoch) if weights_by_id
+           else train_idx)
+    return epoch_batches(store.lengths, idx, data.batching, data.micro_batch_tokens, seed, epoch,
+                         shard_of=store.shard_of if data.shard_window else None, window=data.shard_window)
+
+
+def first_micro_batch(data: StoreSpec, seed: int, store: Any, train_idx: Sequence[int],
+                      weights_by_id: dict[str, float]) -> dict[str, torch.Tensor]:
+    """The run's first micro-batch (epoch 0's first, every rank's first read), as the loader builds it."""
+    store.begin_epoch(0)
+    plan = epoch_plan(data, seed, store, train_idx, weights_by_id, 0)
+    return load_batch(store, plan[0], data.batching)

@@ -28,7 +28,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,6 +221,39 @@ def verify_store(root: str | os.PathLike[str], part: tuple[int, int] = (0, 1)) -
             raise StoreError(f"{path}: sha256 differs from the manifest (corrupt or truncated shard)")
         check_shard(path, spec, entry)
     return manifest
+
+
+def verify_stores(roots: Sequence[str], record: Path, rank: int = 0, world_size: int = 1,
+                  any_rank: Callable[[bool], bool] = bool) -> list[str]:
+    """Every shard of ``roots`` checked against its manifest (sha256, tensor shapes) before a run reads
+    a sample, the shards split over ``world_size`` ranks (``any_rank(flag)``: whether any rank's flag is
+    set; every rank calls this). A store verified before and unchanged since (its manifest, each
+    shard's size and modification time, kept in ``record``) is not hashed again, so a resume costs
+    nothing. Returns the stores hashed now; a bad shard raises :class:`StoreError` naming it on the
+    rank that read it (the others: that another rank failed)."""
+    try:
+        known = json.loads(record.read_text()) if record.is_file() else {}
+    except ValueError:
+        known = {}
+    states = {root: store_state(root) for root in dict.fromkeys(roots)}
+    todo = [root for root, state in states.items() if not state or known.get(os.path.realpath(root)) != state]
+    bad: StoreError | None = None
+    for root in todo:
+        try:
+            verify_store(root, (rank, world_size))
+        except StoreError as err:
+            bad = err
+            break
+    failed = any_rank(bad is not None)
+    if bad is not None:
+        raise bad
+    if failed:
+        raise StoreError("a store failed its verification on another rank (its message names the shard)")
+    if rank == 0 and todo:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        known |= {os.path.realpath(root): states[root] for root in todo if states[root]}
+        atomic_write_text(record, json.dumps(known, indent=1) + "\n")
+    return todo
 
 
 def store_state(root: str | os.PathLike[str]) -> dict[str, Any]:

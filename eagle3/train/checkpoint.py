@@ -26,7 +26,7 @@ import json
 import os
 import random
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +34,42 @@ import numpy as np
 import torch
 
 from eagle3.atomic import atomic_write_text, remove_leftovers, sha256_file
-from eagle3.draft.formats import DraftFormatError
-from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.distributed import Runtime, all_reduce_sum, barrier, print0
+from eagle3.draft.formats import DraftFormatError, nonfinite_tensors
+from eagle3.draft.model import DraftConfig, DraftHead, Eagle3Draft
 from eagle3.errors import Eagle3Error, TrainError
 from eagle3.export import export_draft_folder, load_draft
 from eagle3.store.shards import HarvestStore, StoreUnion
 from eagle3.train.config import MOVED, TrainConfig, settings_of
+from eagle3.train.data import VERIFIED
 
 LATEST = "latest"
 EXPORT_FORMAT = "eagle3-draft-2"
+DRAFT_VOCAB = "draft_vocab.safetensors"
+"""The run's draft vocab in its ``out_dir``: chosen once, read again on resume."""
+
+
+@dataclass
+class RunState:
+    """Where a run is: kept in every checkpoint (as JSON, also ``trainer.json``) and restored on resume."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_index: int = 0  # micro-batches of the epoch read so far, every rank's
+    best_tau: float | None = None  # the best held-out tau_sim so far, and its step (exported to best/)
+    best_step: int | None = None
+    first_eval: dict[str, float] | None = None
+    last_eval: dict[str, float] | None = None
+    first_loss: float | None = None  # the run's first step's, whichever process ran it
+    pinned: dict[str, Any] = field(default_factory=dict)  # what a resume must share (pinned_settings)
+    tokens: int | None = 0  # trained tokens over the whole run, across resumes
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """A checkpoint's state; one written before runs counted their tokens leaves them unknown (None)."""
+        known = {f.name for f in fields(self)}
+        for key, value in {"tokens": None, **saved}.items():
+            if key in known:
+                setattr(self, key, value)
 
 
 class CheckpointError(Eagle3Error, RuntimeError):
@@ -114,11 +141,6 @@ def remove_partial(root: str | os.PathLike[str]) -> list[str]:
     return removed + remove_leftovers(root, [LATEST])
 
 
-def _barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
 def _fsync_tree(path: Path) -> None:
     for child in path.rglob("*"):
         if child.is_file():
@@ -140,12 +162,12 @@ def save_checkpoint(engine: Any, root: str | os.PathLike[str], step: int, client
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(root / tmp, ignore_errors=True)
-    _barrier()
+    barrier()
     # The frozen embedding (a copy of the target's, often the draft's largest tensor) is not saved.
     engine.save_checkpoint(str(root), tag=tmp, client_state=client_state, save_latest=False,
                            exclude_frozen_parameters=True)
     torch.save(rng_state(), root / tmp / f"rng-rank{rank:05d}.pt")
-    _barrier()
+    barrier()
     if rank == 0:
         if readable is not None:  # with every rank's files and their sizes, checked by every rank on resume
             files = {p.relative_to(root / tmp).as_posix(): p.stat().st_size
@@ -160,7 +182,7 @@ def save_checkpoint(engine: Any, root: str | os.PathLike[str], step: int, client
         for old in tags[:-keep]:
             if old != tag:
                 shutil.rmtree(root / old, ignore_errors=True)
-    _barrier()
+    barrier()
     return tag
 
 
@@ -227,6 +249,28 @@ def export_draft(out: str | os.PathLike[str], state: dict[str, torch.Tensor], co
     export_draft_folder(out, state, config, info["aux_layer_ids"], "vllm", dtype=dtype, meta=meta)
 
 
+def draft_weights(draft: DraftHead, zero_stage: int) -> dict[str, torch.Tensor]:
+    """The full draft state on CPU (gathered from the ranks under ZeRO-3; a collective then)."""
+    if zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(draft.parameters()), modifier_rank=None):
+            return {k: v.detach().cpu().clone() for k, v in draft.vllm_state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in draft.vllm_state_dict().items()}
+
+
+def export_finite(out: str | os.PathLike[str], draft: DraftHead, zero_stage: int, info: dict[str, Any],
+                  rank: int) -> None:
+    """Export the draft as it is now (every rank calls this: under ZeRO-3 its weights are gathered), refused
+    with the step named when a weight went NaN/Inf (the update after the last finite loss)."""
+    weights = draft_weights(draft, zero_stage)
+    if bad := nonfinite_tensors(weights):  # every rank holds the same weights: every rank stops
+        raise TrainError(f"step {info['step']}: NaN/Inf in {', '.join(bad[:4])}; stopping before a non-finite "
+                         "draft is exported (check the store's states, train.init.draft and train.optim.lr)")
+    if rank == 0:
+        export_draft(out, weights, draft.config, info)
+
+
 def load_exported_draft(folder: str | os.PathLike[str],
                         embed_tokens_weight: torch.Tensor | None = None) -> tuple[Eagle3Draft, dict[str, Any]]:
     """An exported draft and its ``draft.json`` (the embedding is the target's: pass it, or it
@@ -239,9 +283,10 @@ def load_exported_draft(folder: str | os.PathLike[str],
 
 
 __all__ = [
-    "EXPORT_FORMAT", "LATEST", "CheckpointError", "export_draft", "latest_tag", "load_checkpoint",
-    "load_exported_draft", "read_trainer_state", "remove_partial", "rng_state", "save_checkpoint",
-    "seed_everything", "set_rng_state", "tag_of",
+    "DRAFT_VOCAB", "EXPORT_FORMAT", "LATEST", "CheckpointError", "RunState", "draft_weights", "export_draft",
+    "export_finite", "finished_earlier", "latest_tag", "load_checkpoint", "load_exported_draft", "read_trainer_state",
+    "remove_partial", "resume_point", "rng_state", "save_checkpoint", "seed_everything", "set_rng_state",
+    "start_over_or_resume", "tag_of",
 ]
 
 
@@ -283,3 +328,55 @@ def check_pinned(saved: dict[str, Any], now: dict[str, Any], out_dir: Path) -> N
             raise TrainError(f"{out_dir} was trained with {key}={shown(saved.get(key))}, this run has "
                              f"{shown(now.get(key))}; use the same settings to resume, or another out_dir "
                              "(or --no-resume to start over)")
+
+
+# ---------------------------------------------------------------- resume, or start over
+
+
+def resume_point(cfg: TrainConfig, world_size: int, store: HarvestStore | StoreUnion,
+                 eval_store: HarvestStore | None) -> tuple[str | None, dict[str, Any]]:
+    """(the checkpoint tag a run resumes from, or None to start over; the settings it pins), a resume
+    checked against the settings its checkpoint was saved with."""
+    out_dir = Path(cfg.out_dir)
+    ckpt_root = out_dir / "checkpoints"
+    tag = latest_tag(ckpt_root) if cfg.resume and ckpt_root.is_dir() else None
+    pinned = pinned_settings(cfg, world_size, store, eval_store)
+    if tag is not None:
+        check_pinned(read_trainer_state(ckpt_root, tag).get("pinned", {}), pinned, out_dir)
+    return tag, pinned
+
+
+def start_over_or_resume(cfg: TrainConfig, engine: Any, rt: Runtime, state: RunState, tag: str | None) -> None:
+    """Clear what a kill left half-written; starting over, no stale checkpoint or export survives;
+    resuming, load ``tag`` into the engine and ``state``."""
+    out_dir = Path(cfg.out_dir)
+    ckpt_root = out_dir / "checkpoints"
+    if rt.rank == 0:  # what a kill left half-written
+        remove_leftovers(out_dir, ["best", "final", "summary.json", "metrics.jsonl", "wandb_run_id",
+                                   DRAFT_VOCAB, VERIFIED])
+    if rt.rank == 0 and tag is None:
+        for old in (ckpt_root, out_dir / "best", out_dir / "final"):
+            shutil.rmtree(old, ignore_errors=True)
+    elif rt.rank == 0:
+        remove_partial(ckpt_root)
+    barrier()
+    if tag is not None:
+        client = load_checkpoint(engine, ckpt_root, tag, rank=rt.rank, world_size=rt.world_size)
+        saved = json.loads(client["trainer_json"]) if "trainer_json" in client else client["trainer"]
+        state.restore(saved)
+        print0(f"train: resumed from {ckpt_root / tag} (step {state.step})")
+
+
+def finished_earlier(cfg: TrainConfig, rt: Runtime, resumed_step: int | None) -> dict[str, Any] | None:
+    """A run already finished: its summary (rank 0's view decides for every rank), else None."""
+    if resumed_step is None or resumed_step < cfg.steps:
+        return None
+    out_dir = Path(cfg.out_dir)
+    done = out_dir / "summary.json"
+    seen = torch.tensor([float(rt.rank == 0 and done.is_file() and (out_dir / "final").is_dir())], device=rt.device)
+    if not all_reduce_sum(seen).item():
+        return None
+    print0(f"train: finished earlier in {out_dir} (step {resumed_step}); nothing to do")
+    if rt.rank == 0:
+        return json.loads(done.read_text())
+    return {"stage": "train", "out": str(out_dir), "steps": resumed_step}

@@ -41,8 +41,8 @@ class InitSpec:
     head_scale: str = "one"
     """With ``lm_head=target``, at a fresh start: fit: the copied rows times the factor in [2^-16, 1]
     (half-octave steps) whose untrained draft has the lowest loss on the run's first micro-batch
-    (:func:`eagle3.train.start.fit_start`; the factor is in the run's summary); one: as copied; auto: fit
-    when the untrained draft's logits spread more than ``start.SHARP`` times the target's, else one."""
+    (:func:`eagle3.train.fit.fit_start`; the factor is in the run's summary); one: as copied; auto: fit
+    when the untrained draft's logits spread more than ``fit.SHARP`` times the target's, else one."""
     aux_scale: str = "none"
     """At a fresh start: unit: every channel of what ``fc`` reads starts at unit RMS over the first
     micro-batch's tokens (the factor goes in the norm before ``fc``, else in ``fc``'s columns;

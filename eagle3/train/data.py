@@ -4,25 +4,26 @@ the held-out split, and every shard verified."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from eagle3.config import TargetConfig
-from eagle3.distributed import Runtime, all_reduce_sum, print0
+from eagle3.distributed import Runtime, any_rank, print0
 from eagle3.errors import TrainError
-from eagle3.store.batches import epoch_batches, split_by_id, weighted_indices
+from eagle3.store.batches import epoch_batches, split_by_id
 from eagle3.store.colocated import ColocatedStore
 from eagle3.store.feed import StoreFeed
-from eagle3.store.shards import HarvestStore, StoreError, StoreUnion, open_stores, store_state, verify_store
+from eagle3.store.shards import HarvestStore, StoreError, StoreUnion, open_stores, verify_stores
 from eagle3.store.spec import StoreSpec
 from eagle3.store.spool import SpoolStore
 from eagle3.target.model import Target, load_target, load_target_head
+from eagle3.train.config import TrainConfig
 
 
 def read_sample_weights(path: str | None, key: str = "train.data.sample_weights",
@@ -44,37 +45,60 @@ def read_sample_weights(path: str | None, key: str = "train.data.sample_weights"
 VERIFIED = "verified_stores.json"
 
 
-def verify_stores(roots: Sequence[str], record: Path, rt: Runtime) -> list[str]:
-    """Every shard of ``roots`` checked against its manifest (sha256, tensor shapes) before the run
-    reads a sample, the shards split over the ranks. A store this run has verified and that is
-    unchanged since (its manifest, each shard's size and modification time, kept in ``record``) is
-    not hashed again, so a resume costs nothing. Returns the stores hashed now."""
-    try:
-        known = json.loads(record.read_text()) if record.is_file() else {}
-    except ValueError:
-        known = {}
-    states = {root: store_state(root) for root in dict.fromkeys(roots)}
-    todo = [root for root, state in states.items() if not state or known.get(os.path.realpath(root)) != state]
-    bad: StoreError | None = None
-    for root in todo:
-        try:
-            verify_store(root, (rt.rank, rt.world_size))
-        except StoreError as err:
-            bad = err
-            break
-    failed = all_reduce_sum(torch.tensor([float(bad is not None)], device=rt.device))
-    if bad is not None:
-        raise TrainError(f"{bad}; nothing was trained (python -m data_gen.harvest verify <store> checks a store)")
-    if failed.item():
-        raise TrainError("a store failed its verification on another rank (its message names the shard); "
-                         "nothing was trained")
-    if rt.rank == 0 and todo:
-        from eagle3.atomic import atomic_write_text
+@dataclass
+class TrainData:
+    """What a run trains and evaluates on: the store, its training indices and their weights, and the
+    held-out store (the training store itself for an id-hash split; None without one) with its indices
+    and its micro-batches (every rank's)."""
 
-        record.parent.mkdir(parents=True, exist_ok=True)
-        known |= {os.path.realpath(root): states[root] for root in todo if states[root]}
-        atomic_write_text(record, json.dumps(known, indent=1) + "\n")
-    return todo
+    store: StoreFeed
+    train_idx: list[int]
+    weights_by_id: dict[str, float]
+    eval_store: Any
+    eval_idx: list[int]
+    eval_batches: list[list[int]]
+
+
+def open_data(cfg: TrainConfig, target_cfg: TargetConfig, target: Target | None,
+              rt: Runtime) -> tuple[TrainData, Target]:
+    """The run's data and the target it needs (its head, or all of it co-located; ``target`` when given),
+    checked before anything is written or read for training: a window the rows are longer than, the
+    sample weights, the held-out split, the store's states from these weights, every shard verified."""
+    data = cfg.data
+    store = open_train_store(data, cfg.seed, rt.rank)
+    check_window(cfg.draft.sliding_window, store)
+    weights_by_id = sample_weights(data, store)
+    eval_store, train_idx, eval_idx = eval_split(data, store)
+    eval_batches = (epoch_batches(eval_store.lengths, eval_idx, data.batching, data.micro_batch_tokens, cfg.seed, 0)
+                    if eval_store is not None else [])
+    if target is None:
+        colocated = store.computes_states  # the whole target, on this rank's device
+        target = load_target_for(replace(target_cfg, device=str(rt.device)) if colocated else target_cfg,
+                                 store.spec.aux_layer_ids, full=colocated)
+    check_weights(target, store.spec)
+    store.check_target(target)
+    if eval_store is not None and eval_store is not store:
+        eval_store.check_target(target)
+    try:
+        verify_stores([*store.verified_files(), *filter(None, [data.eval_store])], Path(cfg.out_dir) / VERIFIED,
+                      rt.rank, rt.world_size, functools.partial(any_rank, rt))
+    except StoreError as err:
+        raise TrainError(f"{err}; nothing was trained (python -m data_gen.harvest verify <store> checks a store)"
+                         ) from None
+    store.attach(target)  # co-located: this rank's target computes each micro-batch's states
+    return TrainData(store, train_idx, weights_by_id, eval_store, eval_idx, eval_batches), target
+
+
+def check_window(window: int | None, store: Any) -> None:
+    """A sliding window no shorter than the store's longest row never acts in training: refused."""
+    if window is None:
+        return
+    lengths = getattr(store, "lengths", None)
+    longest, what = (max(lengths), "longest row") if lengths else (store.spec.max_seq_len, "max_seq_len")
+    if window >= longest:
+        raise TrainError(f"train.draft.sliding_window={window}: not shorter than the store's {what} ({longest} "
+                         "tokens), so the draft would never train with its window; harvest longer rows or set a "
+                         "smaller window")
 
 
 def open_train_store(data: StoreSpec, seed: int, rank: int = 0) -> StoreFeed:
@@ -123,10 +147,11 @@ def sample_weights(data: StoreSpec, store: HarvestStore | StoreUnion) -> dict[st
     return weights_by_id
 
 
-def eval_split(data: StoreSpec, store: HarvestStore | StoreUnion,
-               target: Target) -> tuple[HarvestStore | StoreUnion | None, list[int], list[int]]:
+def eval_split(data: StoreSpec,
+               store: HarvestStore | StoreUnion) -> tuple[HarvestStore | StoreUnion | None, list[int], list[int]]:
     """(eval store, training indices, eval indices): ``train.data.eval_store`` less the conversations it
-    shares with the training store, or an id-hash split of the training store."""
+    shares with the training store, or an id-hash split of the training store. The caller checks a
+    held-out store against the target."""
     if data.eval_store:
         try:
             eval_store: HarvestStore | StoreUnion | None = HarvestStore(Path(data.eval_store))
@@ -135,7 +160,6 @@ def eval_split(data: StoreSpec, store: HarvestStore | StoreUnion,
         assert eval_store is not None
         if not len(eval_store):
             raise TrainError(f"train.data.eval_store={data.eval_store}: holds no sample; nothing to evaluate on")
-        eval_store.check_target(target)
         if eval_store.spec.aux_layer_ids != store.spec.aux_layer_ids:
             raise TrainError(f"train.data.eval_store={data.eval_store}: aux_layer_ids "
                              f"{list(eval_store.spec.aux_layer_ids)}"
@@ -159,15 +183,6 @@ def eval_split(data: StoreSpec, store: HarvestStore | StoreUnion,
         raise TrainError(f"train.data.eval_fraction={data.eval_fraction} leaves {len(train_idx)} training and "
                          f"{len(eval_idx)} eval samples of {len(store)} in {data.store}")
     return eval_store, train_idx, eval_idx
-
-
-def epoch_plan(data: StoreSpec, seed: int, store: Any, train_idx: Sequence[int], weights_by_id: dict[str, float],
-               epoch: int) -> list[list[int]]:
-    """Epoch ``epoch``'s micro-batches (store indices), every rank's, in the order they are dealt."""
-    idx = (weighted_indices(train_idx, store.sample_ids, weights_by_id, seed, epoch) if weights_by_id
-           else train_idx)
-    return epoch_batches(store.lengths, idx, data.batching, data.micro_batch_tokens, seed, epoch,
-                         shard_of=store.shard_of if data.shard_window else None, window=data.shard_window)
 
 
 def load_target_for(target_cfg: TargetConfig, aux_layer_ids: Sequence[int], full: bool = False) -> Target:

@@ -1,15 +1,20 @@
 """Where the trainer's numbers go: rank 0 writes ``metrics.jsonl`` and a wandb run; every
-other rank gets a null sink."""
+other rank gets a null sink. :class:`PhaseClock` times a step's phases for them."""
 
 from __future__ import annotations
 
 import json
 import secrets
+import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from eagle3.atomic import atomic_write_text
+from eagle3.device import synchronize
 from eagle3.errors import ConfigError
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -107,3 +112,34 @@ def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
 
 
 __all__ = ["WANDB_MODES", "LogSpec", "NullSink", "RunSink", "read_metrics"]
+
+
+class PhaseClock:
+    """Where a training step's time goes: milliseconds per phase (reading the batch, forward,
+    backward, optimizer, metrics), each phase closed by a device sync so that its own queued work
+    is counted in it. On with ``train.log.phase_times`` only: the syncs take away the overlap of host
+    and device work that they measure, so a run's tokens/s with it is not the run's speed."""
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.device = device
+        self.enabled = enabled
+        self._ms: dict[str, float] = defaultdict(float)
+        self._last = 0.0
+
+    def start(self) -> None:
+        if self.enabled:
+            synchronize(self.device)
+            self._ms.clear()
+            self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        """The time since the last mark goes to ``phase`` (summed over a step's micro-batches)."""
+        if self.enabled:
+            synchronize(self.device)
+            now = time.perf_counter()
+            self._ms[phase] += (now - self._last) * 1000
+            self._last = now
+
+    def metrics(self) -> dict[str, float]:
+        """This step's ``time/<phase>_ms`` (empty when off)."""
+        return {f"time/{k}_ms": round(v, 3) for k, v in self._ms.items()} if self.enabled else {}

@@ -41,45 +41,37 @@ import functools
 import json
 import math
 import resource
-import shutil
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from eagle3.atomic import remove_leftovers
+from eagle3.atomic import atomic_write_text
 from eagle3.cli import add_dataclass_arguments, parse_moved
 from eagle3.config import TargetConfig
 from eagle3.distributed import (
     ContextGroup,
     Runtime,
     all_reduce_sum,
-    barrier,
     context_group,
     init_runtime,
-    lost_peer,
+    peers_named,
     per_rank,
     print0,
     shutdown,
 )
 from eagle3.draft.families import parameter_count
-from eagle3.draft.formats import nonfinite_tensors
-from eagle3.draft.losses import Objective
 from eagle3.draft.metrics import AcceptanceTally
-from eagle3.draft.model import DraftHead
-from eagle3.draft.target_head import TargetHead
 from eagle3.draft.ttt import step_weights
-from eagle3.draft.vocab import write_draft_vocab
-from eagle3.errors import Eagle3Error, TrainError, run_cli
-from eagle3.export import read_draft_vocab
+from eagle3.errors import TrainError, run_cli
 from eagle3.store.batches import (
     BatchLoader,
-    epoch_batches,
+    epoch_plan,
     eval_batches_for_rank,
     load_batch,
     rank_batch_index,
@@ -87,62 +79,23 @@ from eagle3.store.batches import (
 )
 from eagle3.target.model import Target
 from eagle3.train.checkpoint import (
-    check_pinned,
-    export_draft,
-    latest_tag,
-    load_checkpoint,
-    pinned_settings,
-    read_trainer_state,
-    remove_partial,
+    RunState,
+    export_finite,
+    finished_earlier,
+    resume_point,
     save_checkpoint,
+    seed_everything,
+    start_over_or_resume,
 )
 from eagle3.train.config import MOVED, TrainConfig, train_config
-from eagle3.train.data import (
-    VERIFIED,
-    check_weights,
-    epoch_plan,
-    eval_split,
-    load_target_for,
-    open_train_store,
-    sample_weights,
-    verify_stores,
-)
-from eagle3.train.log import NullSink, RunSink
-from eagle3.train.optim import (
-    build_engine,
-    resolve_precision,
-    unclip_muon_updates_under_zero,
-    warmup_decay,
-)
-from eagle3.train.start import (
-    DRAFT_VOCAB,
-    choose_draft_vocab,
-    first_micro_batch,
-    fit_start,
-    initial_draft,
-    new_draft,
-)
-from eagle3.train.step import PhaseClock, TTTModel, run_batch, train_forward
+from eagle3.train.data import TrainData, open_data
+from eagle3.train.log import NullSink, PhaseClock, RunSink
+from eagle3.train.optim import build_engine, resolve_precision, unclip_muon_updates_under_zero
+from eagle3.train.start import DraftStart, start_draft
+from eagle3.train.step import run_batch, train_forward
 from eagle3.train.token_weights import TokenWeights, read_token_weights
 
 # ---------------------------------------------------------------- the draft's weights and gradients
-
-
-def _draft_state(draft: DraftHead, zero_stage: int) -> dict[str, Tensor]:
-    """The full draft state on CPU (gathered from the ranks under ZeRO-3; a collective then)."""
-    if zero_stage == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(draft.parameters()), modifier_rank=None):
-            return {k: v.detach().cpu().clone() for k, v in draft.vllm_state_dict().items()}
-    return {k: v.detach().cpu().clone() for k, v in draft.vllm_state_dict().items()}
-
-
-def _stop_if_not_finite(weights: dict[str, Tensor], step: int) -> None:
-    """Refuse to export a draft whose weights went NaN/Inf (the update after the last finite loss)."""
-    if bad := nonfinite_tensors(weights):
-        raise TrainError(f"step {step}: NaN/Inf in {', '.join(bad[:4])}; stopping before a non-finite draft is "
-                         "exported (check the store's states, train.init.draft and train.optim.lr)")
 
 
 def _grad_norm(engine: Any, params: Sequence[nn.Parameter]) -> float | None:
@@ -158,90 +111,25 @@ def _grad_norm(engine: Any, params: Sequence[nn.Parameter]) -> float | None:
 # ---------------------------------------------------------------- the loop
 
 
-@dataclass
-class RunState:
-    """Where a run is: kept in every checkpoint (as JSON, also ``trainer.json``) and restored on resume."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_index: int = 0  # micro-batches of the epoch read so far, every rank's
-    best_tau: float | None = None  # the best held-out tau_sim so far, and its step (exported to best/)
-    best_step: int | None = None
-    first_eval: dict[str, float] | None = None
-    last_eval: dict[str, float] | None = None
-    first_loss: float | None = None  # the run's first step's, whichever process ran it
-    pinned: dict[str, Any] = field(default_factory=dict)  # what a resume must share (pinned_settings)
-    tokens: int | None = 0  # trained tokens over the whole run, across resumes
-
-    def restore(self, saved: dict[str, Any]) -> None:
-        """A checkpoint's state; one written before runs counted their tokens leaves them unknown (None)."""
-        known = {f.name for f in fields(self)}
-        for key, value in {"tokens": None, **saved}.items():
-            if key in known:
-                setattr(self, key, value)
-
-
-def _start_over_or_resume(cfg: TrainConfig, engine: Any, rt: Runtime, state: RunState,
-                          resume_tag: str | None) -> None:
-    """Clear what a kill left half-written; starting over, no stale checkpoint or export survives;
-    resuming, load ``resume_tag`` into the engine and ``state``."""
-    out_dir = Path(cfg.out_dir)
-    ckpt_root = out_dir / "checkpoints"
-    if rt.rank == 0:  # what a kill left half-written
-        remove_leftovers(out_dir, ["best", "final", "summary.json", "metrics.jsonl", "wandb_run_id",
-                                   DRAFT_VOCAB, VERIFIED])
-    if rt.rank == 0 and resume_tag is None:
-        for old in (ckpt_root, out_dir / "best", out_dir / "final"):
-            shutil.rmtree(old, ignore_errors=True)
-    elif rt.rank == 0:
-        remove_partial(ckpt_root)
-    barrier()
-    if resume_tag is not None:
-        client = load_checkpoint(engine, ckpt_root, resume_tag, rank=rt.rank, world_size=rt.world_size)
-        saved = json.loads(client["trainer_json"]) if "trainer_json" in client else client["trainer"]
-        state.restore(saved)
-        print0(f"train: resumed from {ckpt_root / resume_tag} (step {state.step})")
-    # after any resume: DeepSpeed restores the clip a checkpoint saved
-    if cfg.optim.name == "muon" and unclip_muon_updates_under_zero(engine) and cfg.optim.max_grad_norm:
-        print0(f"train.optim.max_grad_norm={cfg.optim.max_grad_norm} is not applied: DeepSpeed's ZeRO optimizer "
-               "would clip "
-               "Muon's orthogonalised updates instead of the gradients (train.zero_stage=0, or bf16 at stage 1, "
-               "clips the gradients)")
-
-
-def _finished_earlier(cfg: TrainConfig, rt: Runtime, resumed_step: int | None) -> dict[str, Any] | None:
-    """A run already finished: its summary (rank 0's view decides for every rank), else None."""
-    if resumed_step is None or resumed_step < cfg.steps:
-        return None
-    out_dir = Path(cfg.out_dir)
-    done = out_dir / "summary.json"
-    seen = torch.tensor([float(rt.rank == 0 and done.is_file() and (out_dir / "final").is_dir())], device=rt.device)
-    if not all_reduce_sum(seen).item():
-        return None
-    print0(f"train: finished earlier in {out_dir} (step {resumed_step}); nothing to do")
-    if rt.rank == 0:
-        return json.loads(done.read_text())
-    return {"stage": "train", "out": str(out_dir), "steps": resumed_step}
-
-
 class _Loop:
     """One run's optimisation loop: the steps over each epoch's plan, evaluation and the best
     draft, checkpoints, logging. ``state`` is what a checkpoint keeps of it."""
 
-    def __init__(self, cfg: TrainConfig, rt: Runtime, engine: Any, model: TTTModel, head: TargetHead, t2d: Tensor,
-                 data: tuple[Any, list[int], dict[str, float]], evals: tuple[Any, list[int]], sink: Any,
-                 state: RunState, info: dict[str, Any], context: ContextGroup) -> None:
-        self.cfg, self.rt, self.engine, self.head, self.t2d = cfg, rt, engine, head, t2d
-        self.sink, self.state, self.draft, self.info = sink, state, model.draft, info
-        self.store, self.train_idx, self.weights_by_id = data
-        self.eval_store, eval_idx = evals
-        self.params = [p for p in model.parameters() if p.requires_grad]
+    def __init__(self, cfg: TrainConfig, rt: Runtime, engine: tuple[Any, Callable[[int], float]], start: DraftStart,
+                 data: TrainData, state: RunState, context: ContextGroup, target_cfg: TargetConfig,
+                 resumed_step: int | None) -> None:
+        self.cfg, self.rt, self.state, self.start = cfg, rt, state, start
+        self.engine, self.schedule = engine
+        self.head, self.draft, self.t2d = start.head, start.model.draft, start.vocab.t2d.to(rt.device)
+        self.store, self.train_idx, self.weights_by_id = data.store, data.train_idx, data.weights_by_id
+        self.eval_store, self.eval_idx = data.eval_store, data.eval_idx
+        spec = self.store.spec
+        self.info = {"target": spec.target, "aux_layer_ids": list(spec.aux_layer_ids),
+                     "tokenizer_sha256": spec.tokenizer_sha256}
+        self.params = [p for p in start.model.parameters() if p.requires_grad]
         self.dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         self.weights = step_weights(cfg.ttt_steps, cfg.loss.step_decay)
-        self.schedule = warmup_decay(cfg.optim.warmup_steps, cfg.steps, cfg.optim.min_lr_ratio, cfg.optim.schedule)
-        self.eval_batches_all = (epoch_batches(self.eval_store.lengths, eval_idx, cfg.data.batching,
-                                               cfg.data.micro_batch_tokens,
-                                        cfg.seed, 0) if self.eval_store is not None else [])
+        self.eval_batches_all = data.eval_batches
         self.context = context  # the ranks sharing a row; the data-parallel batch streams
         self.per_step = self.context.data_world * cfg.gradient_accumulation
         self.plan_epoch, self.plan = -1, []
@@ -252,6 +140,11 @@ class _Loop:
         self.token_weights = TokenWeights(read_token_weights(cfg.loss.token_weights, self.store.sample_ids),
                                           cfg.loss.hard_tokens, cfg.loss.hard_token_entropy,
                                           cfg.loss.hard_token_weight, cfg.steps)
+        self.resumed_step = resumed_step
+        self.sink = (RunSink(Path(cfg.out_dir), cfg.log, config={"train": asdict(cfg), "target": asdict(target_cfg),
+                                                                 "draft": asdict(self.draft.config)},
+                             resume_step=resumed_step)
+                     if rt.rank == 0 else NullSink())
 
     def evaluate(self) -> dict[str, float]:
         cfg, rt = self.cfg, self.rt
@@ -298,11 +191,8 @@ class _Loop:
         better = state.best_tau is None or tau > state.best_tau
         if better and state.step > 0:
             state.best_tau, state.best_step = tau, state.step
-            weights_now = _draft_state(self.draft, self.cfg.zero_stage)
-            _stop_if_not_finite(weights_now, state.step)  # on every rank: they hold the same weights
-            if self.rt.rank == 0:
-                export_draft(Path(self.cfg.out_dir) / "best", weights_now, self.draft.config,
-                             {**self.info, "step": state.step, "eval": metrics})
+            export_finite(Path(self.cfg.out_dir) / "best", self.draft, self.cfg.zero_stage,
+                          {**self.info, "step": state.step, "eval": metrics}, self.rt.rank)
         return metrics
 
     def _step_in_epoch(self) -> int | None:
@@ -420,16 +310,40 @@ class _Loop:
                     self.save()  # online, also when the shards read since the last save fill half the spool
 
 
-def check_window(cfg: TrainConfig, store: Any) -> None:
-    """A sliding window no shorter than the store's longest row never acts in training: refused."""
-    if cfg.draft.sliding_window is None:
-        return
-    lengths = getattr(store, "lengths", None)
-    longest, what = (max(lengths), "longest row") if lengths else (store.spec.max_seq_len, "max_seq_len")
-    if cfg.draft.sliding_window >= longest:
-        raise TrainError(f"train.draft.sliding_window={cfg.draft.sliding_window}: not shorter than the store's "
-                          f"{what} ({longest} tokens), so the draft would never train with its window; harvest "
-                          "longer rows or set a smaller window")
+    def finish(self, started: float) -> dict[str, Any]:
+        """The final draft exported, the log closed, the store's producers stopped; the run's summary."""
+        cfg, rt, state, draft = self.cfg, self.rt, self.state, self.draft
+        out_dir = Path(cfg.out_dir)
+        export_finite(out_dir / "final", draft, cfg.zero_stage,
+                      {**self.info, "step": state.step, "eval": state.last_eval or {}}, rt.rank)
+        self.sink.close()
+        if rt.rank == 0:
+            self.store.finish()  # online: the producers stop
+        gpu_peaks = ([round(x / 2**30, 2) for x in per_rank(torch.cuda.max_memory_allocated(rt.device), rt)]
+                     if rt.device.type == "cuda" else None)
+        summary = {
+            "stage": "train", "out": str(out_dir), "steps": state.step, "resumed_from_step": self.resumed_step,
+            "world_size": rt.world_size, "hosts": [host for host, _ in rt.hosts], "zero_stage": cfg.zero_stage,
+            "precision": cfg.precision,
+            "device": str(rt.device), "train_samples": len(self.train_idx), "eval_samples": len(self.eval_idx),
+            "draft_vocab_size": self.start.vocab.size, "trainable_parameters": parameter_count(draft.config)
+            - (draft.config.draft_vocab_size * draft.config.hidden_size if cfg.init.freeze_lm_head else 0),
+            "first_loss": state.first_loss, "last_loss": self.last_loss, "tokens": state.tokens,
+            "tokens_per_s": round(self.tokens_total / self.train_seconds, 1) if self.train_seconds else None,
+            "context_parallel": cfg.context_parallel,
+            "peak_gpu_gib": max(gpu_peaks) if gpu_peaks else None, "peak_gpu_gib_per_rank": gpu_peaks,
+            "peak_rss_gib_per_rank": [round(x / 2**20, 2)  # each process's peak resident memory
+                                      for x in per_rank(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, rt)],
+            "eval_first": state.first_eval, "eval_last": ({k: v for k, v in state.last_eval.items()
+                                                              if k in ("eval/loss", "eval/tau_sim")}
+                                                             if state.last_eval else None),
+            "best_step": state.best_step, "best_tau_sim": state.best_tau, "start": self.start.fit or None,
+            "wall_seconds": round(time.perf_counter() - started, 2),
+        }
+        summary |= self.store.summary()
+        if rt.rank == 0:
+            atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        return summary
 
 
 def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: Target | None = None) -> dict[str, Any]:
@@ -439,125 +353,37 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         raise TrainError("train.data.store and train.out_dir must be set")
     started = time.perf_counter()
     rt = init_runtime(cfg.device, cfg.collective_timeout_s)  # train.device=cuda without CUDA: a ConfigError, named
-    try:
-        return _train(cfg, target_cfg, target, rt, started)
-    except RuntimeError as err:  # a collective lost a rank (its node died): named, not a bare gloo/nccl trace
-        if isinstance(err, Eagle3Error) or (lost := lost_peer(err, rt)) is None:
-            raise
-        raise lost from err
+    with peers_named(rt):  # a collective that lost a rank (its node died): named, not a bare gloo/nccl trace
+        context = context_group(rt, cfg.context_parallel)  # a size that does not divide the world: named
+        if rt.device.type == "cpu":
+            torch.set_num_threads(cfg.threads)
+        cfg = replace(cfg, precision=resolve_precision(cfg.precision, cfg.optim, cfg.zero_stage, rt.device))
 
+        # the data, checked against the target before anything is read for training; then the draft, the
+        # target's head (the target itself is not needed after), the engine; then resume, or start over
+        data, target = open_data(cfg, target_cfg, target, rt)
+        resume_tag, pinned = resume_point(cfg, rt.world_size, data.store, data.eval_store)
+        seed_everything(cfg.seed)  # the same new draft on every rank (nothing random is drawn before it)
+        start = start_draft(cfg, data, target, resume_tag, rt)
+        del target
+        engine, schedule = build_engine(cfg.optim, cfg.steps, start.model, rt, precision=cfg.precision,
+                                        zero_stage=cfg.zero_stage, gradient_accumulation=cfg.gradient_accumulation)
+        state = RunState(pinned=pinned)
+        start_over_or_resume(cfg, engine, rt, state, resume_tag)
+        resumed_step = state.step if resume_tag is not None else None
+        if (done := finished_earlier(cfg, rt, resumed_step)) is not None:
+            if rt.rank == 0:
+                data.store.finish()  # nothing to read (online: the producers stop)
+            return done
+        # after any resume: DeepSpeed restores the clip a checkpoint saved
+        if cfg.optim.name == "muon" and unclip_muon_updates_under_zero(engine) and cfg.optim.max_grad_norm:
+            print0(f"train.optim.max_grad_norm={cfg.optim.max_grad_norm} is not applied: DeepSpeed's ZeRO optimizer "
+                   "would clip Muon's orthogonalised updates instead of the gradients (train.zero_stage=0, or bf16 "
+                   "at stage 1, clips the gradients)")
 
-def _train(cfg: TrainConfig, target_cfg: TargetConfig, target: Target | None, rt: Runtime,
-           started: float) -> dict[str, Any]:
-    context = context_group(rt, cfg.context_parallel)  # a size that does not divide the world: named
-    if rt.device.type == "cpu":
-        torch.set_num_threads(cfg.threads)
-    cfg = replace(cfg, precision=resolve_precision(cfg.precision, cfg.optim, cfg.zero_stage, rt.device))
-    ckpt_root = (out_dir := Path(cfg.out_dir)) / "checkpoints"
-
-    # -- data, checked against the target before anything is read for training
-    store, target = _data_and_target(cfg, target_cfg, target, rt)
-    spec = store.spec
-    check_window(cfg, store)
-    weights_by_id = sample_weights(cfg.data, store)
-    eval_store, train_idx, eval_idx = eval_split(cfg.data, store, target)
-    verify_stores([*store.verified_files(), *filter(None, [cfg.data.eval_store])], out_dir / VERIFIED, rt)
-    embedding = target.embed_tokens.weight.detach().float().cpu()
-    initial = initial_draft(cfg.init.draft, spec, target, embedding) if cfg.init.draft else None
-
-    # -- draft vocab: chosen once, frozen for the run
-    resume_tag = latest_tag(ckpt_root) if cfg.resume and ckpt_root.is_dir() else None
-    pinned = pinned_settings(cfg, rt.world_size, store, eval_store)
-    if resume_tag is not None:
-        check_pinned(read_trainer_state(ckpt_root, resume_tag).get("pinned", {}), pinned, out_dir)
-        vocab = read_draft_vocab(out_dir / DRAFT_VOCAB, target.vocab_size)
-    else:
-        eos = target.tokenizer.eos_token_id
-        vocab = choose_draft_vocab(cfg.draft, store, train_idx, target.vocab_size, [] if eos is None else [eos],
-                                   initial)
-        if rt.rank == 0:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            write_draft_vocab(out_dir / DRAFT_VOCAB, vocab)
-    barrier()
-
-    # -- the draft, the target's head (the target itself is not needed after), the engine
-    draft = new_draft(cfg, target, len(spec.aux_layer_ids), vocab, initial, embedding, rt.device)
-    head = TargetHead.of_target(target, cfg.loss.target_temperature).to(rt.device)
-    del target
-    loss = cfg.loss
-    model = TTTModel(draft, cfg.ttt_steps, loss.step_decay, cfg.gradient_checkpointing, loss.on_oov,
-                     loss.feature_noise, loss.gate_steps, Objective(loss.kind, loss.lk_eta)).to(rt.device)
-    first = (lambda: first_micro_batch(cfg.data, cfg.seed, store, train_idx,
-                                       weights_by_id)) if resume_tag is None else None
-    start = fit_start(cfg.init, cfg.loss.positions, model, head, first, vocab.t2d.to(rt.device), rt.device)
-    engine = build_engine(cfg.optim, cfg.steps, model, rt, precision=cfg.precision, zero_stage=cfg.zero_stage,
-                          gradient_accumulation=cfg.gradient_accumulation)
-
-    # -- resume, or start over
-    state = RunState(pinned=pinned)
-    _start_over_or_resume(cfg, engine, rt, state, resume_tag)
-    resumed_step = state.step if resume_tag is not None else None
-    if (done := _finished_earlier(cfg, rt, resumed_step)) is not None:
-        if rt.rank == 0:
-            store.finish()  # nothing to read (online: the producers stop)
-        return done
-
-    sink = (RunSink(out_dir, cfg.log, config={"train": asdict(cfg), "target": asdict(target_cfg),
-                                              "draft": asdict(draft.config)}, resume_step=resumed_step)
-            if rt.rank == 0 else NullSink())
-    info = {"target": spec.target, "aux_layer_ids": list(spec.aux_layer_ids), "tokenizer_sha256": spec.tokenizer_sha256}
-    loop = _Loop(cfg, rt, engine, model, head, vocab.t2d.to(rt.device), (store, train_idx, weights_by_id),
-                 (eval_store, eval_idx), sink, state, info, context)
-    loop.run()
-
-    final_state = _draft_state(draft, cfg.zero_stage)
-    _stop_if_not_finite(final_state, state.step)
-    if rt.rank == 0:
-        export_draft(out_dir / "final", final_state, draft.config,
-                     {**info, "step": state.step, "eval": state.last_eval or {}})
-    sink.close()
-    if rt.rank == 0:
-        store.finish()  # online: the producers stop
-    gpu_peaks = ([round(x / 2**30, 2) for x in per_rank(torch.cuda.max_memory_allocated(rt.device), rt)]
-                 if rt.device.type == "cuda" else None)
-    summary = {
-        "stage": "train", "out": str(out_dir), "steps": state.step, "resumed_from_step": resumed_step,
-        "world_size": rt.world_size, "hosts": [host for host, _ in rt.hosts], "zero_stage": cfg.zero_stage,
-        "precision": cfg.precision,
-        "device": str(rt.device), "train_samples": len(train_idx), "eval_samples": len(eval_idx),
-        "draft_vocab_size": vocab.size, "trainable_parameters": parameter_count(draft.config)
-        - (draft.config.draft_vocab_size * draft.config.hidden_size if cfg.init.freeze_lm_head else 0),
-        "first_loss": state.first_loss, "last_loss": loop.last_loss, "tokens": state.tokens,
-        "tokens_per_s": round(loop.tokens_total / loop.train_seconds, 1) if loop.train_seconds else None,
-        "context_parallel": cfg.context_parallel,
-        "peak_gpu_gib": max(gpu_peaks) if gpu_peaks else None, "peak_gpu_gib_per_rank": gpu_peaks,
-        "peak_rss_gib_per_rank": [round(x / 2**20, 2)  # each process's peak resident memory
-                                  for x in per_rank(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, rt)],
-        "eval_first": state.first_eval, "eval_last": ({k: v for k, v in state.last_eval.items()
-                                                          if k in ("eval/loss", "eval/tau_sim")}
-                                                         if state.last_eval else None),
-        "best_step": state.best_step, "best_tau_sim": state.best_tau, "start": start or None,
-        "wall_seconds": round(time.perf_counter() - started, 2),
-    }
-    summary |= store.summary()
-    if rt.rank == 0:
-        from eagle3.atomic import atomic_write_text
-
-        atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    return summary
-
-
-def _data_and_target(cfg: TrainConfig, target_cfg: TargetConfig, target: Target | None, rt: Any) -> tuple[Any, Target]:
-    """The training store and the target (its head, or all of it co-located), checked together."""
-    store = open_train_store(cfg.data, cfg.seed, rt.rank)
-    if target is None:
-        colocated = store.computes_states  # the whole target, on this rank's device
-        target = load_target_for(replace(target_cfg, device=str(rt.device)) if colocated else target_cfg,
-                                 store.spec.aux_layer_ids, full=colocated)
-    check_weights(target, store.spec)
-    store.check_target(target)
-    store.attach(target)  # co-located: this rank's target computes each micro-batch's states
-    return store, target
+        loop = _Loop(cfg, rt, (engine, schedule), start, data, state, context, target_cfg, resumed_step)
+        loop.run()
+        return loop.finish(started)
 
 
 # ---------------------------------------------------------------- CLI

@@ -213,9 +213,10 @@ def deepspeed_config(optim: OptimSpec, *, precision: str, zero_stage: int, gradi
 
 
 def build_engine(optim: OptimSpec, steps: int, model: torch.nn.Module, rt: Runtime, *, precision: str,
-                 zero_stage: int, gradient_accumulation: int) -> Any:
-    """The DeepSpeed engine around ``model``, ``steps`` optimizer steps long (:func:`deepspeed_config`'s
-    settings): a torch AdamW, or DeepSpeed's Muon built from the config."""
+                 zero_stage: int, gradient_accumulation: int) -> tuple[Any, Callable[[int], float]]:
+    """(the DeepSpeed engine around ``model``, ``steps`` optimizer steps long (:func:`deepspeed_config`'s
+    settings): a torch AdamW, or DeepSpeed's Muon built from the config; the factor of ``optim.lr`` at
+    each step)."""
     import deepspeed
 
     config = deepspeed_config(optim, precision=precision, zero_stage=zero_stage,
@@ -227,13 +228,13 @@ def build_engine(optim: OptimSpec, steps: int, model: torch.nn.Module, rt: Runti
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=groups,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule), config=config)
-        return engine
+        return engine, schedule
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2),
                                   eps=optim.adam_eps, weight_decay=optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
-    return engine
+    return engine, schedule
 
 
 __all__ = ["LR_SCHEDULES", "OptimSpec", "build_engine", "deepspeed_config", "muon_ns_in_fp32_where_bf16_is_slow",

@@ -5,29 +5,71 @@ the recipe's initialisation."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from eagle3.device import bf16_matmul_speedup
-from eagle3.distributed import print0
+from eagle3.distributed import Runtime, barrier, print0
 from eagle3.draft.families import get_family
+from eagle3.draft.losses import Objective
 from eagle3.draft.model import DraftConfig, DraftHead
 from eagle3.draft.spec import DraftSpec
-from eagle3.draft.vocab import DraftVocab, select_draft_vocab
+from eagle3.draft.target_head import TargetHead
+from eagle3.draft.vocab import DraftVocab, select_draft_vocab, write_draft_vocab
 from eagle3.errors import TrainError
 from eagle3.export import read_draft_vocab
-from eagle3.store.batches import load_batch, loss_token_counts
+from eagle3.store.batches import first_micro_batch, loss_token_counts
 from eagle3.store.shards import HarvestStore, StoreUnion
-from eagle3.store.spec import StoreSpec
 from eagle3.target.model import Target
-from eagle3.train.checkpoint import seed_everything
-from eagle3.train.config import InitSpec, TrainConfig
-from eagle3.train.data import epoch_plan
-from eagle3.train.step import train_forward
+from eagle3.train.checkpoint import DRAFT_VOCAB
+from eagle3.train.config import TrainConfig
+from eagle3.train.data import TrainData
+from eagle3.train.fit import fit_start
+from eagle3.train.step import TTTModel
+
+
+@dataclass
+class DraftStart:
+    """The draft a run trains, as it starts: its vocab, the draft in the TTT model, the target's head
+    (the only part of the target training keeps), and what :func:`fit_start` probed and set."""
+
+    vocab: DraftVocab
+    model: TTTModel
+    head: TargetHead
+    fit: dict[str, Any]
+
+
+def start_draft(cfg: TrainConfig, data: TrainData, target: Target, resume_tag: str | None,
+                rt: Runtime) -> DraftStart:
+    """The run's draft, the same on every rank: the vocab chosen once (read again on resume), the draft
+    new or continued (``train.init.draft``) with the recipe's initialisation, wrapped for TTT."""
+    out_dir, spec = Path(cfg.out_dir), data.store.spec
+    embedding = target.embed_tokens.weight.detach().float().cpu()
+    initial = initial_draft(cfg.init.draft, spec, target, embedding) if cfg.init.draft else None
+    if resume_tag is not None:
+        vocab = read_draft_vocab(out_dir / DRAFT_VOCAB, target.vocab_size)
+    else:
+        eos = target.tokenizer.eos_token_id
+        vocab = choose_draft_vocab(cfg.draft, data.store, data.train_idx, target.vocab_size,
+                                   [] if eos is None else [eos], initial)
+        if rt.rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            write_draft_vocab(out_dir / DRAFT_VOCAB, vocab)
+    barrier()
+    draft = new_draft(cfg, target, len(spec.aux_layer_ids), vocab, initial, embedding, rt.device)
+    head = TargetHead.of_target(target, cfg.loss.target_temperature).to(rt.device)
+    loss = cfg.loss
+    model = TTTModel(draft, cfg.ttt_steps, loss.step_decay, cfg.gradient_checkpointing, loss.on_oov,
+                     loss.feature_noise, loss.gate_steps, Objective(loss.kind, loss.lk_eta)).to(rt.device)
+    first = (lambda: first_micro_batch(cfg.data, cfg.seed, data.store, data.train_idx,
+                                       data.weights_by_id)) if resume_tag is None else None
+    fit = fit_start(cfg.init, cfg.loss.positions, model, head, first, vocab.t2d.to(rt.device), rt.device)
+    return DraftStart(vocab, model, head, fit)
 
 
 def choose_draft_vocab(spec: DraftSpec, store: HarvestStore | StoreUnion, train_idx: Sequence[int], vocab_size: int,
@@ -50,9 +92,6 @@ def choose_draft_vocab(spec: DraftSpec, store: HarvestStore | StoreUnion, train_
         return vocab
     counts = loss_token_counts(store, train_idx, vocab_size)
     return select_draft_vocab(counts, min(spec.vocab_size, vocab_size), always_include)
-
-
-DRAFT_VOCAB = "draft_vocab.safetensors"
 
 
 def initial_draft(folder: str, spec: Any, target: Target, embedding: Tensor) -> DraftHead:
@@ -112,9 +151,8 @@ def mask_token_for(spec: DraftSpec, target: Target) -> int:
 def new_draft(cfg: TrainConfig, target: Target, num_aux: int, vocab: DraftVocab, initial: DraftHead | None,
               embedding: Tensor, device: torch.device) -> DraftHead:
     """The draft the run starts from (``train.init.draft``'s, adopted by the run's family, or a new one
-    of that family seeded as ``train.seed`` says), with the run's vocab and the recipe's
-    initialisation of its head and layer."""
-    seed_everything(cfg.seed)  # the same draft on every rank
+    of that family drawn from the random state the trainer seeded with ``train.seed``), with the run's
+    vocab and the recipe's initialisation of its head and layer."""
     family = get_family(cfg.draft.family)
     own = initial.config.mask_token_id if initial is not None else None
     if own is not None and cfg.draft.mask_token_id is not None and cfg.draft.mask_token_id != own:
@@ -156,115 +194,3 @@ def new_draft(cfg: TrainConfig, target: Target, num_aux: int, vocab: DraftVocab,
         print0(f"train.precision=bf16: this CPU runs bf16 matmuls {1 / speedup:.0f}x slower than fp32 (no bf16 "
                f"units, measured); train.precision=fp32 will be much faster here")
     return draft
-
-
-HEAD_SCALES = tuple(2.0 ** (-k / 2) for k in range(33))
-"""The factors :func:`fit_start` tries on a copied head, in order until the loss rises: 1 down to
-2^-16, half an octave apart."""
-
-
-def first_micro_batch(data: StoreSpec, seed: int, store: Any, train_idx: Sequence[int],
-                      weights_by_id: dict[str, float]) -> dict[str, Tensor]:
-    """The run's first micro-batch (epoch 0's first, every rank's first read), as the loader builds it."""
-    store.begin_epoch(0)
-    return load_batch(store, epoch_plan(data, seed, store, train_idx, weights_by_id, 0)[0], data.batching)
-
-
-class _TargetsOnce:
-    """A target head whose :meth:`targets` is computed on the first call and then returned as is
-    (the probes below run one batch through the draft many times)."""
-
-    def __init__(self, head: Any) -> None:
-        self.head, self.computed = head, None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.head, name)
-
-    def targets(self, *args: Any, **kwargs: Any) -> Any:
-        if self.computed is None:
-            self.computed = self.head.targets(*args, **kwargs)
-        return self.computed
-
-
-SHARP = 4.0
-"""``auto`` refits a copied start when the untrained draft's logits spread (std over the draft vocab)
-more than this many times the target's on the first micro-batch: measured 22x on Gemma-3-270M, whose
-copied start does not learn, and 1.2-1.3x on SmolLM2-135M, whose copied start beats a refitted one at the
-quickstart's scale (docs/experiments.md, 2026-11-28)."""
-
-
-def _logit_spreads(model: Any, head: Any, batch: dict[str, Tensor], t2d: Tensor, device: torch.device,
-                   loss_positions: str) -> tuple[float, float]:
-    """(the draft's, the target's) logits' std over the draft vocab, averaged over the positions: the
-    draft's as its forward computes them on ``batch``, the target's from the batch's last-layer states."""
-    seen: list[Tensor] = []
-    hook = model.draft.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.detach().float().flatten(0, -2)))
-    try:
-        train_forward(model, head, batch, t2d, torch.float32, device, loss_positions)
-    finally:
-        hook.remove()
-    w = head.lm_head.weight
-    x = head.norm(batch["last"][batch["document_ids"] >= 0].to(device=device, dtype=w.dtype))
-    target = head.transform((x @ w[t2d.nonzero().squeeze(1).to(w.device)].T).float())
-    return float(torch.cat(seen).std(-1).mean()), float(target.std(-1).mean())
-
-
-@torch.no_grad()
-def fit_start(init: InitSpec, positions: str, model: Any, head: Any,
-              first_batch: Callable[[], dict[str, Tensor]] | None, t2d: Tensor, device: torch.device) -> dict[str, Any]:
-    """A fresh draft's start, set on the run's first micro-batch (``first_batch()``, read only when
-    something may be set: host tensors, as the loader builds them; every rank reads the same one, so
-    every rank starts the same draft). Nothing is set for a resumed run (``first_batch`` None: the
-    checkpoint holds the weights) or one continuing ``train.init.draft``:
-
-    - ``train.init.aux_scale=unit``: each channel of what ``fc`` reads at unit RMS over the batch's
-      tokens (:meth:`DraftHead.scale_aux_inputs`);
-    - ``train.init.head_scale=fit`` (with ``init.lm_head=target``): the copied head rows times the
-      factor of :data:`HEAD_SCALES` whose untrained draft has the lowest loss on the batch (the
-      loss is convex in that factor, so the search stops once it rises). A head copied from the
-      target is as sharp as the target's on the target's own states; on an untrained draft's
-      states it can be far sharper (Gemma-3's final norm scales some channels by 300), and a start
-      that confident and wrong learns slowly;
-    - ``auto`` (either key, with ``init.lm_head=target``): ``unit`` / ``fit`` when the copied start's
-      logits spread more than :data:`SHARP` times the target's, else ``none`` / ``one``.
-
-    Returns what was probed and set, for the run's summary. ``model`` is the :class:`TTTModel`
-    before the engine wraps it (fp32 weights); no random number is drawn."""
-    draft = model.draft
-    out: dict[str, Any] = {}
-    if first_batch is None or init.draft or (init.aux_scale == "none" and init.head_scale == "one"):
-        return out
-    batch = first_batch()
-    head = _TargetsOnce(head)  # the batch's target distribution, computed once for every forward below
-    was_training = model.training
-    model.eval()  # no feature noise: nothing random is drawn
-    sharp = False
-    if "auto" in (init.aux_scale, init.head_scale) and init.lm_head == "target":
-        if "last" in batch:
-            spread, target = _logit_spreads(model, head, batch, t2d, device, positions)
-            sharp = spread > SHARP * target
-            out["logit_std"] = {"copied": round(spread, 4), "target": round(target, 4), "refit": sharp}
-        else:
-            print0("train: a top-k store has no last-layer states to probe the copied head with; auto keeps it")
-    if init.aux_scale == "unit" or (init.aux_scale == "auto" and sharp):
-        real = batch["document_ids"] >= 0
-        factor = draft.scale_aux_inputs(batch["aux"][real].to(device))
-        out["aux_scale"] = {"min": round(float(factor.min()), 6), "median": round(float(factor.median()), 6),
-                            "max": round(float(factor.max()), 6)}
-    if init.lm_head == "target" and (init.head_scale == "fit" or (init.head_scale == "auto" and sharp)):
-        weight = draft.lm_head.weight
-        copied = weight.detach().clone()
-        losses: list[float] = []
-        for scale in HEAD_SCALES:  # convex in the factor: past the minimum the loss only rises
-            weight.copy_(copied * scale)
-            result, _ = train_forward(model, head, batch, t2d, torch.float32, device, positions)
-            losses.append(float(result.loss))
-            if len(losses) > 1 and losses[-1] >= losses[-2]:
-                break
-        best = min(range(len(losses)), key=lambda i: (losses[i], i))
-        weight.copy_(copied * HEAD_SCALES[best])
-        out["head_scale"] = round(HEAD_SCALES[best], 6)
-        out["first_batch_loss"] = {"copied": round(losses[0], 4), "fitted": round(losses[best], 4)}
-    model.train(was_training)
-    print0(f"train: the draft's start, probed on the first micro-batch: {json.dumps(out)}")
-    return out

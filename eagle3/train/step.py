@@ -4,8 +4,6 @@ taking a batch from the host (as the loader builds it) to the loss on the device
 
 from __future__ import annotations
 
-import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -13,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from eagle3.device import synchronize, to_device
+from eagle3.device import to_device
 from eagle3.distributed import ContextGroup
 from eagle3.draft.context import ContextShard, split_batch
 from eagle3.draft.families import family_of
@@ -116,35 +114,4 @@ def train_forward(engine: Any, head: TargetHead, batch: dict[str, Tensor], t2d: 
     return out, torch.stack([out.loss.detach().double(), to_device(tokens.double(), device)])
 
 
-class PhaseClock:
-    """Where a training step's time goes: milliseconds per phase (reading the batch, forward,
-    backward, optimizer, metrics), each phase closed by a device sync so that its own queued work
-    is counted in it. On with ``train.log.phase_times`` only: the syncs take away the overlap of host
-    and device work that they measure, so a run's tokens/s with it is not the run's speed."""
-
-    def __init__(self, device: torch.device, enabled: bool) -> None:
-        self.device = device
-        self.enabled = enabled
-        self._ms: dict[str, float] = defaultdict(float)
-        self._last = 0.0
-
-    def start(self) -> None:
-        if self.enabled:
-            synchronize(self.device)
-            self._ms.clear()
-            self._last = time.perf_counter()
-
-    def mark(self, phase: str) -> None:
-        """The time since the last mark goes to ``phase`` (summed over a step's micro-batches)."""
-        if self.enabled:
-            synchronize(self.device)
-            now = time.perf_counter()
-            self._ms[phase] += (now - self._last) * 1000
-            self._last = now
-
-    def metrics(self) -> dict[str, float]:
-        """This step's ``time/<phase>_ms`` (empty when off)."""
-        return {f"time/{k}_ms": round(v, 3) for k, v in self._ms.items()} if self.enabled else {}
-
-
-__all__ = ["PhaseClock", "TTTModel", "add_feature_noise", "run_batch", "train_forward"]
+__all__ = ["TTTModel", "add_feature_noise", "run_batch", "train_forward"]
