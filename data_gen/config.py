@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from eagle3.config import SamplingConfig
 from eagle3.errors import ConfigError
@@ -123,6 +124,9 @@ class RegenerateConfig:
     rerun into the same folder must use the same values, so that resumed batches match.
     """
 
+    RUN_ONLY: ClassVar[tuple[str, ...]] = ("pool", "out_dir", "threads", "workers")
+    """Where and how fast, not what: the fields that do not shape the regenerated data."""
+
     pool: str = ""
     """The prompt pool, jsonl of conversation records."""
     out_dir: str = ""
@@ -203,6 +207,10 @@ THINKING_MODES = ("template", "on", "off", "mix")
 @dataclass
 class HarvestConfig:
     """The hidden-state harvest (data_gen.harvest): regenerated conversations -> shard store."""
+
+    RUN_ONLY: ClassVar[tuple[str, ...]] = ("data", "out_dir", "shard", "threads", "spool_budget_mb", "fused")
+    """The fields that do not shape the store (the data is pinned by its sha256; a fused capture equals
+    a separate harvest)."""
 
     data: str = ""
     """Regenerated conversations (jsonl), e.g. <regenerate.out_dir>/dataset/regenerated.jsonl."""

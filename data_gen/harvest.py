@@ -297,8 +297,7 @@ def plan_harvest(cfg: HarvestConfig, target_cfg: TargetConfig, target: Target | 
                                     "record needs an assistant reply to train on (regenerate the pool first)")
     lengths = [len(ids) for _, ids, _ in samples]
     plan = shard_plan(lengths, bytes_per_token(spec), int(cfg.max_shard_mb * 2**20))
-    settings = {k: v for k, v in asdict(cfg).items()
-                if k not in ("data", "out_dir", "shard", "threads", "spool_budget_mb", "fused")}
+    settings = {k: v for k, v in asdict(cfg).items() if k not in HarvestConfig.RUN_ONLY}
     record = {"spec": spec.to_json(), "settings": settings, "data_sha256": sha256_file(data), "shards": plan,
               "counts": dict(counts), "cut": [{"sample": name, "tokens": n} for name, n in cut]}
     out_dir.mkdir(parents=True, exist_ok=True)

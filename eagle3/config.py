@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from eagle3.errors import ConfigError
 
@@ -22,6 +22,9 @@ DEFAULT_TARGET = "smollm2-135m"
 @dataclass
 class TargetConfig:
     """Which model the draft speculates for, and how to run it."""
+
+    RUN_ONLY: ClassVar[tuple[str, ...]] = ("device", "trust_remote_code")
+    """The fields that do not change what the target computes (beyond a device's round-off)."""
 
     name_or_path: str = DEFAULT_TARGET
     """An embedded target name, a local HF model folder, a local .gguf file, or a hub id."""

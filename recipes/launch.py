@@ -64,7 +64,10 @@ def harvest_shard(cfg: PipelineConfig, shard: int, shards: int) -> dict[str, Any
         from recipes.pipeline import plan_only
 
         return plan_only(cfg)
-    summary = run(replace(cfg.harvest, shard=f"{shard}/{shards}"), cfg.target) | {"host": socket.gethostname()}
+    from recipes.pipeline import stage_folder
+
+    with stage_folder(cfg, "harvest").handed_off():  # the same rule as in one process: other settings named
+        summary = run(replace(cfg.harvest, shard=f"{shard}/{shards}"), cfg.target) | {"host": socket.gethostname()}
     if summary["complete"]:
         verify_store(cfg.harvest.out_dir)
         _record(cfg, "harvest", summary)

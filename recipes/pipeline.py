@@ -23,42 +23,46 @@ from eagle3.device import cpu_native_bf16, synchronize
 from eagle3.errors import Eagle3Error
 from eagle3.target.model import check_capture, load_target
 from recipes.config import PipelineConfig
+from recipes.handoff import PipelineError, StageFolder, made_otherwise, shaping
 
 log = logging.getLogger(__name__)
 
 
-class PipelineError(Eagle3Error, ValueError):
-    """The recipe cannot run as composed; the message names the key."""
-
-
-def _made_otherwise(stage: str, folder: Path, key: str, old: Any, new: Any) -> PipelineError:
-    """A stage's output folder was made with other settings: name the recipe key and the way out."""
-    values = "" if old is None and new is None else f": {old!r} there, {new!r} now"
-    return PipelineError(f"{stage}: {folder} was made with another {key}{values}; set it back to resume, or "
-                         f"delete {folder} to redo the stage (the stages after it then redo their part too)")
-
-
-def _regenerate(cfg: PipelineConfig, regen: Any, text: str, stage: str, selection: str) -> dict[str, Any]:
+def _regenerate(cfg: PipelineConfig, regen: Any, text: str, stage: str) -> dict[str, Any]:
     """Regenerate ``text`` (the chosen prompts, written to ``regen.pool``) into ``regen.out_dir``; a
-    folder regenerated from another selection or with other settings fails naming the recipe key,
-    before the prompts file is rewritten."""
+    folder regenerated from other prompts fails before the prompts file is rewritten."""
     import hashlib
 
     from data_gen.regenerate import ManifestMismatchError, check_manifest, run
 
-    names = {"pool_sha256": f"{selection} (the prompts chosen)", "target": "target.name_or_path"}
-    try:
+    try:  # a folder without a record: its manifest decides (the record names a recipe key first)
         check_manifest(Path(regen.out_dir), {"pool_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()})
         prompts = Path(regen.pool)
         if not prompts.is_file() or prompts.read_text(encoding="utf-8") != text:
             atomic_write_text(prompts, text)
         return run(regen, cfg.target)
     except ManifestMismatchError as err:
-        if "," in err.key or err.key not in names and err.old is None:  # a manifest of another version
-            raise PipelineError(f"{stage}: {err}; or delete {err.folder} to redo the stage") from None
-        key = names.get(err.key, f"regenerate.{err.key}")
-        shown = (None, None) if err.key == "pool_sha256" else (err.old, err.new)
-        raise _made_otherwise(stage, err.folder, key, *shown) from None
+        raise PipelineError(f"{stage}: {err}; or delete {err.folder} to redo the stage (the stages after it then "
+                            "redo their part too)") from None
+
+
+VAL_BATCH = "regenerate.batch_size of val (at most val.num_prompts / regenerate.workers)"
+
+
+def stage_folder(cfg: PipelineConfig, stage: str, val_batch: int | None = None) -> StageFolder:
+    """A stage's folder and the recipe settings that shape it, its upstream's included (``val_batch``: the
+    val stage's regeneration batch, which its prompts and the workers cap)."""
+    target = shaping("target", cfg.target)
+    regenerated = {**target, **shaping("select", cfg.select), **shaping("regenerate", cfg.regenerate)}
+    if stage == "regenerate":
+        return StageFolder(stage, Path(cfg.regenerate.out_dir), regenerated)
+    if stage == "harvest":
+        return StageFolder(stage, Path(cfg.harvest.out_dir), {**regenerated, **shaping("harvest", cfg.harvest)})
+    if stage == "val":
+        return StageFolder(stage, Path(cfg.out_dir) / "val", {**target, **shaping("val", cfg.val),
+                                                              **shaping("regenerate", cfg.regenerate),
+                                                              VAL_BATCH: val_batch, **shaping("harvest", cfg.harvest)})
+    raise ValueError(f"{stage}: not a stage whose folder resumes")
 
 
 _PROBE_MESSAGES = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
@@ -125,7 +129,7 @@ def stage_pools(cfg: PipelineConfig) -> dict[str, Any]:
         if changed:
             key = changed[0]
             shown = (None, None) if key == "user_files" else (existing.get(key), wanted[key])  # a file's sha256
-            raise _made_otherwise("pools", folder, f"pools.{key}", *shown)
+            raise made_otherwise("pools", folder, f"pools.{key}", *shown)
         manifest = json.loads((folder / "manifest.json").read_text())
         print(f"pools: up to date in {folder}")
     print(format_counts(manifest))
@@ -144,7 +148,8 @@ def stage_regenerate(cfg: PipelineConfig) -> dict[str, Any]:
     chosen.sort(key=lambda r: (sum(m["role"] == "user" for m in r["messages"]),
                                sum(len(m["content"]) for m in r["messages"] if m["role"] != "assistant"), r["id"]))
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chosen)
-    return _regenerate(cfg, cfg.regenerate, text, "regenerate", "select.*")
+    with stage_folder(cfg, "regenerate").handed_off():
+        return _regenerate(cfg, cfg.regenerate, text, "regenerate")
 
 
 def stage_harvest(cfg: PipelineConfig) -> dict[str, Any]:
@@ -159,9 +164,10 @@ def stage_harvest(cfg: PipelineConfig) -> dict[str, Any]:
         return {"skipped": f"train.data.mode={cfg.train.data.mode}: the train stage's producers fill the spool "
                            "harvest.out_dir"}
 
-    summary = _harvest(cfg, cfg.harvest, "harvest")
-    if summary["complete"]:
-        verify_store(cfg.harvest.out_dir)
+    with stage_folder(cfg, "harvest").handed_off():
+        summary = _harvest(cfg, cfg.harvest, "harvest")
+        if summary["complete"]:
+            verify_store(cfg.harvest.out_dir)
     return summary
 
 
@@ -174,20 +180,14 @@ def plan_only(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def _harvest(cfg: PipelineConfig, harvest_cfg: Any, stage: str) -> dict[str, Any]:
-    """Harvest; a store made with other settings fails naming the recipe key."""
+    """Harvest; a store without a record made with other settings fails as its plan says."""
     from data_gen.harvest import HarvestMismatchError, run
 
-    names = {"spec.target": "target.name_or_path", "spec.aux_layer_ids": "target.aux_layer_ids",
-             "spec.weights_fingerprint": "target (its weights)", "spec.tokenizer_sha256": "target (its tokenizer)",
-             "spec.chat_template_sha256": "target (its chat template)",
-             **{f"spec.{k}": f"target (its {k})" for k in ("num_layers", "hidden_size", "vocab_size")},
-             "data_sha256": "regenerated data (select.*, regenerate.*)"}
     try:
         return run(harvest_cfg, cfg.target)
     except HarvestMismatchError as err:
-        name = err.key.partition(".")[2]  # spec.dtype -> harvest.dtype, settings.batch_size -> harvest.batch_size
-        key = names.get(err.key, f"harvest.{name}" if name else err.key)
-        raise _made_otherwise(stage, err.folder, key, err.old, err.new) from None
+        raise PipelineError(f"{stage}: {err}; or delete {err.folder} to redo the stage (the stages after it then "
+                            "redo their part too)") from None
 
 
 def stage_train(cfg: PipelineConfig) -> dict[str, Any]:
@@ -258,9 +258,10 @@ def stage_val(cfg: PipelineConfig) -> dict[str, Any]:
     size = min(cfg.regenerate.batch_size, -(-len(chosen) // cfg.regenerate.workers))
     val_regen = replace(cfg.regenerate, pool=str(root / "prompts.jsonl"), out_dir=str(root / "regenerate"),
                         batch_size=size)
-    regen = _regenerate(cfg, val_regen, text, "val", "val.*")
-    data = root / "regenerate" / "dataset" / "regenerated.jsonl"
-    summary = _harvest(cfg, replace(cfg.harvest, data=str(data), out_dir=str(root / "harvest")), "val")
+    with stage_folder(cfg, "val", size).handed_off():
+        regen = _regenerate(cfg, val_regen, text, "val")
+        data = root / "regenerate" / "dataset" / "regenerated.jsonl"
+        summary = _harvest(cfg, replace(cfg.harvest, data=str(data), out_dir=str(root / "harvest")), "val")
     return {"prompts": len(chosen), "regenerate": regen, "harvest": summary}
 
 
@@ -298,11 +299,11 @@ def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
     draft_path = eval_draft(cfg)
     out = Path(e.out_dir)
     weights = Path(draft_path) / "model.safetensors"  # the draft's contents: a retrained one at the same path
-    settings = {**asdict(e), "draft": draft_path, "target": cfg.target.name_or_path,
-                "target_dtype": cfg.target.dtype, "target_device": cfg.target.device,
+    settings = {**shaping("target", cfg.target), "target.device": cfg.target.device, **shaping("eval", e),
+                "eval.draft": draft_path, "seed": cfg.seed,
                 "draft_sha256": sha256_file(weights) if weights.is_file() else None}
-    done = out / "report.json"
-    if done.is_file() and json.loads(done.read_text()).get("settings") == settings:
+    done, folder = out / "report.json", StageFolder("eval", out, settings)
+    if done.is_file() and folder.up_to_date(redo=True):
         print(f"eval: up to date in {out}")
         report = json.loads(done.read_text())
     else:
@@ -320,6 +321,7 @@ def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
                           stop_ids=sorted(chat.stop_ids), seed=cfg.seed, compare=e.compare)
         report.update(draft=draft_path, target=cfg.target.name_or_path, settings=settings)
         write_report(report, out, e.wandb_mode)
+        folder.record()
     return {"out_dir": str(out), "draft": draft_path, "overall": report["overall"],
             "sets": {n: {k: s[k] for k in ("tau", "speedup", "accept_per_pos")} for n, s in report["sets"].items()},
             "compare": {p: {"overall": {k: r["overall"][k] for k in ("tau", "speedup")},
@@ -409,10 +411,12 @@ def stage_quantize(cfg: PipelineConfig) -> dict[str, Any]:
     calib_path = q.calibration or str(Path(cfg.pools.out_dir) / "train.jsonl")
     settings = {"source": str(source), "mode": q.mode, "ignore": list(q.ignore), "calibration_file": calib_path,
                 "samples": q.samples, "max_tokens": q.max_tokens, "seed": cfg.seed}
-    report_path = out / REPORT_FILE
+    report_path, folder = out / REPORT_FILE, StageFolder("quantize", out, settings)
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
-    if report.get("settings") == settings:
+    up_to_date = folder.up_to_date(redo=True)
+    if report and (up_to_date or (up_to_date is None and report.get("settings") == settings)):
         print(f"quantize: up to date in {out}")
+        folder.record()
     else:
         calib: list[list[int]] = []
         if q.mode == "w4a4":
@@ -421,6 +425,7 @@ def stage_quantize(cfg: PipelineConfig) -> dict[str, Any]:
                                           seed=cfg.seed)
         report = convert(cfg.target.name_or_path, out, mode=q.mode, calibration=calib, ignore=q.ignore,
                          extra={"settings": settings})
+        folder.record()
     return {"out_dir": str(out), "mode": report["mode"], "quantized_linears": report["quantized_linears"],
             "calibration_tokens": report["calibration_tokens"],
             "weight_relative_error_mean": round(report["weight_relative_error"]["mean"], 5)}

@@ -4,6 +4,7 @@ the evaluation's), the serving evaluation, and the NVFP4 stage."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from eagle3.config import SamplingConfig
 from eagle3.errors import ConfigError
@@ -84,6 +85,9 @@ class EvalConfig:
     """The serving evaluation (serve_eval): the bundled loop, speculative vs plain, on the eval sets.
     Its speculation and sampling settings default to :class:`SpecConfig`'s and
     :class:`~eagle3.config.SamplingConfig`'s, and are checked by them."""
+
+    RUN_ONLY: ClassVar[tuple[str, ...]] = ("out_dir", "wandb_mode")
+    """The fields that do not change the evaluation's figures."""
 
     draft: str | None = None
     """Draft folder (any format eagle3.export reads); in the pipeline None: the last mining round's

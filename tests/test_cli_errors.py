@@ -144,7 +144,7 @@ def test_every_user_error_class_has_the_one_base() -> None:
             found += [(module.__name__, c) for _, c in inspect.getmembers(module, inspect.isclass)
                       if issubclass(c, Exception) and c.__module__ == module.__name__]
     names = {f"{m}:{c.__name__}" for m, c in found}
-    assert {"eagle3.draft.formats:DraftFormatError", "data_gen.harvest:HarvestError", "recipes.pipeline:PipelineError",
+    assert {"eagle3.draft.formats:DraftFormatError", "data_gen.harvest:HarvestError", "recipes.handoff:PipelineError",
             "hard_mining.rounds:MineError"} <= names  # the walk reaches them
     bad = sorted(f"{m}:{c.__name__}" for m, c in found
                  if not issubclass(c, Eagle3Error) and c.__name__ != "BadRequest")

@@ -72,8 +72,8 @@ def test_stages_rerun_retrain_and_a_changed_key(tmp_path: Path, capsys: pytest.C
         json.loads(first_eval)["settings"]["draft_sha256"]
 
     prompts = (run / "prompts.jsonl").read_text()
-    with pytest.raises(PipelineError, match=r"regenerate: .*run/regenerate was made with another select\.\* "
-                                            r"\(the prompts chosen\); set it back to resume, or delete"):
+    with pytest.raises(PipelineError, match=r"regenerate: .*run/regenerate was made with another select\.num_prompts: "
+                                            r"8 there, 12 now; set it back to resume, or delete"):
         run_pipeline(replace(cfg, select=SelectConfig(num_prompts=12)))
     assert (run / "prompts.jsonl").read_text() == prompts  # refused before the selection was rewritten
     with pytest.raises(PipelineError, match=r"regenerate: .* another regenerate\.max_new_tokens: 6 there, 7 now"):
@@ -81,8 +81,52 @@ def test_stages_rerun_retrain_and_a_changed_key(tmp_path: Path, capsys: pytest.C
     with pytest.raises(PipelineError, match=r"harvest: .*run/harvest was made with another harvest\.dtype: "
                                             r"'float32' there, 'bfloat16' now"):
         run_pipeline(replace(cfg, harvest=replace(cfg.harvest, dtype="bfloat16")))
-    with pytest.raises(PipelineError, match=r"val: .*run/val/regenerate was made with another val\.\*"):
+    with pytest.raises(PipelineError, match=r"val: .*run/val was made with another val\.num_prompts: 4 there, 6 now"):
         run_pipeline(replace(cfg, val=SelectConfig(num_prompts=6, split="val")))
+    # where and how fast are not what: a rerun with more threads resumes every stage
+    capsys.readouterr()
+    run_pipeline(replace(cfg, regenerate=replace(cfg.regenerate, threads=2), threads=2))
+    assert "eval: up to date" in capsys.readouterr().out
+    # more workers would split val's 4 prompts into smaller batches, which do shape its replies
+    with pytest.raises(PipelineError, match=r"val: .*run/val was made with another regenerate\.batch_size of val "
+                                            r"\(at most val\.num_prompts / regenerate\.workers\): 4 there, 2 now"):
+        run_pipeline(replace(cfg, regenerate=replace(cfg.regenerate, workers=2)))
+    # a key the record lacks: renamed or added since the folder was made
+    record = run / "harvest" / "recipe.json"
+    kept = json.loads(record.read_text())
+    del kept["settings"]["harvest.topk"]
+    record.write_text(json.dumps(kept))
+    with pytest.raises(PipelineError, match=r"harvest: .*run/harvest was made by an earlier version \(its recipe\.json "
+                                            r"has no harvest\.topk\); delete .*run/harvest to redo the stage"):
+        run_pipeline(cfg)
+    # no record (an earlier version's folder, or one a library's own command made): its manifest decides
+    record.unlink()
+    (run / "regenerate" / "recipe.json").unlink()
+    with pytest.raises(PipelineError, match=r"regenerate: .*run/regenerate holds a regeneration made with "
+                                            r"max_new_tokens=6, but this run has max_new_tokens=7.*; or delete"):
+        run_pipeline(replace(cfg, regenerate=replace(cfg.regenerate, max_new_tokens=7)))
+    run_pipeline(cfg)  # the same settings: resumed, and the folders keep their record again
+    assert json.loads(record.read_text())["settings"]["harvest.dtype"] == "float32"
+    assert (run / "regenerate" / "recipe.json").is_file()
+
+
+def test_a_stage_killed_before_it_finished_is_checked_by_its_record(tmp_path: Path) -> None:
+    """A new folder gets its record before the stage writes into it, so a run killed midway and resumed
+    with other settings is refused by recipe key, not by the library's own names."""
+    from recipes.handoff import StageFolder
+
+    cfg = _config(tmp_path)
+    folder = StageFolder("harvest", Path(cfg.harvest.out_dir), {"harvest.dtype": "float32"})
+    with pytest.raises(RuntimeError, match="killed"), folder.handed_off():
+        (folder.folder / "shard-00000.safetensors").write_bytes(b"half")
+        raise RuntimeError("killed")
+    other = StageFolder("harvest", folder.folder, {"harvest.dtype": "bfloat16"})
+    with pytest.raises(PipelineError, match=r"another harvest\.dtype: 'float32' there, 'bfloat16' now"):
+        other.up_to_date()
+    assert other.up_to_date(redo=True) is False and folder.up_to_date() is True
+    (folder.folder / "recipe.json").write_text("{not json")
+    with pytest.raises(PipelineError, match=r"recipe\.json: not readable JSON"):
+        folder.up_to_date()
 
 
 def test_a_pool_built_otherwise_is_refused_before_it_is_rewritten(tmp_path: Path) -> None:
