@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from data_gen.config import RegenerateConfig
 from eagle3.errors import ConfigError
 from eagle3.train.config import WANDB_MODES
 
@@ -91,8 +92,9 @@ class MineConfig:
     starts from has decayed its rate already: in the quickstart, 40 more steps on the same data
     re-warmed to the full train.optim.lr raised the held-out loss (21.38 -> 22.04), at a quarter they
     lowered it (21.22)."""
-    max_new_tokens: int = 160
-    """Regeneration length of the mined prompts."""
+    max_new_tokens: int = RegenerateConfig.max_new_tokens
+    """Regeneration length of the mined prompts (by default the regeneration's; a recipe sets it to its
+    ``regenerate.max_new_tokens``, so mined data is as long as the rest)."""
     workers: int = 1
     """Processes regenerating the mined prompts side by side (``regenerate.workers``: the same output
     for any number)."""
