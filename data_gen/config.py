@@ -58,6 +58,8 @@ class LongReuseConfig:
 class PoolsConfig:
     """Prompt pools and held-out eval sets (data_gen.pools)."""
 
+    RUN_ONLY: ClassVar[tuple[str, ...]] = ("out_dir",)
+
     out_dir: str = "runs/pools"
     seed: int = 0
     """Drives every sample, split and held-out selection."""
@@ -270,6 +272,8 @@ class HarvestConfig:
 class QuantizeConfig:
     """The ``quantize`` stage: convert the target to NVFP4 (as Blackwell serves it) and run every later
     stage (regeneration, harvest, training, mining, evaluation) on the converted target, emulated."""
+
+    RUN_ONLY: ClassVar[tuple[str, ...]] = ("out_dir",)
 
     mode: str = "w4a4"
     """w4a4 (weights and activations FP4, activation scales calibrated) or w4a16 (weights only)."""

@@ -23,8 +23,9 @@ DEFAULT_TARGET = "smollm2-135m"
 class TargetConfig:
     """Which model the draft speculates for, and how to run it."""
 
-    RUN_ONLY: ClassVar[tuple[str, ...]] = ("device", "trust_remote_code")
-    """The fields that do not change what the target computes (beyond a device's round-off)."""
+    RUN_ONLY: ClassVar[tuple[str, ...]] = ("device", "attn_implementation", "trust_remote_code", "architecture")
+    """The fields that do not change what the target computes (beyond a device's or a kernel's round-off;
+    ``architecture`` is checked against the loaded model)."""
 
     name_or_path: str = DEFAULT_TARGET
     """An embedded target name, a local HF model folder, a local .gguf file, or a hub id."""

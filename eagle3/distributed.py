@@ -215,5 +215,5 @@ def shutdown() -> None:
         torch.distributed.destroy_process_group()
 
 
-__all__ = ["ContextGroup", "PeerLost", "Runtime", "all_reduce_sum", "barrier", "context_group", "free_port",
-           "init_runtime", "lost_peer", "per_rank", "shutdown"]
+__all__ = ["ContextGroup", "PeerLost", "Runtime", "all_reduce_sum", "any_rank", "barrier", "context_group",
+           "free_port", "init_runtime", "lost_peer", "peers_named", "per_rank", "shutdown"]

@@ -94,8 +94,8 @@ class StageFolder:
         lacks: a key renamed or added since), or, with ``redo`` (a stage that recomputes rather than
         resumes), False."""
         saved = self.recorded()
-        if saved is None:
-            return None
+        if saved is None or (saved != self.settings and self.holds_only_its_record()):
+            return None  # nothing made yet (a first attempt that failed early): nothing to keep
         if saved == self.settings:
             return True
         if redo:
@@ -112,6 +112,13 @@ class StageFolder:
                                 "part too)")
         raise made_otherwise(self.stage, self.folder, key, saved[key], self.settings[key])
 
+    def holds_only_its_record(self) -> bool:
+        """Whether the folder is missing or holds nothing but its record (and a writer's temporaries)."""
+        if not self.folder.is_dir():
+            return True
+        return all(p.name == RECORD or (p.name.startswith(".") and p.name.endswith(".tmp"))
+                   for p in self.folder.iterdir())
+
     def record(self) -> None:
         """Keep these settings in the folder (atomically)."""
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -124,7 +131,7 @@ class StageFolder:
         new folder gets its record first (a kill leaves it behind, so a resume is checked by it too);
         when the stage finishes, the folder keeps the record. Yields :meth:`up_to_date`."""
         state = self.up_to_date()
-        if state is None and not (self.folder.is_dir() and any(self.folder.iterdir())):
+        if state is None and self.holds_only_its_record():
             self.record()
         yield state
         if state is not True:

@@ -42,25 +42,33 @@ def _regenerate(cfg: PipelineConfig, regen: Any, text: str, stage: str) -> dict[
             atomic_write_text(prompts, text)
         return run(regen, cfg.target)
     except ManifestMismatchError as err:
-        raise PipelineError(f"{stage}: {err}; or delete {err.folder} to redo the stage (the stages after it then "
+        what = (f"{err.folder} was regenerated from other prompts (the pools or the selection changed); set them "
+                "back to resume" if err.key == "pool_sha256" else str(err))
+        raise PipelineError(f"{stage}: {what}; or delete {err.folder} to redo the stage (the stages after it then "
                             "redo their part too)") from None
 
 
-VAL_BATCH = "regenerate.batch_size of val (at most val.num_prompts / regenerate.workers)"
+VAL_BATCH = "val regeneration batch (regenerate.batch_size, at most val.num_prompts / regenerate.workers)"
+
+
+def quantized(cfg: PipelineConfig) -> dict[str, Any]:
+    """With ``quantize`` in the stages, the target the later stages run is the converted one, whose
+    folder keeps its name whatever ``quantize.*`` says: those settings shape every later stage too."""
+    return shaping("quantize", cfg.quantize) if "quantize" in cfg.stages else {}
 
 
 def stage_folder(cfg: PipelineConfig, stage: str, val_batch: int | None = None) -> StageFolder:
     """A stage's folder and the recipe settings that shape it, its upstream's included (``val_batch``: the
     val stage's regeneration batch, which its prompts and the workers cap)."""
-    target = shaping("target", cfg.target)
+    target = shaping("target", cfg.target) | quantized(cfg)
     regenerated = {**target, **shaping("select", cfg.select), **shaping("regenerate", cfg.regenerate)}
     if stage == "regenerate":
         return StageFolder(stage, Path(cfg.regenerate.out_dir), regenerated)
     if stage == "harvest":
         return StageFolder(stage, Path(cfg.harvest.out_dir), {**regenerated, **shaping("harvest", cfg.harvest)})
     if stage == "val":
-        return StageFolder(stage, Path(cfg.out_dir) / "val", {**target, **shaping("val", cfg.val),
-                                                              **shaping("regenerate", cfg.regenerate),
+        regen = {k: v for k, v in shaping("regenerate", cfg.regenerate).items() if k != "regenerate.batch_size"}
+        return StageFolder(stage, Path(cfg.out_dir) / "val", {**target, **shaping("val", cfg.val), **regen,
                                                               VAL_BATCH: val_batch, **shaping("harvest", cfg.harvest)})
     raise ValueError(f"{stage}: not a stage whose folder resumes")
 
@@ -299,11 +307,13 @@ def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
     draft_path = eval_draft(cfg)
     out = Path(e.out_dir)
     weights = Path(draft_path) / "model.safetensors"  # the draft's contents: a retrained one at the same path
-    settings = {**shaping("target", cfg.target), "target.device": cfg.target.device, **shaping("eval", e),
-                "eval.draft": draft_path, "seed": cfg.seed,
+    settings = {**shaping("target", cfg.target), **quantized(cfg), "target.device": cfg.target.device,
+                **shaping("pools", cfg.pools), **shaping("eval", e), "eval.draft": draft_path, "seed": cfg.seed,
                 "draft_sha256": sha256_file(weights) if weights.is_file() else None}
     done, folder = out / "report.json", StageFolder("eval", out, settings)
-    if done.is_file() and folder.up_to_date(redo=True):
+    # the report's own settings too: a run killed after writing it, before its record, left other figures
+    if (done.is_file() and folder.up_to_date(redo=True) is not False
+            and json.loads(done.read_text()).get("settings") == settings):
         print(f"eval: up to date in {out}")
         report = json.loads(done.read_text())
     else:
@@ -414,7 +424,7 @@ def stage_quantize(cfg: PipelineConfig) -> dict[str, Any]:
     report_path, folder = out / REPORT_FILE, StageFolder("quantize", out, settings)
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     up_to_date = folder.up_to_date(redo=True)
-    if report and (up_to_date or (up_to_date is None and report.get("settings") == settings)):
+    if report and up_to_date is not False and report.get("settings") == settings:
         print(f"quantize: up to date in {out}")
         folder.record()
     else:

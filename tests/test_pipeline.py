@@ -88,8 +88,9 @@ def test_stages_rerun_retrain_and_a_changed_key(tmp_path: Path, capsys: pytest.C
     run_pipeline(replace(cfg, regenerate=replace(cfg.regenerate, threads=2), threads=2))
     assert "eval: up to date" in capsys.readouterr().out
     # more workers would split val's 4 prompts into smaller batches, which do shape its replies
-    with pytest.raises(PipelineError, match=r"val: .*run/val was made with another regenerate\.batch_size of val "
-                                            r"\(at most val\.num_prompts / regenerate\.workers\): 4 there, 2 now"):
+    with pytest.raises(PipelineError, match=r"val: .*run/val was made with another val regeneration batch "
+                                            r"\(regenerate\.batch_size, at most val\.num_prompts / "
+                                            r"regenerate\.workers\): 4 there, 2 now"):
         run_pipeline(replace(cfg, regenerate=replace(cfg.regenerate, workers=2)))
     # a key the record lacks: renamed or added since the folder was made
     record = run / "harvest" / "recipe.json"
@@ -124,6 +125,14 @@ def test_a_stage_killed_before_it_finished_is_checked_by_its_record(tmp_path: Pa
     with pytest.raises(PipelineError, match=r"another harvest\.dtype: 'float32' there, 'bfloat16' now"):
         other.up_to_date()
     assert other.up_to_date(redo=True) is False and folder.up_to_date() is True
+    # a first attempt that failed before writing anything: another setting is simply taken
+    empty = StageFolder("regenerate", tmp_path / "early", {"regenerate.backend": "vllm"})
+    with pytest.raises(RuntimeError, match="no vllm"), empty.handed_off():
+        raise RuntimeError("no vllm")
+    fixed = StageFolder("regenerate", empty.folder, {"regenerate.backend": "hf"})
+    with fixed.handed_off() as state:
+        assert state is None
+    assert fixed.up_to_date() is True
     (folder.folder / "recipe.json").write_text("{not json")
     with pytest.raises(PipelineError, match=r"recipe\.json: not readable JSON"):
         folder.up_to_date()

@@ -924,6 +924,21 @@ def test_leftovers_of_a_kill_are_removed_and_a_half_replaced_folder_gets_its_old
     assert sorted(p.name for p in tmp_path.iterdir()) == [".unrelated.d4.tmp", "best", "final"]
 
 
+def test_starting_over_keeps_nothing_of_an_export_killed_midway(tiny: dict, tmp_path: Path) -> None:
+    """A kill between an export's two renames leaves the old draft under a hidden name; a run that starts
+    over must not bring it back as its own, and a refused run touches nothing."""
+    out = tmp_path / "run"
+    (out / ".best.old").mkdir(parents=True)
+    (out / ".best.old" / "marker").write_text("the previous run's")
+    with pytest.raises(TrainError, match="train.draft.mask_token_id=1000000: not a token id"):  # nothing cleared
+        train(_cfg(tiny, out, steps=1, eval_every=0, resume=False, **{"draft.family": "peagle",
+                                                                      "draft.mask_token_id": 10**6}),
+              target=tiny["target"])
+    assert (out / ".best.old" / "marker").is_file()
+    train(_cfg(tiny, out, steps=1, eval_every=0, save_every=0, resume=False), target=tiny["target"])
+    assert not (out / "best" / "marker").exists() and not (out / ".best.old").exists()
+
+
 def _two_processes(tiny: dict, out: Path, *extra: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "eagle3.train", *_cli(tiny, out, "--steps", "6", "--eval-every", "3", *extra)]

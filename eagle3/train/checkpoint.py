@@ -284,9 +284,9 @@ def load_exported_draft(folder: str | os.PathLike[str],
 
 __all__ = [
     "CheckpointError", "DRAFT_VOCAB", "EXPORT_FORMAT", "LATEST", "RunState", "draft_weights", "export_draft",
-    "export_finite", "finished_earlier", "latest_tag", "load_checkpoint", "load_exported_draft", "load_resumed",
+    "export_finite", "finished_earlier", "latest_tag", "load_checkpoint", "load_exported_draft",
     "read_trainer_state", "remove_partial", "resume_point", "rng_state", "save_checkpoint", "seed_everything",
-    "set_rng_state", "tag_of",
+    "set_rng_state", "start_over_or_resume", "tag_of",
 ]
 
 
@@ -333,38 +333,39 @@ def check_pinned(saved: dict[str, Any], now: dict[str, Any], out_dir: Path) -> N
 # ---------------------------------------------------------------- resume, or start over
 
 
-def resume_point(cfg: TrainConfig, rt: Runtime, store: HarvestStore | StoreUnion,
+def resume_point(cfg: TrainConfig, world_size: int, store: HarvestStore | StoreUnion,
                  eval_store: HarvestStore | None) -> tuple[str | None, dict[str, Any]]:
-    """(the checkpoint tag a run resumes from, or None to start over; the settings it pins). A resume is
-    checked against the settings its checkpoint was saved with before anything is touched; then what a
-    kill left half-written is cleared, and starting over, no stale checkpoint or export survives."""
+    """(the checkpoint tag a run resumes from, or None to start over; the settings it pins), a resume
+    checked against the settings its checkpoint was saved with. Nothing is touched here."""
     out_dir = Path(cfg.out_dir)
     ckpt_root = out_dir / "checkpoints"
     tag = latest_tag(ckpt_root) if cfg.resume and ckpt_root.is_dir() else None
-    pinned = pinned_settings(cfg, rt.world_size, store, eval_store)
+    pinned = pinned_settings(cfg, world_size, store, eval_store)
     if tag is not None:
         check_pinned(read_trainer_state(ckpt_root, tag).get("pinned", {}), pinned, out_dir)
+    return tag, pinned
+
+
+def start_over_or_resume(out_dir: Path, engine: Any, rt: Runtime, state: RunState, tag: str | None) -> None:
+    """Once the draft and the engine are built (every check passed): clear what a kill left half-written
+    in ``out_dir`` (a folder killed between its two renames gets its previous version back first);
+    starting over, no stale checkpoint or export survives; resuming, load ``tag`` into the engine and
+    ``state``."""
+    ckpt_root = out_dir / "checkpoints"
+    if rt.rank == 0:  # what a kill left half-written
+        remove_leftovers(out_dir, ["best", "final", "summary.json", "metrics.jsonl", "wandb_run_id",
+                                   DRAFT_VOCAB, VERIFIED])
     if rt.rank == 0 and tag is None:
         for old in (ckpt_root, out_dir / "best", out_dir / "final"):
             shutil.rmtree(old, ignore_errors=True)
     elif rt.rank == 0:
         remove_partial(ckpt_root)
-    if rt.rank == 0:  # what a kill left half-written
-        remove_leftovers(out_dir, ["best", "final", "summary.json", "metrics.jsonl", "wandb_run_id",
-                                   DRAFT_VOCAB, VERIFIED])
     barrier()
-    return tag, pinned
-
-
-def load_resumed(out_dir: Path, engine: Any, rt: Runtime, state: RunState, tag: str | None) -> None:
-    """Resuming (``tag`` set): load that checkpoint of ``out_dir`` into the engine and ``state``."""
-    if tag is None:
-        return
-    ckpt_root = out_dir / "checkpoints"
-    client = load_checkpoint(engine, ckpt_root, tag, rank=rt.rank, world_size=rt.world_size)
-    saved = json.loads(client["trainer_json"]) if "trainer_json" in client else client["trainer"]
-    state.restore(saved)
-    print0(f"train: resumed from {ckpt_root / tag} (step {state.step})")
+    if tag is not None:
+        client = load_checkpoint(engine, ckpt_root, tag, rank=rt.rank, world_size=rt.world_size)
+        saved = json.loads(client["trainer_json"]) if "trainer_json" in client else client["trainer"]
+        state.restore(saved)
+        print0(f"train: resumed from {ckpt_root / tag} (step {state.step})")
 
 
 def finished_earlier(out_dir: Path, steps: int, rt: Runtime, resumed_step: int | None) -> dict[str, Any] | None:

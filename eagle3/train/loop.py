@@ -82,10 +82,9 @@ from eagle3.train.checkpoint import (
     RunState,
     export_finite,
     finished_earlier,
-    load_resumed,
     resume_point,
     save_checkpoint,
-    seed_everything,
+    start_over_or_resume,
 )
 from eagle3.train.config import MOVED, TrainConfig, train_config
 from eagle3.train.data import TrainData, open_data
@@ -362,14 +361,13 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         # the data, checked against the target before anything is read for training; then the draft, the
         # target's head (the target itself is not needed after), the engine; then resume, or start over
         data, target = open_data(cfg, target_cfg, target, rt)
-        resume_tag, pinned = resume_point(cfg, rt, data.store, data.eval_store)
-        seed_everything(cfg.seed)  # the same new draft on every rank (nothing random is drawn before it)
+        resume_tag, pinned = resume_point(cfg, rt.world_size, data.store, data.eval_store)
         start = start_draft(cfg, data, target, resume_tag, rt)
         del target
         engine, schedule = build_engine(cfg.optim, cfg.steps, start.model, rt, precision=cfg.precision,
                                         zero_stage=cfg.zero_stage, gradient_accumulation=cfg.gradient_accumulation)
         state = RunState(pinned=pinned)
-        load_resumed(Path(cfg.out_dir), engine, rt, state, resume_tag)
+        start_over_or_resume(Path(cfg.out_dir), engine, rt, state, resume_tag)
         resumed_step = state.step if resume_tag is not None else None
         if (done := finished_earlier(Path(cfg.out_dir), cfg.steps, rt, resumed_step)) is not None:
             if rt.rank == 0:

@@ -26,7 +26,7 @@ from eagle3.export import read_draft_vocab
 from eagle3.store.batches import first_micro_batch, loss_token_counts
 from eagle3.store.shards import HarvestStore, StoreUnion
 from eagle3.target.model import Target
-from eagle3.train.checkpoint import DRAFT_VOCAB
+from eagle3.train.checkpoint import DRAFT_VOCAB, seed_everything
 from eagle3.train.config import TrainConfig
 from eagle3.train.data import TrainData
 from eagle3.train.fit import fit_start
@@ -151,8 +151,9 @@ def mask_token_for(spec: DraftSpec, target: Target) -> int:
 def new_draft(cfg: TrainConfig, target: Target, num_aux: int, vocab: DraftVocab, initial: DraftHead | None,
               embedding: Tensor, device: torch.device) -> DraftHead:
     """The draft the run starts from (``train.init.draft``'s, adopted by the run's family, or a new one
-    of that family drawn from the random state the trainer seeded with ``train.seed``), with the run's
-    vocab and the recipe's initialisation of its head and layer."""
+    of that family seeded as ``train.seed`` says), with the run's vocab and the recipe's initialisation of
+    its head and layer."""
+    seed_everything(cfg.seed)  # the same draft on every rank (loading an initial draft drew from the RNG)
     family = get_family(cfg.draft.family)
     own = initial.config.mask_token_id if initial is not None else None
     if own is not None and cfg.draft.mask_token_id is not None and cfg.draft.mask_token_id != own:
