@@ -352,14 +352,14 @@ def start_over_or_resume(out_dir: Path, engine: Any, rt: Runtime, state: RunStat
     starting over, no stale checkpoint or export survives; resuming, load ``tag`` into the engine and
     ``state``."""
     ckpt_root = out_dir / "checkpoints"
-    if rt.rank == 0:  # what a kill left half-written
+    if rt.rank == 0 and tag is not None:  # what a kill left half-written: a save in progress
+        remove_partial(ckpt_root)
+    if rt.rank == 0:  # and the exports, logs and records
         remove_leftovers(out_dir, ["best", "final", "summary.json", "metrics.jsonl", "wandb_run_id",
                                    DRAFT_VOCAB, VERIFIED])
     if rt.rank == 0 and tag is None:
         for old in (ckpt_root, out_dir / "best", out_dir / "final"):
             shutil.rmtree(old, ignore_errors=True)
-    elif rt.rank == 0:
-        remove_partial(ckpt_root)
     barrier()
     if tag is not None:
         client = load_checkpoint(engine, ckpt_root, tag, rank=rt.rank, world_size=rt.world_size)
