@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from eagle3.atomic import atomic_write_text, remove_leftovers, sha256_file
-from eagle3.distributed import Runtime, all_reduce_sum, barrier, print0
+from eagle3.distributed import Runtime, any_rank, barrier, print0
 from eagle3.draft.formats import DraftFormatError, nonfinite_tensors
 from eagle3.draft.model import DraftConfig, DraftHead, Eagle3Draft
 from eagle3.errors import Eagle3Error, TrainError
@@ -374,8 +374,7 @@ def finished_earlier(out_dir: Path, steps: int, rt: Runtime, resumed_step: int |
     if resumed_step is None or resumed_step < steps:
         return None
     done = out_dir / "summary.json"
-    seen = torch.tensor([float(rt.rank == 0 and done.is_file() and (out_dir / "final").is_dir())], device=rt.device)
-    if not all_reduce_sum(seen).item():
+    if not any_rank(rt, rt.rank == 0 and done.is_file() and (out_dir / "final").is_dir()):
         return None
     print0(f"train: finished earlier in {out_dir} (step {resumed_step}); nothing to do")
     if rt.rank == 0:

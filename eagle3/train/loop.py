@@ -58,6 +58,7 @@ from eagle3.distributed import (
     ContextGroup,
     Runtime,
     all_reduce_sum,
+    any_rank,
     context_group,
     init_runtime,
     peers_named,
@@ -164,7 +165,7 @@ class _Loop:
         if not self.store.saves_early:
             return False
         asked = self.store.needs_save()
-        return bool(all_reduce_sum(torch.tensor([float(asked)], device=self.rt.device)).item())
+        return any_rank(self.rt, asked)
 
     def save(self) -> None:
         # as JSON text: a pickled dict's bytes depend on which equal strings are one object, which differs
