@@ -8,6 +8,8 @@ owns them, in its ``RUN_ONLY``. A stage's settings are those of every section it
 sections upstream of it included, so a folder made from other data names the recipe key that
 made the data differ. A folder with no record (made by an earlier version, or by a library's own
 command) is left to that library's manifest checks, and gets its record when the stage finishes.
+The stages that recompute rather than resume (eval, quantize) keep their settings in their report
+and redo their work when a run's differ.
 """
 
 from __future__ import annotations
@@ -53,11 +55,16 @@ def _plain(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not a recipe value")
 
 
+def redo(folder: Path) -> str:
+    """The way out of a folder made otherwise, as every refusal of the pipeline's says it."""
+    return f"delete {folder} to redo the stage (the stages after it then redo their part too)"
+
+
 def made_otherwise(stage: str, folder: Path, key: str, old: Any = None, new: Any = None) -> PipelineError:
     """A stage's folder made with other settings: the recipe key, both values, and the way out."""
     values = "" if old is None and new is None else f": {old!r} there, {new!r} now"
     return PipelineError(f"{stage}: {folder} was made with another {key}{values}; set it back to resume, or "
-                         f"delete {folder} to redo the stage (the stages after it then redo their part too)")
+                         f"{redo(folder)}")
 
 
 @dataclass(frozen=True)
@@ -88,28 +95,23 @@ class StageFolder:
             raise PipelineError(f"{self.stage}: {self.record_path}: expected {{\"settings\": {{...}}}}")
         return saved["settings"]
 
-    def up_to_date(self, *, redo: bool = False) -> bool | None:
+    def up_to_date(self) -> bool | None:
         """Whether the folder was made with these settings: True; None when it keeps no record. Made
         with others: a :class:`PipelineError` naming the first recipe key that differs (or that one side
-        lacks: a key renamed or added since), or, with ``redo`` (a stage that recomputes rather than
-        resumes), False."""
+        lacks: a key renamed or added since)."""
         saved = self.recorded()
         if saved is None or (saved != self.settings and self.holds_only_its_record()):
             return None  # nothing made yet (a first attempt that failed early): nothing to keep
         if saved == self.settings:
             return True
-        if redo:
-            return False
         key = next(k for k in [*self.settings, *saved]
                    if k not in saved or k not in self.settings or saved[k] != self.settings[k])
         if key not in saved:
             raise PipelineError(f"{self.stage}: {self.folder} was made by an earlier version (its {RECORD} has no "
-                                f"{key}); delete {self.folder} to redo the stage (the stages after it then redo their "
-                                "part too)")
+                                f"{key}); {redo(self.folder)}")
         if key not in self.settings:
             raise PipelineError(f"{self.stage}: {self.folder} was made with {key}, a setting this version does not "
-                                f"have; delete {self.folder} to redo the stage (the stages after it then redo their "
-                                "part too)")
+                                f"have; {redo(self.folder)}")
         raise made_otherwise(self.stage, self.folder, key, saved[key], self.settings[key])
 
     def holds_only_its_record(self) -> bool:

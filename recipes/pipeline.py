@@ -23,7 +23,7 @@ from eagle3.device import cpu_native_bf16, synchronize
 from eagle3.errors import Eagle3Error
 from eagle3.target.model import check_capture, load_target
 from recipes.config import PipelineConfig
-from recipes.handoff import PipelineError, StageFolder, made_otherwise, shaping
+from recipes.handoff import PipelineError, StageFolder, made_otherwise, redo, shaping
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,7 @@ def _regenerate(cfg: PipelineConfig, regen: Any, text: str, stage: str) -> dict[
     except ManifestMismatchError as err:
         what = (f"{err.folder} was regenerated from other prompts (the pools or the selection changed); set them "
                 "back to resume" if err.key == "pool_sha256" else str(err))
-        raise PipelineError(f"{stage}: {what}; or delete {err.folder} to redo the stage (the stages after it then "
-                            "redo their part too)") from None
+        raise PipelineError(f"{stage}: {what}; or {redo(err.folder)}") from None
 
 
 VAL_BATCH = "val regeneration batch (regenerate.batch_size, at most val.num_prompts / regenerate.workers)"
@@ -194,8 +193,7 @@ def _harvest(cfg: PipelineConfig, harvest_cfg: Any, stage: str) -> dict[str, Any
     try:
         return run(harvest_cfg, cfg.target)
     except HarvestMismatchError as err:
-        raise PipelineError(f"{stage}: {err}; or delete {err.folder} to redo the stage (the stages after it then "
-                            "redo their part too)") from None
+        raise PipelineError(f"{stage}: {err}; or {redo(err.folder)}") from None
 
 
 def stage_train(cfg: PipelineConfig) -> dict[str, Any]:
@@ -310,10 +308,8 @@ def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
     settings = {**shaping("target", cfg.target), **quantized(cfg), "target.device": cfg.target.device,
                 **shaping("pools", cfg.pools), **shaping("eval", e), "eval.draft": draft_path, "seed": cfg.seed,
                 "draft_sha256": sha256_file(weights) if weights.is_file() else None}
-    done, folder = out / "report.json", StageFolder("eval", out, settings)
-    # the report's own settings too: a run killed after writing it, before its record, left other figures
-    if (done.is_file() and folder.up_to_date(redo=True) is not False
-            and json.loads(done.read_text()).get("settings") == settings):
+    done = out / "report.json"  # it keeps the settings it was made with: other settings, evaluated again
+    if done.is_file() and json.loads(done.read_text()).get("settings") == settings:
         print(f"eval: up to date in {out}")
         report = json.loads(done.read_text())
     else:
@@ -331,7 +327,6 @@ def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
                           stop_ids=sorted(chat.stop_ids), seed=cfg.seed, compare=e.compare)
         report.update(draft=draft_path, target=cfg.target.name_or_path, settings=settings)
         write_report(report, out, e.wandb_mode)
-        folder.record()
     return {"out_dir": str(out), "draft": draft_path, "overall": report["overall"],
             "sets": {n: {k: s[k] for k in ("tau", "speedup", "accept_per_pos")} for n, s in report["sets"].items()},
             "compare": {p: {"overall": {k: r["overall"][k] for k in ("tau", "speedup")},
@@ -421,12 +416,10 @@ def stage_quantize(cfg: PipelineConfig) -> dict[str, Any]:
     calib_path = q.calibration or str(Path(cfg.pools.out_dir) / "train.jsonl")
     settings = {"source": str(source), "mode": q.mode, "ignore": list(q.ignore), "calibration_file": calib_path,
                 "samples": q.samples, "max_tokens": q.max_tokens, "seed": cfg.seed}
-    report_path, folder = out / REPORT_FILE, StageFolder("quantize", out, settings)
+    report_path = out / REPORT_FILE  # it keeps the settings it was made with: other settings, converted again
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
-    up_to_date = folder.up_to_date(redo=True)
-    if report and up_to_date is not False and report.get("settings") == settings:
+    if report.get("settings") == settings:
         print(f"quantize: up to date in {out}")
-        folder.record()
     else:
         calib: list[list[int]] = []
         if q.mode == "w4a4":
@@ -435,7 +428,6 @@ def stage_quantize(cfg: PipelineConfig) -> dict[str, Any]:
                                           seed=cfg.seed)
         report = convert(cfg.target.name_or_path, out, mode=q.mode, calibration=calib, ignore=q.ignore,
                          extra={"settings": settings})
-        folder.record()
     return {"out_dir": str(out), "mode": report["mode"], "quantized_linears": report["quantized_linears"],
             "calibration_tokens": report["calibration_tokens"],
             "weight_relative_error_mean": round(report["weight_relative_error"]["mean"], 5)}
