@@ -34,12 +34,12 @@ from filelock import FileLock, Timeout
 
 from data_gen.config import HarvestConfig
 from data_gen.kept_states import KeptStates, kept_backend
-from eagle3.atomic import atomic_write_text, remove_leftovers, sha256_file
+from eagle3.atomic import atomic_write_text, remove_leftovers
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import TargetConfig, add_target_arguments
 from eagle3.conversations import ConversationError, check_tools, read_pool
 from eagle3.errors import Eagle3Error, run_cli
-from eagle3.fingerprint import UNKNOWN_WEIGHTS, tokenizer_fingerprint, weights_fingerprint
+from eagle3.fingerprint import UNKNOWN_WEIGHTS, sha256_file, tokenizer_fingerprint, weights_fingerprint
 from eagle3.store.capture import HFCapture, capture_shard
 from eagle3.store.planned import PLAN
 from eagle3.store.shards import (

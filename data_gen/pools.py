@@ -32,7 +32,7 @@ from data_gen.agents import code_agent_eval, eval_cut  # also registers bfcl, bf
 from data_gen.config import PoolsConfig, UserFileConfig
 from data_gen.language import detect_language
 from data_gen.sources import SOURCES, Prompt, read_source, wheel_of
-from eagle3.atomic import atomic_dir, check_replaceable, holds_only, sha256_file
+from eagle3.atomic import atomic_dir, check_replaceable, holds_only
 from eagle3.conversations import (
     ConversationError,
     LoadReport,
@@ -43,6 +43,7 @@ from eagle3.conversations import (
     user_turns,
 )
 from eagle3.errors import MissingInputError, run_cli
+from eagle3.fingerprint import sha256_file
 
 EVAL_SETS = ("mtbench", "humaneval", "gsm8k", "math", "multilingual", "alpaca", "tool_use", "agent")
 

@@ -61,11 +61,12 @@ from data_gen.generate import (
 )
 from data_gen.harvest import tokenize_records
 from data_gen.kept_states import STATES, states_path, write_states
-from eagle3.atomic import atomic_dir, atomic_write_text, output_dir, sha256_file
+from eagle3.atomic import atomic_dir, atomic_write_text, output_dir
 from eagle3.cli import add_dataclass_arguments, dataclass_from_args
 from eagle3.config import TargetConfig, add_target_arguments
 from eagle3.conversations import ConversationError, read_pool
 from eagle3.errors import Eagle3Error, run_cli
+from eagle3.fingerprint import sha256_file
 from eagle3.target.chat import ChatFormat, ChatFormatError, messages_sha256
 from eagle3.target.model import Target, load_target
 from eagle3.target.positions import context_length

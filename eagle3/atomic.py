@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import hashlib
 import os
 import shutil
 import tempfile
@@ -16,15 +15,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from eagle3.errors import OutputExistsError
-
-
-def sha256_file(path: str | os.PathLike[str], chunk_bytes: int = 1 << 20) -> str:
-    """Hex sha256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _umask() -> int:

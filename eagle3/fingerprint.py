@@ -1,4 +1,5 @@
-"""Cheap, stable identities of a target's weights and tokenizer, pinned in harvest manifests.
+"""Identities of files: a whole file's sha256 (shards, manifests, the weights files a run pins), and
+cheap, stable ones of a target's weights and tokenizer, pinned in harvest manifests.
 
 Hashing a frontier checkpoint (hundreds of GB) on every harvest is not an option, so the
 weights fingerprint covers each safetensors file's name, size, header (names, dtypes,
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,15 @@ from typing import Any
 _DATA_BYTES = 1 << 20
 UNKNOWN_WEIGHTS = ("in-memory", "no-local-weights")
 """What :func:`weights_fingerprint` returns where it could hash no weights: such values identify nothing."""
+
+
+def sha256_file(path: str | os.PathLike[str], chunk_bytes: int = 1 << 20) -> str:
+    """Hex sha256 of a whole file, read in chunks (a shard, a manifest, a weights file a run pins)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def weights_fingerprint(folder: str | Path | None) -> str:

@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from eagle3.atomic import atomic_write_text, sha256_file
+from eagle3.atomic import atomic_write_text
 from eagle3.device import cpu_native_bf16, synchronize
 from eagle3.errors import Eagle3Error
+from eagle3.fingerprint import sha256_file
 from eagle3.target.model import check_capture, load_target
 from recipes.config import PipelineConfig
 from recipes.handoff import PipelineError, StageFolder, made_otherwise, redo, shaping

@@ -131,7 +131,7 @@ def committed(folder: str | Path) -> list[Captured]:
 
 def read_captured(item: Captured, spec: HarvestSpec) -> Sample:
     """A committed request's sample, its sha256 checked."""
-    from eagle3.atomic import sha256_file
+    from eagle3.fingerprint import sha256_file
 
     try:
         digest = sha256_file(item.path)

@@ -27,8 +27,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from eagle3.atomic import atomic_write_text, sha256_file
+from eagle3.atomic import atomic_write_text
 from eagle3.errors import Eagle3Error
+from eagle3.fingerprint import sha256_file
 
 SERVING = "serving.json"
 EVENTS = "events.jsonl"

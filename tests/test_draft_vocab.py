@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.atomic import sha256_file
 from eagle3.draft.vocab import DraftVocab, count_loss_tokens, select_draft_vocab
+from eagle3.fingerprint import sha256_file
 from eagle3.store.shards import HarvestSpec, Sample, shard_name, write_manifest, write_shard
 from tests.helpers import (
     draft_logits_to_target,

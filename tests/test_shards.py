@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.atomic import sha256_file
+from eagle3.fingerprint import sha256_file
 from eagle3.store.batches import length_buckets, pack, pack_indices
 from eagle3.store.shards import (
     FP8_MAX,

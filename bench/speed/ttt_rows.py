@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from eagle3.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3.draft.ttt import SEGMENT_MIN_TOKENS, layout_rows, ttt_forward  # noqa: E402
-from eagle3.draft.vocab import select_draft_vocab  # noqa: E402
-from eagle3.store.batches import epoch_batches, load_batch, loss_token_counts  # noqa: E402
+from eagle3.draft.vocab import count_loss_tokens, select_draft_vocab  # noqa: E402
+from eagle3.store.batches import epoch_batches, load_batch  # noqa: E402
 from eagle3.store.shards import HarvestStore  # noqa: E402
 from eagle3.target.model import load_target  # noqa: E402
 from hard_mining.score import target_head  # noqa: E402
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(store.spec.target, dtype="float32", device="cpu")
     head = target_head(target)
     indices = list(range(len(store)))
-    counts = loss_token_counts(store, indices, target.config.vocab_size)
+    counts = count_loss_tokens(map(store.token_columns, indices), target.config.vocab_size)
     vocab = select_draft_vocab(counts, args.draft_vocab_size)
     config = DraftConfig.from_target_config(target.config, draft_vocab_size=vocab.size, norm_before_residual=True,
                                             norm_before_fc=True, norm_output=True)

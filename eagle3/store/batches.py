@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from eagle3.store.shards import HarvestStore, Sample
+from eagle3.store.feed import StoreFeed
+from eagle3.store.shards import Sample
 from eagle3.store.spec import StoreSpec
 
 
@@ -149,7 +150,7 @@ def collate(samples: Sequence[Sample], batching: str) -> dict[str, torch.Tensor]
     return batch
 
 
-def load_batch(store: HarvestStore, indices: Sequence[int], batching: str,
+def load_batch(store: StoreFeed, indices: Sequence[int], batching: str,
                stored: bool = False) -> dict[str, torch.Tensor]:
     """A micro-batch; a store that computes its states (co-located training) gets the indices at once.
     ``stored``: states in the store's float dtype where the store reads so (``HarvestStore.read``),
@@ -201,18 +202,9 @@ class BatchLoader:
             self._pending = None
 
 
-def loss_token_counts(store: HarvestStore, indices: Sequence[int], vocab_size: int) -> torch.Tensor:
-    """[V] int64 counts of the loss-masked tokens of the given samples (no state is read)."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for i in indices:
-        ids, mask = store.token_columns(i)
-        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
-    return counts
-
-
 __all__ = [
     "BatchLoader", "collate", "epoch_batches", "epoch_plan", "eval_batches_for_rank", "first_micro_batch", "held_out",
-    "load_batch", "loss_token_counts", "rank_batch_index", "shard_sequence", "split_by_id", "steps_per_epoch",
+    "load_batch", "rank_batch_index", "shard_sequence", "split_by_id", "steps_per_epoch",
     "weighted_indices",
 ]
 

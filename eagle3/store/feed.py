@@ -7,7 +7,7 @@ trainer and where the hidden states come from.
     co-located  the trainer's own target computes each micro-batch's states (``eagle3.store.colocated``)
 
 Every store offers the samples (``len``, ``lengths``, ``sample_ids``, ``shard_of``, ``spec``,
-``read``, ``token_digests``, ``check_target``: declared below) and the hooks below, whose defaults
+``read``, ``token_columns``, ``token_digests``, ``check_target``: declared below) and the hooks below, whose defaults
 are an offline store's: the trainer calls them at the same points for every mode and never asks
 which mode it reads."""
 
@@ -44,6 +44,11 @@ class StoreFeed:
         """Sample ``i``; ``stored``: its states in the dtype the store keeps them in, where it keeps
         another (by default the same as ``store[i]``)."""
         return self[i]
+
+    def token_columns(self, i: int) -> tuple[Any, Any]:
+        """Sample ``i``'s (input_ids [T] int64, loss_mask [T] bool), without reading a state (the draft
+        vocabulary counts them)."""
+        raise NotImplementedError
 
     def token_digests(self) -> list[bytes]:
         """One digest of each sample's tokens (a held-out store less the conversations both hold)."""

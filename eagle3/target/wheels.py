@@ -14,8 +14,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from eagle3.atomic import atomic_dir, sha256_file
+from eagle3.atomic import atomic_dir
 from eagle3.errors import Eagle3Error
+from eagle3.fingerprint import sha256_file
 
 
 class WheelError(Eagle3Error, RuntimeError):

@@ -1,5 +1,5 @@
 """Training checkpoints that a kill never leaves half-written, the settings a resume must keep
-(:func:`pinned_settings`), and the exported draft.
+(:meth:`eagle3.train.config.TrainConfig.pinned` and the run's data), and the exported draft.
 
 A checkpoint is DeepSpeed's own (model, optimizer and scheduler states per rank, plus our
 ``client_state``: step, data position, best eval) with one ``rng-rank<r>.pt`` per rank::
@@ -33,14 +33,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle3.atomic import atomic_write_text, remove_leftovers, sha256_file
+from eagle3.atomic import atomic_write_text, remove_leftovers
 from eagle3.distributed import Runtime, any_rank, barrier, print0
 from eagle3.draft.formats import DraftFormatError, nonfinite_tensors
 from eagle3.draft.model import DraftConfig, DraftHead, Eagle3Draft
 from eagle3.errors import Eagle3Error, TrainError
 from eagle3.export import export_draft_folder, load_draft
-from eagle3.store.shards import HarvestStore, StoreUnion
-from eagle3.train.config import MOVED, TrainConfig, settings_of
+from eagle3.train.config import MOVED
 from eagle3.train.data import VERIFIED
 
 LATEST = "latest"
@@ -61,7 +60,7 @@ class RunState:
     first_eval: dict[str, float] | None = None
     last_eval: dict[str, float] | None = None
     first_loss: float | None = None  # the run's first step's, whichever process ran it
-    pinned: dict[str, Any] = field(default_factory=dict)  # what a resume must share (pinned_settings)
+    pinned: dict[str, Any] = field(default_factory=dict)  # what a resume must share (settings, data)
     tokens: int | None = 0  # trained tokens over the whole run, across resumes
 
     def restore(self, saved: dict[str, Any]) -> None:
@@ -81,14 +80,6 @@ def tag_of(step: int) -> str:
 
 
 # ---------------------------------------------------------------- RNG states
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python's, numpy's and torch's generators (torch's on every device): what a checkpoint's
-    ``rng-rank*.pt`` restores, so a resumed run continues the streams an uninterrupted one has."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def rng_state() -> dict[str, Any]:
@@ -285,37 +276,9 @@ def load_exported_draft(folder: str | os.PathLike[str],
 __all__ = [
     "CheckpointError", "DRAFT_VOCAB", "EXPORT_FORMAT", "LATEST", "RunState", "draft_weights", "export_draft",
     "export_finite", "finished_earlier", "latest_tag", "load_checkpoint", "load_exported_draft",
-    "read_trainer_state", "remove_partial", "resume_point", "rng_state", "save_checkpoint", "seed_everything",
+    "read_trainer_state", "remove_partial", "resume_point", "rng_state", "save_checkpoint",
     "set_rng_state", "start_over_or_resume", "tag_of",
 ]
-
-
-PINNED = ("data.batching", "data.shard_window", "data.micro_batch_tokens", "gradient_accumulation", "seed",
-          "data.eval_fraction", "ttt_steps", "init.draft", "draft.layers", "draft.intermediate_size",
-          "draft.num_attention_heads", "draft.num_key_value_heads", "draft.head_dim", "draft.rope", "draft.variant",
-          "draft.family", "draft.sliding_window", "draft.full_attention_layers", "draft.mask_token_id", "zero_stage",
-          "context_parallel", "precision", "init.freeze_lm_head", "optim.name", "optim.muon_momentum",
-          "init.lm_head", "init.layers", "init.head_scale", "init.aux_scale", "loss.step_decay", "draft.vocab_size",
-          "draft.vocab", "loss.kind", "loss.lk_eta", "loss.hard_tokens", "loss.hard_token_entropy",
-          "loss.hard_token_weight",
-          # a checkpoint restores the optimizer's own lr, decay, betas and eps: a change would only be logged
-          "optim.lr", "optim.weight_decay", "optim.adam_beta1", "optim.adam_beta2", "optim.adam_eps")
-"""The settings a resumed run must share with the run that saved the checkpoint (``train.<key>``)."""
-
-
-def pinned_settings(cfg: TrainConfig, world_size: int, store: HarvestStore | StoreUnion,
-                    eval_store: HarvestStore | None = None) -> dict[str, Any]:
-    """What a resumed run must share with the run that saved the checkpoint: the settings that
-    decide the data order, the model and how DeepSpeed sharded its states."""
-    flat = settings_of(cfg)
-    pinned = {f"train.{k}": flat[k] for k in PINNED}
-    weights = sha256_file(Path(cfg.data.sample_weights)) if cfg.data.sample_weights else None
-    token_weights = sha256_file(Path(cfg.loss.token_weights)) if cfg.loss.token_weights else None
-    held_out = (eval_store.identity()  # the best draft is picked on it
-                if eval_store is not None and eval_store is not store else None)
-    return {**pinned, "world_size": world_size, "store.samples": len(store),
-            "store.shards": store.identity(), "sample_weights": weights, "token_weights": token_weights,
-            "eval_store.shards": held_out}
 
 
 def check_pinned(saved: dict[str, Any], now: dict[str, Any], out_dir: Path) -> None:
@@ -333,17 +296,14 @@ def check_pinned(saved: dict[str, Any], now: dict[str, Any], out_dir: Path) -> N
 # ---------------------------------------------------------------- resume, or start over
 
 
-def resume_point(cfg: TrainConfig, world_size: int, store: HarvestStore | StoreUnion,
-                 eval_store: HarvestStore | None) -> tuple[str | None, dict[str, Any]]:
-    """(the checkpoint tag a run resumes from, or None to start over; the settings it pins), a resume
-    checked against the settings its checkpoint was saved with. Nothing is touched here."""
-    out_dir = Path(cfg.out_dir)
+def resume_point(out_dir: Path, resume: bool, pinned: dict[str, Any]) -> str | None:
+    """The checkpoint tag a run resumes from (None: it starts over), checked against the settings and
+    data (``pinned``) its checkpoint was saved with. Nothing is touched here."""
     ckpt_root = out_dir / "checkpoints"
-    tag = latest_tag(ckpt_root) if cfg.resume and ckpt_root.is_dir() else None
-    pinned = pinned_settings(cfg, world_size, store, eval_store)
+    tag = latest_tag(ckpt_root) if resume and ckpt_root.is_dir() else None
     if tag is not None:
         check_pinned(read_trainer_state(ckpt_root, tag).get("pinned", {}), pinned, out_dir)
-    return tag, pinned
+    return tag
 
 
 def start_over_or_resume(out_dir: Path, engine: Any, rt: Runtime, state: RunState, tag: str | None) -> None:

@@ -259,6 +259,25 @@ class TrainConfig:
         family = get_family(self.draft.family)
         return {**self.draft.config_overrides(), **family.config_fields(mask_token_id, self.draft, self.ttt_steps)}
 
+    def pinned(self) -> dict[str, Any]:
+        """The settings a resumed run must share with the run that saved its checkpoint, by recipe key
+        (``train.optim.lr``; the run's data is pinned beside them: :class:`eagle3.train.data.TrainData`)."""
+        flat = settings_of(self)
+        return {f"train.{k}": flat[k] for k in PINNED}
+
+
+PINNED = ("data.batching", "data.shard_window", "data.micro_batch_tokens", "gradient_accumulation", "seed",
+          "data.eval_fraction", "ttt_steps", "init.draft", "draft.layers", "draft.intermediate_size",
+          "draft.num_attention_heads", "draft.num_key_value_heads", "draft.head_dim", "draft.rope", "draft.variant",
+          "draft.family", "draft.sliding_window", "draft.full_attention_layers", "draft.mask_token_id", "zero_stage",
+          "context_parallel", "precision", "init.freeze_lm_head", "optim.name", "optim.muon_momentum",
+          "init.lm_head", "init.layers", "init.head_scale", "init.aux_scale", "loss.step_decay", "draft.vocab_size",
+          "draft.vocab", "loss.kind", "loss.lk_eta", "loss.hard_tokens", "loss.hard_token_entropy",
+          "loss.hard_token_weight",
+          # a checkpoint restores the optimizer's own lr, decay, betas and eps: a change would only be logged
+          "optim.lr", "optim.weight_decay", "optim.adam_beta1", "optim.adam_beta2", "optim.adam_eps")
+"""The settings a resumed run must share with the run that saved the checkpoint (``train.<key>``)."""
+
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(TrainConfig)  # type: ignore[misc]
                              if isinstance(f.default_factory, type) and is_dataclass(f.default_factory)}

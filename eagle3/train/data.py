@@ -16,10 +16,11 @@ from typing import Any
 from eagle3.config import TargetConfig
 from eagle3.distributed import Runtime, any_rank, print0
 from eagle3.errors import TrainError
+from eagle3.fingerprint import sha256_file
 from eagle3.store.batches import epoch_batches, split_by_id
 from eagle3.store.colocated import ColocatedStore
 from eagle3.store.feed import StoreFeed
-from eagle3.store.shards import HarvestStore, StoreError, StoreUnion, open_stores, verify_stores
+from eagle3.store.shards import HarvestStore, StoreError, open_stores, verify_stores
 from eagle3.store.spec import StoreSpec
 from eagle3.store.spool import SpoolStore
 from eagle3.target.model import Target, load_target, load_target_head
@@ -49,7 +50,7 @@ VERIFIED = "verified_stores.json"
 class TrainData:
     """What a run trains and evaluates on: the store, its training indices and their weights, and the
     held-out store (the training store itself for an id-hash split; None without one) with its indices
-    and its micro-batches (every rank's)."""
+    and its micro-batches (every rank's), and its identity: what a resumed run must read again."""
 
     store: StoreFeed
     train_idx: list[int]
@@ -57,6 +58,7 @@ class TrainData:
     eval_store: Any
     eval_idx: list[int]
     eval_batches: list[list[int]]
+    identity: dict[str, Any]
 
 
 def open_data(cfg: TrainConfig, target_cfg: TargetConfig, target: Target | None,
@@ -85,8 +87,14 @@ def open_data(cfg: TrainConfig, target_cfg: TargetConfig, target: Target | None,
     except StoreError as err:
         raise TrainError(f"{err}; nothing was trained (python -m data_gen.harvest verify <store> checks a store)"
                          ) from None
+    # what a resumed run must read again, pinned in its checkpoints beside the settings: the training
+    # store's samples and shards, the held-out store's (the best draft is picked on it), the weights files
+    held_out = eval_store.identity() if eval_store is not None and eval_store is not store else None
+    files = {"sample_weights": data.sample_weights, "token_weights": cfg.loss.token_weights}
+    identity = {"store.samples": len(store), "store.shards": store.identity(), "eval_store.shards": held_out,
+                **{key: sha256_file(Path(path)) if path else None for key, path in files.items()}}
     store.attach(target)  # co-located: this rank's target computes each micro-batch's states
-    return TrainData(store, train_idx, weights_by_id, eval_store, eval_idx, eval_batches), target
+    return TrainData(store, train_idx, weights_by_id, eval_store, eval_idx, eval_batches, identity), target
 
 
 def check_window(window: int | None, store: Any) -> None:
@@ -130,7 +138,7 @@ def open_train_store(data: StoreSpec, seed: int, rank: int = 0) -> StoreFeed:
     return store
 
 
-def sample_weights(data: StoreSpec, store: HarvestStore | StoreUnion) -> dict[str, float]:
+def sample_weights(data: StoreSpec, store: StoreFeed) -> dict[str, float]:
     """``train.data.sample_weights`` read and checked against the store's sample ids."""
     weights_by_id = read_sample_weights(data.sample_weights)
     sample_ids = set(store.sample_ids)
@@ -148,13 +156,13 @@ def sample_weights(data: StoreSpec, store: HarvestStore | StoreUnion) -> dict[st
 
 
 def eval_split(data: StoreSpec,
-               store: HarvestStore | StoreUnion) -> tuple[HarvestStore | StoreUnion | None, list[int], list[int]]:
+               store: StoreFeed) -> tuple[StoreFeed | None, list[int], list[int]]:
     """(eval store, training indices, eval indices): ``train.data.eval_store`` less the conversations it
     shares with the training store, or an id-hash split of the training store. The caller checks a
     held-out store against the target."""
     if data.eval_store:
         try:
-            eval_store: HarvestStore | StoreUnion | None = HarvestStore(Path(data.eval_store))
+            eval_store: StoreFeed | None = HarvestStore(Path(data.eval_store))
         except StoreError as err:
             raise TrainError(f"train.data.eval_store: {err}") from None
         assert eval_store is not None

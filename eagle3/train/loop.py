@@ -362,7 +362,8 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
         # the data, checked against the target before anything is read for training; then the draft, the
         # target's head (the target itself is not needed after), the engine; then resume, or start over
         data, target = open_data(cfg, target_cfg, target, rt)
-        resume_tag, pinned = resume_point(cfg, rt.world_size, data.store, data.eval_store)
+        pinned = {**cfg.pinned(), "world_size": rt.world_size, **data.identity}
+        resume_tag = resume_point(Path(cfg.out_dir), cfg.resume, pinned)
         start = start_draft(cfg, data, target, resume_tag, rt)
         del target
         engine, schedule = build_engine(cfg.optim, cfg.steps, start.model, rt, precision=cfg.precision,

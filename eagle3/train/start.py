@@ -5,11 +5,13 @@ the recipe's initialisation."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -20,13 +22,13 @@ from eagle3.draft.losses import Objective
 from eagle3.draft.model import DraftConfig, DraftHead
 from eagle3.draft.spec import DraftSpec
 from eagle3.draft.target_head import TargetHead
-from eagle3.draft.vocab import DraftVocab, select_draft_vocab, write_draft_vocab
+from eagle3.draft.vocab import DraftVocab, count_loss_tokens, select_draft_vocab, write_draft_vocab
 from eagle3.errors import TrainError
 from eagle3.export import read_draft_vocab
-from eagle3.store.batches import first_micro_batch, loss_token_counts
-from eagle3.store.shards import HarvestStore, StoreUnion
+from eagle3.store.batches import first_micro_batch
+from eagle3.store.feed import StoreFeed
 from eagle3.target.model import Target
-from eagle3.train.checkpoint import DRAFT_VOCAB, seed_everything
+from eagle3.train.checkpoint import DRAFT_VOCAB
 from eagle3.train.config import TrainConfig
 from eagle3.train.data import TrainData
 from eagle3.train.fit import fit_start
@@ -72,7 +74,7 @@ def start_draft(cfg: TrainConfig, data: TrainData, target: Target, resume_tag: s
     return DraftStart(vocab, model, head, fit)
 
 
-def choose_draft_vocab(spec: DraftSpec, store: HarvestStore | StoreUnion, train_idx: Sequence[int], vocab_size: int,
+def choose_draft_vocab(spec: DraftSpec, store: StoreFeed, train_idx: Sequence[int], vocab_size: int,
                        always_include: Sequence[int], initial: DraftHead | None = None) -> DraftVocab:
     """The vocab of the draft training continues from (``initial``), a saved vocab
     (``spec.vocab``), or the most frequent loss-masked tokens of the training split."""
@@ -90,7 +92,7 @@ def choose_draft_vocab(spec: DraftSpec, store: HarvestStore | StoreUnion, train_
             print0(f"train.draft.vocab: {spec.vocab} holds {vocab.size} tokens; they replace "
                    f"train.draft.vocab_size={spec.vocab_size}")
         return vocab
-    counts = loss_token_counts(store, train_idx, vocab_size)
+    counts = count_loss_tokens(map(store.token_columns, train_idx), vocab_size)  # no state is read
     return select_draft_vocab(counts, min(spec.vocab_size, vocab_size), always_include)
 
 
@@ -146,6 +148,14 @@ def mask_token_for(spec: DraftSpec, target: Target) -> int:
     if not 0 <= chosen < vocab:
         raise TrainError(f"train.draft.mask_token_id={chosen}: not a token id of the target (0..{vocab - 1})")
     return chosen
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's and torch's generators (torch's on every device), the streams a
+    checkpoint's ``rng-rank*.pt`` saves and a resume restores."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def new_draft(cfg: TrainConfig, target: Target, num_aux: int, vocab: DraftVocab, initial: DraftHead | None,
