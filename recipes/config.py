@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from data_gen.config import HarvestConfig, PoolsConfig, QuantizeConfig, RegenerateConfig, SelectConfig
 from eagle3.config import TargetConfig
 from eagle3.errors import ConfigError
-from eagle3.train.config import TrainConfig
+from eagle3.train.config import run_config, train_settings
 from hard_mining.config import MineConfig
 from serve_eval.config import EvalConfig
+
+TrainSettings = train_settings()  # hydra's schema of train: every draft family's train.draft keys
 
 JOB_GROUPS = ("prepare", "harvest", "produce", "train", "finish")
 """The launcher's jobs (recipes/launch.py), as ``launcher.per_job`` names them."""
@@ -80,7 +82,7 @@ class PipelineConfig:
     select: SelectConfig = field(default_factory=SelectConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     harvest: HarvestConfig = field(default_factory=HarvestConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: TrainSettings = field(default_factory=TrainSettings)  # a TrainConfig
     val: SelectConfig = field(default_factory=lambda: SelectConfig(num_prompts=24, split="val"))
     """The held-out prompts the ``val`` stage regenerates and harvests (mining scores on them)."""
     mine: MineConfig = field(default_factory=MineConfig)
@@ -98,6 +100,7 @@ class PipelineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        self.train = run_config(self.train)  # its draft section the family's class
         for old, new in RENAMED_STAGES.items():
             if old in self.stages:
                 print(f"stages: {old!r} is now called {new!r}; running {new}", file=sys.stderr)

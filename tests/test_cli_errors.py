@@ -237,3 +237,39 @@ def test_a_checkpoint_of_the_flat_keys_is_compared_under_their_place_now(tmp_pat
     check_pinned({"train.lr": 0.002, "train.data": "offline", "train.num_layers": 1}, now, tmp_path)
     with pytest.raises(TrainError, match=r"trained with train\.draft\.layers=2, this run has 1"):
         check_pinned({"train.lr": 0.002, "train.num_layers": 2}, now, tmp_path)
+
+
+def test_a_family_section_has_its_own_keys_refused_elsewhere_in_one_line(capsys, tmp_path: Path) -> None:
+    """``train.draft`` is its family's class: a DFlash draft's own ``block_size`` (checked against the
+    TTT steps it must hold), refused naming the key and the family on another family's draft, in code,
+    on the trainer's command line and in a recipe override; the pinned settings carry it."""
+    import subprocess
+    import sys
+
+    from eagle3.draft.families.dflash import DFlashSpec
+    from eagle3.draft.spec import DraftSpec
+    from eagle3.train.config import train_config, updated
+    from eagle3.train.loop import main
+
+    dflash = train_config(**{"draft.family": "dflash", "draft.block_size": 8, "ttt_steps": 3})
+    assert type(dflash.draft) is DFlashSpec and dflash.draft_overrides(5)["block_size"] == 8
+    assert dflash.pinned()["train.draft.block_size"] == 8
+    assert train_config(**{"draft.family": "dflash", "ttt_steps": 3}).draft_overrides(5)["block_size"] == 4  # unset
+    plain = updated(dflash, **{"draft.family": "eagle3", "draft.block_size": None})  # unset: dropped
+    assert type(plain.draft) is DraftSpec and "train.draft.block_size" not in plain.pinned()
+    with pytest.raises(ValueError, match=r"^train\.draft\.block_size=8: a setting of dflash drafts, not of "
+                                         r"train\.draft\.family=eagle3$"):
+        updated(dflash, **{"draft.family": "eagle3"})
+    with pytest.raises(ValueError, match=r"^train\.draft\.block_size=3: proposes 2 tokens, fewer than "
+                                         r"train\.ttt_steps=3"):
+        train_config(**{"draft.family": "dflash", "draft.block_size": 3, "ttt_steps": 3})
+    with pytest.raises(ValueError, match=r"^train\.draft\.block_size=1: must be >= 2"):
+        train_config(**{"draft.family": "dflash", "draft.block_size": 1, "ttt_steps": 1})
+    with pytest.raises(SystemExit):
+        main(["--store", "s", "--out", "o", "--draft.block-size", "8"])
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: train.draft.block_size=8: a setting of dflash drafts, not of train.draft.family=eagle3")
+    done = subprocess.run([sys.executable, "-m", "recipes.run", "stages=[size]", "train.draft.block_size=8",
+                           f"out_dir={tmp_path}"], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert done.returncode != 0 and done.stderr.strip() == (
+        "eagle3-run: error: train.draft.block_size=8: a setting of dflash drafts, not of train.draft.family=eagle3")

@@ -204,7 +204,7 @@ def test_the_race_passes_a_draft_recipe_as_the_pipeline_applies_it(name: str) ->
     parse to the train fields the pipeline's ``draft=<name>`` sets."""
     import importlib.util
 
-    from eagle3.train.config import draft_recipe, setting_keys, settings_of
+    from eagle3.train.config import draft_recipe, setting_keys, settings_of, train_settings
     from eagle3.train.loop import build_parser
 
     spec = importlib.util.spec_from_file_location("race", RECIPES.parent / "bench" / "studies" / "race_speculators.py")
@@ -217,7 +217,7 @@ def test_the_race_passes_a_draft_recipe_as_the_pipeline_applies_it(name: str) ->
     applied = settings_of(pipeline)
     assert keys and {k: parsed[k] for k in keys} == {k: applied[k] for k in keys}
     unset = setting_keys() - set(keys) - {"data.store", "out_dir"}
-    defaults = settings_of(TrainConfig())
+    defaults = settings_of(train_settings()())  # every family's draft keys
     assert all(parsed[k] == defaults[k] for k in unset)  # nothing else moves
     assert race.recipe_flags("none") == []
 

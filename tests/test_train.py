@@ -347,6 +347,30 @@ def test_the_parallel_families_train_export_and_serve_losslessly(tiny: dict, tmp
         assert speculative.generate(prompt, 16).tokens == SpeculativeDecoder(target, None).generate(prompt, 16).tokens
 
 
+def test_a_dflash_block_larger_than_the_steps_trains_exports_and_serves_whole(tiny: dict, tmp_path: Path) -> None:
+    """train.draft.block_size=6 with train.ttt_steps=3: the block trains whole (its first 3 proposals
+    scored), exports as a block of 6, serves up to 5 tokens a round losslessly; a resume with another
+    block size is refused naming the key."""
+    from eagle3.export import load_draft
+    from serve_eval.config import SpecConfig
+    from serve_eval.spec_decode import SpeculativeDecoder
+
+    out = tmp_path / "block"
+    settings = {"optim.lr": 1e-2, "draft.family": "dflash", "draft.block_size": 6, "ttt_steps": 3}
+    train(_cfg(tiny, out, steps=24, eval_every=24, **settings), target=tiny["target"])
+    _assert_it_learned(out)
+    target = tiny["target"]
+    loaded = load_draft(out / "final", embed_tokens_weight=target.embed_tokens.weight.detach())
+    assert loaded.draft.config.block_size == 6
+    assert json.loads((out / "final" / "config.json").read_text())["block_size"] == 6
+    plain = SpeculativeDecoder(target, None).generate([1, 5, 9, 3], 16).tokens
+    assert SpeculativeDecoder(target, loaded.draft.eval(), SpecConfig("chain", k=5)).generate([1, 5, 9, 3], 16
+                                                                                            ).tokens == plain
+    with pytest.raises(TrainError, match=r"train\.draft\.block_size=6, this run has 8"):
+        train(_cfg(tiny, out, steps=30, eval_every=24, **{**settings, "draft.block_size": 8}),
+              target=tiny["target"])
+
+
 def test_eval_keeps_the_best_tau_and_a_vocab_is_reused(tiny: dict, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"

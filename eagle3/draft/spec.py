@@ -1,5 +1,6 @@
 """What a draft is to be: its family, layer variant, depth, widths, attention window, RoPE and
-vocabulary (:class:`DraftSpec`, the trainer's ``train.draft`` section). The families read this and
+vocabulary (:class:`DraftSpec`, the trainer's ``train.draft`` section; a family with settings of its
+own subclasses it, its ``spec_class``). The families read this and
 the number of tokens a round drafts, never the trainer's settings; the trainer asks the chosen family
 to check it (:meth:`eagle3.draft.families.base.DraftFamily.check_spec`)."""
 
@@ -25,8 +26,9 @@ class DraftSpec:
     mask state instead, so one forward proposes them all; vLLM serves it as eagle3 with
     ``parallel_drafting``). An ``init.draft`` of the eagle3 family becomes a P-EAGLE draft with a
     fresh mask state. dflash: DFlash (:mod:`eagle3.draft.families.dflash`), Qwen3-style layers that read
-    the aux states as keys and propose a block of ``ttt_steps`` tokens in one non-causal forward (vLLM
-    ``method=dflash``); ``layers`` sets its depth, ``variant`` and ``init.layers`` do not apply."""
+    the aux states as keys and propose a block of tokens in one non-causal forward (vLLM
+    ``method=dflash``; its section is :class:`eagle3.draft.families.dflash.DFlashSpec`, with
+    ``block_size``); ``layers`` sets its depth, ``variant`` and ``init.layers`` do not apply."""
     variant: str = "eagle3"
     """eagle3: the layer of the EAGLE-3 paper (no extra norms); speculators: speculators 0.9.0's
     variant (``norm_before_residual``, ``norm_before_fc`` and ``norm_output``), for comparisons;

@@ -6,11 +6,13 @@ trainer that reads it (``data``: :class:`eagle3.store.spec.StoreSpec`, ``draft``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, make_dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3.draft.families import family_names, get_family
 from eagle3.draft.losses import LOSSES
 from eagle3.draft.spec import DraftSpec
 from eagle3.errors import ConfigError
@@ -199,10 +201,18 @@ class TrainConfig:
     log: LogSpec = field(default_factory=LogSpec)
     """Metrics, wandb and progress (:class:`eagle3.train.log.LogSpec`)."""
 
+    _schema = False  # train_settings(): the schema recipes and command lines are checked against
+
     def __post_init__(self) -> None:
         for name, kind in SECTIONS.items():  # built from plain mappings (hydra's containers, a recipe's dict)
             value = getattr(self, name)
-            if isinstance(value, Mapping):
+            if name == "draft" and isinstance(value, Mapping | DraftSpec):
+                spec = draft_spec(value)  # its family's class, checked
+                if not self._schema:
+                    self.draft = spec
+                elif isinstance(value, Mapping):
+                    self.draft = _build(draft_settings(), value, "train.draft")
+            elif isinstance(value, Mapping):
                 setattr(self, name, _build(kind, value, f"train.{name}"))
             elif not isinstance(value, kind):
                 raise ConfigError(f"train.{name}={value!r}: train.{name} is a section now; the setting is "
@@ -236,11 +246,10 @@ class TrainConfig:
         if self.context_parallel < 1 or (self.context_parallel > 1 and self.data.mode != "offline"):
             raise ConfigError(f"train.context_parallel={self.context_parallel}: must be >= 1, and 1 unless "
                               f"train.data.mode=offline (not {self.data.mode})")
-        self.draft.check_steps(self.ttt_steps)
-        from eagle3.draft.families import get_family
-
-        family = get_family(self.draft.family, "train.draft.family")
-        family.check_spec(self.draft)
+        spec = draft_spec(self.draft)
+        spec.check_steps(self.ttt_steps)
+        family = get_family(spec.family, "train.draft.family")
+        family.check_spec(spec)
         if self.gradient_checkpointing and not family.recomputes_steps:
             raise ConfigError(f"train.gradient_checkpointing=true: a {family.name} draft does not train as an "
                               "unroll to recompute step by step; it is not supported there")
@@ -254,8 +263,6 @@ class TrainConfig:
         """The draft's shape as :meth:`eagle3.draft.model.DraftConfig.from_target_config` overrides: the
         spec's common shape, then its family's fields for this run's TTT steps (``mask_token_id``: the
         one chosen for it)."""
-        from eagle3.draft.families import get_family
-
         family = get_family(self.draft.family)
         return {**self.draft.config_overrides(), **family.config_fields(mask_token_id, self.draft, self.ttt_steps)}
 
@@ -263,7 +270,7 @@ class TrainConfig:
         """The settings a resumed run must share with the run that saved its checkpoint, by recipe key
         (``train.optim.lr``; the run's data is pinned beside them: :class:`eagle3.train.data.TrainData`)."""
         flat = settings_of(self)
-        return {f"train.{k}": flat[k] for k in PINNED}
+        return {f"train.{k}": flat[k] for k in PINNED if k in flat}  # draft.block_size: a DFlash draft's
 
 
 PINNED = ("data.batching", "data.shard_window", "data.micro_batch_tokens", "gradient_accumulation", "seed",
@@ -272,7 +279,7 @@ PINNED = ("data.batching", "data.shard_window", "data.micro_batch_tokens", "grad
           "draft.family", "draft.sliding_window", "draft.full_attention_layers", "draft.mask_token_id", "zero_stage",
           "context_parallel", "precision", "init.freeze_lm_head", "optim.name", "optim.muon_momentum",
           "init.lm_head", "init.layers", "init.head_scale", "init.aux_scale", "loss.step_decay", "draft.vocab_size",
-          "draft.vocab", "loss.kind", "loss.lk_eta", "loss.hard_tokens", "loss.hard_token_entropy",
+          "draft.vocab", "draft.block_size", "loss.kind", "loss.lk_eta", "loss.hard_tokens", "loss.hard_token_entropy",
           "loss.hard_token_weight",
           # a checkpoint restores the optimizer's own lr, decay, betas and eps: a change would only be logged
           "optim.lr", "optim.weight_decay", "optim.adam_beta1", "optim.adam_beta2", "optim.adam_eps")
@@ -329,6 +336,57 @@ def _build(kind: type, values: Mapping[str, Any], where: str) -> Any:
     return kind(**values)
 
 
+def draft_spec(value: Mapping[str, Any] | DraftSpec) -> DraftSpec:
+    """The ``train.draft`` section as its family's class (:attr:`DraftFamily.spec_class`): a field of
+    another family's class is dropped at its default and refused set, naming the key and the family."""
+    values = value if isinstance(value, Mapping) else {f.name: getattr(value, f.name) for f in fields(value)}
+    family = get_family(str(values.get("family", DraftSpec.family)), "train.draft.family")
+    kind = family.spec_class
+    if type(value) is kind:
+        return value  # type: ignore[return-value]
+    own = {f.name for f in fields(kind)}
+    others = {f.name: f for f in fields(draft_settings()) if f.name not in own}
+    for key, v in values.items():
+        if key in others and v != (others[key].default if others[key].default is not MISSING
+                                   else others[key].default_factory()):  # type: ignore[misc]
+            owners = [name for name in family_names() if key in {f.name for f in fields(get_family(name).spec_class)}]
+            raise ConfigError(f"train.draft.{key}={v!r}: a setting of {' and '.join(owners)} drafts, not of "
+                              f"train.draft.family={family.name}")
+    return _build(kind, {k: v for k, v in values.items() if k not in others}, "train.draft")
+
+
+@functools.cache
+def draft_settings() -> type[DraftSpec]:
+    """What ``train.draft`` takes from a recipe or a command line: the common shape and every registered
+    family's own fields (a class built on each family's section class: the schema hydra and the command
+    line check); a run's section is its family's class (:func:`draft_spec`)."""
+    bases = tuple(dict.fromkeys(k for k in (get_family(n).spec_class for n in family_names()) if k is not DraftSpec))
+    cls = make_dataclass("DraftSettings", [], bases=bases or (DraftSpec,))
+    cls.__module__ = __name__
+    cls.__doc__ = "Every draft family's ``train.draft`` settings (a run's section is its family's class)."
+    return cls
+
+
+@functools.cache
+def train_settings() -> type[TrainConfig]:
+    """:class:`TrainConfig` as recipes and the command line take it: ``draft`` with every family's fields
+    (:func:`draft_settings`); the run's own config keeps its family's class."""
+    draft = draft_settings()
+    cls = make_dataclass("TrainSettings", [("draft", draft, field(default_factory=draft))], bases=(TrainConfig,),
+                         namespace={"_schema": True})
+    cls.__module__ = __name__
+    cls.__doc__ = TrainConfig.__doc__
+    return cls
+
+
+def run_config(cfg: TrainConfig) -> TrainConfig:
+    """The run's own :class:`TrainConfig` from one checked against :func:`train_settings` (its draft
+    section its family's class)."""
+    if type(cfg) is TrainConfig:
+        return cfg
+    return TrainConfig(**{f.name: getattr(cfg, f.name) for f in fields(TrainConfig)})
+
+
 def train_config(settings: Mapping[str, Any] | None = None, **keys: Any) -> TrainConfig:
     """A :class:`TrainConfig` from nested settings (``{"optim": {"lr": 1e-3}}``) and/or dotted keys
     (``**{"optim.lr": 1e-3}``, later ones win); a key of an earlier version is refused naming its new place."""
@@ -374,8 +432,8 @@ def updated(cfg: TrainConfig, settings: Mapping[str, Any] | None = None, **keys:
 
 
 def setting_keys() -> set[str]:
-    """Every dotted key a TrainConfig takes (``steps``, ``optim.lr``, ..)."""
-    return set(settings_of(TrainConfig()))
+    """Every dotted key a TrainConfig takes (``steps``, ``optim.lr``, ..; each family's ``draft.*``)."""
+    return set(settings_of(TrainConfig())) | {f"draft.{f.name}" for f in fields(draft_settings())}
 
 
 def draft_recipe(name: str) -> dict[str, Any]:
@@ -410,5 +468,6 @@ def draft_recipe(name: str) -> dict[str, Any]:
     return out
 
 
-__all__ = ["DRAFT_RECIPES", "HARD_TOKENS", "LR_SCHEDULES", "MOVED", "SECTIONS", "WANDB_MODES", "InitSpec", "LossSpec",
-           "TrainConfig", "draft_recipe", "moved_key", "setting_keys", "settings_of", "train_config", "updated"]
+__all__ = ["DRAFT_RECIPES", "HARD_TOKENS", "LR_SCHEDULES", "MOVED", "PINNED", "SECTIONS", "WANDB_MODES", "InitSpec",
+           "LossSpec", "TrainConfig", "draft_recipe", "draft_settings", "draft_spec", "moved_key", "run_config",
+           "setting_keys", "settings_of", "train_config", "train_settings", "updated"]

@@ -87,7 +87,7 @@ from eagle3.train.checkpoint import (
     save_checkpoint,
     start_over_or_resume,
 )
-from eagle3.train.config import MOVED, TrainConfig, train_config
+from eagle3.train.config import MOVED, TrainConfig, train_config, train_settings
 from eagle3.train.data import TrainData, open_data
 from eagle3.train.log import NullSink, PhaseClock, RunSink
 from eagle3.train.optim import build_engine, resolve_precision, unclip_muon_updates_under_zero
@@ -396,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", default=TargetConfig.name_or_path, help="target name or path (default %(default)s)")
     parser.add_argument("--target-dtype", default=TargetConfig.dtype, help="dtype the target's head runs in")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    add_dataclass_arguments(parser, TrainConfig, required=("data.store", "out_dir"),
+    add_dataclass_arguments(parser, train_settings(), required=("data.store", "out_dir"),
                             aliases={"out_dir": "--out", "data.store": "--store"})
     return parser
 

@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
+from eagle3.draft.spec import DraftSpec
 from eagle3.errors import ConfigError, TrainError
 
 if TYPE_CHECKING:
     from eagle3.config import SamplingConfig
     from eagle3.draft.model import DraftConfig, DraftHead
-    from eagle3.draft.spec import DraftSpec
     from eagle3.draft.ttt import TTTOutput
 
 
@@ -144,6 +144,9 @@ class DraftFamily:
 
     # -- settings
 
+    spec_class: ClassVar[type[DraftSpec]] = DraftSpec
+    """The class of this family's ``train.draft`` section: :class:`DraftSpec`, or a subclass with the
+    family's own fields (a DFlash draft's block size)."""
     splits_rows: ClassVar[bool] = True
     """Trains a row split over ranks (``train.context_parallel`` > 1)."""
     recomputes_steps: ClassVar[bool] = True

@@ -28,7 +28,7 @@ weighted ``train.loss.step_decay**(k-1)``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +60,7 @@ from eagle3.draft.model import (
     gather_rows,
     rope_cos_sin,
 )
+from eagle3.draft.spec import KEY, DraftSpec
 from eagle3.draft.ttt import (
     RowLayout,
     StepTally,
@@ -76,7 +77,6 @@ from eagle3.errors import ConfigError, TrainError
 
 if TYPE_CHECKING:
     from eagle3.config import SamplingConfig
-    from eagle3.draft.spec import DraftSpec
 
 
 class DFlashAttention(nn.Module):
@@ -264,11 +264,35 @@ def dflash_config(config: DraftConfig, aux_layer_ids: Sequence[int], torch_dtype
 
 
 
+@dataclass
+class DFlashSpec(DraftSpec):
+    """A DFlash draft's ``train.draft`` section: the common shape, and its block."""
+
+    block_size: int | None = None
+    """Slots of the block one forward fills: the newest token, then ``block_size - 1`` proposals.
+    vLLM serves the block whole (``num_speculative_tokens = block_size - 1``: its attention goes both
+    ways, so another size is another model). Training scores the block's first ``train.ttt_steps``
+    proposals. None: ``train.ttt_steps + 1``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block_size is not None and self.block_size < 2:
+            raise ConfigError(f"{KEY}.block_size={self.block_size}: must be >= 2 (the newest token and at least "
+                              "one proposal)")
+
+    def check_steps(self, steps: int) -> None:
+        super().check_steps(steps)
+        if self.block_size is not None and self.block_size - 1 < steps:
+            raise ConfigError(f"{KEY}.block_size={self.block_size}: proposes {self.block_size - 1} tokens, fewer "
+                              f"than train.ttt_steps={steps} trains (at least {steps + 1}, or null: ttt_steps + 1)")
+
+
 class DFlashFamily(DraftFamily):
     name = "dflash"
     reads_mask_token = True
     architectures = (DFLASH_ARCHITECTURE,)
 
+    spec_class = DFlashSpec
     splits_rows = False  # its blocks attend to the context in their own way: a row trains on one rank
     recomputes_steps = False  # one block, not an unroll to recompute step by step
     starts_from_readout = False  # random layers
@@ -282,7 +306,8 @@ class DFlashFamily(DraftFamily):
                              "whole context; sliding windows are for eagle3 and peagle drafts")
 
     def shape(self, spec: DraftSpec, steps: int) -> dict[str, Any]:
-        return {"block_size": steps + 1}  # a block of ttt_steps + 1; EAGLE-3's layer variants do not apply
+        # EAGLE-3's layer variants do not apply
+        return {"block_size": getattr(spec, "block_size", None) or steps + 1}
 
     def build(self, config: DraftConfig, embed_tokens_weight: Tensor | None = None) -> DFlashDraft:
         return DFlashDraft(config, embed_tokens_weight)
@@ -390,4 +415,4 @@ class BlockProposer(Proposer):
 
 DFLASH = register(DFlashFamily())
 
-__all__ = ["DFLASH", "BlockProposer", "DFlashDraft", "DFlashFamily", "dflash_forward"]
+__all__ = ["DFLASH", "BlockProposer", "DFlashDraft", "DFlashFamily", "DFlashSpec", "dflash_forward"]
