@@ -243,18 +243,24 @@ def test_a_family_section_has_its_own_keys_refused_elsewhere_in_one_line(capsys,
     """``train.draft`` is its family's class: a DFlash draft's own ``block_size`` (checked against the
     TTT steps it must hold), refused naming the key and the family on another family's draft, in code,
     on the trainer's command line and in a recipe override; the pinned settings carry it."""
+    import pickle
     import subprocess
     import sys
 
     from eagle3.draft.families.dflash import DFlashSpec
     from eagle3.draft.spec import DraftSpec
-    from eagle3.train.config import train_config, updated
+    from eagle3.train.config import PINNED, setting_keys, train_config, train_settings, updated
     from eagle3.train.loop import main
 
     dflash = train_config(**{"draft.family": "dflash", "draft.block_size": 8, "ttt_steps": 3})
     assert type(dflash.draft) is DFlashSpec and dflash.draft_overrides(5)["block_size"] == 8
     assert dflash.pinned()["train.draft.block_size"] == 8
-    assert train_config(**{"draft.family": "dflash", "ttt_steps": 3}).draft_overrides(5)["block_size"] == 4  # unset
+    unset = train_config(**{"draft.family": "dflash", "ttt_steps": 3})
+    assert unset.draft_overrides(5)["block_size"] == 4
+    assert unset.pinned() == updated(unset, **{"draft.block_size": 4}).pinned()  # the same model, pinned alike
+    assert set(PINNED) <= setting_keys()  # a misspelt pinned key would be dropped silently
+    assert len(train_config().pinned()) == len(PINNED) - 1  # every key of an eagle3 run's but DFlash's own
+    assert pickle.loads(pickle.dumps(train_settings()())).draft.family == "eagle3"  # the schema travels
     plain = updated(dflash, **{"draft.family": "eagle3", "draft.block_size": None})  # unset: dropped
     assert type(plain.draft) is DraftSpec and "train.draft.block_size" not in plain.pinned()
     with pytest.raises(ValueError, match=r"^train\.draft\.block_size=8: a setting of dflash drafts, not of "

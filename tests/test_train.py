@@ -350,7 +350,7 @@ def test_the_parallel_families_train_export_and_serve_losslessly(tiny: dict, tmp
 def test_a_dflash_block_larger_than_the_steps_trains_exports_and_serves_whole(tiny: dict, tmp_path: Path) -> None:
     """train.draft.block_size=6 with train.ttt_steps=3: the block trains whole (its first 3 proposals
     scored), exports as a block of 6, serves up to 5 tokens a round losslessly; a resume with another
-    block size is refused naming the key."""
+    block size is refused naming the key, and so is continuing it as another block."""
     from eagle3.export import load_draft
     from serve_eval.config import SpecConfig
     from serve_eval.spec_decode import SpeculativeDecoder
@@ -369,6 +369,10 @@ def test_a_dflash_block_larger_than_the_steps_trains_exports_and_serves_whole(ti
     with pytest.raises(TrainError, match=r"train\.draft\.block_size=6, this run has 8"):
         train(_cfg(tiny, out, steps=30, eval_every=24, **{**settings, "draft.block_size": 8}),
               target=tiny["target"])
+    with pytest.raises(TrainError, match=r"train\.draft\.block_size=8: .* was trained with block_size=6; a "
+                                         r"continued draft keeps its shape"):
+        train(_cfg(tiny, tmp_path / "more", steps=2, **{**settings, "draft.block_size": 8,
+                                                        "init.draft": str(out / "final")}), target=tiny["target"])
 
 
 def test_eval_keeps_the_best_tau_and_a_vocab_is_reused(tiny: dict, tmp_path: Path,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.draft.families import family_names, get_family
+from eagle3.draft.families.base import load_plugins
 from eagle3.draft.losses import LOSSES
 from eagle3.draft.spec import DraftSpec
 from eagle3.errors import ConfigError
@@ -270,7 +271,12 @@ class TrainConfig:
         """The settings a resumed run must share with the run that saved its checkpoint, by recipe key
         (``train.optim.lr``; the run's data is pinned beside them: :class:`eagle3.train.data.TrainData`)."""
         flat = settings_of(self)
-        return {f"train.{k}": flat[k] for k in PINNED if k in flat}  # draft.block_size: a DFlash draft's
+        # a family's own keys (a DFlash draft's draft.block_size) as the draft is shaped: unset and
+        # set to the value it stands for are the same model
+        for key, value in get_family(self.draft.family).shape(self.draft, self.ttt_steps).items():
+            if f"draft.{key}" in flat:
+                flat[f"draft.{key}"] = value
+        return {f"train.{k}": flat[k] for k in PINNED if k in flat}  # draft.block_size: a DFlash draft's only
 
 
 PINNED = ("data.batching", "data.shard_window", "data.micro_batch_tokens", "gradient_accumulation", "seed",
@@ -358,24 +364,31 @@ def draft_spec(value: Mapping[str, Any] | DraftSpec) -> DraftSpec:
 @functools.cache
 def draft_settings() -> type[DraftSpec]:
     """What ``train.draft`` takes from a recipe or a command line: the common shape and every registered
-    family's own fields (a class built on each family's section class: the schema hydra and the command
-    line check); a run's section is its family's class (:func:`draft_spec`)."""
-    bases = tuple(dict.fromkeys(k for k in (get_family(n).spec_class for n in family_names()) if k is not DraftSpec))
-    cls = make_dataclass("DraftSettings", [], bases=bases or (DraftSpec,))
-    cls.__module__ = __name__
-    cls.__doc__ = "Every draft family's ``train.draft`` settings (a run's section is its family's class)."
-    return cls
+    family's own fields (a class built on each family's section class, installed packages' families
+    included: the schema hydra and the command line check); a run's section is its family's class
+    (:func:`draft_spec`). A family registered later is built and checked all the same, its own keys
+    taken in code only."""
+    load_plugins()
+    kinds = list(dict.fromkeys(get_family(n).spec_class for n in family_names()))
+    bases = tuple(k for k in kinds if not any(o is not k and issubclass(o, k) for o in kinds))  # most derived
+    return _module_class(make_dataclass("DraftSettings", [], bases=bases),
+                         "Every draft family's ``train.draft`` settings (a run's section is its family's class).")
 
 
 @functools.cache
 def train_settings() -> type[TrainConfig]:
     """:class:`TrainConfig` as recipes and the command line take it: ``draft`` with every family's fields
-    (:func:`draft_settings`); the run's own config keeps its family's class."""
+    (:func:`draft_settings`); the run's own config keeps its family's class (:func:`run_config`)."""
     draft = draft_settings()
     cls = make_dataclass("TrainSettings", [("draft", draft, field(default_factory=draft))], bases=(TrainConfig,),
                          namespace={"_schema": True})
-    cls.__module__ = __name__
-    cls.__doc__ = TrainConfig.__doc__
+    return _module_class(cls, TrainConfig.__doc__ or "")
+
+
+def _module_class(cls: type, doc: str) -> Any:
+    """A class made at run time, findable under its module (it pickles, and hydra names it)."""
+    cls.__module__, cls.__qualname__, cls.__doc__ = __name__, cls.__name__, doc
+    globals()[cls.__name__] = cls
     return cls
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +179,12 @@ def new_draft(cfg: TrainConfig, target: Target, num_aux: int, vocab: DraftVocab,
         draft = family.build(draft_config, embedding)
     else:
         draft = family.adopt(initial, str(cfg.init.draft), mask_id, cfg.ttt_steps)
+        common = {f.name for f in fields(DraftSpec)}
+        for key in (f.name for f in fields(family.spec_class) if f.name not in common):  # the family's own
+            want, have = getattr(cfg.draft, key), getattr(draft.config, key, None)
+            if want is not None and want != have:
+                raise TrainError(f"train.draft.{key}={want}: {cfg.init.draft} was trained with {key}={have}; a "
+                                 f"continued draft keeps its shape (leave train.draft.{key} unset)")
         if cfg.draft.sliding_window is not None:  # continued training with a window: the window is the run's
             draft.config.sliding_window = cfg.draft.sliding_window
             draft.config.full_attention_layers = list(cfg.draft.full_attention_layers)

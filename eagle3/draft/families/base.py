@@ -266,14 +266,15 @@ module that calls :func:`register` when imported (read once, when a name is not 
 def get_family(name: str, key: str = "draft.family") -> DraftFamily:
     """The family named ``name``; a ConfigError naming ``key`` and the known ones otherwise."""
     if name not in _FAMILIES:
-        _load_plugins()
+        load_plugins()
     try:
         return _FAMILIES[name]
     except KeyError:
         raise ConfigError(f"{key}={name!r}: expected one of {', '.join(_FAMILIES)}") from None
 
 
-def _load_plugins() -> None:
+def load_plugins() -> None:
+    """Import every installed package's families (:data:`ENTRY_POINTS`), which register themselves."""
     from importlib import import_module
     from importlib.metadata import entry_points
 
