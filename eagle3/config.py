@@ -63,7 +63,8 @@ def add_target_arguments(parser: Any, *, target: str | None = None, dtype_aliase
     parser.add_argument("--target", default=TargetConfig.name_or_path if target is None else target,
                         help="embedded target name, model folder, .gguf file or hub id (default %(default)s)")
     parser.add_argument("--target-dtype", *dtype_aliases, dest="target_dtype", default=TargetConfig.dtype,
-                        choices=_DTYPES, help="auto: bf16 on CUDA, fp32 elsewhere (default %(default)s)")
+                        choices=_DTYPES, help="auto: bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16, "
+                                              "AMX), fp32 elsewhere (default %(default)s)")
     parser.add_argument("--device", default=TargetConfig.device,
                         help="where the target (and draft) run: auto (CUDA when present), cpu, cuda, cuda:N")
 

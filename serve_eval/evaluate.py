@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,6 +53,20 @@ from serve_eval.config import EvalConfig, SpecConfig
 from serve_eval.spec_decode import DecodeStats, SpeculativeDecoder
 
 TIE_MARGIN = 1e-4
+"""A divergence from plain decoding where the target's top-2 logits are closer than this (fp32) is a
+near-tie, which the batched verification's other order of reduction may flip."""
+TIE_ULPS = 4
+"""In a coarser type (bf16, fp16) a near-tie is closer than this many units in the last place of the
+top logit (bf16's unit is 0.125 at a logit of 20): the verification and plain decoding round apart
+through every layer. A weaker check than fp32's, stated in the report as the dtype it ran in."""
+
+
+def tie_margin(dtype: torch.dtype, top: float) -> float:
+    """The top-2 margin under which a divergence is a near-tie for a target computing in ``dtype``
+    whose top logit is ``top``: :data:`TIE_MARGIN`, or :data:`TIE_ULPS` units in the last place."""
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    ulp = eps * 2.0 ** math.floor(math.log2(abs(top))) if top else eps
+    return max(TIE_MARGIN, TIE_ULPS * ulp)
 
 
 def prompt_end(turns: list[Any]) -> int | None:
@@ -109,10 +124,17 @@ def read_prompts(pools: Path, name: str, per_set: int, chat: Any) -> list[list[i
 
 
 def top2_margin(target: Any, ids: list[int]) -> float:
+    return judged_margin(target, ids)[0]
+
+
+def judged_margin(target: Any, ids: list[int]) -> tuple[float, bool]:
+    """(the target's top-2 logit margin after ``ids``, whether a divergence there is a near-tie in the
+    dtype it computes in: :func:`tie_margin`)."""
     with torch.no_grad():
         logits = target(torch.tensor([ids], device=target.device), return_logits=True).logits[0, -1].float()
     top = logits.topk(2).values
-    return float(top[0] - top[1])
+    margin = float(top[0] - top[1])
+    return margin, margin < tie_margin(getattr(target, "dtype", torch.float32), float(top[0]))
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -216,9 +238,9 @@ def evaluate(target: Any, draft: Any, prompts: dict[str, list[list[int]]], *, co
                 if params.greedy and at is None:
                     acc["equal"] += 1
                 elif params.greedy:
-                    margin = top2_margin(target, prompt + base.tokens[:at])
+                    margin, tie = judged_margin(target, prompt + base.tokens[:at])
                     acc["divergences"].append({"prompt": i, "position": at, "margin": round(margin, 6),
-                                               "tie": margin < TIE_MARGIN})
+                                               "tie": tie})
                 if run is main:
                     rows.append({"set": name, "prompt": i, **got.stats.as_dict(),
                                  "plain_tokens_per_s": base.stats.as_dict()["tokens_per_s"]})
@@ -479,7 +501,8 @@ def load_pair_meta(draft_path: str, target_name: str, dtype: str = "auto",
     """The target (capturing the draft's aux layers), the draft and its ``draft.json``, read once and
     checked against each other: hidden size, vocabulary, aux layer ids, and the tokenizer where the
     draft recorded the fingerprint of the one it was trained with. Both on ``device`` (``auto``: CUDA
-    when present) in the target's ``dtype`` (``auto``: bf16 on CUDA, fp32 elsewhere).
+    when present) in the target's ``dtype`` (``auto``: bf16 on CUDA and on CPUs with native bf16, fp32
+    elsewhere).
 
     A draft without its own embedding gets the target's; errors are :class:`DraftFormatError`,
     ``ValueError`` or ``OSError`` naming the file or the mismatch."""

@@ -238,3 +238,18 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_has_it(monkeypatch, tmp_path) -> 
         assert device.resolve_dtype("float32", torch.device("cpu")) == torch.float32  # asked for: kept
     monkeypatch.setenv("EAGLE3_CPU_BF16", "1")
     assert device.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+
+
+def test_a_near_tie_is_judged_at_the_precision_the_target_computes_in() -> None:
+    """fp32: a divergence under TIE_MARGIN is a near-tie; bf16 and fp16 round logits to a coarser grid
+    (bf16: 0.125 between 16 and 32), so a few units in the last place, where the batched verification
+    and plain decoding round apart, are a near-tie there and a wider margin is not."""
+    from serve_eval.evaluate import TIE_MARGIN, TIE_ULPS, tie_margin
+
+    assert tie_margin(torch.float32, 20.0) == TIE_MARGIN
+    one_ulp = float(torch.tensor(20.0, dtype=torch.bfloat16).nextafter(torch.tensor(30.0, dtype=torch.bfloat16)) - 20)
+    assert one_ulp == 0.125
+    assert tie_margin(torch.bfloat16, 20.0) == tie_margin(torch.bfloat16, -20.0) == 0.125 * TIE_ULPS
+    assert tie_margin(torch.bfloat16, 40.0) == 0.25 * TIE_ULPS and tie_margin(torch.bfloat16, 0.0) > TIE_MARGIN
+    assert tie_margin(torch.float16, 20.0) == pytest.approx(TIE_ULPS * 2**-10 * 16)
+    assert not 1.0 < tie_margin(torch.bfloat16, 20.0)  # a whole logit apart is a divergence in bf16 too

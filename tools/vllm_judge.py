@@ -60,7 +60,7 @@ from eagle3.target.positions import context_length  # noqa: E402
 
 # the eval prompts and the divergence check are serve_eval's, so both judges read the same text
 from serve_eval.config import EVAL_SETS  # noqa: E402
-from serve_eval.evaluate import TIE_MARGIN, first_divergence, read_prompts, top2_margin  # noqa: E402
+from serve_eval.evaluate import first_divergence, judged_margin, read_prompts  # noqa: E402
 
 SPEC_METRICS = {
     "vllm:spec_decode_num_drafts": "drafts",
@@ -254,9 +254,8 @@ def judge(target_folder: str, drafts: dict[str, Path | None], prompts: dict[str,
                 at = first_divergence(ours, ref)
                 if at is None:
                     continue
-                margin = top2_margin(target, prompts[set_name][row] + ref[:at])
-                cases.append({"prompt": row, "position": at, "margin": round(margin, 6),
-                              "tie": margin < TIE_MARGIN})
+                margin, tie = judged_margin(target, prompts[set_name][row] + ref[:at])
+                cases.append({"prompt": row, "position": at, "margin": round(margin, 6), "tie": tie})
             drafts_n = max(got["drafts"], 1)
             generated = sum(len(t) for t in got["tokens"])
             lines.append({
