@@ -86,7 +86,7 @@ class EvalConfig:
     Its speculation and sampling settings default to :class:`SpecConfig`'s and
     :class:`~eagle3.config.SamplingConfig`'s, and are checked by them."""
 
-    RUN_ONLY: ClassVar[tuple[str, ...]] = ("out_dir", "wandb_mode")
+    RUN_ONLY: ClassVar[tuple[str, ...]] = ("out_dir", "wandb_mode", "workers")
     """The fields that do not change the evaluation's figures."""
 
     draft: str | None = None
@@ -128,12 +128,16 @@ class EvalConfig:
     thinking: str = "template"
     """Reasoning targets: render the eval prompts with the template's thinking switch ``on`` or ``off``
     (``template``: unset, whatever the template does unasked), to measure each mode."""
+    workers: int = 1
+    """Processes serving the prompts side by side, one torch thread each, each prompt's plain and
+    speculative runs in the same one: the same tokens and tau in about 1 / workers of the time on a
+    CPU with that many cores (capped at the cores, or at the GPUs: one process per GPU)."""
     out_dir: str = ""
     """Where report.json, report.md and the plots go."""
     wandb_mode: str = "offline"
 
     def __post_init__(self) -> None:
-        for name in ("per_set", "max_new_tokens"):
+        for name in ("per_set", "max_new_tokens", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"eval.{name}={getattr(self, name)}: must be >= 1")
         try:

@@ -26,8 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +47,7 @@ from eagle3.draft.metrics import (
     accepted_by_source,
     served_tau,
 )
-from eagle3.errors import ConfigError, InputError, MissingInputError, run_cli
+from eagle3.errors import ConfigError, Eagle3Error, InputError, MissingInputError, run_cli
 from eagle3.target.positions import context_length
 from eagle3.target.reasoning import DEFAULT_MARKERS
 from serve_eval.adaptive import measure_cost
@@ -182,88 +184,214 @@ def summarise(spec: list[DecodeStats], plain: list[DecodeStats],
     }
 
 
-class _Run:
-    """One proposer's generations over the eval sets, kept per set."""
+@dataclass(frozen=True)
+class PairSource:
+    """Where a worker process loads the evaluated pair from (what :func:`load_pair` takes)."""
 
-    def __init__(self, decoder: SpeculativeDecoder) -> None:
-        self.decoder = decoder
-        self.sets: dict[str, dict[str, Any]] = {}
-        self.stats: list[DecodeStats] = []
-        self.parts: list[list[bool]] = []
+    draft: str
+    target: str
+    dtype: str
+    device: str
+
+    @classmethod
+    def of(cls, draft: str, target_name: str, target: Any) -> PairSource:
+        """The source of a pair loaded in this process: the same dtype and device, resolved."""
+        return cls(str(draft), target_name, str(target.dtype).removeprefix("torch."), str(target.device))
+
+
+@dataclass
+class _Served:
+    """One prompt's generations: plain decoding and each proposer's (its stats, its rounds' parts,
+    and where it parted from plain decoding: None when equal, or not greedy)."""
+
+    set: str
+    index: int
+    plain: DecodeStats
+    runs: dict[str, tuple[DecodeStats, list[bool], dict[str, Any] | None]]
+
+
+def _decoders(target: Any, draft: Any, config: SpecConfig, compare: Sequence[str]) -> tuple[dict[str, Any], Any]:
+    """A decoder per proposer (``config``'s first), its lookup priced by this machine's cost model,
+    measured first (it also warms the device up); the cost model, or None where nothing is drafted."""
+    from dataclasses import replace
+
+    decoders = {config.proposer: SpeculativeDecoder(target, draft, config)}
+    for name in compare:
+        if name not in decoders:
+            decoders[name] = SpeculativeDecoder(target, draft, replace(config, proposer=name))
+    main = decoders[config.proposer]
+    width = config.budget if config.mode == "tree" else config.k
+    room = context_length(target.config) or 4096
+    cost = measure_cost(main, width, context=min(256, room // 2))
+    for decoder in decoders.values():
+        decoder.cost_lookup(cost.verify_s)
+    return decoders, (cost if main.proposer is not None else None)
+
+
+def _serve(target: Any, decoders: dict[str, Any], items: Sequence[tuple[str, int, list[int]]],
+           params: SamplingConfig, max_new_tokens: int, stops: frozenset[int], seed: int,
+           done: Callable[[_Served], None]) -> None:
+    """Plain decoding, then each decoder, on every ``(set, index, prompt)``; ``done`` gets each prompt's."""
+    tokenizer = getattr(target, "tokenizer", None)  # labels rounds: thinking or answer
+    plain_decoder = next(iter(decoders.values()))
+    for name, i, prompt in items:
+        base = plain_decoder.generate(prompt, max_new_tokens, stops, params, seed=seed + i, speculate=False)
+        runs = {}
+        for proposer, decoder in decoders.items():
+            got = decoder.generate(prompt, max_new_tokens, stops, params, seed=seed + i)
+            parts = (round_parts(tokenizer, prompt, got.tokens, got.stats) if tokenizer is not None
+                     else [False] * len(got.stats.accepted))
+            at = first_divergence(got.tokens, base.tokens) if params.greedy else None
+            divergence = None
+            if at is not None:
+                margin, tie = judged_margin(target, prompt + base.tokens[:at])
+                divergence = {"prompt": i, "position": at, "margin": round(margin, 6), "tie": tie}
+            runs[proposer] = (got.stats, parts, divergence)
+        done(_Served(name, i, base.stats, runs))
+
+
+def _worker(source: PairSource, config: SpecConfig, compare: Sequence[str], items: list[tuple[str, int, list[int]]],
+            params: SamplingConfig, max_new_tokens: int, stops: frozenset[int], seed: int, out: Any) -> None:
+    """A worker process: its own pair and cost model, its share of the prompts, each put on ``out``."""
+    torch.set_num_threads(1)
+    target, draft = load_pair(source.draft, source.target, source.dtype, source.device)
+    decoders, _ = _decoders(target, draft, config, compare)
+    _serve(target, decoders, items, params, max_new_tokens, stops, seed, out.put)
+
+
+class EvalError(Eagle3Error, RuntimeError):
+    """The evaluation cannot finish: a worker process failed."""
+
+
+class _Workers:
+    """``n - 1`` processes beside this one, worker w serving ``items[w::n]`` (on CUDA, GPU w); what
+    they serve read back with :meth:`collect`."""
+
+    def __init__(self, n: int, source: PairSource | None, args: tuple[Any, ...]) -> None:
+        self.n, self.source, self.args = n, source, args
+        self.procs: list[Any] = []
+        self.queue: Any = None
+        self.waiting = 0  # prompts the workers have not sent back yet
+
+    def start(self, items: list[tuple[str, int, list[int]]]) -> None:
+        import multiprocessing
+        from dataclasses import replace
+
+        if self.n == 1:
+            return
+        assert self.source is not None
+        ctx = multiprocessing.get_context("spawn")
+        self.queue = ctx.Queue()
+        config, compare, params, max_new_tokens, stops, seed = self.args
+        for w in range(1, self.n):
+            source = replace(self.source, device=f"cuda:{w}") if self.source.device.startswith("cuda") else self.source
+            share = items[w::self.n]
+            proc = ctx.Process(target=_worker, daemon=True, args=(source, config, compare, share, params,
+                                                                   max_new_tokens, stops, seed, self.queue))
+            proc.start()
+            self.procs.append(proc)
+            self.waiting += len(share)
+
+    def collect(self, block: bool) -> list[_Served]:
+        """What the workers served since the last call; ``block``: until they have sent every prompt
+        (a worker that exits first fails the evaluation, naming its exit code)."""
+        import queue
+
+        got: list[_Served] = []
+        while self.waiting:
+            try:
+                got.append(self.queue.get(timeout=0.5) if block else self.queue.get_nowait())
+                self.waiting -= 1
+            except queue.Empty:
+                if not block:
+                    break
+                failed = [p.exitcode for p in self.procs if p.exitcode not in (None, 0)]
+                if failed:
+                    raise EvalError(f"eval.workers: a worker exited with code {failed[0]} "
+                                    "(its message is above)") from None
+        return got
+
+    def stop(self) -> None:
+        for proc in self.procs:  # finished, or on an error here: the workers stop too
+            if proc.is_alive():
+                proc.join(timeout=5.0 if not self.waiting else 0.0)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+
+
+def eval_workers(workers: int, device: str) -> int:
+    """The processes an evaluation on ``device`` (the loaded target's) runs: ``workers``, but no more
+    than the GPUs from this one on (two processes sharing a GPU would time each other's forwards) or
+    the CPU cores this process may use."""
+    if device.startswith("cuda"):
+        first = int(device.partition(":")[2] or 0)
+        return max(1, min(workers, torch.cuda.device_count())) if first == 0 else 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(workers, cores))
 
 
 def evaluate(target: Any, draft: Any, prompts: dict[str, list[list[int]]], *, config: SpecConfig,
              params: SamplingConfig, max_new_tokens: int, stop_ids: Sequence[int], seed: int = 0,
-             progress: bool = True, compare: Sequence[str] = ()) -> dict[str, Any]:
+             progress: bool = True, compare: Sequence[str] = (), workers: int = 1,
+             source: PairSource | None = None) -> dict[str, Any]:
     """Plain and speculative generation of every prompt, with ``config``'s proposer and each of
-    ``compare`` (the same settings, another proposer) on the same prompts; the report's data."""
-    from dataclasses import replace
+    ``compare`` (the same settings, another proposer) on the same prompts; the report's data.
 
+    ``workers`` > 1 serves the prompts from that many processes (this one and ``workers - 1`` that
+    load the pair from ``source``), one torch thread each, every prompt's plain and speculative runs
+    in the same process: the same tokens and tau as one process, in about 1 / ``workers`` of the time
+    on a CPU with that many cores; each process prices the lookup with its own cost model."""
     from tqdm import tqdm
 
-    runs = {config.proposer: _Run(SpeculativeDecoder(target, draft, config))}
-    for name in compare:
-        if name not in runs:
-            runs[name] = _Run(SpeculativeDecoder(target, draft, replace(config, proposer=name)))
-    main = runs[config.proposer]
-    decoder = main.decoder
-    # the cost model of this machine, measured first (it also warms the device up): the report says why
-    width = config.budget if config.mode == "tree" else config.k
-    room = context_length(target.config) or 4096
-    cost = measure_cost(decoder, width, context=min(256, room // 2))
-    for run in runs.values():  # the lookup's branches priced on this machine
-        run.decoder.cost_lookup(cost.verify_s)
-    if decoder.proposer is None:  # the report's cost model explains a draft's rounds
-        cost = None
+    if workers > 1 and source is None:
+        raise ValueError("evaluate: workers > 1 needs the pair's source, to load it in each worker")
+    items = [(name, i, prompt) for name, ps in prompts.items() for i, prompt in enumerate(ps)]
+    workers = max(1, min(workers, len(items)))
     stops = frozenset(stop_ids)
-    rows = []
-    all_plain: list[DecodeStats] = []
-    tokenizer = getattr(target, "tokenizer", None)  # labels rounds: thinking or answer
-    total = sum(len(p) for p in prompts.values())
-    bar = tqdm(total=total, desc="serve_eval", disable=not progress)
-    for name, items in prompts.items():
-        plain_stats = []
-        per_run: dict[str, dict[str, Any]] = {r: {"stats": [], "parts": [], "divergences": [], "equal": 0}
-                                             for r in runs}
-        for i, prompt in enumerate(items):
-            base = decoder.generate(prompt, max_new_tokens, stops, params, seed=seed + i, speculate=False)
-            plain_stats.append(base.stats)
-            for proposer, run in runs.items():
-                got = run.decoder.generate(prompt, max_new_tokens, stops, params, seed=seed + i)
-                acc = per_run[proposer]
-                acc["stats"].append(got.stats)
-                acc["parts"].append(round_parts(tokenizer, prompt, got.tokens, got.stats) if tokenizer is not None
-                                    else [False] * len(got.stats.accepted))
-                at = first_divergence(got.tokens, base.tokens) if params.greedy else None
-                if params.greedy and at is None:
-                    acc["equal"] += 1
-                elif params.greedy:
-                    margin, tie = judged_margin(target, prompt + base.tokens[:at])
-                    acc["divergences"].append({"prompt": i, "position": at, "margin": round(margin, 6),
-                                               "tie": tie})
-                if run is main:
-                    rows.append({"set": name, "prompt": i, **got.stats.as_dict(),
-                                 "plain_tokens_per_s": base.stats.as_dict()["tokens_per_s"]})
-            bar.update(1)
-        for proposer, run in runs.items():
-            acc = per_run[proposer]
-            run.sets[name] = summarise(acc["stats"], plain_stats, acc["parts"])
-            if params.greedy:
-                run.sets[name].update(equal=acc["equal"], divergences=acc["divergences"],
-                                      lossless=all(d["tie"] for d in acc["divergences"]))
-            run.stats += acc["stats"]
-            run.parts += acc["parts"]
-        all_plain += plain_stats
-    bar.close()
+    pool = _Workers(workers, source, (config, tuple(compare), params, max_new_tokens, stops, seed))
+    served: list[_Served] = []
+    bar = tqdm(total=len(items), desc="serve_eval", disable=not progress)
+
+    def done(one: _Served) -> None:
+        others = pool.collect(False)
+        served.extend([one, *others])
+        bar.update(1 + len(others))
+
+    try:
+        pool.start(items)  # the workers load while this process measures its cost model
+        decoders, cost = _decoders(target, draft, config, compare)
+        _serve(target, decoders, items[::workers], params, max_new_tokens, stops, seed, done)
+        others = pool.collect(True)
+        served += others
+        bar.update(len(others))
+    finally:
+        pool.stop()
+        bar.close()
+    order = {(name, i): n for n, (name, i, _) in enumerate(items)}
+    served.sort(key=lambda s: order[(s.set, s.index)])
     results = {}
-    for proposer, run in runs.items():
-        overall = summarise(run.stats, all_plain, run.parts)
+    for proposer in decoders:
+        sets = {}
+        for name in prompts:
+            mine = [s for s in served if s.set == name]
+            stats = [s.runs[proposer][0] for s in mine]
+            sets[name] = summarise(stats, [s.plain for s in mine], [s.runs[proposer][1] for s in mine])
+            if params.greedy:
+                divergences = [d for s in mine if (d := s.runs[proposer][2]) is not None]
+                sets[name].update(equal=len(mine) - len(divergences), divergences=divergences,
+                                  lossless=all(d["tie"] for d in divergences))
+        overall = summarise([s.runs[proposer][0] for s in served], [s.plain for s in served],
+                            [s.runs[proposer][1] for s in served])
         if params.greedy:
-            overall["equal"] = sum(s["equal"] for s in run.sets.values())
-            overall["lossless"] = all(s["lossless"] for s in run.sets.values())
-        results[proposer] = {"sets": run.sets, "overall": overall}
+            overall["equal"] = sum(s["equal"] for s in sets.values())
+            overall["lossless"] = all(s["lossless"] for s in sets.values())
+        results[proposer] = {"sets": sets, "overall": overall}
+    rows = [{"set": s.set, "prompt": s.index, **s.runs[config.proposer][0].as_dict(),
+             "plain_tokens_per_s": s.plain.as_dict()["tokens_per_s"]} for s in served]
     sets, overall = results[config.proposer]["sets"], results[config.proposer]["overall"]
     if cost is not None:
+        width = config.budget if config.mode == "tree" else config.k
         overall["cost_model"] = cost.explain(config.k, overall["tau"], width)
     return {"config": {"mode": config.mode, "k": config.k, "topk": config.topk, "budget": config.budget,
                        "target_cache": config.target_cache, "proposer": config.proposer,
@@ -271,7 +399,7 @@ def evaluate(target: Any, draft: Any, prompts: dict[str, list[list[int]]], *, co
                                   "scale": config.lookup_scale},
                        "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
                        "max_new_tokens": max_new_tokens, "device": str(target.device),
-                       "dtype": str(target.dtype).removeprefix("torch.")},
+                       "dtype": str(target.dtype).removeprefix("torch."), "workers": workers},
             "sets": sets, "overall": overall,
             "compare": {p: r for p, r in results.items() if p != config.proposer},
             "prompts": rows}
@@ -551,7 +679,8 @@ def _main(argv: Sequence[str] | None) -> int:
     prompts = {name: read_prompts(Path(args.pools), name, cfg.per_set, served) for name in cfg.sets}
     report = evaluate(target, draft, prompts, config=cfg.spec, params=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
                       stop_ids=sorted(chat.stop_ids), seed=args.seed, progress=not args.no_progress,
-                      compare=cfg.compare)
+                      compare=cfg.compare, workers=eval_workers(cfg.workers, str(target.device)),
+                      source=PairSource.of(cfg.draft, args.target, target))
     report["draft"], report["target"] = str(cfg.draft), args.target
     write_report(report, Path(cfg.out_dir), cfg.wandb_mode)
     print(json.dumps({"stage": "serve_eval", "out": cfg.out_dir, "overall": report["overall"],

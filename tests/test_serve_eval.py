@@ -173,3 +173,42 @@ def test_read_prompts_names_the_bad_line(tmp_path: Path) -> None:
     _write_set(tmp_path / "eval" / "empty.jsonl", [])
     with pytest.raises(ValueError, match="empty.jsonl: no prompts"):  # not a report of 0 prompts, tau 1.0
         read_prompts(tmp_path, "empty", 3, _EchoChat())
+
+
+def test_workers_serve_the_same_tokens_as_one_process(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Two processes serve the prompts in turn: every prompt's rounds, each set's tau and the equality
+    with plain decoding as one process gives them, in the sets' order; a worker that cannot load its
+    pair fails the evaluation in one line naming the setting."""
+    import torch
+
+    from eagle3.draft.model import DraftConfig, Eagle3Draft
+    from eagle3.target.model import load_target
+    from eagle3.train.checkpoint import export_draft
+    from serve_eval.evaluate import EvalError, PairSource, load_pair
+    from tests.helpers import TINY_VOCAB, randomised
+
+    probe = load_target(str(tiny_model_dir), dtype="float32", device="cpu")
+    config = DraftConfig.from_target_config(probe.config, draft_vocab_size=TINY_VOCAB)
+    draft = randomised(Eagle3Draft(config, torch.zeros(TINY_VOCAB, config.hidden_size)))
+    state = {k: v for k, v in draft.state_dict().items() if not k.startswith("embed_tokens")}
+    export_draft(tmp_path / "draft", state, config, {"aux_layer_ids": list(probe.aux_layer_ids)})
+    target, draft = load_pair(str(tmp_path / "draft"), str(tiny_model_dir), "float32", "cpu")
+    repeating = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    prompts = {"a": list(PROMPTS), "b": [repeating, PROMPTS[0]]}
+    source = PairSource.of(str(tmp_path / "draft"), str(tiny_model_dir), target)
+    kwargs = {"config": SpecConfig("chain", k=2), "params": SamplingConfig(), "max_new_tokens": 10,
+              "stop_ids": [], "progress": False}
+    one = evaluate(target, draft, prompts, **kwargs)
+    two = evaluate(target, draft, prompts, workers=2, source=source, **kwargs)
+    assert two["config"]["workers"] == 2 and one["config"]["workers"] == 1
+    assert [(r["set"], r["prompt"]) for r in two["prompts"]] == [(r["set"], r["prompt"]) for r in one["prompts"]]
+    keys = ("new_tokens", "target_forwards", "tau", "accept_per_pos", "accepted_by")
+    assert [[r[k] for k in keys] for r in two["prompts"]] == [[r[k] for k in keys] for r in one["prompts"]]
+    for name in prompts:
+        assert two["sets"][name]["tau"] == one["sets"][name]["tau"]
+        assert two["sets"][name]["equal"] == one["sets"][name]["equal"] == len(prompts[name])
+    with pytest.raises(EvalError, match="eval.workers: a worker exited"):
+        evaluate(target, draft, prompts, workers=2, source=PairSource(str(tmp_path / "nowhere"), str(tiny_model_dir),
+                                                                     "float32", "cpu"), **kwargs)
+    with pytest.raises(ValueError, match="source"):
+        evaluate(target, draft, prompts, workers=2, **kwargs)
