@@ -300,7 +300,8 @@ def eval_draft(cfg: PipelineConfig) -> str:
 def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
     """The bundled speculative loop vs plain decoding on the eval sets: report.md, PNG plots, wandb."""
     from eagle3.target.chat import ChatFormat
-    from serve_eval.evaluate import PairSource, eval_workers, evaluate, load_pair, read_prompts, write_report
+    from serve_eval.eval_runs import PairSource, eval_workers, load_pair
+    from serve_eval.evaluate import evaluate, read_prompts, write_report
 
     e = cfg.eval
     draft_path = eval_draft(cfg)

@@ -25,11 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,28 +44,18 @@ from eagle3.draft.metrics import (
     accepted_by_source,
     served_tau,
 )
-from eagle3.errors import ConfigError, Eagle3Error, InputError, MissingInputError, run_cli
-from eagle3.target.positions import context_length
-from eagle3.target.reasoning import DEFAULT_MARKERS
-from serve_eval.adaptive import measure_cost
+from eagle3.errors import ConfigError, InputError, MissingInputError, run_cli
 from serve_eval.config import EvalConfig, SpecConfig
-from serve_eval.spec_decode import DecodeStats, SpeculativeDecoder
-
-TIE_MARGIN = 1e-4
-"""A divergence from plain decoding where the target's top-2 logits are closer than this (fp32) is a
-near-tie, which the batched verification's other order of reduction may flip."""
-TIE_ULPS = 4
-"""In a coarser type (bf16, fp16) a near-tie is closer than this many units in the last place of the
-top logit (bf16's unit is 0.125 at a logit of 20): the verification and plain decoding round apart
-through every layer. A weaker check than fp32's, stated in the report as the dtype it ran in."""
-
-
-def tie_margin(dtype: torch.dtype, top: float) -> float:
-    """The top-2 margin under which a divergence is a near-tie for a target computing in ``dtype``
-    whose top logit is ``top``: :data:`TIE_MARGIN`, or :data:`TIE_ULPS` units in the last place."""
-    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
-    ulp = eps * 2.0 ** math.floor(math.log2(abs(top))) if top else eps
-    return max(TIE_MARGIN, TIE_ULPS * ulp)
+from serve_eval.eval_runs import (
+    PairSource,
+    Served,
+    Workers,
+    eval_workers,
+    load_pair,
+    make_decoders,
+    serve,
+)
+from serve_eval.spec_decode import DecodeStats
 
 
 def prompt_end(turns: list[Any]) -> int | None:
@@ -125,34 +112,6 @@ def read_prompts(pools: Path, name: str, per_set: int, chat: Any) -> list[list[i
     return out
 
 
-def top2_margin(target: Any, ids: list[int]) -> float:
-    return judged_margin(target, ids)[0]
-
-
-def judged_margin(target: Any, ids: list[int]) -> tuple[float, bool]:
-    """(the target's top-2 logit margin after ``ids``, whether a divergence there is a near-tie in the
-    dtype it computes in: :func:`tie_margin`)."""
-    with torch.no_grad():
-        logits = target(torch.tensor([ids], device=target.device), return_logits=True).logits[0, -1].float()
-    top = logits.topk(2).values
-    margin = float(top[0] - top[1])
-    return margin, margin < tie_margin(getattr(target, "dtype", torch.float32), float(top[0]))
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def round_parts(tokenizer: Any, prompt: Sequence[int], tokens: Sequence[int], stats: DecodeStats) -> list[bool]:
-    """Per round of a generation: whether its first drafted token lies in the target's thinking block
-    (:class:`~eagle3.target.reasoning.ThinkingMarkers`), by where the round starts (``stats.contexts``)."""
-    labels = DEFAULT_MARKERS.label(tokenizer, prompt, tokens)
-    return [bool(labels[c - len(prompt)]) if 0 <= c - len(prompt) < len(labels) else False for c in stats.contexts]
-
-
 def summarise(spec: list[DecodeStats], plain: list[DecodeStats],
               parts: list[list[bool]] | None = None) -> dict[str, Any]:
     """One eval set (or all of them): pooled over prompts; ``parts``: :func:`round_parts` per prompt."""
@@ -184,153 +143,6 @@ def summarise(spec: list[DecodeStats], plain: list[DecodeStats],
     }
 
 
-@dataclass(frozen=True)
-class PairSource:
-    """Where a worker process loads the evaluated pair from (what :func:`load_pair` takes)."""
-
-    draft: str
-    target: str
-    dtype: str
-    device: str
-
-    @classmethod
-    def of(cls, draft: str, target_name: str, target: Any) -> PairSource:
-        """The source of a pair loaded in this process: the same dtype and device, resolved."""
-        return cls(str(draft), target_name, str(target.dtype).removeprefix("torch."), str(target.device))
-
-
-@dataclass
-class _Served:
-    """One prompt's generations: plain decoding and each proposer's (its stats, its rounds' parts,
-    and where it parted from plain decoding: None when equal, or not greedy)."""
-
-    set: str
-    index: int
-    plain: DecodeStats
-    runs: dict[str, tuple[DecodeStats, list[bool], dict[str, Any] | None]]
-
-
-def _decoders(target: Any, draft: Any, config: SpecConfig, compare: Sequence[str]) -> tuple[dict[str, Any], Any]:
-    """A decoder per proposer (``config``'s first), its lookup priced by this machine's cost model,
-    measured first (it also warms the device up); the cost model, or None where nothing is drafted."""
-    from dataclasses import replace
-
-    decoders = {config.proposer: SpeculativeDecoder(target, draft, config)}
-    for name in compare:
-        if name not in decoders:
-            decoders[name] = SpeculativeDecoder(target, draft, replace(config, proposer=name))
-    main = decoders[config.proposer]
-    width = config.budget if config.mode == "tree" else config.k
-    room = context_length(target.config) or 4096
-    cost = measure_cost(main, width, context=min(256, room // 2))
-    for decoder in decoders.values():
-        decoder.cost_lookup(cost.verify_s)
-    return decoders, (cost if main.proposer is not None else None)
-
-
-def _serve(target: Any, decoders: dict[str, Any], items: Sequence[tuple[str, int, list[int]]],
-           params: SamplingConfig, max_new_tokens: int, stops: frozenset[int], seed: int,
-           done: Callable[[_Served], None]) -> None:
-    """Plain decoding, then each decoder, on every ``(set, index, prompt)``; ``done`` gets each prompt's."""
-    tokenizer = getattr(target, "tokenizer", None)  # labels rounds: thinking or answer
-    plain_decoder = next(iter(decoders.values()))
-    for name, i, prompt in items:
-        base = plain_decoder.generate(prompt, max_new_tokens, stops, params, seed=seed + i, speculate=False)
-        runs = {}
-        for proposer, decoder in decoders.items():
-            got = decoder.generate(prompt, max_new_tokens, stops, params, seed=seed + i)
-            parts = (round_parts(tokenizer, prompt, got.tokens, got.stats) if tokenizer is not None
-                     else [False] * len(got.stats.accepted))
-            at = first_divergence(got.tokens, base.tokens) if params.greedy else None
-            divergence = None
-            if at is not None:
-                margin, tie = judged_margin(target, prompt + base.tokens[:at])
-                divergence = {"prompt": i, "position": at, "margin": round(margin, 6), "tie": tie}
-            runs[proposer] = (got.stats, parts, divergence)
-        done(_Served(name, i, base.stats, runs))
-
-
-def _worker(source: PairSource, config: SpecConfig, compare: Sequence[str], items: list[tuple[str, int, list[int]]],
-            params: SamplingConfig, max_new_tokens: int, stops: frozenset[int], seed: int, out: Any) -> None:
-    """A worker process: its own pair and cost model, its share of the prompts, each put on ``out``."""
-    torch.set_num_threads(1)
-    target, draft = load_pair(source.draft, source.target, source.dtype, source.device)
-    decoders, _ = _decoders(target, draft, config, compare)
-    _serve(target, decoders, items, params, max_new_tokens, stops, seed, out.put)
-
-
-class EvalError(Eagle3Error, RuntimeError):
-    """The evaluation cannot finish: a worker process failed."""
-
-
-class _Workers:
-    """``n - 1`` processes beside this one, worker w serving ``items[w::n]`` (on CUDA, GPU w); what
-    they serve read back with :meth:`collect`."""
-
-    def __init__(self, n: int, source: PairSource | None, args: tuple[Any, ...]) -> None:
-        self.n, self.source, self.args = n, source, args
-        self.procs: list[Any] = []
-        self.queue: Any = None
-        self.waiting = 0  # prompts the workers have not sent back yet
-
-    def start(self, items: list[tuple[str, int, list[int]]]) -> None:
-        import multiprocessing
-        from dataclasses import replace
-
-        if self.n == 1:
-            return
-        assert self.source is not None
-        ctx = multiprocessing.get_context("spawn")
-        self.queue = ctx.Queue()
-        config, compare, params, max_new_tokens, stops, seed = self.args
-        for w in range(1, self.n):
-            source = replace(self.source, device=f"cuda:{w}") if self.source.device.startswith("cuda") else self.source
-            share = items[w::self.n]
-            proc = ctx.Process(target=_worker, daemon=True, args=(source, config, compare, share, params,
-                                                                   max_new_tokens, stops, seed, self.queue))
-            proc.start()
-            self.procs.append(proc)
-            self.waiting += len(share)
-
-    def collect(self, block: bool) -> list[_Served]:
-        """What the workers served since the last call; ``block``: until they have sent every prompt
-        (a worker that exits first fails the evaluation, naming its exit code)."""
-        import queue
-
-        got: list[_Served] = []
-        while self.waiting:
-            try:
-                got.append(self.queue.get(timeout=0.5) if block else self.queue.get_nowait())
-                self.waiting -= 1
-            except queue.Empty:
-                if not block:
-                    break
-                failed = [p.exitcode for p in self.procs if p.exitcode not in (None, 0)]
-                if failed:
-                    raise EvalError(f"eval.workers: a worker exited with code {failed[0]} "
-                                    "(its message is above)") from None
-        return got
-
-    def stop(self) -> None:
-        for proc in self.procs:  # finished, or on an error here: the workers stop too
-            if proc.is_alive():
-                proc.join(timeout=5.0 if not self.waiting else 0.0)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join()
-
-
-def eval_workers(workers: int, device: str) -> int:
-    """The processes an evaluation on ``device`` (the loaded target's) runs: ``workers``, but no more
-    than the GPUs from this one on (two processes sharing a GPU would time each other's forwards) or
-    the CPU cores this process may use."""
-    if device.startswith("cuda"):
-        first = int(device.partition(":")[2] or 0)
-        return max(1, min(workers, torch.cuda.device_count())) if first == 0 else 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(workers, cores))
-
-
 def evaluate(target: Any, draft: Any, prompts: dict[str, list[list[int]]], *, config: SpecConfig,
              params: SamplingConfig, max_new_tokens: int, stop_ids: Sequence[int], seed: int = 0,
              progress: bool = True, compare: Sequence[str] = (), workers: int = 1,
@@ -349,19 +161,19 @@ def evaluate(target: Any, draft: Any, prompts: dict[str, list[list[int]]], *, co
     items = [(name, i, prompt) for name, ps in prompts.items() for i, prompt in enumerate(ps)]
     workers = max(1, min(workers, len(items)))
     stops = frozenset(stop_ids)
-    pool = _Workers(workers, source, (config, tuple(compare), params, max_new_tokens, stops, seed))
-    served: list[_Served] = []
+    pool = Workers(workers, source, (config, tuple(compare), params, max_new_tokens, stops, seed))
+    served: list[Served] = []
     bar = tqdm(total=len(items), desc="serve_eval", disable=not progress)
 
-    def done(one: _Served) -> None:
+    def done(one: Served) -> None:
         others = pool.collect(False)
         served.extend([one, *others])
         bar.update(1 + len(others))
 
     try:
         pool.start(items)  # the workers load while this process measures its cost model
-        decoders, cost = _decoders(target, draft, config, compare)
-        _serve(target, decoders, items[::workers], params, max_new_tokens, stops, seed, done)
+        decoders, cost = make_decoders(target, draft, config, compare)
+        serve(target, decoders, items[::workers], params, max_new_tokens, stops, seed, done)
         others = pool.collect(True)
         served += others
         bar.update(len(others))
@@ -616,31 +428,6 @@ def write_report(report: dict[str, Any], out: Path, wandb_mode: str = "offline",
 
 
 # ---------------------------------------------------------------- CLI
-
-
-def load_pair(draft_path: str, target_name: str, dtype: str = "auto", device: str = "auto") -> tuple[Any, Any]:
-    """The target (capturing the draft's aux layers) and the draft: :func:`load_pair_meta` without the meta."""
-    target, draft, _ = load_pair_meta(draft_path, target_name, dtype, device)
-    return target, draft
-
-
-def load_pair_meta(draft_path: str, target_name: str, dtype: str = "auto",
-                   device: str = "auto") -> tuple[Any, Any, dict[str, Any]]:
-    """The target (capturing the draft's aux layers), the draft and its ``draft.json``, read once and
-    checked against each other: hidden size, vocabulary, aux layer ids, and the tokenizer where the
-    draft recorded the fingerprint of the one it was trained with. Both on ``device`` (``auto``: CUDA
-    when present) in the target's ``dtype`` (``auto``: bf16 on CUDA and on CPUs with native bf16, fp32
-    elsewhere).
-
-    A draft without its own embedding gets the target's; errors are :class:`DraftFormatError`,
-    ``ValueError`` or ``OSError`` naming the file or the mismatch."""
-    from eagle3.export import fit_to_target, load_draft
-    from eagle3.target.model import load_target
-
-    loaded = load_draft(draft_path)
-    target = load_target(target_name, dtype=dtype, device=device, aux_layer_ids=loaded.aux_layer_ids)
-    fit_to_target(loaded, target)
-    return target, loaded.draft.to(device=target.device, dtype=target.dtype).eval(), loaded.meta
 
 
 def build_parser() -> argparse.ArgumentParser:

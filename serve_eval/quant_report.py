@@ -33,7 +33,8 @@ from eagle3.atomic import atomic_write_text
 from eagle3.config import DEFAULT_TARGET
 from eagle3.errors import InputError, run_cli
 from serve_eval.config import EVAL_SETS, EvalConfig
-from serve_eval.evaluate import first_divergence, read_prompts
+from serve_eval.eval_runs import first_divergence
+from serve_eval.evaluate import read_prompts
 
 
 @torch.no_grad()

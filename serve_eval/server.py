@@ -496,7 +496,7 @@ def draft_prior(meta: dict[str, Any], k: int) -> list[float] | None:
 
 
 def build_engine(args: argparse.Namespace) -> Engine:
-    from serve_eval.evaluate import load_pair_meta
+    from serve_eval.eval_runs import load_pair_meta
 
     spec = dataclass_from_args(SpecConfig, args)  # checked before the models load
     if args.draft is None and spec.uses_draft:

@@ -25,7 +25,8 @@ from eagle3.target.model import Target
 from eagle3.train.step import TTTModel, train_forward
 from hard_mining.score import score_store, target_head
 from serve_eval.config import SpecConfig
-from serve_eval.evaluate import evaluate, top2_margin
+from serve_eval.eval_runs import top2_margin
+from serve_eval.evaluate import evaluate
 from serve_eval.spec_decode import SpeculativeDecoder
 from tests.fake_device import DeviceMixError, host_syncs, other_device
 from tests.helpers import (
@@ -244,7 +245,7 @@ def test_a_near_tie_is_judged_at_the_precision_the_target_computes_in() -> None:
     """fp32: a divergence under TIE_MARGIN is a near-tie; bf16 and fp16 round logits to a coarser grid
     (bf16: 0.125 between 16 and 32), so a few units in the last place, where the batched verification
     and plain decoding round apart, are a near-tie there and a wider margin is not."""
-    from serve_eval.evaluate import TIE_MARGIN, TIE_ULPS, tie_margin
+    from serve_eval.eval_runs import TIE_MARGIN, TIE_ULPS, tie_margin
 
     assert tie_margin(torch.float32, 20.0) == TIE_MARGIN
     one_ulp = float(torch.tensor(20.0, dtype=torch.bfloat16).nextafter(torch.tensor(30.0, dtype=torch.bfloat16)) - 20)

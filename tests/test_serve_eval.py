@@ -184,7 +184,7 @@ def test_workers_serve_the_same_tokens_as_one_process(tmp_path: Path, tiny_model
     from eagle3.draft.model import DraftConfig, Eagle3Draft
     from eagle3.target.model import load_target
     from eagle3.train.checkpoint import export_draft
-    from serve_eval.evaluate import EvalError, PairSource, load_pair
+    from serve_eval.eval_runs import EvalError, PairSource, load_pair
     from tests.helpers import TINY_VOCAB, randomised
 
     probe = load_target(str(tiny_model_dir), dtype="float32", device="cpu")

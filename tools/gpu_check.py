@@ -269,7 +269,8 @@ def check_loop(draft: Path, target: Path, pools: Path, device: str, size: dict[s
     from eagle3.config import SamplingConfig
     from eagle3.target.chat import ChatFormat
     from serve_eval.config import SpecConfig
-    from serve_eval.evaluate import first_divergence, load_pair, read_prompts, top2_margin
+    from serve_eval.eval_runs import first_divergence, load_pair, top2_margin
+    from serve_eval.evaluate import read_prompts
     from serve_eval.spec_decode import SpeculativeDecoder
 
     n, new = size["loop_prompts"], size["loop_tokens"]
@@ -326,7 +327,8 @@ def check_families(cfg: Any, target: Path, pools: Path, device: str, size: dict[
     from eagle3.target.chat import ChatFormat
     from eagle3.train.loop import train
     from serve_eval.config import SpecConfig
-    from serve_eval.evaluate import load_pair, read_prompts
+    from serve_eval.eval_runs import load_pair
+    from serve_eval.evaluate import read_prompts
     from serve_eval.spec_decode import SpeculativeDecoder
 
     n, new = size["loop_prompts"], size["loop_tokens"]

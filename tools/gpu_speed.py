@@ -136,7 +136,8 @@ def check_profile(emit: Emit, cfg: Any, draft: Path, target: Path, pools: Path, 
     from eagle3.store.shards import HarvestStore
     from eagle3.target.chat import ChatFormat
     from eagle3.train.step import TTTModel, train_forward
-    from serve_eval.evaluate import load_pair, read_prompts
+    from serve_eval.eval_runs import load_pair
+    from serve_eval.evaluate import read_prompts
     from serve_eval.spec_decode import SpeculativeDecoder
 
     dev = resolve_device(device)

@@ -60,7 +60,8 @@ from eagle3.target.positions import context_length  # noqa: E402
 
 # the eval prompts and the divergence check are serve_eval's, so both judges read the same text
 from serve_eval.config import EVAL_SETS  # noqa: E402
-from serve_eval.evaluate import first_divergence, judged_margin, read_prompts  # noqa: E402
+from serve_eval.eval_runs import first_divergence, judged_margin  # noqa: E402
+from serve_eval.evaluate import read_prompts  # noqa: E402
 
 SPEC_METRICS = {
     "vllm:spec_decode_num_drafts": "drafts",

@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     from eagle3.target.chat import ChatFormat
     from serve_eval.adaptive import AdaptiveSession, measure_cost
     from serve_eval.config import SpecConfig
-    from serve_eval.evaluate import load_pair_meta, read_prompts
+    from serve_eval.eval_runs import load_pair_meta
+    from serve_eval.evaluate import read_prompts
     from serve_eval.server import draft_prior
     from serve_eval.spec_decode import SpeculativeDecoder
 

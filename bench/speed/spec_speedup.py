@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     from eagle3.target.model import TargetLoadError, TargetSourceError
     from serve_eval.adaptive import measure_cost
     from serve_eval.config import SpecConfig
-    from serve_eval.evaluate import evaluate, load_pair, read_prompts, write_report
+    from serve_eval.eval_runs import load_pair
+    from serve_eval.evaluate import evaluate, read_prompts, write_report
     from serve_eval.spec_decode import SpeculativeDecoder
 
     try:

@@ -37,7 +37,8 @@ def main() -> None:
     from eagle3.config import SamplingConfig
     from eagle3.target.chat import ChatFormat
     from serve_eval.config import SpecConfig
-    from serve_eval.evaluate import load_pair, read_prompts
+    from serve_eval.eval_runs import load_pair
+    from serve_eval.evaluate import read_prompts
     from serve_eval.spec_decode import SpeculativeDecoder
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -78,7 +78,7 @@ def serve_traffic(args: argparse.Namespace, draft: Path, prompts: list[dict[str,
 
     from eagle3.target.chat import ChatFormat
     from serve_eval.config import SpecConfig
-    from serve_eval.evaluate import load_pair_meta
+    from serve_eval.eval_runs import load_pair_meta
     from serve_eval.server import Engine, build_app
     from serve_eval.spec_decode import SpeculativeDecoder
     from serve_eval.traffic import TrafficLog
