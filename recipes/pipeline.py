@@ -327,7 +327,7 @@ def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
             raise PipelineError(f"eval.sets: {err}") from None
         report = evaluate(target, draft, prompts, config=e.spec, params=e.sampling, max_new_tokens=e.max_new_tokens,
                           stop_ids=sorted(chat.stop_ids), seed=cfg.seed, compare=e.compare,
-                          workers=eval_workers(e.workers, str(target.device)),
+                          workers=eval_workers(e.workers, str(target.device), torch.get_num_threads()),
                           source=PairSource.of(draft_path, cfg.target.name_or_path, target))
         report.update(draft=draft_path, target=cfg.target.name_or_path, settings=settings)
         write_report(report, out, e.wandb_mode)

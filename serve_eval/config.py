@@ -87,7 +87,8 @@ class EvalConfig:
     :class:`~eagle3.config.SamplingConfig`'s, and are checked by them."""
 
     RUN_ONLY: ClassVar[tuple[str, ...]] = ("out_dir", "wandb_mode", "workers")
-    """The fields that do not change the evaluation's figures."""
+    """The fields that do not change the evaluation's tokens or the draft's figures (the lookup's move
+    with ``workers``, as they do with the machine's load: :func:`serve_eval.evaluate.evaluate`)."""
 
     draft: str | None = None
     """Draft folder (any format eagle3.export reads); in the pipeline None: the last mining round's
@@ -129,9 +130,10 @@ class EvalConfig:
     """Reasoning targets: render the eval prompts with the template's thinking switch ``on`` or ``off``
     (``template``: unset, whatever the template does unasked), to measure each mode."""
     workers: int = 1
-    """Processes serving the prompts side by side, one torch thread each, each prompt's plain and
-    speculative runs in the same one: the same tokens and tau in about 1 / workers of the time on a
-    CPU with that many cores (capped at the cores, or at the GPUs: one process per GPU)."""
+    """Processes serving the prompts side by side, each with the run's torch threads, each prompt's
+    plain and speculative runs in the same one: the same tokens and draft tau in about 1 / workers of
+    the time (capped at the cores over the threads, or at the GPUs: one process per GPU). Each loads
+    the target: workers times its memory."""
     out_dir: str = ""
     """Where report.json, report.md and the plots go."""
     wandb_mode: str = "offline"

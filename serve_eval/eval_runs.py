@@ -156,13 +156,16 @@ def serve(target: Any, decoders: dict[str, Any], items: Sequence[tuple[str, int,
         done(Served(name, i, base.stats, runs))
 
 
-def _worker(source: PairSource, config: SpecConfig, compare: Sequence[str], items: list[tuple[str, int, list[int]]],
-            params: SamplingConfig, max_new_tokens: int, stops: frozenset[int], seed: int, out: Any) -> None:
-    """A worker process: its own pair and cost model, its share of the prompts, each put on ``out``."""
-    torch.set_num_threads(1)
+def _worker(w: int, source: PairSource, threads: int, config: SpecConfig, compare: Sequence[str],
+            items: list[tuple[str, int, list[int]]], params: SamplingConfig, max_new_tokens: int,
+            stops: frozenset[int], seed: int, out: Any) -> None:
+    """Worker ``w``: its own pair and cost model, its share of the prompts, each put on ``out``."""
+    torch.set_num_threads(threads)
+    if source.device.startswith("cuda"):
+        torch.cuda.set_device(source.device)
     target, draft = load_pair(source.draft, source.target, source.dtype, source.device)
     decoders, _ = make_decoders(target, draft, config, compare)
-    serve(target, decoders, items, params, max_new_tokens, stops, seed, out.put)
+    serve(target, decoders, items, params, max_new_tokens, stops, seed, lambda one: out.put((w, one)))
 
 
 class EvalError(Eagle3Error, RuntimeError):
@@ -170,14 +173,14 @@ class EvalError(Eagle3Error, RuntimeError):
 
 
 class Workers:
-    """``n - 1`` processes beside this one, worker w serving ``items[w::n]`` (on CUDA, GPU w); what
-    they serve read back with :meth:`collect`."""
+    """``n - 1`` processes beside this one, worker w serving ``items[w::n]`` (on CUDA, GPU w) with
+    this process's torch threads; what they serve read back with :meth:`collect`."""
 
     def __init__(self, n: int, source: PairSource | None, args: tuple[Any, ...]) -> None:
         self.n, self.source, self.args = n, source, args
-        self.procs: list[Any] = []
+        self.procs: dict[int, Any] = {}
         self.queue: Any = None
-        self.waiting = 0  # prompts the workers have not sent back yet
+        self.owed: dict[int, int] = {}  # per worker: the prompts it has not sent back yet
 
     def start(self, items: list[tuple[str, int, list[int]]]) -> None:
         import multiprocessing
@@ -192,46 +195,55 @@ class Workers:
         for w in range(1, self.n):
             source = replace(self.source, device=f"cuda:{w}") if self.source.device.startswith("cuda") else self.source
             share = items[w::self.n]
-            proc = ctx.Process(target=_worker, daemon=True, args=(source, config, compare, share, params,
-                                                                   max_new_tokens, stops, seed, self.queue))
+            proc = ctx.Process(target=_worker, daemon=True,
+                               args=(w, source, torch.get_num_threads(), config, compare, share, params,
+                                     max_new_tokens, stops, seed, self.queue))
             proc.start()
-            self.procs.append(proc)
-            self.waiting += len(share)
+            self.procs[w], self.owed[w] = proc, len(share)
 
     def collect(self, block: bool) -> list[Served]:
-        """What the workers served since the last call; ``block``: until they have sent every prompt
-        (a worker that exits first fails the evaluation, naming its exit code)."""
+        """What the workers served since the last call; ``block``: until they have sent every prompt.
+        A worker that exits before sending all of its share fails the evaluation, naming its exit code."""
         import queue
 
         got: list[Served] = []
-        while self.waiting:
+        while any(self.owed.values()):
             try:
-                got.append(self.queue.get(timeout=0.5) if block else self.queue.get_nowait())
-                self.waiting -= 1
+                w, one = self.queue.get(timeout=0.5) if block else self.queue.get_nowait()
             except queue.Empty:
-                if not block:
+                gone = [w for w, proc in self.procs.items() if self.owed[w] and proc.exitcode is not None]
+                if not gone:
+                    if block:
+                        continue
                     break
-                failed = [p.exitcode for p in self.procs if p.exitcode not in (None, 0)]
-                if failed:
-                    raise EvalError(f"eval.workers: a worker exited with code {failed[0]} "
-                                    "(its message is above)") from None
+                try:  # what it put just before exiting may still be on its way
+                    w, one = self.queue.get(timeout=2.0)
+                except queue.Empty:
+                    w = gone[0]
+                    raise EvalError(f"eval.workers: worker {w} exited with code {self.procs[w].exitcode} before "
+                                    f"sending {self.owed[w]} of its prompts (its message is above)") from None
+            self.owed[w] -= 1
+            got.append(one)
         return got
 
     def stop(self) -> None:
-        for proc in self.procs:  # finished, or on an error here: the workers stop too
+        for proc in self.procs.values():  # finished, or on an error here: the workers stop too
             if proc.is_alive():
-                proc.join(timeout=5.0 if not self.waiting else 0.0)
+                proc.join(timeout=5.0 if not any(self.owed.values()) else 0.0)
             if proc.is_alive():
                 proc.terminate()
                 proc.join()
 
 
-def eval_workers(workers: int, device: str) -> int:
-    """The processes an evaluation on ``device`` (the loaded target's) runs: ``workers``, but no more
-    than the GPUs from this one on (two processes sharing a GPU would time each other's forwards) or
-    the CPU cores this process may use."""
+def eval_workers(workers: int, device: str, threads: int = 1) -> int:
+    """The processes an evaluation on ``device`` (the loaded target's) runs with ``threads`` torch
+    threads each: ``workers``, but no more than the GPUs from this one on (two processes sharing a GPU
+    would time each other's forwards), or than the CPU cores this process may use over ``threads``;
+    one on any other accelerator."""
     if device.startswith("cuda"):
         first = int(device.partition(":")[2] or 0)
         return max(1, min(workers, torch.cuda.device_count())) if first == 0 else 1
+    if not device.startswith("cpu"):
+        return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(workers, cores))
+    return max(1, min(workers, cores // max(threads, 1)))

@@ -150,10 +150,13 @@ def evaluate(target: Any, draft: Any, prompts: dict[str, list[list[int]]], *, co
     """Plain and speculative generation of every prompt, with ``config``'s proposer and each of
     ``compare`` (the same settings, another proposer) on the same prompts; the report's data.
 
-    ``workers`` > 1 serves the prompts from that many processes (this one and ``workers - 1`` that
-    load the pair from ``source``), one torch thread each, every prompt's plain and speculative runs
-    in the same process: the same tokens and tau as one process, in about 1 / ``workers`` of the time
-    on a CPU with that many cores; each process prices the lookup with its own cost model."""
+    ``workers`` > 1 serves the prompts from that many processes in turn (this one and ``workers - 1``
+    that load the pair from ``source``, with this process's torch threads), each prompt's plain and
+    speculative runs in the same process: the same tokens and draft tau as one process, in about
+    1 / ``workers`` of the time on a CPU with the cores for it. A lookup's policy learns from the
+    prompts its process serves and prices its branches with that process's timed verify, so the
+    lookup's and the hybrid's figures move with the split, as they move with the machine's load.
+    """
     from tqdm import tqdm
 
     if workers > 1 and source is None:
@@ -466,7 +469,8 @@ def _main(argv: Sequence[str] | None) -> int:
     prompts = {name: read_prompts(Path(args.pools), name, cfg.per_set, served) for name in cfg.sets}
     report = evaluate(target, draft, prompts, config=cfg.spec, params=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
                       stop_ids=sorted(chat.stop_ids), seed=args.seed, progress=not args.no_progress,
-                      compare=cfg.compare, workers=eval_workers(cfg.workers, str(target.device)),
+                      compare=cfg.compare,
+                      workers=eval_workers(cfg.workers, str(target.device), torch.get_num_threads()),
                       source=PairSource.of(cfg.draft, args.target, target))
     report["draft"], report["target"] = str(cfg.draft), args.target
     write_report(report, Path(cfg.out_dir), cfg.wandb_mode)

@@ -207,8 +207,24 @@ def test_workers_serve_the_same_tokens_as_one_process(tmp_path: Path, tiny_model
     for name in prompts:
         assert two["sets"][name]["tau"] == one["sets"][name]["tau"]
         assert two["sets"][name]["equal"] == one["sets"][name]["equal"] == len(prompts[name])
-    with pytest.raises(EvalError, match="eval.workers: a worker exited"):
+    with pytest.raises(EvalError, match="eval.workers: worker 1 exited with code 1 before sending 2 of its prompts"):
         evaluate(target, draft, prompts, workers=2, source=PairSource(str(tmp_path / "nowhere"), str(tiny_model_dir),
                                                                      "float32", "cpu"), **kwargs)
     with pytest.raises(ValueError, match="source"):
         evaluate(target, draft, prompts, workers=2, **kwargs)
+
+
+def test_eval_workers_fit_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process per core over the threads on a CPU, one per GPU from GPU 0, one elsewhere."""
+    import os
+
+    import torch
+
+    from serve_eval.eval_runs import eval_workers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert [eval_workers(n, "cpu") for n in (1, 2, 8)] == [1, 2, 4]
+    assert eval_workers(4, "cpu", threads=2) == 2 and eval_workers(4, "cpu", threads=8) == 1
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert eval_workers(4, "cuda") == eval_workers(4, "cuda:0") == 2
+    assert eval_workers(4, "cuda:1") == 1 and eval_workers(4, "mps") == 1
