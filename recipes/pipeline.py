@@ -379,6 +379,10 @@ def stage_report(cfg: PipelineConfig) -> dict[str, Any]:
             if (Path(ev["out_dir"]) / png).is_file():
                 rel = os.path.relpath(Path(ev["out_dir"]) / png, out)
                 lines.append(f"![{png}]({rel})")
+    times = {n: r["stage_seconds"] for n in cfg.stages if n != "report" and (r := result(n)) and "stage_seconds" in r}
+    if times:
+        lines += ["", "Stage times (s; a stage reused from an earlier run takes seconds): "
+                  + ", ".join(f"{n} {t:g}" for n, t in times.items()) + "."]
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
     from eagle3.dashboards import spec
 
@@ -473,7 +477,12 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
         log.info("stage %s", name)
         if at is not None and i == at + 1:
             cfg = on_quantized_target(cfg)  # every stage after quantize runs on the NVFP4 checkpoint
+        started = time.perf_counter()
         results[name] = STAGES[name](cfg)
+        results[name]["stage_seconds"] = round(time.perf_counter() - started, 1)  # a reused stage: seconds
         atomic_write_text(out / f"{name}.json", json.dumps(results[name], indent=2) + "\n")
         print(json.dumps({"stage": name, **results[name]}), flush=True)
+    times = {name: r["stage_seconds"] for name, r in results.items()}
+    print(json.dumps({"stage": "summary", "stage_seconds": times, "seconds": round(sum(times.values()), 1)}),
+          flush=True)
     return results

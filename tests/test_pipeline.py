@@ -59,7 +59,12 @@ def test_stages_rerun_retrain_and_a_changed_key(tmp_path: Path, capsys: pytest.C
     assert "decoder layers [1, 3, 6] of 8" in report
     assert json.loads((run / "report.json").read_text())["aux_layer_ids"] == [1, 3, 6]
     first_eval = (run / "eval" / "report.json").read_bytes()
-    capsys.readouterr()
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith('{"stage": ')]
+    summary = lines[-1]  # each stage's wall time, in its file, the report and the run's last line
+    assert summary["stage"] == "summary" and list(summary["stage_seconds"]) == cfg.stages
+    assert summary["stage_seconds"]["train"] == json.loads((run / "train.json").read_text())["stage_seconds"] > 0
+    assert summary["seconds"] == pytest.approx(sum(summary["stage_seconds"].values()), abs=0.2)
+    assert "Stage times (s;" in report and f"train {summary['stage_seconds']['train']:g}" in report
 
     run_pipeline(cfg)  # nothing changed: every stage reused
     out = capsys.readouterr().out
