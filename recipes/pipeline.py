@@ -300,7 +300,7 @@ def eval_draft(cfg: PipelineConfig) -> str:
 def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
     """The bundled speculative loop vs plain decoding on the eval sets: report.md, PNG plots, wandb."""
     from eagle3.target.chat import ChatFormat
-    from serve_eval.eval_runs import PairSource, eval_workers, load_pair
+    from serve_eval.eval_runs import PairSource, load_pair
     from serve_eval.evaluate import evaluate, read_prompts, write_report
 
     e = cfg.eval
@@ -326,8 +326,7 @@ def stage_eval(cfg: PipelineConfig) -> dict[str, Any]:
         except Eagle3Error as err:  # a missing, empty or malformed eval set, named
             raise PipelineError(f"eval.sets: {err}") from None
         report = evaluate(target, draft, prompts, config=e.spec, params=e.sampling, max_new_tokens=e.max_new_tokens,
-                          stop_ids=sorted(chat.stop_ids), seed=cfg.seed, compare=e.compare,
-                          workers=eval_workers(e.workers, str(target.device), torch.get_num_threads()),
+                          stop_ids=sorted(chat.stop_ids), seed=cfg.seed, compare=e.compare, workers=e.workers,
                           source=PairSource.of(draft_path, cfg.target.name_or_path, target))
         report.update(draft=draft_path, target=cfg.target.name_or_path, settings=settings)
         write_report(report, out, e.wandb_mode)

@@ -153,16 +153,17 @@ def evaluate(target: Any, draft: Any, prompts: dict[str, list[list[int]]], *, co
     ``workers`` > 1 serves the prompts from that many processes in turn (this one and ``workers - 1``
     that load the pair from ``source``, with this process's torch threads), each prompt's plain and
     speculative runs in the same process: the same tokens and draft tau as one process, in about
-    1 / ``workers`` of the time on a CPU with the cores for it. A lookup's policy learns from the
-    prompts its process serves and prices its branches with that process's timed verify, so the
-    lookup's and the hybrid's figures move with the split, as they move with the machine's load.
+    1 / ``workers`` of the time (capped by :func:`eval_workers` at the cores or GPUs). A lookup's
+    policy learns from the prompts its process serves and prices its branches with that process's
+    timed verify, so the lookup's and the hybrid's figures move with the split, as they move with
+    the machine's load.
     """
     from tqdm import tqdm
 
     if workers > 1 and source is None:
         raise ValueError("evaluate: workers > 1 needs the pair's source, to load it in each worker")
     items = [(name, i, prompt) for name, ps in prompts.items() for i, prompt in enumerate(ps)]
-    workers = max(1, min(workers, len(items)))
+    workers = max(1, min(eval_workers(workers, str(target.device), torch.get_num_threads()), len(items)))
     stops = frozenset(stop_ids)
     pool = Workers(workers, source, (config, tuple(compare), params, max_new_tokens, stops, seed))
     served: list[Served] = []
@@ -469,9 +470,7 @@ def _main(argv: Sequence[str] | None) -> int:
     prompts = {name: read_prompts(Path(args.pools), name, cfg.per_set, served) for name in cfg.sets}
     report = evaluate(target, draft, prompts, config=cfg.spec, params=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
                       stop_ids=sorted(chat.stop_ids), seed=args.seed, progress=not args.no_progress,
-                      compare=cfg.compare,
-                      workers=eval_workers(cfg.workers, str(target.device), torch.get_num_threads()),
-                      source=PairSource.of(cfg.draft, args.target, target))
+                      compare=cfg.compare, workers=cfg.workers, source=PairSource.of(cfg.draft, args.target, target))
     report["draft"], report["target"] = str(cfg.draft), args.target
     write_report(report, Path(cfg.out_dir), cfg.wandb_mode)
     print(json.dumps({"stage": "serve_eval", "out": cfg.out_dir, "overall": report["overall"],
