@@ -4,12 +4,13 @@ compose YAML over these dataclasses; the entry point converts once, and nothing 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from data_gen.config import HarvestConfig, PoolsConfig, QuantizeConfig, RegenerateConfig, SelectConfig
 from eagle3.config import TargetConfig
+from eagle3.draft.families import get_family
 from eagle3.errors import ConfigError
-from eagle3.train.config import run_config, train_settings
+from eagle3.train.config import draft_spec, run_config, train_settings
 from hard_mining.config import MineConfig
 from serve_eval.config import EvalConfig
 
@@ -97,6 +98,11 @@ class PipelineConfig:
     """Stages to run, in order."""
     threads: int = 1
     """torch intra-op threads on CPU; 1 was fastest on a loaded 2-core machine."""
+    local_ranks: int = 1
+    """With ``launcher.kind=none``: training's ranks on this machine, each micro-batch's rows split
+    over them (``train.context_parallel``; the same steps within round-off, in less time), where
+    the draft family splits rows and the data is offline, and ``train.context_parallel`` is left at 1;
+    capped by the machine's cores over ``train.threads`` or its GPUs (eagle3/train/local_ranks.py)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -115,3 +121,9 @@ class PipelineConfig:
                               f"producers fill, harvest.out_dir={self.harvest.out_dir!r}")
         if self.threads < 1:
             raise ConfigError(f"threads={self.threads}: must be >= 1")
+        if self.local_ranks < 1:
+            raise ConfigError(f"local_ranks={self.local_ranks}: must be >= 1")
+        if (self.local_ranks > 1 and self.launcher.kind == "none" and self.train.context_parallel == 1
+                and self.train.data.mode == "offline"
+                and get_family(draft_spec(self.train.draft).family, "train.draft.family").splits_rows):
+            self.train = replace(self.train, context_parallel=self.local_ranks)

@@ -89,6 +89,7 @@ from eagle3.train.checkpoint import (
 )
 from eagle3.train.config import MOVED, TrainConfig, train_config, train_settings
 from eagle3.train.data import TrainData, open_data
+from eagle3.train.local_ranks import local_ranks, train_on_local_ranks
 from eagle3.train.log import NullSink, PhaseClock, RunSink
 from eagle3.train.optim import build_engine, resolve_precision, unclip_muon_updates_under_zero
 from eagle3.train.start import DraftStart, start_draft
@@ -347,10 +348,15 @@ class _Loop:
 
 
 def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: Target | None = None) -> dict[str, Any]:
-    """Train (or resume) a draft head; returns a summary. Every rank calls this."""
+    """Train (or resume) a draft head; returns a summary. Every rank calls this. Called as one
+    process with ``train.context_parallel`` > 1, it starts the ranks on this machine
+    (:mod:`eagle3.train.local_ranks`; ``target`` is then loaded by each of them)."""
     target_cfg = target_cfg or TargetConfig()
     if not cfg.data.store or not cfg.out_dir:
         raise TrainError("train.data.store and train.out_dir must be set")
+    ranks, cfg = local_ranks(cfg)
+    if ranks > 1:
+        return train_on_local_ranks(train, cfg, target_cfg, ranks)
     started = time.perf_counter()
     rt = init_runtime(cfg.device, cfg.collective_timeout_s)  # train.device=cuda without CUDA: a ConfigError, named
     with peers_named(rt):  # a collective that lost a rank (its node died): named, not a bare gloo/nccl trace
