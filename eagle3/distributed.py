@@ -19,6 +19,24 @@ from torch import Tensor
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.home import eagle3_home
 
+OWN_GROUP = "EAGLE3_OWN_GROUP"
+"""Set in the environment when :func:`init_runtime` made a group of one itself: the rendezvous
+variables it left behind are its own, not a launcher's (:func:`launched`)."""
+
+
+def launched() -> bool:
+    """Whether a launcher (torchrun, the ``deepspeed`` launcher, a submitit job) started this
+    process as a rank, of any world size; not when the only rendezvous variables are those a
+    group of one made here left behind."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return True
+    if os.environ.get(OWN_GROUP) == "1":
+        return False
+    return "RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+
 
 @dataclass(frozen=True)
 class Runtime:
@@ -128,9 +146,9 @@ def init_runtime(device: str = "auto", timeout_s: float = 600.0) -> Runtime:
         local = int(os.environ.get("LOCAL_RANK", "0"))
     else:
         alone = "RANK" not in os.environ
-        if alone:  # no launcher: a group of one
+        if alone:  # no launcher: a group of one (marked as this process's own, not a launcher's)
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(free_port()))
+                              MASTER_PORT=str(free_port()), **{OWN_GROUP: "1"})
         rank, world, local = (int(os.environ.get(k, "0")) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     if use_cuda:
         index = int(device.split(":")[1]) if ":" in device else local
@@ -215,5 +233,5 @@ def shutdown() -> None:
         torch.distributed.destroy_process_group()
 
 
-__all__ = ["ContextGroup", "PeerLost", "Runtime", "all_reduce_sum", "any_rank", "barrier", "context_group",
-           "free_port", "init_runtime", "lost_peer", "peers_named", "per_rank", "shutdown"]
+__all__ = ["OWN_GROUP", "ContextGroup", "PeerLost", "Runtime", "all_reduce_sum", "any_rank", "barrier", "context_group",
+           "free_port", "init_runtime", "launched", "lost_peer", "peers_named", "per_rank", "shutdown"]

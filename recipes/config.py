@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from data_gen.config import HarvestConfig, PoolsConfig, QuantizeConfig, RegenerateConfig, SelectConfig
 from eagle3.config import TargetConfig
 from eagle3.draft.families import get_family
@@ -99,10 +101,11 @@ class PipelineConfig:
     threads: int = 1
     """torch intra-op threads on CPU; 1 was fastest on a loaded 2-core machine."""
     local_ranks: int = 1
-    """With ``launcher.kind=none``: training's ranks on this machine, each micro-batch's rows split
-    over them (``train.context_parallel``; the same steps within round-off, in less time), where
-    the draft family splits rows and the data is offline, and ``train.context_parallel`` is left at 1;
-    capped by the machine's cores over ``train.threads`` or its GPUs (eagle3/train/local_ranks.py)."""
+    """Training on the CPU with ``launcher.kind=none``: its ranks on this machine, each micro-batch's
+    rows split over them (``train.context_parallel``; the same steps within round-off, in less time),
+    where the draft family splits rows, the data is offline and ``train.context_parallel`` is left at
+    1; capped by the cores over ``train.threads`` (eagle3/train/local_ranks.py). GPUs get their ranks
+    from a launcher."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -123,7 +126,8 @@ class PipelineConfig:
             raise ConfigError(f"threads={self.threads}: must be >= 1")
         if self.local_ranks < 1:
             raise ConfigError(f"local_ranks={self.local_ranks}: must be >= 1")
-        if (self.local_ranks > 1 and self.launcher.kind == "none" and self.train.context_parallel == 1
+        on_cpu = self.train.device == "cpu" or (self.train.device == "auto" and not torch.cuda.is_available())
+        if (self.local_ranks > 1 and on_cpu and self.launcher.kind == "none" and self.train.context_parallel == 1
                 and self.train.data.mode == "offline"
                 and get_family(draft_spec(self.train.draft).family, "train.draft.family").splits_rows):
             self.train = replace(self.train, context_parallel=self.local_ranks)

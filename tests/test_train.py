@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -1036,9 +1037,11 @@ def test_a_row_split_over_two_ranks_trains_the_one_rank_draft(tiny: dict, tmp_pa
 def test_one_process_asked_to_split_rows_starts_the_ranks_here(tiny: dict, tmp_path: Path) -> None:
     """train.context_parallel=2 called as one process (no launcher): two ranks spawned on this machine
     train the one-process run's steps (the same tokens, losses within round-off), rank 0's summary
-    returned; a rank's user error comes back as itself, in one line, and no rank is left behind."""
-    import multiprocessing
+    returned; a rank's user error comes back as itself, in one line."""
+    from eagle3.train.local_ranks import ranks_that_fit
 
+    if ranks_that_fit(_cfg(tiny, tmp_path / "probe", threads=1))[0] < 2:
+        pytest.skip("one core: the split runs in this process")
     target = TargetConfig(name_or_path=str(tiny["model"]))
     settings = dict(steps=3, eval_every=0, save_every=0, threads=1)
     one = train(_cfg(tiny, tmp_path / "one", **settings), target=tiny["target"])
@@ -1046,10 +1049,41 @@ def test_one_process_asked_to_split_rows_starts_the_ranks_here(tiny: dict, tmp_p
     assert two["world_size"] == 2 and two["context_parallel"] == 2 and two["tokens"] == one["tokens"]
     assert abs(two["first_loss"] - one["first_loss"]) <= 1e-5 * abs(one["first_loss"])
     assert (tmp_path / "two" / "final" / "model.safetensors").is_file()
-    missing = tmp_path / "no-store"
-    with pytest.raises(Eagle3Error, match=str(missing)):
-        train(_cfg(tiny, tmp_path / "bad", context_parallel=2, **{"data.store": str(missing), **settings}), target)
-    assert multiprocessing.active_children() == []
+    missing = {"data.store": str(tmp_path / "no-store"), **settings}
+    with pytest.raises(Eagle3Error, match=re.escape(str(tmp_path / "no-store"))) as alone:
+        train(_cfg(tiny, tmp_path / "bad", **missing), target)
+    with pytest.raises(Eagle3Error) as split:
+        train(_cfg(tiny, tmp_path / "bad", context_parallel=2, **missing), target)
+    assert (type(split.value), str(split.value)) == (type(alone.value), str(alone.value))  # a rank's own, as is
+    with pytest.raises(TrainError, match="pass its TargetConfig"):
+        train(_cfg(tiny, tmp_path / "three", context_parallel=2, **settings), target=tiny["target"])
+
+
+def test_a_resumed_run_keeps_the_split_it_was_made_with(tiny: dict, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A run saved by one process, resumed with train.context_parallel=2 and no launcher, continues
+    in one process (its checkpoint's split) and says so, rather than failing on the pinned setting."""
+    train(_cfg(tiny, tmp_path / "run", steps=3, eval_every=0, save_every=3), target=tiny["target"])
+    more = train(_cfg(tiny, tmp_path / "run", steps=5, eval_every=0, save_every=0, context_parallel=2),
+                 target=tiny["target"])
+    assert more["resumed_from_step"] == 3 and more["context_parallel"] == 1 and more["world_size"] == 1
+    assert "resumes a run made with 1; continuing with 1" in capsys.readouterr().err
+
+
+def test_a_context_parallel_size_that_does_not_fit_a_launched_world_is_named(
+        tiny: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a launcher (its rendezvous variables, not this process's own group) no ranks are started here:
+    a split that does not divide its world is named."""
+    from eagle3.distributed import OWN_GROUP
+
+    monkeypatch.delenv(OWN_GROUP, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(ConfigError, match="train.context_parallel=2 does not divide the world size"):
+        train(_cfg(tiny, tmp_path / "odd", context_parallel=2), target=tiny["target"])
 
 
 def test_a_context_parallel_size_that_does_not_fit_is_named(tiny: dict, tmp_path: Path) -> None:

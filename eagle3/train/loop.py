@@ -351,12 +351,15 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, *, target: T
     """Train (or resume) a draft head; returns a summary. Every rank calls this. Called as one
     process with ``train.context_parallel`` > 1, it starts the ranks on this machine
     (:mod:`eagle3.train.local_ranks`; ``target`` is then loaded by each of them)."""
-    target_cfg = target_cfg or TargetConfig()
     if not cfg.data.store or not cfg.out_dir:
         raise TrainError("train.data.store and train.out_dir must be set")
     ranks, cfg = local_ranks(cfg)
     if ranks > 1:
-        return train_on_local_ranks(train, cfg, target_cfg, ranks)
+        if target is not None and target_cfg is None:
+            raise TrainError(f"train.context_parallel={cfg.context_parallel}: the local ranks load the target "
+                             "themselves; pass its TargetConfig, not only the loaded model")
+        return train_on_local_ranks(train, cfg, target_cfg or TargetConfig(), ranks)
+    target_cfg = target_cfg or TargetConfig()
     started = time.perf_counter()
     rt = init_runtime(cfg.device, cfg.collective_timeout_s)  # train.device=cuda without CUDA: a ConfigError, named
     with peers_named(rt):  # a collective that lost a rank (its node died): named, not a bare gloo/nccl trace
