@@ -32,6 +32,11 @@ def resolve_device(device: str) -> torch.device:
             raise ConfigError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
     return resolved
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the OS tells it, else the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 CUDNN_SDPA_ENV = "EAGLE3_CUDNN_SDPA"
 _cudnn_sdpa = os.environ.get(CUDNN_SDPA_ENV) == "1"  # read once: compiled forwards guard on the flag, not the env
 

@@ -5,7 +5,6 @@ target's precision (a near-tie, or a loss), in this process or in several side b
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 
 from eagle3.config import SamplingConfig
+from eagle3.device import usable_cores
 from eagle3.errors import Eagle3Error
 from eagle3.target.positions import context_length
 from eagle3.target.reasoning import DEFAULT_MARKERS
@@ -245,5 +245,5 @@ def eval_workers(workers: int, device: str, threads: int = 1) -> int:
         return max(1, min(workers, torch.cuda.device_count())) if first == 0 else 1
     if not device.startswith("cpu"):
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     return max(1, min(workers, cores // max(threads, 1)))

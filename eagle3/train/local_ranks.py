@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from eagle3.device import usable_cores
 from eagle3.distributed import OWN_GROUP, PeerLost, free_port, launched
 from eagle3.errors import TrainError, is_user_error
 from eagle3.train.checkpoint import latest_tag, read_trainer_state
@@ -46,7 +47,7 @@ def ranks_that_fit(cfg: TrainConfig) -> tuple[int, str]:
         return max(1, torch.cuda.device_count()), "its GPUs"
     if device != "cpu":
         return 1, f"train.device={cfg.device} names one device"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     return max(1, cores // max(cfg.threads, 1)), f"{cores} cores over train.threads={cfg.threads}"
 
 
