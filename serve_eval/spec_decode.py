@@ -83,7 +83,9 @@ class DecodeStats:
 
     new_tokens: int = 0
     target_forwards: int = 0  # verify (or plain decode) forwards, prefill excluded
-    accepted: list[int] = field(default_factory=list)  # draft tokens accepted per round
+    accepted: list[int] = field(default_factory=list)
+    """Per round: proposed tokens accepted and kept (none past a stop token or the token limit, which
+    the reply drops: with the round's last token, its tokens in the reply)."""
     proposed: int = 0  # the deepest proposal of any round (K), for acceptance per position
     depths: list[int] = field(default_factory=list)  # depth proposed per round (K, or the adaptive choice)
     contexts: list[int] = field(default_factory=list)  # per round: tokens before its first drafted token
@@ -317,7 +319,10 @@ class SpeculativeDecoder:
                 out, acc = self._verify(emitted[-1], tree, proposal.qs, n, cache, params, g, stats)  # verify, accept
                 path = acc.path if acc.path is not None else list(range(acc.accepted))
                 depth = max(tree_depths(tree.parents), default=0)
-                stats.accepted.append(acc.accepted)
+                # the tokens this forward gives the reply: accepted ones past a stop token or the token
+                # limit are dropped below, so they are not counted (the bonus's place goes to the last kept)
+                counted = len(_until_stop(acc.tokens[:max_new_tokens - len(emitted)], stop_ids)) - 1
+                stats.accepted.append(min(acc.accepted, counted))
                 stats.contexts.append(n + 1)  # the prompt and every emitted token, the newest not yet cached
                 stats.depths.append(depth)
                 branch = sum(1 for s in tree.sources if s & LOOKUP)
@@ -329,7 +334,7 @@ class SpeculativeDecoder:
                 stats.first.append((proposal.first_p,
                                     acc.tokens[0] == proposal.tokens[0] if proposal.tokens else None,
                                     acc.tokens[0] == found.tokens[0] if found is not None else None))
-                by = [tree.sources[i] for i in path]
+                by = [tree.sources[i] for i in path[:counted]]
                 stats.sources.append((by.count(DRAFT), by.count(LOOKUP), by.count(DRAFT | LOOKUP)))
                 if policy is not None:
                     policy.observe(depth, acc.accepted)

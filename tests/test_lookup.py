@@ -195,6 +195,30 @@ def test_a_right_draft_and_a_right_lookup_are_counted_as_both() -> None:
     assert by["both"] > 0 and by["lookup_rounds"] > 0
 
 
+@pytest.mark.parametrize("proposer", ["lookup", "hybrid"])
+def test_tokens_past_the_end_of_a_reply_are_not_counted_as_accepted(proposer: str) -> None:
+    """A copied reply that ends inside a round (at the token limit or a stop token) counts only the
+    tokens it keeps: every round gives ``accepted + 1`` tokens, the prefill one more."""
+    target = make_target()
+    ref = plain(target, PROMPTS[0], 40)
+    prompt = PROMPTS[0] + ref[:30]  # the lookup copies long continuations from here
+    decoder = SpeculativeDecoder(target, make_draft(target) if proposer == "hybrid" else None,
+                                 SpecConfig("chain", k=3, proposer=proposer))
+    cut_short = 0
+    for limit, stops in [*((n, frozenset()) for n in range(3, 25, 3)), (24, frozenset({plain(target, prompt, 9)[-1]}))]:
+        got = decoder.generate(prompt, limit, stops)
+        assert got.tokens == _until(plain(target, prompt, limit), stops)
+        stats = got.stats
+        assert len(got.tokens) == 1 + sum(a + 1 for a in stats.accepted)
+        assert [sum(r) for r in stats.sources] == stats.accepted
+        cut_short += sum(1 for n, a in zip(stats.lookup, stats.accepted, strict=True) if n > a + 1)
+    assert cut_short > 0  # some rounds proposed more than the reply had room for
+
+
+def _until(tokens: list[int], stops: frozenset[int]) -> list[int]:
+    return next((tokens[:i + 1] for i, t in enumerate(tokens) if t in stops), tokens)
+
+
 @pytest.mark.parametrize("config", [  # slow: 30 s each here; CI runs them beside the quickstart
     pytest.param(SpecConfig("chain", k=2, proposer="hybrid", lookup_k=3, lookup_scale=1), marks=pytest.mark.slow),
     pytest.param(SpecConfig("chain", k=2, proposer="lookup", lookup_k=3), marks=pytest.mark.slow),
