@@ -157,7 +157,8 @@ class AdaptiveDepth:
         self.chosen.append(k)
         return k
 
-    def observe(self, depth: int, accepted: int) -> None:
+    def observe(self, depth: int, accepted: int, kept_depth: int | None = None, kept: int | None = None) -> None:
+        """Learns from what the target accepted, whether or not the reply kept it all."""
         if depth > 0:
             self.counts.add(depth, accepted)
 

@@ -131,10 +131,11 @@ class _LiveDepth:
     def choose(self) -> int:
         return self.adaptive.choose() if self.adaptive is not None else self.k
 
-    def observe(self, depth: int, accepted: int) -> None:
+    def observe(self, depth: int, accepted: int, kept_depth: int | None = None, kept: int | None = None) -> None:
         if self.adaptive is not None:
-            self.adaptive.observe(depth, accepted)
-        self.metrics.observe_round(depth, accepted)
+            self.adaptive.observe(depth, accepted)  # learns from the target's acceptance
+        self.metrics.observe_round(depth if kept_depth is None else kept_depth,  # reports what the reply kept
+                                   accepted if kept is None else kept)
 
 
 class Engine:

@@ -74,7 +74,10 @@ class DepthPolicy(Protocol):
 
     def choose(self) -> int: ...
 
-    def observe(self, depth: int, accepted: int) -> None: ...
+    def observe(self, depth: int, accepted: int, kept_depth: int | None = None, kept: int | None = None) -> None:
+        """A round proposed ``depth`` tokens deep and the target accepted ``accepted`` of them; of those
+        the reply keeps ``kept`` (fewer where it ended inside the round), reported as a round
+        ``kept_depth`` deep (None: as proposed and accepted)."""
 
 
 @dataclass
@@ -85,7 +88,8 @@ class DecodeStats:
     target_forwards: int = 0  # verify (or plain decode) forwards, prefill excluded
     accepted: list[int] = field(default_factory=list)
     """Per round: proposed tokens accepted and kept (none past a stop token or the token limit, which
-    the reply drops: with the round's last token, its tokens in the reply)."""
+    the reply drops: with the round's last token, its tokens in the reply; a round cut short that way is
+    recorded in ``depths`` as proposing only what it kept)."""
     proposed: int = 0  # the deepest proposal of any round (K), for acceptance per position
     depths: list[int] = field(default_factory=list)  # depth proposed per round (K, or the adaptive choice)
     contexts: list[int] = field(default_factory=list)  # per round: tokens before its first drafted token
@@ -322,9 +326,10 @@ class SpeculativeDecoder:
                 # the tokens this forward gives the reply: accepted ones past a stop token or the token
                 # limit are dropped below, so they are not counted (the bonus's place goes to the last kept)
                 counted = len(_until_stop(acc.tokens[:max_new_tokens - len(emitted)], stop_ids)) - 1
-                stats.accepted.append(min(acc.accepted, counted))
+                cut = counted < acc.accepted  # then the round is reported as one that proposed what was kept
+                stats.accepted.append(counted if cut else acc.accepted)
                 stats.contexts.append(n + 1)  # the prompt and every emitted token, the newest not yet cached
-                stats.depths.append(depth)
+                stats.depths.append(counted if cut else depth)
                 branch = sum(1 for s in tree.sources if s & LOOKUP)
                 stats.lookup.append(branch)
                 stats.lookup_match.append(found.match if found is not None else 0)
@@ -337,7 +342,7 @@ class SpeculativeDecoder:
                 by = [tree.sources[i] for i in path[:counted]]
                 stats.sources.append((by.count(DRAFT), by.count(LOOKUP), by.count(DRAFT | LOOKUP)))
                 if policy is not None:
-                    policy.observe(depth, acc.accepted)
+                    policy.observe(depth, acc.accepted, stats.depths[-1], stats.accepted[-1])
                 if tape is not None:
                     kept = [0, *(1 + p for p in path)]
                     tape.add(out.aux[:, kept], out.last[:, kept])

@@ -196,23 +196,38 @@ def test_a_right_draft_and_a_right_lookup_are_counted_as_both() -> None:
 
 
 @pytest.mark.parametrize("proposer", ["lookup", "hybrid"])
-def test_tokens_past_the_end_of_a_reply_are_not_counted_as_accepted(proposer: str) -> None:
-    """A copied reply that ends inside a round (at the token limit or a stop token) counts only the
-    tokens it keeps: every round gives ``accepted + 1`` tokens, the prefill one more."""
+def test_tokens_past_a_stop_token_are_not_counted_as_accepted(proposer: str) -> None:
+    """A copied reply that ends inside a round at a stop token counts only the tokens it keeps: every
+    round gives ``accepted + 1`` tokens, the prefill one more."""
     target = make_target()
     ref = plain(target, PROMPTS[0], 40)
     prompt = PROMPTS[0] + ref[:30]  # the lookup copies long continuations from here
     decoder = SpeculativeDecoder(target, make_draft(target) if proposer == "hybrid" else None,
                                  SpecConfig("chain", k=3, proposer=proposer))
-    cut_short = 0
     for limit, stops in [*((n, frozenset()) for n in range(3, 25, 3)), (24, frozenset({plain(target, prompt, 9)[-1]}))]:
         got = decoder.generate(prompt, limit, stops)
         assert got.tokens == _until(plain(target, prompt, limit), stops)
         stats = got.stats
         assert len(got.tokens) == 1 + sum(a + 1 for a in stats.accepted)
         assert [sum(r) for r in stats.sources] == stats.accepted
-        cut_short += sum(1 for n, a in zip(stats.lookup, stats.accepted, strict=True) if n > a + 1)
-    assert cut_short > 0  # some rounds proposed more than the reply had room for
+
+
+@pytest.mark.parametrize("config", [SpecConfig("chain", k=3), SpecConfig("tree", k=3, topk=2, budget=8),
+                                    SpecConfig("chain", k=3, proposer="hybrid")])
+def test_a_round_cut_short_by_the_token_limit_counts_what_the_reply_kept(config: SpecConfig) -> None:
+    """A draft that is always right proposes past the token limit in the last round: the target accepts
+    all of it, the reply keeps what fits, and the round is counted as proposing and accepting that."""
+    target = make_target()
+    decoder = OracleDecoder(target, make_draft(target), config)
+    for limit in (7, 10, 12):  # the last round has room for fewer than k + 1 tokens
+        got = decoder.generate(PROMPTS[1], limit)
+        assert got.tokens == plain(target, PROMPTS[1], limit)
+        stats = got.stats
+        assert len(got.tokens) == 1 + sum(a + 1 for a in stats.accepted)
+        assert [sum(r) for r in stats.sources] == stats.accepted
+        assert all(a <= d for a, d in zip(stats.accepted, stats.depths, strict=True))
+        assert stats.accepted[-1] == stats.depths[-1] < 3  # cut short, and every kept token accepted
+        assert stats.acceptance_per_position()[0] == 1.0  # no rejection made up for the tokens dropped
 
 
 def _until(tokens: list[int], stops: frozenset[int]) -> list[int]:

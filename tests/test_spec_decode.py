@@ -67,14 +67,15 @@ class ScriptedDepth:
     """A depth policy that cycles through fixed depths (0 included) and records what it saw."""
 
     def __init__(self, depths: list[int]) -> None:
-        self.depths, self.i, self.seen = depths, 0, []
+        self.depths, self.i, self.seen, self.kept = depths, 0, [], []
 
     def choose(self) -> int:
         self.i += 1
         return self.depths[(self.i - 1) % len(self.depths)]
 
-    def observe(self, depth: int, accepted: int) -> None:
+    def observe(self, depth: int, accepted: int, kept_depth: int | None = None, kept: int | None = None) -> None:
         self.seen.append((depth, accepted))
+        self.kept.append((depth if kept_depth is None else kept_depth, accepted if kept is None else kept))
 
 
 @pytest.mark.parametrize("wrong", [0, 3])
@@ -86,9 +87,10 @@ def test_a_depth_policy_varies_the_chain_and_greedy_output_is_unchanged(wrong: i
         policy = ScriptedDepth([0, 2, 4, 1, 0, 0, 3])
         got = decoder.generate(prompt, 30, policy=policy)
         assert got.tokens == ref
-        assert [d for d, _ in policy.seen] == got.stats.depths
-        assert [a for _, a in policy.seen] == got.stats.accepted
-        assert all(a <= d for d, a in policy.seen)
+        assert policy.kept == list(zip(got.stats.depths, got.stats.accepted, strict=True))  # what the reply kept
+        assert policy.seen[:-1] == policy.kept[:-1]  # only the last round can run past the token limit
+        assert len(got.tokens) == 1 + sum(a + 1 for _, a in policy.kept)
+        assert all(a <= d for d, a in policy.seen + policy.kept)
         if wrong == 0:  # the oracle is always right: every round accepts all it proposed (but the last)
             assert all(a == d for d, a in policy.seen[:-1])
         # acceptance at depth i counts only rounds that proposed depth i
