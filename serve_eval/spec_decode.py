@@ -324,8 +324,9 @@ class SpeculativeDecoder:
                 path = acc.path if acc.path is not None else list(range(acc.accepted))
                 depth = max(tree_depths(tree.parents), default=0)
                 # the tokens this forward gives the reply: accepted ones past a stop token or the token
-                # limit are dropped below, so they are not counted (the bonus's place goes to the last kept)
-                counted = len(_until_stop(acc.tokens[:max_new_tokens - len(emitted)], stop_ids)) - 1
+                # limit are dropped, so they are not counted (the bonus's place goes to the last kept)
+                kept_tokens = _until_stop(acc.tokens[:max_new_tokens - len(emitted)], stop_ids)
+                counted = len(kept_tokens) - 1
                 cut = counted < acc.accepted  # then the round is reported as one that proposed what was kept
                 stats.accepted.append(counted if cut else acc.accepted)
                 stats.contexts.append(n + 1)  # the prompt and every emitted token, the newest not yet cached
@@ -351,8 +352,7 @@ class SpeculativeDecoder:
                     proposer.rollback(n - sum(len(ts) for _, ts in pending))
                     pending.append((out.aux[:, [0, *(1 + p for p in path)]], acc.tokens))  # x and the accepted nodes
                 n += len(acc.tokens)  # x and the accepted nodes are cached now; the last new token is not
-                new = acc.tokens
-            new = _until_stop(new[:max_new_tokens - len(emitted)], stop_ids)
+                new = kept_tokens  # a plain step's one token needs no cut: the loop runs while there is room
             emitted += new
             if lookup is not None:
                 lookup.extend(new)
